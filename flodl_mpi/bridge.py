@@ -1,0 +1,400 @@
+"""The bridge: the one thread per rank that runs averaging rounds (SPEC §2).
+
+Responsibilities: it is the only MPI caller while training runs, on its own
+duplicated communicator; it owns the staging the training thread snapshots
+into and adopts from; it runs the control gather, the all-idle skip, the params
+and buffers reduces, the divergence triple and the version; on rank 0 it turns
+the gathered values into ``metrics.h5`` records. Escape hatch: any error inside
+a round is handed to the training thread as data (never printed and lost), and
+the watchdog is told to end the process if the rank does not abort by itself.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from flodl_mpi.divergence import TrendGuard, triple_from_sums
+from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
+from flodl_mpi.realized_work import gamma_mass, mover_mass
+from flodl_mpi.reduce import MAX_COUNT, Scratch, control_gather, sumcount_reduce
+from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary, aggregate_epoch
+from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares
+
+__all__ = ["RoundUpdate", "Bridge"]
+
+# The ack of a rank's last round rides its next control gather (SPEC §2 step 9).
+_ACK = ("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "bytes")
+_ROUND_HEAD = ("steps", "window", "stop")
+
+
+@dataclass
+class RoundUpdate:
+    """What the training thread adopts after a round (SPEC §2 step 8).
+
+    Attributes:
+        version: rounds completed so far, skipped ones included.
+        adopted: True when the staging holds a new consensus to copy into the
+            model; False when the round was skipped (no rank moved) or realized
+            no mass, and every rank keeps its own tensors.
+        steps_at_snapshot: the ``n_r`` this rank sent; subtract it (do not zero).
+        stop: some rank asked to stop; every rank stops after this round.
+        divergence, post_norm, pre_norm: this rank's triple (SPEC §3).
+    """
+
+    version: int
+    adopted: bool
+    steps_at_snapshot: int
+    stop: bool
+    divergence: float
+    post_norm: float
+    pre_norm: float
+
+
+@dataclass
+class _Failure:
+    round: int
+    stage: str
+    error: BaseException
+
+
+class _Close:
+    pass
+
+
+class Bridge:
+    """Runs averaging rounds for one rank, in a background thread.
+
+    Args:
+        comm: a communicator for the bridge alone (``comm_world.Dup()``); the
+            bridge frees it on :meth:`close`.
+        param_shapes: shapes of ``named_parameters()`` in order.
+        buffer_shapes: shapes of the *floating* buffers of ``named_buffers()``
+            in order (integer buffers keep their local values and never travel).
+        gamma: the params mass exponent (SPEC §1).
+        chunk_elems: elements per Allreduce piece, in ``[1, 2**31 - 1]``.
+        writer: rank 0's metrics writer (``append(table, rows)``), else None.
+        anchor: the window length recorded in the round metrics.
+        threaded: False runs each round inline on the caller's thread (MPI
+            without THREAD_SERIALIZED support).
+        watchdog: object with ``round_started()``, ``round_finished()`` and
+            ``failed()``; None for none.
+        fault: test hook ``fault(round, stage)`` called at each stage; may raise.
+
+    Failure semantics: a failed round leaves the staging undefined; the
+    training thread's :meth:`round` or :meth:`epoch_end` raises (a
+    :class:`CohortError` as is, anything else as :class:`RoundError` naming the
+    stage); the bridge thread ends. Nothing already written to disk is touched.
+
+    Example::
+
+        bridge = Bridge(comm.Dup(), shapes, buf_shapes, gamma=1.0)
+        bridge.start()
+        for window in windows:
+            ...                      # train this rank's batches, n += 1 per step
+            for dst, p in zip(bridge.param_tensors, model.parameters()):
+                dst.copy_(p.detach())
+            update = bridge.round(steps=n, window=k, stop=False)
+            if update.adopted: ...   # copy bridge.param_tensors back into the model
+            n -= update.steps_at_snapshot
+        bridge.close()
+    """
+
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        param_shapes: Sequence[Sequence[int]],
+        buffer_shapes: Sequence[Sequence[int]] = (),
+        *,
+        gamma: float = 1.0,
+        chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+        writer=None,
+        anchor: int = 1,
+        threaded: bool = True,
+        watchdog=None,
+        fault: Callable[[int, str], None] | None = None,
+    ) -> None:
+        if not math.isfinite(gamma):
+            raise ValueError(f"gamma must be finite, got {gamma!r}")
+        if not 1 <= int(chunk_elems) <= MAX_COUNT:
+            raise ValueError(f"chunk_elems must be in [1, {MAX_COUNT}], got {chunk_elems!r}")
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.size
+        self.gamma = float(gamma)
+        self.anchor = int(anchor)
+        # Plan once (STYLE 21): layouts, staging, frames and scratch persist.
+        self._p = _Plane(WireLayout(param_shapes, chunk_elems))
+        self._b = _Plane(WireLayout(buffer_shapes, chunk_elems))
+        #: torch views of the params staging, in ``param_shapes`` order.
+        self.param_tensors = self._p.tensors
+        #: torch views of the floating-buffer staging, in ``buffer_shapes`` order.
+        self.buffer_tensors = self._b.tensors
+        self._writer = writer if self.rank == 0 else None
+        self._watchdog = watchdog
+        self._fault = fault
+        self._threaded = threaded
+        self.version = 0
+        self.guard = TrendGuard()
+        self._stage = "idle"
+        self._ack = np.full(len(_ACK), np.nan)
+        self._pending: dict | None = None  # rank 0: the round record awaiting acks
+        self._t0 = time.monotonic()
+        self._failed: _Failure | None = None
+        self._requests: queue.Queue = queue.Queue()
+        self._replies: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve_forever, name="flodl-bridge", daemon=True)
+
+    # ---- training-thread side -------------------------------------------------
+
+    def start(self) -> None:
+        """Start the bridge thread (a no-op when not threaded)."""
+        if self._threaded:
+            self._thread.start()
+
+    def broadcast(self, root: int = 0) -> None:
+        """Overwrite every rank's staging with ``root``'s (call before :meth:`start`).
+
+        Collective, on the main thread during setup: replicas start from the
+        same parameters and buffers, whatever each rank's initializer did.
+        """
+        if self._thread.is_alive():
+            raise RuntimeError("broadcast() is for setup, before start()")
+        for plane in (self._p, self._b):
+            self.comm.Bcast([plane.staging, MPI.FLOAT], root=root)
+
+    def round(self, steps: int, window: int, stop: bool = False) -> RoundUpdate:
+        """One averaging round; blocks until the consensus is in the staging.
+
+        Collective: every rank calls it, the same number of times, idle ranks
+        (``steps == 0``) too. Fill :attr:`param_tensors` and
+        :attr:`buffer_tensors` first.
+
+        Args:
+            steps: optimizer steps since the consensus last adopted (``n_r``).
+            window: batches this rank ran in the window (for the metrics).
+            stop: this rank asks the cohort to stop after this round.
+
+        Raises:
+            CohortError: raised identically on every rank (e.g. non-finite consensus).
+            RoundError: the round failed on this rank.
+        """
+        return self._call(("round", int(steps), int(window), bool(stop)))
+
+    def epoch_end(self, report: EpochReport, batch_rows: np.ndarray, epoch: int) -> EpochSummary:
+        """Exchange the epoch's reports; every rank gets the same :class:`EpochSummary`.
+
+        Collective, like :meth:`round`. ``batch_rows`` is float64
+        ``(k, len(BATCH_COLUMNS))``: this rank's per-batch records, gathered to
+        rank 0 for ``metrics.h5``.
+        """
+        rows = np.ascontiguousarray(batch_rows, dtype=np.float64).reshape(-1, len(BATCH_COLUMNS))
+        return self._call(("epoch", report, rows, int(epoch)))
+
+    def close(self) -> None:
+        """Stop the bridge thread and free its communicator."""
+        if self._threaded and self._thread.is_alive():
+            self._requests.put(_Close())
+            self._thread.join()
+        if self._failed is None and self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+    def _call(self, request):
+        if self._failed is not None:
+            raise RoundError(f"rank {self.rank}: the bridge already failed in round {self._failed.round}")
+        if self._threaded:
+            self._requests.put(request)
+            reply = self._replies.get()
+        else:
+            reply = self._serve_one(request)
+        if isinstance(reply, _Failure):
+            self._failed = reply
+            if isinstance(reply.error, CohortError):
+                raise reply.error
+            raise RoundError(
+                f"rank {self.rank}: averaging round {reply.round} failed at stage "
+                f"'{reply.stage}': {type(reply.error).__name__}: {reply.error}"
+            ) from reply.error
+        return reply
+
+    # ---- bridge-thread side ---------------------------------------------------
+
+    def _serve_forever(self) -> None:
+        while True:
+            request = self._requests.get()
+            if isinstance(request, _Close):
+                return
+            reply = self._serve_one(request)
+            self._replies.put(reply)
+            if isinstance(reply, _Failure):
+                return
+
+    def _serve_one(self, request):
+        try:
+            if self._watchdog is not None:
+                self._watchdog.round_started()
+            if request[0] == "round":
+                reply = self._round(*request[1:])
+            else:
+                reply = self._epoch(*request[1:])
+            if self._watchdog is not None:
+                self._watchdog.round_finished()
+            return reply
+        except BaseException as exc:  # crosses to the training thread as data
+            if self._watchdog is not None:
+                self._watchdog.failed()
+            return _Failure(self.version, self._stage, exc)
+
+    def _enter(self, stage: str) -> None:
+        self._stage = stage
+        if self._fault is not None:
+            self._fault(self.version, stage)
+
+    def _round(self, steps: int, window: int, stop: bool) -> RoundUpdate:
+        self._enter("control gather")
+        row = np.concatenate([[steps, window, float(stop)], self._ack])
+        gathered = control_gather(self.comm, row)
+        self._take_acks(gathered[:, len(_ROUND_HEAD) :])
+        all_steps = gathered[:, 0]
+        masses = np.array([gamma_mass(n, self.gamma) for n in all_steps])
+        skipped = float(all_steps.sum()) == 0.0
+        p = self._p
+        if skipped:
+            # No rank moved: every snapshot already equals the consensus.
+            self._enter("pre norm")
+            pre_sq = p.sum_squares()
+            stats = None
+            triple = (0.0, math.sqrt(pre_sq), math.sqrt(pre_sq))
+        else:
+            self._enter("params reduce")
+            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, masses[self.rank], p.scratch)
+            self._enter("divergence")
+            if not stats.realized:
+                pre_sq = stats.pre_sq
+                triple = (0.0, math.sqrt(pre_sq), math.sqrt(pre_sq))
+            else:
+                if not math.isfinite(stats.post_sq):
+                    self._raise_non_finite(stats.pre_sq)
+                triple = triple_from_sums(stats.diff_sq, stats.post_sq, stats.pre_sq)
+            if self._b.layout.n and stats.realized:
+                self._enter("buffers reduce")
+                bstats = sumcount_reduce(
+                    self.comm, self._b.layout, self._b.staging, self._b.frame,
+                    mover_mass(all_steps[self.rank]), self._b.scratch,
+                )
+                stats.bytes += bstats.bytes
+                stats.pack_ms += bstats.pack_ms
+                stats.allreduce_ms += bstats.allreduce_ms
+                stats.unpack_ms += bstats.unpack_ms
+        self._stage = "update"
+        round_index = self.version
+        self.version += 1
+        divergence, post_norm, pre_norm = triple
+        self._ack = np.array([
+            divergence, pre_norm, post_norm,
+            stats.pack_ms if stats else 0.0, stats.allreduce_ms if stats else 0.0,
+            stats.unpack_ms if stats else 0.0, stats.bytes if stats else 0,
+        ])
+        if self._writer is not None:
+            self._pending = {
+                "round": round_index, "version": self.version,
+                "time_s": time.monotonic() - self._t0, "skipped": skipped,
+                "steps": all_steps.astype(np.int64), "mass": masses,
+                "window": gathered[:, 1].astype(np.int64), "anchor": self.anchor,
+            }
+        return RoundUpdate(
+            version=self.version,
+            adopted=stats is not None and stats.realized,
+            steps_at_snapshot=steps,
+            stop=bool(gathered[:, 2].any()),
+            divergence=divergence, post_norm=post_norm, pre_norm=pre_norm,
+        )
+
+    def _raise_non_finite(self, pre_sq: float) -> None:
+        # Every rank got the same non-finite consensus, so every rank is here:
+        # one more gather names the ranks whose own parameters were not finite.
+        self._enter("non-finite check")
+        flags = control_gather(self.comm, np.array([0.0 if math.isfinite(pre_sq) else 1.0]))[:, 0]
+        bad = [r for r in range(self.world_size) if flags[r]]
+        who = f"rank(s) {', '.join(map(str, bad))} had" if bad else "the weighted sum overflowed:"
+        raise NonFiniteError(
+            f"non-finite parameters in round {self.version}: {who} NaN or infinite values "
+            "(training diverged? lower --lr); nothing was adopted or saved from this round"
+        )
+
+    def _take_acks(self, acks: np.ndarray) -> None:
+        """Feed the guard the previous round's divergences; rank 0 writes its record."""
+        if np.isnan(acks[:, 0]).all():  # no round before this gather
+            return
+        verdict = self.guard.observe(float(np.max(acks[:, 0])))
+        if self._pending is not None:
+            a = {name: acks[:, i] for i, name in enumerate(_ACK)}
+            rec = dict(self._pending)
+            rec.update(
+                divergence=a["divergence"], pre_norm=a["pre_norm"], post_norm=float(a["post_norm"][0]),
+                pack_ms=a["pack_ms"], allreduce_ms=a["allreduce_ms"], unpack_ms=a["unpack_ms"],
+                bytes=int(a["bytes"][0]), guard=int(verdict),
+            )
+            self._writer.append("rounds", {k: np.asarray([v]) for k, v in rec.items()})
+            self._pending = None
+        self._ack = np.full(len(_ACK), np.nan)
+
+    def _epoch(self, report: EpochReport, batch_rows: np.ndarray, epoch: int) -> EpochSummary:
+        self._enter("epoch gather")
+        gathered = control_gather(self.comm, np.concatenate([self._ack, report.to_row()]))
+        self._take_acks(gathered[:, : len(_ACK)])
+        summary = aggregate_epoch(gathered[:, len(_ACK) :], epoch=epoch, rounds=self.version)
+        self._enter("batch records gather")
+        counts = [int(c) * len(BATCH_COLUMNS) for c in summary.per_rank_batches]
+        if batch_rows.shape[0] != summary.per_rank_batches[self.rank]:
+            raise ValueError(
+                f"{batch_rows.shape[0]} batch records for {summary.per_rank_batches[self.rank]} batches"
+            )
+        recv = None
+        if self.rank == 0:
+            recvbuf = np.empty(sum(counts), dtype=np.float64)
+            recv = [recvbuf, counts, np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist(), MPI.DOUBLE]
+        self.comm.Gatherv([batch_rows, MPI.DOUBLE], recv, root=0)
+        if self._writer is not None:
+            table = recv[0].reshape(-1, len(BATCH_COLUMNS))
+            if len(table):
+                cols = {name: table[:, i] for i, name in enumerate(BATCH_COLUMNS)}
+                for name in ("rank", "epoch", "step"):
+                    cols[name] = cols[name].astype(np.int64)
+                cols["rank"] = cols["rank"].astype(np.int32)
+                self._writer.append("batches", cols)
+            self._writer.append("epochs", _epoch_row(summary, time.monotonic() - self._t0))
+        return summary
+
+
+class _Plane:
+    """Staging, wire frame and scratch of one layout (params or float buffers)."""
+
+    def __init__(self, layout: WireLayout) -> None:
+        self.layout = layout
+        self.staging = layout.new_staging()
+        self.frame = layout.new_frame()
+        self.scratch = Scratch(layout)
+        self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
+
+    def sum_squares(self) -> float:
+        return sum(sum_squares(self.staging[lo:hi], self.scratch.f64) for lo, hi in self.layout.chunks)
+
+
+def _epoch_row(s: EpochSummary, time_s: float) -> dict[str, np.ndarray]:
+    row = {
+        "epoch": s.epoch, "time_s": time_s, "rounds": s.rounds, "avg_loss": s.avg_loss,
+        "epoch_ms": s.epoch_ms, "batches": s.batches, "per_rank_loss": s.per_rank_loss,
+        "per_rank_batches": s.per_rank_batches, "per_rank_samples": s.per_rank_samples,
+        "per_rank_throughput": s.per_rank_throughput, "per_rank_batch_share": s.per_rank_batch_share,
+        "per_rank_epoch_ms": s.per_rank_epoch_ms, "per_rank_compute_ms": s.per_rank_compute_ms,
+        "per_rank_data_ms": s.per_rank_data_ms, "test_loss": s.test_loss, "test_accuracy": s.test_accuracy,
+    }
+    return {k: np.asarray([v]) for k, v in row.items()}

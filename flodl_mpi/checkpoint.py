@@ -1,0 +1,377 @@
+"""Checkpoint files: one HDF5 file per save, written atomically, readable without pickle.
+
+Invariant: a file under its final name is complete. It is written as
+``<name>.tmp-<pid>`` in the same directory, flushed, fsynced and then renamed with
+``os.replace`` (SPEC §6), so a kill mid-write never replaces the last good checkpoint.
+
+File format (``SCHEMA_VERSION = 1``)::
+
+    /params/<state-dict name>    one dataset per parameter; floating -> float32
+    /buffers/<state-dict name>   one dataset per buffer; floating -> float32,
+                                 integer and bool kept as they are
+    root attributes:
+      <meta key>       str, int, float, bool or numeric ndarray stored natively;
+                       dict, list, tuple and None stored as a JSON string
+      json_keys        JSON list of the meta keys stored as JSON (decoded on read)
+      schema_version   int
+      order            JSON list: the state-dict key order
+      complete         True, written last
+
+State-dict names contain dots (``0.weight``); HDF5 allows dots, not '/'.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Sequence
+
+import h5py
+import numpy as np
+
+if TYPE_CHECKING:  # torch is imported lazily: reading a checkpoint needs only h5py
+    import torch
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CheckpointError",
+    "Checkpoint",
+    "write_checkpoint",
+    "read_checkpoint",
+    "load_state_dict",
+    "checkpoint_name",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "prune_checkpoints",
+]
+
+SCHEMA_VERSION = 1
+
+# Root attribute names the format itself uses; meta keys may not shadow them.
+_RESERVED = ("json_keys", "schema_version", "order", "complete")
+_TMP_RE = re.compile(r"\.tmp-(\d+)$")
+# v108 as the low bound enables dense attribute storage, so a long `order` or config
+# (> 64 KiB) still fits in an attribute; HDF5 1.8+ readers can open the file.
+_LIBVER = ("v108", "latest")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used; the message names the file and why."""
+
+    def __init__(self, path: str | os.PathLike, problem: str):
+        self.path = Path(path)
+        super().__init__(f"checkpoint {self.path}: {problem}")
+
+
+@dataclass
+class Checkpoint:
+    """One checkpoint as read back: arrays by state-dict name, meta decoded."""
+
+    params: dict[str, np.ndarray]
+    buffers: dict[str, np.ndarray]
+    meta: dict[str, Any]
+    order: list[str]
+    path: Path
+
+
+# ---------------------------------------------------------------- attributes
+
+
+def _write_attrs(attrs: MutableMapping, items: Mapping[str, Any], what: str) -> list[str]:
+    """Store ``items`` as HDF5 attributes; return the keys that were JSON-encoded.
+
+    Raises:
+        TypeError: a value is none of str, int, float, bool, numeric ndarray,
+            dict, list, tuple, None (numpy scalars count as int/float/bool).
+    """
+    json_keys = []
+    for key, value in items.items():
+        if isinstance(value, (str, bool, int, float, np.bool_, np.integer, np.floating)):
+            attrs[key] = value
+        elif isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+            attrs[key] = value
+        elif value is None or isinstance(value, (dict, list, tuple)):
+            try:
+                attrs[key] = json.dumps(value)
+            except TypeError as exc:
+                raise TypeError(f"{what}[{key!r}] is not JSON-serializable: {exc}") from None
+            json_keys.append(key)
+        else:
+            raise TypeError(
+                f"{what}[{key!r}] has type {type(value).__name__}; expected str, int, float, "
+                "bool, a numeric ndarray, or a JSON-serializable dict/list/None"
+            )
+    return json_keys
+
+
+def _read_attrs(attrs: Mapping, skip: Sequence[str] = ()) -> dict[str, Any]:
+    """Inverse of `_write_attrs`: numpy scalars become Python scalars, JSON is decoded."""
+    json_keys = set(json.loads(attrs["json_keys"])) if "json_keys" in attrs else set()
+    out = {}
+    for key, value in attrs.items():
+        if key in skip or key == "json_keys":
+            continue
+        if isinstance(value, np.generic):
+            value = value.item()
+        if key in json_keys:
+            value = json.loads(value)
+        out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------- write
+
+
+def _disk_array(name: str, value: np.ndarray) -> np.ndarray:
+    """The array as stored: floating -> float32 (SPEC §6), integer and bool unchanged."""
+    arr = np.asarray(value)
+    if arr.dtype.kind == "f":
+        return arr.astype(np.float32, copy=False)
+    if arr.dtype.kind in "biu":
+        return arr
+    raise TypeError(f"tensor {name!r} has dtype {arr.dtype}; expected floating, integer or bool")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(
+    path: str | os.PathLike,
+    params: Mapping[str, np.ndarray],
+    buffers: Mapping[str, np.ndarray],
+    meta: Mapping[str, Any],
+    order: Sequence[str],
+) -> Path:
+    """Write one checkpoint atomically (temporary name, complete flag, fsync, rename).
+
+    Args:
+        path: final file name, e.g. ``run/checkpoints/ckpt-e000005-r000123.h5``.
+        params: state-dict name -> array, any shape; floating arrays are stored float32.
+        buffers: state-dict name -> array; floating -> float32, integer/bool as they are.
+        meta: root attributes (epoch, round, reason, config, ...); see the module
+            docstring for the types accepted and how dict/list values are stored.
+        order: the state-dict key order; exactly the names of ``params`` and ``buffers``.
+
+    Returns:
+        ``Path(path)``.
+
+    Raises:
+        ValueError: a name contains '/', a name is in both params and buffers,
+            ``order`` does not match their names, or a meta key is reserved.
+        TypeError: an array dtype or meta value of an unsupported kind.
+        OSError: the write failed; the previous file at ``path`` is untouched and
+            the temporary file is removed.
+    """
+    path = Path(path)
+    order = list(order)
+    for name in (*params, *buffers):
+        if "/" in name:
+            raise ValueError(f"state-dict name {name!r} contains '/', which HDF5 reads as a group")
+    both = set(params) & set(buffers)
+    if both:
+        raise ValueError(f"names in both params and buffers: {sorted(both)}")
+    names = set(params) | set(buffers)
+    if len(order) != len(set(order)) or set(order) != names:
+        raise ValueError(
+            f"order must list every name of params and buffers once; "
+            f"missing from order: {sorted(names - set(order))}, "
+            f"unknown in order: {sorted(set(order) - names)}, "
+            f"duplicates: {len(order) - len(set(order))}"
+        )
+    clash = [k for k in meta if k in _RESERVED]
+    if clash:
+        raise ValueError(f"meta keys {clash} are reserved by the checkpoint format")
+
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        # track_order: datasets and attributes list in creation order (state-dict order,
+        # `complete` last) in h5dump/h5ls as well as here.
+        with h5py.File(tmp, "w", libver=_LIBVER, track_order=True) as f:
+            for group, arrays in (("params", params), ("buffers", buffers)):
+                g = f.create_group(group)
+                for name, value in arrays.items():
+                    g.create_dataset(name, data=_disk_array(name, value))
+            json_keys = _write_attrs(f.attrs, meta, "meta")
+            f.attrs["json_keys"] = json.dumps(json_keys)
+            f.attrs["schema_version"] = SCHEMA_VERSION
+            f.attrs["order"] = json.dumps(order)
+            f.attrs["complete"] = True  # last: a file without it was interrupted
+            f.flush()
+        _fsync(tmp)  # data on disk before the rename makes it visible
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    # The rename itself lives in the directory entry; fsync it so it survives a crash.
+    try:
+        _fsync(path.parent)
+    except OSError:  # some filesystems (and Windows) cannot fsync a directory
+        pass
+    return path
+
+
+# ---------------------------------------------------------------- read
+
+
+def _open(path: Path) -> h5py.File:
+    """Open a checkpoint for reading; CheckpointError unless it exists, is HDF5, is complete."""
+    if not path.is_file():
+        raise CheckpointError(path, "no such file")
+    if not h5py.is_hdf5(path):
+        raise CheckpointError(path, "not an HDF5 file")
+    f = h5py.File(path, "r")
+    try:
+        if "complete" not in f.attrs or not bool(f.attrs["complete"]):
+            raise CheckpointError(path, "incomplete (no 'complete' flag; the write was interrupted)")
+        version = int(f.attrs.get("schema_version", -1))
+        if version > SCHEMA_VERSION:
+            raise CheckpointError(
+                path,
+                f"schema_version {version} is newer than this flodl_mpi reads "
+                f"({SCHEMA_VERSION}); upgrade flodl_mpi",
+            )
+        return f
+    except BaseException:
+        f.close()
+        raise
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a complete checkpoint back into numpy arrays.
+
+    Returns:
+        `Checkpoint` with arrays as stored (floating float32, integer/bool as written;
+        0-d arrays for scalars), ``meta`` decoded (JSON values back to dict/list),
+        ``order`` the state-dict key order.
+
+    Raises:
+        CheckpointError: missing file, not HDF5, incomplete, schema newer than
+            ``SCHEMA_VERSION``, or a name in ``order`` without its dataset.
+    """
+    path = Path(path)
+    with _open(path) as f:
+        try:
+            params = {k: np.asarray(v[()]) for k, v in f["params"].items()}
+            buffers = {k: np.asarray(v[()]) for k, v in f["buffers"].items()}
+            order = json.loads(f.attrs["order"])
+        except KeyError as exc:
+            raise CheckpointError(path, f"missing {exc.args[0]!r}") from None
+        meta = _read_attrs(f.attrs, skip=_RESERVED)
+    lost = [k for k in order if k not in params and k not in buffers]
+    if lost:
+        raise CheckpointError(path, f"names in 'order' without a dataset: {lost}")
+    return Checkpoint(params=params, buffers=buffers, meta=meta, order=order, path=path)
+
+
+def load_state_dict(path: str | os.PathLike) -> "collections.OrderedDict[str, torch.Tensor]":
+    """A plain PyTorch state dict, in the model's key order, from a checkpoint file.
+
+    For use outside the project; no pickle is involved, so any checkpoint is safe to open.
+    Floating tensors come back float32; ``load_state_dict`` casts to the model's dtype.
+
+    Example::
+
+        model.load_state_dict(load_state_dict("run/checkpoints/ckpt-e000005-r000123.h5"))
+
+    Raises:
+        CheckpointError: as `read_checkpoint`.
+    """
+    import torch
+
+    ckpt = read_checkpoint(path)
+    arrays = {**ckpt.params, **ckpt.buffers}
+    return collections.OrderedDict((k, torch.from_numpy(arrays[k])) for k in ckpt.order)
+
+
+# ---------------------------------------------------------------- directory
+
+
+def checkpoint_name(epoch: int, round_: int) -> str:
+    """File name for a save at ``epoch`` and averaging round ``round_``; sorts by time.
+
+    >>> checkpoint_name(5, 123)
+    'ckpt-e000005-r000123.h5'
+    """
+    if epoch < 0 or round_ < 0:
+        raise ValueError(f"epoch and round_ must be >= 0, got epoch={epoch}, round_={round_}")
+    return f"ckpt-e{epoch:06d}-r{round_:06d}.h5"
+
+
+def _sort_key(path: Path) -> tuple[int, str] | None:
+    """(meta round, name) of a complete checkpoint; None when unreadable or incomplete."""
+    try:
+        with _open(path) as f:
+            r = f.attrs.get("round", -1)  # without a round, a file sorts first
+            return (int(r) if np.ndim(r) == 0 else -1, path.name)
+    except (OSError, CheckpointError, ValueError, TypeError):
+        return None
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Complete ``*.h5`` checkpoints in ``directory``, oldest first.
+
+    Ordered by meta ``round`` (files without one first), then by name. Temporary
+    (``*.tmp-<pid>``), incomplete and unreadable files are skipped; a missing
+    directory gives an empty list.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    keyed = [(key, p) for p in directory.glob("*.h5") if (key := _sort_key(p)) is not None]
+    return [p for _, p in sorted(keyed)]
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in ``directory`` (what resume loads), or None."""
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond the newest ``keep``, and stale temps.
+
+    A temporary file ``*.tmp-<pid>`` is stale when no process ``<pid>`` is alive on
+    this host (a killed write); temporaries of live processes, this one included,
+    may be writes in flight and are left alone. Incomplete files are not touched.
+
+    Args:
+        keep: how many complete checkpoints to keep, >= 1.
+
+    Returns:
+        The paths deleted.
+
+    Raises:
+        ValueError: ``keep`` < 1.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    directory = Path(directory)
+    doomed = list_checkpoints(directory)[:-keep]
+    for p in directory.glob("*.tmp-*") if directory.is_dir() else ():
+        m = _TMP_RE.search(p.name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            doomed.append(p)
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    return doomed

@@ -1,0 +1,134 @@
+"""The ``flodl-mpi`` command.
+
+Run it under the mpiexec installed with mpi4py (one rank per GPU or CPU slot)::
+
+    mpiexec -n 2 flodl-mpi train                       # workstation: built-in digits + MLP
+    mpiexec -n 4 flodl-mpi train --data d.h5 --model mypkg.nets:make_net --epochs 30
+    srun flodl-mpi train --config run.toml             # Slurm: see jobs/
+
+Exit status: 0 done, 1 failed while training, 2 bad input, 3 a stalled round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from mpi4py import MPI
+
+from flodl_mpi import __version__
+from flodl_mpi.config import DEVICES, OPTIMIZERS, POLICIES, TrainConfig, read_config_file
+from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, CohortError
+from flodl_mpi.world import Watchdog, abort, install_excepthooks, start_world
+
+__all__ = ["main", "build_parser"]
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so only rank 0 prints the one line."""
+
+    def error(self, message: str):
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+    def _print_message(self, message: str, file=None) -> None:
+        if MPI.COMM_WORLD.rank == 0:
+            super()._print_message(message, file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flodl-mpi`` argument parser (defaults come from :class:`TrainConfig`)."""
+    parser = _Parser(prog="flodl-mpi", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"flodl-mpi {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser("train", help="train with work-weighted parameter averaging",
+                       description="Train one replica per rank; a bridge thread averages parameters.")
+    d = TrainConfig()
+    g = t.add_argument_group("data and model")
+    g.add_argument("--data", metavar="FILE.h5", help="HDF5 file with train/test datasets (default: built-in digits)")
+    for name in ("train_x", "train_y", "test_x", "test_y"):
+        g.add_argument(f"--{name.replace('_', '-')}", metavar="NAME", help=f"dataset name in --data (default {getattr(d, name)})")
+    g.add_argument("--model", metavar="MODULE:FACTORY", help="model factory (default: built-in MLP)")
+    g = t.add_argument_group("optimization")
+    g.add_argument("--epochs", type=int, help=f"default {d.epochs}")
+    g.add_argument("--batch-size", type=int, help=f"samples per batch per rank (default {d.batch_size})")
+    g.add_argument("--lr", type=float, help=f"learning rate (default {d.lr:g})")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"default {d.optimizer}")
+    g.add_argument("--momentum", type=float, help=f"sgd momentum (default {d.momentum})")
+    g.add_argument("--weight-decay", type=float, help=f"default {d.weight_decay}")
+    g.add_argument("--seed", type=int, help=f"data order and init (default {d.seed})")
+    g = t.add_argument_group("averaging")
+    g.add_argument("--policy", choices=POLICIES, help="sync: a round after every batch; window: every --window batches")
+    g.add_argument("--window", type=int, help="batches per rank between rounds (implies --policy window)")
+    g.add_argument("--gamma", type=float, help=f"mass exponent: rank weight = steps**gamma (default {d.gamma:g})")
+    g.add_argument("--chunk-elems", type=int, help=f"float32 elements per Allreduce piece (default {d.chunk_elems})")
+    g.add_argument("--stall-timeout", type=float, help=f"seconds before a stalled round aborts the job (default {d.stall_timeout:g})")
+    g = t.add_argument_group("run")
+    g.add_argument("--run-dir", metavar="DIR", help="output directory (default runs/<UTC time>)")
+    g.add_argument("--checkpoint-every", type=int, help=f"epochs between checkpoints, 0 = last only (default {d.checkpoint_every})")
+    g.add_argument("--keep-checkpoints", type=int, help=f"default {d.keep_checkpoints}")
+    g.add_argument("--device", choices=DEVICES, help="auto: CUDA when present, else CPU")
+    g.add_argument("--eval-batch-size", type=int, help=f"default {d.eval_batch_size}")
+    g.add_argument("--config", metavar="FILE.toml", help="TOML file of the options above; flags override it")
+    g.add_argument("--inject-fault", metavar="KIND@RANK:ROUND", help=argparse.SUPPRESS)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Config file values, overridden by the flags given on the command line.
+
+    Raises:
+        ConfigError: a bad value or file.
+    """
+    values = read_config_file(args.config) if args.config else {}
+    for name in TrainConfig.field_names():
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    if "window" in values and values["window"] != 1 and "policy" not in values:
+        values["policy"] = "window"
+    return TrainConfig(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``flodl-mpi``; returns the exit status."""
+    rank = MPI.COMM_WORLD.rank
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as exc:
+        if rank == 0:
+            print(exc, file=sys.stderr)
+        return EXIT_INPUT
+    try:
+        world = start_world()
+    except CohortError as exc:  # raised identically on every rank
+        if rank == 0:
+            print(f"flodl-mpi: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    install_excepthooks(world.rank)
+    watchdog = Watchdog(world.rank, stall_timeout=600.0)
+    watchdog.start()
+    try:
+        from flodl_mpi.train import run_train  # torch is imported here, after MPI is up
+
+        run_train(args, world, watchdog)
+        return 0
+    except CohortError as exc:
+        # Every rank raised this at the same point: leave together, one line.
+        watchdog.expect_exit()
+        if world.rank == 0:
+            print(f"flodl-mpi: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BaseException:  # the one place that decides to abort (STYLE 14)
+        print(f"flodl-mpi: rank {world.rank}: error:", file=sys.stderr)
+        traceback.print_exc()
+        abort(EXIT_ERROR)

@@ -1,0 +1,126 @@
+"""One validated training config; saved with the run and every checkpoint (STYLE 28).
+
+Invariant: every field is checked at construction, so a bad value is one clear
+line before any rank trains; the same argv and config file give every rank the
+same config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["POLICIES", "OPTIMIZERS", "DEVICES", "TrainConfig", "ConfigError", "read_config_file"]
+
+POLICIES = ("sync", "window")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A bad config value: one line naming the option, the value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs; units in the comments. ``None`` means "the default".
+
+    Raises:
+        ConfigError: from construction, naming the option as the command line spells it.
+    """
+
+    data: str | None = None           # HDF5 file; None = built-in digits
+    train_x: str = "train/x"          # dataset names inside --data
+    train_y: str = "train/y"
+    test_x: str = "test/x"
+    test_y: str = "test/y"
+    model: str | None = None          # module:factory; None = built-in MLP
+    epochs: int = 10                  # passes over the training set
+    batch_size: int = 32              # samples per batch, per rank
+    lr: float = 1e-3                  # learning rate
+    optimizer: str = "adam"           # one of OPTIMIZERS
+    momentum: float = 0.9             # sgd only
+    weight_decay: float = 0.0
+    policy: str = "sync"              # one of POLICIES
+    window: int = 1                   # batches per rank between rounds (policy window)
+    gamma: float = 1.0                # params mass exponent (SPEC §1)
+    seed: int = 0                     # data order and model init
+    checkpoint_every: int = 1         # epochs between checkpoints (0 = only the last)
+    keep_checkpoints: int = 3         # newest complete checkpoints kept
+    run_dir: str | None = None        # None = runs/<UTC time>, chosen by rank 0
+    device: str = "auto"              # one of DEVICES
+    stall_timeout: float = 600.0      # seconds a round may wait before the watchdog aborts
+    chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
+    eval_batch_size: int = 1024       # samples per evaluation batch
+    inject_fault: str | None = None   # tests only: KIND@RANK:ROUND (see flodl_mpi.faults)
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, option: str, value: Any, allowed: str) -> None:
+            if not cond:
+                raise ConfigError(f"--{option.replace('_', '-')} {value!r}: must be {allowed}")
+
+        for name in ("epochs", "batch_size", "window", "keep_checkpoints", "chunk_elems", "eval_batch_size"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, v, "an integer >= 1")
+        for name in ("seed", "checkpoint_every"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, v, "an integer >= 0")
+        need(self.chunk_elems <= 2**31 - 1, "chunk_elems", self.chunk_elems, "<= 2**31 - 1 (the MPI count limit)")
+        for name in ("lr", "stall_timeout"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, name, v, "a finite number > 0")
+        for name in ("momentum", "weight_decay"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, name, v, "a finite number >= 0")
+        need(isinstance(self.gamma, (int, float)) and math.isfinite(self.gamma), "gamma", self.gamma, "a finite number")
+        need(self.optimizer in OPTIMIZERS, "optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
+        need(self.policy in POLICIES, "policy", self.policy, f"one of {', '.join(POLICIES)}")
+        need(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
+        if self.policy == "sync" and self.window != 1:
+            raise ConfigError(f"--window {self.window} contradicts --policy sync (a round after every batch); "
+                              "use --policy window")
+        if self.inject_fault is not None:
+            from flodl_mpi.faults import parse_fault
+
+            parse_fault(self.inject_fault)  # raises ValueError with the flag's name
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain JSON-able values (saved as ``config.json`` and in checkpoints)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file: top-level keys are the long options, ``-`` or ``_``.
+
+    Raises:
+        ConfigError: missing file, bad TOML, or an unknown key.
+    """
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {str(p)!r}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {str(p)!r}: not valid TOML ({exc})") from None
+    known = set(TrainConfig.field_names())
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"--config {str(p)!r}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        out[name] = value
+    return out

@@ -1,0 +1,325 @@
+"""HDF5 datasets, the built-in digits data, and the per-epoch sample order.
+
+Invariant: a loaded ``Dataset`` is fully validated (float32 finite features, int64
+non-negative labels, matching row counts and feature shapes), and every rank derives the
+same sample order from ``(seed, epoch)`` alone, so no order is ever communicated.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+__all__ = [
+    "DEFAULT_NAMES",
+    "DataError",
+    "Dataset",
+    "Split",
+    "batch_indices",
+    "default_digits_path",
+    "ensure_digits",
+    "epoch_permutation",
+    "load_dataset",
+    "num_batches",
+    "write_digits",
+]
+
+#: Dataset names inside the HDF5 file, by role.
+DEFAULT_NAMES = {"train_x": "train/x", "train_y": "train/y", "test_x": "test/x", "test_y": "test/y"}
+
+
+class DataError(ValueError):
+    """Bad input data; the message is one line naming the file, the dataset and the problem."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split: ``x`` float32 (N, *feature_shape), C-contiguous; ``y`` int64 (N,)."""
+
+    x: np.ndarray
+    y: np.ndarray
+
+    @property
+    def n(self) -> int:
+        """Number of samples N."""
+        return int(self.x.shape[0])
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        """Shape of one sample, ``x.shape[1:]``."""
+        return tuple(self.x.shape[1:])
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Train and test splits of one source; ``num_classes`` = max label over both + 1."""
+
+    train: Split
+    test: Split
+    num_classes: int
+    source: str
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one sample (the train split's feature shape; test has the same)."""
+        return self.train.feature_shape
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _check_names(names: Mapping[str, str]) -> dict[str, str]:
+    if not isinstance(names, Mapping):
+        raise TypeError(f"names must be a mapping like DEFAULT_NAMES, got {type(names).__name__}")
+    unknown = sorted(set(names) - set(DEFAULT_NAMES))
+    if unknown:
+        raise ValueError(f"names has unknown keys {unknown}; allowed: {sorted(DEFAULT_NAMES)}")
+    merged = {**DEFAULT_NAMES, **names}  # keys not given keep their default name
+    for key, value in merged.items():
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"names[{key!r}] must be a non-empty str, got {value!r}")
+    return merged
+
+
+def _list_datasets(f: h5py.File) -> list[str]:
+    found: list[str] = []
+    f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return found
+
+
+def _read(f: h5py.File, name: str, file: str) -> np.ndarray:
+    obj = f.get(name)
+    if not isinstance(obj, h5py.Dataset):
+        has = ", ".join(_list_datasets(f)) or "no datasets"
+        what = "is a group, not a dataset" if obj is not None else "not found"
+        raise DataError(f"dataset {name!r} {what} in {file!r} (has: {has})")
+    return obj[()]
+
+
+def _features(x: np.ndarray, name: str, file: str) -> np.ndarray:
+    if x.dtype.kind not in "biuf":
+        raise DataError(f"{name!r} in {file!r} must be numeric features, got {x.dtype}")
+    if x.ndim < 2:
+        raise DataError(f"{name!r} in {file!r} must have shape (N, features...), got {x.shape}")
+    if x.size == 0:
+        raise DataError(f"{name!r} in {file!r} is empty (shape {x.shape})")
+    # Checked after the cast: float64 values beyond float32's range become inf here,
+    # which is reported below rather than as numpy's overflow warning.
+    with np.errstate(over="ignore"):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    if not np.isfinite(x).all():
+        raise DataError(f"{name!r} in {file!r} holds non-finite values (NaN or Inf as float32)")
+    return x
+
+
+def _labels(y: np.ndarray, name: str, file: str) -> np.ndarray:
+    if y.ndim != 1 or y.dtype.kind not in "iu":
+        raise DataError(
+            f"{name!r} in {file!r} must be 1-D integer class labels, got {y.dtype} {y.shape}"
+        )
+    if y.size == 0:
+        raise DataError(f"{name!r} in {file!r} is empty")
+    if y.min() < 0:
+        raise DataError(f"{name!r} in {file!r} holds negative labels (min {y.min()})")
+    return np.ascontiguousarray(y, dtype=np.int64)
+
+
+def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAMES) -> Dataset:
+    """Read and validate a train/test classification dataset from an HDF5 file.
+
+    Args:
+        path: HDF5 file, opened read-only; everything is read into memory.
+        names: dataset names by role, keys as in ``DEFAULT_NAMES`` (``train_x``,
+            ``train_y``, ``test_x``, ``test_y``); keys not given keep the default.
+            ``*_x``: numeric (N, *feature_shape), N >= 1, finite as float32.
+            ``*_y``: 1-D integer (N,) labels >= 0. Train and test feature shapes match.
+
+    Returns:
+        ``Dataset`` with x float32 C-contiguous, y int64, ``num_classes`` = max label + 1.
+
+    Raises:
+        DataError: missing or non-HDF5 file, missing dataset, or any invalid content.
+        TypeError, ValueError: ``names`` is not a mapping of known keys to strings.
+    """
+    names = _check_names(names)
+    file = str(path)
+    if not os.path.exists(file):
+        raise DataError(f"--data {file!r}: no such file")
+    try:
+        f = h5py.File(file, "r")
+    except OSError as exc:  # not HDF5, truncated, a directory, no permission
+        raise DataError(f"--data {file!r}: cannot open as HDF5 ({exc})") from exc
+    with f:
+        raw = {role: _read(f, name, file) for role, name in names.items()}
+
+    splits = {}
+    for split in ("train", "test"):
+        xname, yname = names[f"{split}_x"], names[f"{split}_y"]
+        x = _features(raw[f"{split}_x"], xname, file)
+        y = _labels(raw[f"{split}_y"], yname, file)
+        if len(x) != len(y):
+            raise DataError(
+                f"{xname!r} has {len(x)} rows but {yname!r} has {len(y)} in {file!r}"
+            )
+        splits[split] = Split(x=x, y=y)
+
+    train, test = splits["train"], splits["test"]
+    if train.feature_shape != test.feature_shape:
+        raise DataError(
+            f"{names['train_x']!r} has feature shape {train.feature_shape} but "
+            f"{names['test_x']!r} has {test.feature_shape} in {file!r}"
+        )
+    num_classes = int(max(train.y.max(), test.y.max())) + 1
+    return Dataset(train=train, test=test, num_classes=num_classes, source=file)
+
+
+# --------------------------------------------------------------------------- built-in digits
+
+
+def default_digits_path() -> Path:
+    """Where the built-in digits file lives.
+
+    ``$FLODL_MPI_DATA_DIR/digits.h5`` if that variable is set and non-empty, else
+    ``$XDG_CACHE_HOME/flodl_mpi/digits.h5`` with ``XDG_CACHE_HOME`` defaulting to
+    ``~/.cache`` (also when empty or relative, as the XDG base-directory spec says).
+    """
+    data_dir = os.environ.get("FLODL_MPI_DATA_DIR")
+    if data_dir:
+        return Path(data_dir).expanduser() / "digits.h5"
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        cache = os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "flodl_mpi" / "digits.h5"
+
+
+def write_digits(path: str | os.PathLike) -> Path:
+    """Write scikit-learn's handwritten digits to ``path`` as an HDF5 dataset, atomically.
+
+    1,797 8x8 images (ship with scikit-learn, no download), split once with
+    ``train_test_split(test_size=0.2, stratify=y, random_state=0)`` into 1,437 train and
+    360 test rows. x = pixels / 16, float32 (N, 64) in [0, 1]; y int64 (N,) in 0..9;
+    under the ``DEFAULT_NAMES`` datasets. Parent directories are created.
+
+    The file is written under a unique temporary name in the same directory and then
+    renamed onto ``path``, so concurrent writers (several ranks on one node) and readers
+    never see a half-written file; the last rename wins with identical content.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        OSError: the directory or file cannot be written.
+    """
+    # Lazy: scikit-learn is slow to import and needed only to build this file once.
+    import sklearn
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    path = Path(path)
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)  # (1797, 64), pixels 0..16 -> [0, 1]
+    y = digits.target.astype(np.int64)  # (1797,)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        with h5py.File(tmp, "w") as f:
+            arrays = {"train_x": x_tr, "train_y": y_tr, "test_x": x_te, "test_y": y_te}
+            for role, arr in arrays.items():
+                f.create_dataset(DEFAULT_NAMES[role], data=np.ascontiguousarray(arr))
+            f.attrs["source"] = "sklearn.datasets.load_digits"
+            f.attrs["split"] = "stratified 80/20, random_state=0"
+            f.attrs["scikit_learn_version"] = sklearn.__version__
+        # mkstemp creates the file 0600; a shared data dir needs it readable by others.
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def ensure_digits(path: str | os.PathLike | None = None) -> Path:
+    """Return the digits file at ``path`` (default ``default_digits_path()``).
+
+    It is written with ``write_digits`` only if it is missing or fails to load with
+    ``load_dataset`` (a corrupt or foreign file is replaced).
+    """
+    path = default_digits_path() if path is None else Path(path)
+    if path.exists():
+        try:
+            load_dataset(path)
+            return path
+        except DataError:
+            pass  # corrupt or partial: rewrite below
+    return write_digits(path)
+
+
+# --------------------------------------------------------------------------- sample order
+
+
+def _check_int(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def epoch_permutation(n_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """The sample order of one epoch: int64 (n_samples,), a permutation of 0..n_samples-1.
+
+    ``np.random.default_rng([seed, epoch]).permutation(n_samples)``: a function of its
+    arguments only, so every rank computes the same order, and it differs per epoch.
+
+    Raises:
+        TypeError: an argument is not an int. ValueError: an argument is negative.
+    """
+    n_samples = _check_int(n_samples, "n_samples", 0)
+    seed = _check_int(seed, "seed", 0)
+    epoch = _check_int(epoch, "epoch", 0)
+    return np.random.default_rng([seed, epoch]).permutation(n_samples).astype(np.int64)
+
+
+def num_batches(n_samples: int, batch_size: int) -> int:
+    """Number of batches of ``batch_size`` covering ``n_samples`` (the last may be short).
+
+    Raises:
+        TypeError: not an int. ValueError: ``n_samples`` < 0 or ``batch_size`` < 1.
+    """
+    n_samples = _check_int(n_samples, "n_samples", 0)
+    batch_size = _check_int(batch_size, "batch_size", 1)
+    return -(-n_samples // batch_size)
+
+
+def batch_indices(perm: np.ndarray, batch_size: int, batch: int) -> np.ndarray:
+    """Sample indices of global batch ``batch`` (0-based): ``perm[batch*bs:(batch+1)*bs]``.
+
+    Args:
+        perm: 1-D index array, e.g. from ``epoch_permutation``.
+        batch_size: samples per batch, >= 1; the last batch may be shorter.
+        batch: 0 <= batch < ``num_batches(len(perm), batch_size)``.
+
+    Returns:
+        A view of ``perm``, shape (<= batch_size,).
+
+    Raises:
+        ValueError: ``perm`` is not 1-D. TypeError/ValueError: bad ``batch_size``.
+        IndexError: ``batch`` out of range.
+    """
+    if np.ndim(perm) != 1:
+        raise ValueError(f"perm must be 1-D, got shape {np.shape(perm)}")
+    count = num_batches(len(perm), batch_size)
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)):
+        raise TypeError(f"batch must be an int, got {type(batch).__name__} {batch!r}")
+    if not 0 <= batch < count:
+        raise IndexError(f"batch must be in [0, {count}), got {batch}")
+    return perm[batch * batch_size : (batch + 1) * batch_size]

@@ -1,0 +1,132 @@
+"""Weight-space divergence of a round and the trend guard that watches it (SPEC §3).
+
+Invariant: ``divergence = ||pre - post|| / ||post||`` with every sum of squares
+taken in float64, and ``0.0`` when ``||post|| <= 1e-10``; when every rank already
+agrees the divergence is exactly 0.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "POST_NORM_FLOOR",
+    "divergence_triple",
+    "triple_from_sums",
+    "Verdict",
+    "TrendGuard",
+]
+
+#: Below this consensus norm the relative divergence is meaningless: report 0.
+POST_NORM_FLOOR = 1e-10
+
+
+def triple_from_sums(
+    diff_sq: float, post_sq: float, pre_sq: float
+) -> tuple[float, float, float]:
+    """Finish the divergence triple from float64 sums of squares.
+
+    Args:
+        diff_sq: ``sum((pre - post) ** 2)`` over all parameter elements.
+        post_sq: ``sum(post ** 2)``.
+        pre_sq: ``sum(pre ** 2)``.
+
+    Returns:
+        ``(divergence, post_norm, pre_norm)`` — mind the order (SPEC §3).
+    """
+    post_norm = math.sqrt(post_sq)
+    pre_norm = math.sqrt(pre_sq)
+    divergence = math.sqrt(diff_sq) / post_norm if post_norm > POST_NORM_FLOOR else 0.0
+    return divergence, post_norm, pre_norm
+
+
+def divergence_triple(
+    pre: Sequence[np.ndarray], post: Sequence[np.ndarray]
+) -> tuple[float, float | None, float | None]:
+    """Divergence of a rank's pre-round parameters from the adopted consensus.
+
+    Args:
+        pre: the rank's parameter tensors before the round, any float dtype.
+        post: the consensus, same count and shapes as ``pre``.
+
+    Returns:
+        ``(divergence, post_norm, pre_norm)``; ``(0.0, None, None)`` for no
+        parameters. Per-tensor sums of squares are taken in float64 and summed
+        in float64 (SPEC §3). Example: pre ``[3, 4]``, post ``[6, 8]`` gives
+        ``(0.5, 10.0, 5.0)``.
+
+    Raises:
+        ValueError: the two lists differ in length or a pair differs in shape.
+    """
+    if len(pre) != len(post):
+        raise ValueError(f"pre has {len(pre)} tensors but post has {len(post)}")
+    if not pre:
+        return 0.0, None, None
+    diff_sq = post_sq = pre_sq = 0.0
+    for i, (a, b) in enumerate(zip(pre, post)):
+        a = np.asarray(a, dtype=np.float64)
+        b = np.asarray(b, dtype=np.float64)
+        if a.shape != b.shape:
+            raise ValueError(f"tensor {i}: pre shape {a.shape} != post shape {b.shape}")
+        d = a - b
+        diff_sq += float(np.vdot(d, d))
+        post_sq += float(np.vdot(b, b))
+        pre_sq += float(np.vdot(a, a))
+    return triple_from_sums(diff_sq, post_sq, pre_sq)
+
+
+class Verdict(enum.IntEnum):
+    """The guard's answer; the values are the codes written to ``metrics.h5``."""
+
+    STABLE = 0
+    SUPPRESS_GROWTH = 1
+    NUDGE_DOWN = 2
+
+
+class TrendGuard:
+    """Watches the cohort's max divergence per round (SPEC §3).
+
+    Keeps the last ``history`` values; answers ``SUPPRESS_GROWTH`` when the last
+    three are strictly rising and the latest exceeds ``threshold``, otherwise
+    ``STABLE``. It is deterministic in the gathered divergences, so every rank
+    that feeds it the same values reaches the same verdict.
+
+    Args:
+        threshold: divergence above which a rising trend suppresses anchor
+            growth; default 0.05 (0.3 is the SPEC's value when EASGD blends).
+        history: ring length, default 5 (must be >= 3).
+
+    Raises:
+        ValueError: ``threshold`` is negative or not finite, or ``history < 3``.
+    """
+
+    def __init__(self, threshold: float = 0.05, history: int = 5) -> None:
+        if not (math.isfinite(threshold) and threshold >= 0):
+            raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+        if history < 3:
+            raise ValueError(f"history must be >= 3 (the trend needs three points), got {history!r}")
+        self.threshold = float(threshold)
+        self._ring: deque[float] = deque(maxlen=int(history))
+
+    def observe(self, max_divergence: float) -> Verdict:
+        """Record one round's max divergence over ranks and return the verdict."""
+        self._ring.append(float(max_divergence))
+        if len(self._ring) >= 3:
+            a, b, c = list(self._ring)[-3:]
+            if a < b < c and c > self.threshold:
+                return Verdict.SUPPRESS_GROWTH
+        return Verdict.STABLE
+
+    def state_dict(self) -> dict:
+        """JSON-able state, saved in checkpoints so a resumed run is not blind."""
+        return {"threshold": self.threshold, "history": list(self._ring), "maxlen": self._ring.maxlen}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.threshold = float(state["threshold"])
+        self._ring = deque((float(v) for v in state["history"]), maxlen=int(state["maxlen"]))

@@ -1,0 +1,41 @@
+"""Errors that end a run, and how the job ends for each.
+
+A :class:`CohortError` is raised on *every* rank at the same point, decided from
+gathered values, so the ranks can leave together: rank 0 prints one line and
+every rank exits with ``exit_code``. Any other exception is local to one rank
+and ends the job through the world abort (:mod:`flodl_mpi.world`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["CohortError", "InputError", "NonFiniteError", "RoundError", "EXIT_ERROR", "EXIT_INPUT", "EXIT_STALL"]
+
+#: Exit status of a run that failed while training.
+EXIT_ERROR = 1
+#: Exit status of bad input: a flag, a file, a model (argparse uses 2 too).
+EXIT_INPUT = 2
+#: Exit status when the watchdog found a round stalled.
+EXIT_STALL = 3
+
+
+class CohortError(Exception):
+    """An error every rank raises identically (decided from gathered values)."""
+
+    exit_code = EXIT_ERROR
+
+
+class InputError(CohortError):
+    """Bad input, agreed by every rank: one clear line, exit status 2."""
+
+    exit_code = EXIT_INPUT
+
+
+class NonFiniteError(CohortError):
+    """The consensus holds NaN or infinity; names the ranks whose parameters did."""
+
+
+class RoundError(RuntimeError):
+    """A round failed on this rank (allocation, copy, gather, reduce, divergence).
+
+    Local to the rank: the job ends through the world abort (SPEC §2 escape hatch).
+    """

@@ -1,0 +1,430 @@
+"""metrics.h5: append-only tables readable while the run writes, and rank 0's writer thread.
+
+Invariant: every dataset exists before SWMR is switched on, and after that the file
+only grows (resize + write + flush per column), so a concurrent SWMR reader always
+sees a consistent prefix. The schema is data (`table_schema`); the README documents it.
+
+Layout: ``/<table>/<column>`` datasets of shape ``(rows, *per_row_shape)``. All columns
+of a table are appended together, column after column, so a reader that catches an
+append half-way sees some columns one append longer: use the shortest column length
+(`read_table` does). SWMR forbids attribute changes once on, so there is no row-count
+attribute; root attributes (config, world size, hosts, ...) are written at creation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import h5py
+import numpy as np
+
+from . import checkpoint
+from .checkpoint import _write_attrs
+
+__all__ = [
+    "GUARD_VERDICTS",
+    "table_schema",
+    "MetricsFile",
+    "read_table",
+    "WriterError",
+    "MetricsWriter",
+]
+
+#: Guard verdict codes of the ``rounds/guard`` column (SPEC §3), an HDF5 enum.
+GUARD_VERDICTS = {"stable": 0, "suppress_growth": 1, "nudge_down": 2}
+
+_I8, _I32, _I64 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.int64)
+_F64, _BOOL = np.dtype(np.float64), np.dtype(np.bool_)
+_CHUNK_BYTES = 64 * 1024  # chunk size target: small appends, few chunk lookups
+
+
+def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[int, ...]]]]:
+    """Table -> column -> (dtype, per-row shape) of metrics.h5 for ``world_size`` ranks.
+
+    Per-rank columns have per-row shape ``(world_size,)``, indexed by rank. Times are
+    ``time_s`` seconds since the run started and ``*_ms`` milliseconds; definitions of
+    the epoch fields are SPEC §5; ``batches/param_norm`` is NaN when not measured.
+
+    Raises:
+        ValueError: ``world_size`` is not an int >= 1.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    W = (world_size,)
+    guard = h5py.enum_dtype(GUARD_VERDICTS, basetype="i1")
+    return {
+        "rounds": {
+            "round": (_I64, ()), "version": (_I64, ()), "time_s": (_F64, ()),
+            "skipped": (_BOOL, ()), "steps": (_I64, W), "mass": (_F64, W),
+            "divergence": (_F64, W), "pre_norm": (_F64, W), "post_norm": (_F64, ()),
+            "pack_ms": (_F64, W), "allreduce_ms": (_F64, W), "unpack_ms": (_F64, W),
+            "bytes": (_I64, ()),   # bytes one rank put on the wire this round
+            "window": (_I64, W),   # batches each rank ran in the window
+            "anchor": (_I64, ()), "guard": (guard, ()),
+        },
+        "epochs": {
+            "epoch": (_I64, ()), "time_s": (_F64, ()), "rounds": (_I64, ()),
+            "avg_loss": (_F64, ()), "epoch_ms": (_F64, ()), "batches": (_I64, ()),
+            "per_rank_loss": (_F64, W), "per_rank_batches": (_I64, W),
+            "per_rank_samples": (_I64, W),
+            "per_rank_throughput": (_F64, W),  # samples / s of compute + data wait
+            "per_rank_batch_share": (_F64, W), "per_rank_epoch_ms": (_F64, W),
+            "per_rank_compute_ms": (_F64, W), "per_rank_data_ms": (_F64, W),
+            "test_loss": (_F64, ()), "test_accuracy": (_F64, ()),
+        },
+        "batches": {
+            "rank": (_I32, ()), "epoch": (_I64, ()), "step": (_I64, ()),
+            "batch_ms": (_F64, ()), "data_ms": (_F64, ()), "loss": (_F64, ()),
+            "lr": (_F64, ()), "param_norm": (_F64, ()),
+        },
+    }
+
+
+def _check_rows(schema: Mapping, table: str, rows: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Validate one append against the schema; return the columns as stored-dtype arrays.
+
+    Raises:
+        ValueError: unknown table, missing or unknown column, wrong shape, k = 0 rows,
+            columns with different row counts, an unknown guard code.
+        TypeError: a value that cannot be cast to the column dtype without loss of kind
+            (e.g. float into an int column).
+    """
+    if table not in schema:
+        raise ValueError(f"unknown table {table!r}; expected one of {sorted(schema)}")
+    columns = schema[table]
+    if set(rows) != set(columns):
+        raise ValueError(
+            f"table {table!r}: missing columns {sorted(set(columns) - set(rows))}, "
+            f"unknown columns {sorted(set(rows) - set(columns))}"
+        )
+    out, k = {}, None
+    for name, (dtype, shape) in columns.items():
+        arr = np.asarray(rows[name])
+        if arr.ndim != 1 + len(shape) or arr.shape[1:] != shape or arr.shape[0] < 1:
+            raise ValueError(
+                f"table {table!r} column {name!r}: expected shape (k>=1, *{shape}), got {arr.shape}"
+            )
+        if k is not None and arr.shape[0] != k:
+            raise ValueError(f"table {table!r} column {name!r}: {arr.shape[0]} rows, other columns {k}")
+        k = arr.shape[0]
+        if not np.can_cast(arr.dtype, dtype, casting="same_kind"):
+            raise TypeError(f"table {table!r} column {name!r}: cannot store {arr.dtype} as {dtype}")
+        values = h5py.check_enum_dtype(dtype)
+        if values is not None and not np.isin(arr, list(values.values())).all():
+            raise ValueError(f"table {table!r} column {name!r}: codes must be in {values}, got {arr}")
+        out[name] = np.array(arr, dtype=dtype)  # a copy: the caller may reuse its arrays
+    return out
+
+
+class MetricsFile:
+    """metrics.h5 opened for writing in SWMR mode; one writer, any number of readers.
+
+    Args:
+        path: the file to create; it must not exist.
+        world_size: ranks in the run, >= 1 (per-rank column width).
+        attrs: root attributes written before SWMR (config, hosts, devices, versions,
+            ...); str/int/float/bool/ndarray as they are, dict/list/None as JSON
+            strings (their keys listed in the ``json_attrs`` attribute, a JSON list).
+            ``world_size`` is added.
+
+    Raises:
+        FileExistsError: ``path`` exists (a second run in the same run directory).
+        ValueError, TypeError: bad ``world_size`` or attribute values.
+    """
+
+    def __init__(self, path: str | os.PathLike, world_size: int, attrs: Mapping[str, Any]):
+        self.path = Path(path)
+        self.schema = table_schema(world_size)
+        if "world_size" in attrs and attrs["world_size"] != world_size:
+            raise ValueError(
+                f"attrs['world_size']={attrs['world_size']!r} differs from world_size={world_size}"
+            )
+        # SWMR needs the latest file format; everything below must exist before swmr_mode.
+        self._file = h5py.File(self.path, "w-", libver="latest")
+        try:
+            json_keys = _write_attrs(self._file.attrs, {**attrs, "world_size": world_size}, "attrs")
+            self._file.attrs["json_attrs"] = json.dumps(json_keys)
+            self._datasets: dict[str, dict[str, h5py.Dataset]] = {}
+            for table, columns in self.schema.items():
+                group = self._file.create_group(table)
+                self._datasets[table] = {
+                    name: group.create_dataset(
+                        name, shape=(0, *shape), maxshape=(None, *shape), dtype=dtype,
+                        chunks=(max(1, _CHUNK_BYTES // (dtype.itemsize * int(np.prod(shape)))), *shape),
+                    )
+                    for name, (dtype, shape) in columns.items()
+                }
+            self._file.swmr_mode = True  # from here on: no new objects, no attribute changes
+        except BaseException:
+            self._file.close()
+            raise
+
+    def append(self, table: str, rows: Mapping[str, np.ndarray]) -> None:
+        """Append k >= 1 rows to ``table``: every column, leading dimension k.
+
+        Each column is resized, written and flushed in turn, so SWMR readers see it.
+
+        Raises:
+            ValueError, TypeError: as described in the schema check (names the table,
+                the column, the expected and the received shape).
+        """
+        checked = _check_rows(self.schema, table, rows)
+        for name, ds in self._datasets[table].items():
+            n, k = ds.shape[0], checked[name].shape[0]
+            ds.resize(n + k, axis=0)
+            ds[n:] = checked[name]
+            ds.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._file.id.valid:
+            self._file.close()
+
+    def __enter__(self) -> "MetricsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_table(path: str | os.PathLike, table: str) -> dict[str, np.ndarray]:
+    """Read one table, safe while the run still writes (SWMR reader).
+
+    Returns:
+        column -> array, all truncated to the shortest column (the rows every column has).
+
+    Raises:
+        KeyError: no such table in the file.
+    """
+    with h5py.File(path, "r", libver="latest", swmr=True) as f:
+        group = f[table]
+        data = {name: ds[()] for name, ds in group.items()}
+    n = min((len(a) for a in data.values()), default=0)
+    return {name: a[:n] for name, a in data.items()}
+
+
+class WriterError(RuntimeError):
+    """The writer thread failed; the original exception is chained as ``__cause__``."""
+
+
+_CLOSE = object()
+
+
+class MetricsWriter:
+    """Rank 0's writer thread: appends metrics and writes checkpoints off the training path.
+
+    Every output file of the run is written by this one thread. The h5py wheel is
+    serial and h5py holds one global lock around every HDF5 call, so HDF5 work on the
+    training thread or the bridge thread would stall them behind disk I/O (an fsync
+    of a checkpoint can take seconds). Callers only enqueue; the queue is unbounded.
+
+    Failure semantics: the first exception in the thread stops it. Work queued after
+    it is dropped (rows appended so far stay in metrics.h5; the last good checkpoint
+    stays in place), pending `flush_wait` calls return, and every later call of
+    `append`, `save_checkpoint`, `flush_wait`, `check` or `close` raises `WriterError`
+    chained to the original exception, in the caller's thread.
+
+    Example (rank 0)::
+
+        writer = MetricsWriter(run_dir, world_size, attrs, run_dir / "checkpoints")
+        writer.start()
+        for epoch in ...:
+            ...
+            writer.append("epochs", rows)       # each round / epoch / batch
+            writer.check()                      # surface a disk error promptly
+            writer.save_checkpoint(checkpoint_name(epoch, r), params, buffers, meta, order)
+        writer.close()
+
+    Args:
+        run_dir: directory for ``metrics.h5`` (created if missing).
+        world_size: ranks in the run, >= 1.
+        attrs: root attributes of metrics.h5 (see `MetricsFile`).
+        checkpoint_dir: where checkpoints go; None disables `save_checkpoint`.
+        keep_checkpoints: complete checkpoints kept after each save, >= 1.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        world_size: int,
+        attrs: Mapping[str, Any],
+        checkpoint_dir: Path | None = None,
+        keep_checkpoints: int = 3,
+    ):
+        self.schema = table_schema(world_size)
+        if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.h5"
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self._world_size, self._attrs, self._keep = world_size, dict(attrs), keep_checkpoints
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders "refuse new work" against enqueues
+        self._error: BaseException | None = None
+        self._closed = False
+        self._ready = threading.Event()
+        self._inflight: list[tuple] = []  # the batch the thread is working through
+        self._thread = threading.Thread(target=self._run, name="flodl-writer", daemon=True)
+
+    # -------------------------------------------------------------- caller side
+
+    def start(self) -> None:
+        """Start the thread and wait until it has created metrics.h5.
+
+        Raises:
+            WriterError: the file could not be created (e.g. it already exists).
+        """
+        self._thread.start()
+        self._ready.wait()
+        self.check()
+
+    def check(self) -> None:
+        """Raise `WriterError` (chained to the thread's exception) if the thread failed."""
+        if self._error is not None:
+            raise WriterError(f"metrics writer thread failed: {self._error!r}") from self._error
+
+    def _put(self, item: tuple) -> None:
+        with self._lock:
+            self.check()
+            if self._closed or not self._thread.is_alive():
+                raise RuntimeError("MetricsWriter is not running (call start(); not after close())")
+            self._queue.put(item)
+
+    def append(self, table: str, rows: Mapping[str, np.ndarray]) -> None:
+        """Enqueue k >= 1 rows for ``table``; validated and copied now, written later.
+
+        Raises:
+            ValueError, TypeError: rows that do not fit the schema (in the caller's
+                thread, before anything is queued).
+            WriterError: the thread failed earlier.
+        """
+        self._put(("append", table, _check_rows(self.schema, table, rows)))
+
+    def save_checkpoint(
+        self,
+        name: str,
+        params: Mapping[str, np.ndarray],
+        buffers: Mapping[str, np.ndarray],
+        meta: Mapping[str, Any],
+        order: Sequence[str],
+    ) -> None:
+        """Enqueue a checkpoint ``checkpoint_dir/name``, then pruning to ``keep_checkpoints``.
+
+        The arrays are owned by the writer from this call on: do not modify them
+        (hand over copies, e.g. the snapshot the bridge just took).
+
+        Raises:
+            ValueError: no ``checkpoint_dir``, or ``name`` is not a plain file name.
+            WriterError: the thread failed earlier.
+        """
+        if self.checkpoint_dir is None:
+            raise ValueError("save_checkpoint needs checkpoint_dir; MetricsWriter got checkpoint_dir=None")
+        if not name or Path(name).name != name:
+            raise ValueError(f"name must be a plain file name, got {name!r}")
+        self._put(("checkpoint", name, params, buffers, meta, list(order)))
+
+    def flush_wait(self, timeout: float | None = None) -> bool:
+        """Block until everything queued before this call is written.
+
+        Returns:
+            True when written, False when ``timeout`` (seconds) passed first.
+
+        Raises:
+            WriterError: the thread failed (before or while draining).
+        """
+        done = threading.Event()
+        self._put(("flush", done))
+        ok = done.wait(timeout)
+        self.check()
+        return ok
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Drain the queue, close metrics.h5, join the thread; idempotent.
+
+        Raises:
+            WriterError: the thread failed, or did not finish within ``timeout`` seconds.
+        """
+        with self._lock:
+            if not self._closed and self._thread.is_alive():
+                self._queue.put((_CLOSE,))
+            self._closed = True
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise WriterError(f"metrics writer did not finish within {timeout} s (disk stalled?)")
+        self.check()
+
+    # -------------------------------------------------------------- writer thread
+
+    def _run(self) -> None:
+        metrics = None
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            metrics = MetricsFile(self.path, self._world_size, self._attrs)
+            self._ready.set()
+            while self._serve(metrics):
+                pass
+        except BaseException as exc:  # crosses to the caller as data (check/close)
+            self._fail(exc)
+        finally:
+            self._ready.set()
+            if metrics is not None:
+                try:
+                    metrics.close()
+                except BaseException as exc:
+                    self._fail(exc)
+
+    def _serve(self, metrics: MetricsFile) -> bool:
+        """Process everything queued now; False after the close item."""
+        batch = self._inflight = [self._queue.get()]
+        try:
+            while True:
+                batch.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        i = 0
+        while i < len(batch):
+            item = batch[i]
+            kind = item[0]
+            if kind is _CLOSE:
+                return False
+            if kind == "append":
+                # Coalesce a run of appends to one table into one resize/write/flush.
+                j = i + 1
+                while j < len(batch) and batch[j][0] == "append" and batch[j][1] == item[1]:
+                    j += 1
+                rows = [b[2] for b in batch[i:j]]
+                metrics.append(item[1], {c: np.concatenate([r[c] for r in rows]) for c in rows[0]})
+                i = j
+                continue
+            if kind == "checkpoint":
+                _, name, params, buffers, meta, order = item
+                self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+                checkpoint.write_checkpoint(self.checkpoint_dir / name, params, buffers, meta, order)
+                checkpoint.prune_checkpoints(self.checkpoint_dir, self._keep)
+            elif kind == "flush":
+                item[1].set()
+            i += 1
+        return True
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record the first error, refuse new work, release every pending flush_wait."""
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+            self._closed = True
+        # The error is recorded before any waiter wakes, so flush_wait sees it.
+        pending = list(self._inflight)
+        try:
+            while True:
+                pending.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        for item in pending:
+            if item[0] == "flush":
+                item[1].set()

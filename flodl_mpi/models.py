@@ -1,0 +1,192 @@
+"""Built-in models and the loader for a user's ``module:factory`` model.
+
+Invariant: ``build_model`` returns an ``nn.Module`` with at least one parameter, all
+parameters floating point, or raises ``ModelSpecError`` with one line saying why;
+``model_signature`` lets ranks check they all built the same structure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+__all__ = ["ModelSpecError", "build_model", "digits_mlp", "model_signature"]
+
+
+class ModelSpecError(ValueError):
+    """A ``--model`` spec that cannot give a usable model; the message is one line."""
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def digits_mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128) -> nn.Module:
+    """The built-in model: a 3-layer MLP with BatchNorm after the first layer.
+
+    BatchNorm is there on purpose: its running mean/var are float buffers that ranks
+    average, and ``num_batches_tracked`` is an int64 buffer the averaging must handle.
+
+    Args:
+        input_shape: shape of one sample, e.g. (64,); flattened to prod(input_shape).
+        num_classes: number of output logits, >= 1.
+        hidden: width of the two hidden layers, >= 1.
+
+    Returns:
+        ``nn.Sequential`` mapping float32 (B, *input_shape) to logits (B, num_classes).
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong kind or out of range.
+    """
+    if not isinstance(input_shape, Sequence) or not input_shape:
+        raise TypeError(f"input_shape must be a non-empty tuple of ints, got {input_shape!r}")
+    for dim in input_shape:
+        _positive_int(dim, "input_shape entries")
+    _positive_int(num_classes, "num_classes")
+    _positive_int(hidden, "hidden")
+    return nn.Sequential(
+        nn.Flatten(),  # (B, *input_shape) -> (B, prod(input_shape))
+        nn.Linear(math.prod(input_shape), hidden),
+        nn.BatchNorm1d(hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, num_classes),
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` on one line, so a user's multi-line message stays one line."""
+    return f"{type(exc).__name__}: " + " ".join(str(exc).split())
+
+
+def _import(spec: str, module: str) -> object:
+    """Import ``module``: a dotted name, or a path ending in .py (loaded from the file)."""
+    if not module.endswith(".py"):
+        try:
+            return importlib.import_module(module)
+        except Exception as exc:  # user code: ImportError, SyntaxError, its own errors
+            raise ModelSpecError(
+                f"--model {spec!r}: cannot import module {module!r}: {_describe(exc)}"
+            ) from exc
+    if not os.path.isfile(module):
+        raise ModelSpecError(f"--model {spec!r}: no such file {module!r}")
+    # A private name, registered in sys.modules while it runs (as importlib's recipe
+    # does) so that dataclasses and pickling inside the user's file work.
+    name = "_flodl_mpi_user_model_" + os.path.splitext(os.path.basename(module))[0]
+    mod_spec = importlib.util.spec_from_file_location(name, module)
+    mod = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = mod
+    try:
+        mod_spec.loader.exec_module(mod)
+    except Exception as exc:  # user code
+        del sys.modules[name]
+        raise ModelSpecError(
+            f"--model {spec!r}: cannot import file {module!r}: {_describe(exc)}"
+        ) from exc
+    return mod
+
+
+def _call_factory(factory: Callable, input_shape: tuple[int, ...], num_classes: int) -> object:
+    """Call ``factory`` with those of ``input_shape``/``num_classes`` it accepts by keyword."""
+    offered = {"input_shape": input_shape, "num_classes": num_classes}
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature: offer both
+        return factory(**offered)
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return factory(**offered)
+    by_keyword = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return factory(**{k: v for k, v in offered.items() if k in by_keyword})
+
+
+def build_model(spec: str | None, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Build the model named by ``--model``.
+
+    Args:
+        spec: ``None`` for ``digits_mlp``; else ``module:factory`` where module is a
+            dotted import name (``mypkg.nets:make_net``) or a file path ending in .py
+            (``path/to/file.py:make_net``; its directory is not added to sys.path).
+            ``factory`` may be dotted (``Class.create``). It is called with only those of
+            the keyword arguments ``input_shape`` (tuple of ints, one sample's shape) and
+            ``num_classes`` (int) that its signature accepts (``**kwargs`` takes both).
+        input_shape: shape of one sample, e.g. (64,).
+        num_classes: number of classes.
+
+    Returns:
+        The model (on CPU, as the factory made it).
+
+    Raises:
+        ModelSpecError: malformed spec, module not importable, no such attribute, not
+            callable, the factory raised, the result is not an ``nn.Module``, it has no
+            parameters, or a parameter is not floating point.
+        TypeError: ``spec`` is neither ``None`` nor a str.
+    """
+    input_shape = tuple(input_shape)
+    if spec is None:
+        return digits_mlp(input_shape, num_classes)
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a str 'module:factory' or None, got {type(spec).__name__}")
+    # Split at the last colon so a Windows path like C:\nets\m.py:make still parses.
+    module, _, attr = spec.rpartition(":")
+    if not module or not attr:
+        raise ModelSpecError(
+            f"--model {spec!r}: expected 'module:factory' or 'path/to/file.py:factory'"
+        )
+
+    factory = _import(spec, module)
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise ModelSpecError(f"--model {spec!r}: {module!r} has no attribute {attr!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ModelSpecError(
+            f"--model {spec!r}: {attr!r} is a {type(factory).__name__}, not callable"
+        )
+
+    try:
+        model = _call_factory(factory, input_shape, num_classes)
+    except Exception as exc:  # user code: report it in one line, keep the traceback chained
+        raise ModelSpecError(
+            f"--model {spec!r}: factory raised {_describe(exc)}"
+        ) from exc
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(
+            f"--model {spec!r}: factory returned {type(model).__name__}, not a torch.nn.Module"
+        )
+    params = list(model.named_parameters())
+    if not params:
+        raise ModelSpecError(f"--model {spec!r}: the model has no parameters")
+    for name, p in params:
+        if not p.is_floating_point():
+            raise ModelSpecError(
+                f"--model {spec!r}: parameter {name!r} has dtype {_dtype(p)}; "
+                "all parameters must be floating point"
+            )
+    return model
+
+
+def _dtype(tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")  # torch.float32 -> "float32"
+
+
+def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, dtype)`` of every parameter, then every buffer, in module order.
+
+    dtype is the torch dtype without the ``torch.`` prefix (``"float32"``, ``"int64"``).
+    Ranks compare (e.g. gather) these to check they all built the same model before
+    any collective relies on the layout.
+    """
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    return [(name, tuple(t.shape), _dtype(t)) for name, t in tensors]

@@ -1,0 +1,48 @@
+"""Realized-work mass: how much say each rank has in a consensus (SPEC §1).
+
+Invariant: a rank that took no optimizer step since the last consensus has mass
+exactly 0.0 for every gamma, so it can never vote (``0 ** 0 == 1`` and
+``0 ** -1 == inf`` are the traps this guards against).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["gamma_mass", "mover_mass", "is_realized"]
+
+
+def gamma_mass(n: float, gamma: float) -> float:
+    """Mass of a rank's parameters for the params reduce.
+
+    Args:
+        n: optimizer steps the rank completed since the consensus it last
+            adopted (a count, >= 0; fractional values are accepted).
+        gamma: exponent. 1 = plain work weighting, 0 < gamma < 1 damps a fast
+            rank's dominance, 0 = unweighted mean over the ranks that moved,
+            -1 = each step weighted equally.
+
+    Returns:
+        ``0.0`` when ``n <= 0`` (for every gamma, negative included); ``float(n)``
+        exactly when ``gamma == 1``; otherwise ``n ** gamma``. Source: SPEC §1
+        mass table.
+    """
+    if not n > 0:  # NaN steps count as idle, too
+        return 0.0
+    if gamma == 1.0:
+        return float(n)
+    return float(n) ** gamma
+
+
+def mover_mass(n: float) -> float:
+    """Mass for the buffers reduce: ``1.0`` if the rank moved (``n > 0``) else ``0.0``.
+
+    Buffers (BatchNorm running statistics) are equal-weighted among movers and
+    never gamma-weighted (SPEC §1).
+    """
+    return 1.0 if n > 0 else 0.0
+
+
+def is_realized(mass: float) -> bool:
+    """Whether a summed mass realized any work: ``mass > 0``; NaN is not realized."""
+    return not math.isnan(mass) and mass > 0.0

@@ -1,0 +1,115 @@
+"""Per-epoch reporting: the vector each rank contributes and the cohort aggregate (SPEC §5).
+
+Invariant: the aggregate is a pure function of the gathered ``(W, k)`` matrix,
+so every rank computes the same numbers and user code acting on them (an early
+stop, say) acts identically everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+__all__ = ["EPOCH_FIELDS", "BATCH_COLUMNS", "EpochReport", "EpochSummary", "aggregate_epoch"]
+
+#: Columns of a per-batch record, in order (float64 on the wire).
+BATCH_COLUMNS = ("rank", "epoch", "step", "batch_ms", "data_ms", "loss", "lr", "param_norm")
+
+
+@dataclass
+class EpochReport:
+    """One rank's epoch, sent in the epoch exchange.
+
+    Attributes (all per rank, this epoch): ``loss_sum`` (sum of batch losses),
+    ``batches``, ``samples``, ``epoch_ms`` (wall ms from epoch start to the
+    exchange), ``compute_ms`` (forward, backward, step), ``data_ms`` (waiting
+    for batches), ``test_loss_sum``, ``test_correct`` and ``test_count`` (this
+    rank's slice of the test set, evaluated on the consensus).
+    """
+
+    loss_sum: float = 0.0
+    batches: int = 0
+    samples: int = 0
+    epoch_ms: float = 0.0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+    test_loss_sum: float = 0.0
+    test_correct: int = 0
+    test_count: int = 0
+
+    def to_row(self) -> np.ndarray:
+        """float64 ``(len(EPOCH_FIELDS),)``."""
+        return np.array([float(getattr(self, f)) for f in EPOCH_FIELDS], dtype=np.float64)
+
+
+EPOCH_FIELDS = tuple(f.name for f in fields(EpochReport))
+
+
+@dataclass
+class EpochSummary:
+    """The cohort's epoch, identical on every rank (SPEC §5 table).
+
+    Per-rank arrays have shape ``(W,)``. ``per_rank_throughput`` is samples per
+    second of compute plus data wait; ``per_rank_batch_share`` is each rank's
+    fraction of the epoch's batches (the allocation it was given);
+    ``test_accuracy`` is correct / count over the whole test set.
+    """
+
+    epoch: int
+    rounds: int
+    avg_loss: float
+    epoch_ms: float
+    batches: int
+    per_rank_loss: np.ndarray
+    per_rank_batches: np.ndarray
+    per_rank_samples: np.ndarray
+    per_rank_throughput: np.ndarray
+    per_rank_batch_share: np.ndarray
+    per_rank_epoch_ms: np.ndarray
+    per_rank_compute_ms: np.ndarray
+    per_rank_data_ms: np.ndarray
+    test_loss: float
+    test_accuracy: float
+    test_count: int
+
+
+def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int) -> EpochSummary:
+    """Aggregate the gathered epoch reports.
+
+    Args:
+        matrix: float64 ``(W, len(EPOCH_FIELDS))``, row r = rank r's report.
+        epoch: the epoch index (0-based).
+        rounds: rounds completed so far in the run.
+
+    Returns:
+        :class:`EpochSummary`: ``avg_loss = Σ loss_sum / Σ batches``; ``epoch_ms``
+        is the slowest rank's; a rank with no batches gets NaN loss and zero
+        throughput (SPEC §5).
+    """
+    col = {name: matrix[:, i] for i, name in enumerate(EPOCH_FIELDS)}
+    batches = col["batches"].astype(np.int64)
+    total = int(batches.sum())
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_rank_loss = np.where(batches > 0, col["loss_sum"] / np.maximum(batches, 1), np.nan)
+        busy_s = (col["compute_ms"] + col["data_ms"]) / 1e3
+        throughput = np.where(busy_s > 0, col["samples"] / np.where(busy_s > 0, busy_s, 1.0), 0.0)
+    test_count = int(col["test_count"].sum())
+    return EpochSummary(
+        epoch=int(epoch),
+        rounds=int(rounds),
+        avg_loss=float(col["loss_sum"].sum() / total) if total else float("nan"),
+        epoch_ms=float(col["epoch_ms"].max()),
+        batches=total,
+        per_rank_loss=per_rank_loss,
+        per_rank_batches=batches,
+        per_rank_samples=col["samples"].astype(np.int64),
+        per_rank_throughput=throughput,
+        per_rank_batch_share=batches / total if total else np.zeros_like(col["batches"]),
+        per_rank_epoch_ms=col["epoch_ms"].copy(),
+        per_rank_compute_ms=col["compute_ms"].copy(),
+        per_rank_data_ms=col["data_ms"].copy(),
+        test_loss=float(col["test_loss_sum"].sum() / test_count) if test_count else float("nan"),
+        test_accuracy=float(col["test_correct"].sum() / test_count) if test_count else float("nan"),
+        test_count=test_count,
+    )

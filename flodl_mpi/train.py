@@ -1,0 +1,197 @@
+"""``flodl-mpi train``: set up a rank (config, device, data, model, outputs), then train.
+
+Setup runs on the main thread before the bridge starts, so it may call MPI; each
+step goes through :func:`flodl_mpi.world.agree`, so bad input on any rank becomes
+one clear line on rank 0 and a non-zero exit everywhere, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import mpi4py
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from flodl_mpi import __version__
+from flodl_mpi.bridge import Bridge
+from flodl_mpi.cli import config_from_args
+from flodl_mpi.config import TrainConfig
+from flodl_mpi.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset
+from flodl_mpi.errors import CohortError, InputError
+from flodl_mpi.faults import InjectedFault, parse_fault
+from flodl_mpi.metrics import MetricsWriter, WriterError
+from flodl_mpi.models import build_model, model_signature
+from flodl_mpi.worker import Replica, Trainer
+from flodl_mpi.world import Watchdog, World, agree, torch_threads
+
+__all__ = ["run_train", "pick_device"]
+
+log = logging.getLogger("flodl_mpi")
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    """Map ``--device`` and the local rank to a device: one GPU per local rank.
+
+    Raises:
+        ValueError: ``cuda`` asked for but no CUDA device is visible.
+    """
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _load_data(cfg: TrainConfig, world: World) -> Dataset:
+    names = {k: getattr(cfg, k) for k in DEFAULT_NAMES}
+    if cfg.data is not None:
+        return agree(world.comm, "data", lambda: load_dataset(cfg.data, names))
+    path = default_digits_path()
+    # One writer per host (the cache may be node-local); the write is atomic.
+    agree(world.comm, "data", lambda: ensure_digits(path) if world.local_rank == 0 else None)
+    return agree(world.comm, "data", lambda: load_dataset(path, names))
+
+
+def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm) -> Path:
+    def create() -> str | None:
+        if comm.rank != 0:
+            return None
+        run_dir = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime()))
+        if (run_dir / "metrics.h5").exists():
+            raise ValueError(f"--run-dir {str(run_dir)!r} already holds a run (metrics.h5); "
+                             "choose a new --run-dir so nothing saved is overwritten")
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        return str(run_dir)
+
+    return Path(comm.bcast(agree(comm, "run dir", create), root=0))
+
+
+def _check_same_model(model: torch.nn.Module, comm: MPI.Comm) -> None:
+    signatures = comm.allgather(model_signature(model))
+    for r, sig in enumerate(signatures):
+        if sig != signatures[0]:
+            first = next((a, b) for a, b in zip(signatures[0] + [None], sig + [None]) if a != b)
+            raise InputError(f"the model differs across ranks: rank 0 has {first[0]} where rank {r} has "
+                             f"{first[1]} (every rank must build the same model)")
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    if rank == 0 and not log.handlers:
+        for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+            handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+            log.addHandler(handler)
+
+
+def _run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:
+    hosts = world.comm.allgather(world.host)
+    devices = world.comm.allgather(str(device))
+    return {
+        "config": cfg.to_dict(),
+        "world_size": world.size,
+        "hosts": hosts,
+        "devices": devices,
+        "versions": {
+            "flodl_mpi": __version__, "torch": torch.__version__, "numpy": np.__version__,
+            "h5py": h5py.__version__, "mpi4py": mpi4py.__version__,
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        },
+        "policy": cfg.policy,
+        "thread_level": world.thread_level,
+    }
+
+
+def run_train(args, world: World, watchdog: Watchdog) -> list:
+    """Set up this rank and train; returns the epoch summaries.
+
+    Collective: every rank calls it with the same ``args``.
+
+    Raises:
+        InputError: bad input on any rank (every rank raises it).
+        CohortError: an error every rank saw (e.g. non-finite parameters).
+        Exception: anything local; the caller aborts the world.
+    """
+    comm = world.comm
+    # -- config, device, data, outputs
+    cfg = agree(comm, "config", lambda: config_from_args(args))
+    watchdog.stall_timeout = cfg.stall_timeout
+    fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
+    torch.set_num_threads(torch_threads(world.local_size))
+    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank))
+    data = _load_data(cfg, world)
+    run_dir = _make_run_dir(cfg, comm)
+    _setup_logging(run_dir, world.rank)
+
+    # -- model: same structure everywhere, then the same initial values
+    torch.manual_seed(cfg.seed)
+    model = agree(comm, "model", lambda: build_model(cfg.model, data.input_shape, data.num_classes).to(device))
+    _check_same_model(model, comm)
+    replica = Replica(model, device)
+
+    def bridge_fault(round_: int, stage: str) -> None:
+        if fault is not None and stage == "params reduce" and fault.fires("bridge", world.rank, round_):
+            raise InjectedFault(f"injected fault in the bridge (rank {world.rank}, round {round_})")
+
+    attrs = _run_attrs(cfg, world, device)
+    writer = None
+    if world.rank == 0:
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints)
+    agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None)
+    bridge = Bridge(
+        comm.Dup(),
+        [tuple(p.shape) for p in replica.params],
+        [tuple(b.shape) for b in replica.float_buffers],
+        gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, anchor=cfg.window,
+        threaded=world.threaded_bridge, watchdog=watchdog, fault=bridge_fault,
+    )
+    replica.snapshot(bridge)
+    bridge.broadcast(root=0)
+    replica.adopt(bridge)
+    # Per-rank randomness (dropout and the like) differs by rank, reproducibly.
+    torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
+
+    trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info)
+
+    def request_stop(signum, frame) -> None:  # the next round carries it to every rank
+        trainer.stop_requested = True
+
+    signal.signal(signal.SIGUSR1, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    log.info(f"flodl-mpi {__version__}: {world.size} ranks, policy {cfg.policy} window {cfg.window}, "
+             f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
+             f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
+
+    # -- train
+    bridge.start()
+    try:
+        history = trainer.fit()
+    except CohortError:
+        if writer is not None:
+            with contextlib.suppress(WriterError):  # the cohort error is the one to report
+                writer.close(timeout=10.0)
+        raise
+    except BaseException:
+        if writer is not None:
+            with contextlib.suppress(WriterError):
+                writer.flush_wait(timeout=10.0)
+        raise
+    bridge.close()
+    if writer is not None:
+        writer.close()
+        last = history[-1]
+        log.info(f"done: test accuracy {last.test_accuracy:.4f} after {last.rounds} rounds; "
+                 f"metrics {run_dir / 'metrics.h5'}, checkpoints {run_dir / 'checkpoints'}")
+    return history

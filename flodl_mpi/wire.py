@@ -1,0 +1,139 @@
+"""The wire: a flat float32 layout over named tensors plus a trailing mass slot.
+
+Invariant: the layout is planned once from the model's structure (never from a
+rank-local fact), so every rank's buffer has the same length, the same tensor
+offsets and the same chunk boundaries, and a frame always carries its tensors
+and its mass together (SPEC §1, "the wire-scale trick").
+
+Layout of a frame of ``n`` tensor elements: ``[W·m·t_0 …, W·m·t_{n-1}, W·m]``.
+The pack multiplies by ``W·m`` while copying (one pass); the unpack divides by
+the summed mass while copying back (one pass) and accumulates the float64 sums
+of squares the divergence triple needs (SPEC §3) in the same pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["DEFAULT_CHUNK_ELEMS", "WireLayout", "pack_chunk", "unpack_chunk", "sum_squares"]
+
+#: Elements per piece: 1 MiB of float32. Cache-sized pieces reduce faster than one
+#: big Allreduce on the machines we measured (DESIGN, "Where the time goes").
+DEFAULT_CHUNK_ELEMS = 1 << 18
+
+
+class WireLayout:
+    """Plan of one frame: tensor offsets in a flat float32 buffer and its pieces.
+
+    Args:
+        shapes: the tensors' shapes, in wire order (``named_parameters()`` then
+            ``named_buffers()`` order, fixed by the model's structure).
+        chunk_elems: most elements in one piece (one Allreduce call), >= 1.
+
+    Attributes:
+        n: tensor elements; the mass slot is element ``n``.
+        size: ``n + 1``, the frame length.
+        chunks: ``(lo, hi)`` half-open pieces covering ``[0, size)`` in order;
+            the last one holds the mass slot.
+
+    Raises:
+        ValueError: ``chunk_elems < 1`` or a negative dimension.
+    """
+
+    def __init__(self, shapes: Sequence[Sequence[int]], chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> None:
+        if int(chunk_elems) < 1:
+            raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems!r}")
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        if any(d < 0 for s in self.shapes for d in s):
+            raise ValueError(f"shapes must have non-negative dimensions, got {self.shapes!r}")
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]).tolist()
+        self.n = int(self.offsets[-1])
+        self.size = self.n + 1
+        self.chunk_elems = int(chunk_elems)
+        self.chunks = [(lo, min(lo + self.chunk_elems, self.size)) for lo in range(0, self.size, self.chunk_elems)]
+
+    def new_staging(self) -> np.ndarray:
+        """A zeroed float32 array of ``n`` elements: the tensors, no mass slot."""
+        return np.zeros(self.n, dtype=np.float32)
+
+    def new_frame(self) -> np.ndarray:
+        """A zeroed float32 array of ``size`` elements: the frame sent on the wire."""
+        return np.zeros(self.size, dtype=np.float32)
+
+    def views(self, flat: np.ndarray) -> list[np.ndarray]:
+        """Views of ``flat`` (length >= ``n``) shaped as the tensors; no copies."""
+        return [flat[o : o + k].reshape(s) for o, k, s in zip(self.offsets, self.sizes, self.shapes)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one frame on the wire (float32)."""
+        return 4 * self.size
+
+
+def sum_squares(x: np.ndarray, scratch64: np.ndarray) -> float:
+    """``sum(x ** 2)`` accumulated in float64.
+
+    ``x`` is cast into ``scratch64`` (float64, length >= ``x.size``) first: in a
+    cache-sized piece that costs far less than the float32 accumulation error of
+    a long dot product.
+    """
+    k = x.size
+    s = scratch64[:k]
+    np.copyto(s, x, casting="same_kind")
+    return float(np.dot(s, s))
+
+
+def pack_chunk(
+    staging: np.ndarray, frame: np.ndarray, lo: int, hi: int, scale: float, scratch64: np.ndarray
+) -> float:
+    """Pack piece ``[lo, hi)`` of the frame: ``frame = scale · staging``, mass slot ``= scale``.
+
+    ``scale`` is ``W · m_r``. An idle rank (``scale == 0``) writes true zeros,
+    never ``0 · θ``: a NaN in θ would survive the multiply (SPEC §1).
+
+    Returns:
+        ``sum(staging[lo:hi] ** 2)`` in float64 (the pre-round norm, fused here).
+    """
+    n = staging.size
+    t_hi = min(hi, n)
+    seg = staging[lo:t_hi]
+    if scale == 0.0:
+        frame[lo:hi] = 0.0
+    else:
+        np.multiply(seg, np.float32(scale), out=frame[lo:t_hi])
+        if hi > n:
+            frame[n] = scale
+    return sum_squares(seg, scratch64)
+
+
+def unpack_chunk(
+    frame: np.ndarray,
+    staging: np.ndarray,
+    lo: int,
+    hi: int,
+    total_mass: np.float32,
+    scratch32: np.ndarray,
+    scratch64: np.ndarray,
+) -> tuple[float, float]:
+    """Unpack piece ``[lo, hi)``: ``staging = frame / total_mass``, the one divide.
+
+    ``staging`` holds the rank's pre-round tensors on entry and the consensus on
+    return; ``frame`` holds the summed piece and is left as scratch.
+
+    Returns:
+        ``(sum((pre - post) ** 2), sum(post ** 2))`` for this piece, in float64.
+    """
+    t_hi = min(hi, staging.size)
+    if t_hi <= lo:
+        return 0.0, 0.0
+    post = np.divide(frame[lo:t_hi], total_mass, out=frame[lo:t_hi])
+    pre = staging[lo:t_hi]
+    diff = np.subtract(pre, post, out=scratch32[: t_hi - lo])
+    diff_sq = sum_squares(diff, scratch64)
+    post_sq = sum_squares(post, scratch64)
+    np.copyto(pre, post)
+    return diff_sq, post_sq

@@ -1,0 +1,175 @@
+"""Checkpoint files: round trip, atomicity, refusal of incomplete files, pruning."""
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from flodl_mpi.checkpoint import (
+    SCHEMA_VERSION,
+    CheckpointError,
+    checkpoint_name,
+    latest_checkpoint,
+    list_checkpoints,
+    load_state_dict,
+    prune_checkpoints,
+    read_checkpoint,
+    write_checkpoint,
+)
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def trained_model():
+    """A model whose BatchNorm running stats and counter are not at their defaults."""
+    model = make_model(0)
+    model.train()
+    for _ in range(3):
+        model(torch.randn(16, 4))
+    return model.eval()
+
+
+def split_state(model):
+    """(params, buffers, order) as numpy copies, the way the bridge snapshots them."""
+    params = {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+    buffers = {k: v.detach().numpy().copy() for k, v in model.named_buffers()}
+    return params, buffers, list(model.state_dict())
+
+
+def save(path, model, round_=0, **meta):
+    params, buffers, order = split_state(model)
+    return write_checkpoint(path, params, buffers, {"round": round_, **meta}, order)
+
+
+def test_round_trip_of_a_batchnorm_model(tmp_path):
+    model = trained_model()
+    meta = {"epoch": 5, "round": 123, "reason": "checkpoint", "lr": 0.05, "resumable": True,
+            "config": {"policy": "cadence", "anchor": 3, "nested": {"gamma": [0.5, 1.0]}},
+            "rng": np.arange(5, dtype=np.uint8)}
+    params, buffers, order = split_state(model)
+    path = write_checkpoint(tmp_path / checkpoint_name(5, 123), params, buffers, meta, order)
+    assert path.name == "ckpt-e000005-r000123.h5"
+
+    ckpt = read_checkpoint(path)
+    state = model.state_dict()
+    assert ckpt.order == list(state)
+    for name in state:
+        got = {**ckpt.params, **ckpt.buffers}[name]
+        want = state[name].numpy()
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()  # bit-equal
+    nbt = ckpt.buffers["1.num_batches_tracked"]
+    assert nbt.dtype == np.int64 and nbt.shape == () and int(nbt) == 3
+    rng = ckpt.meta.pop("rng")
+    assert rng.dtype == np.uint8 and rng.tolist() == [0, 1, 2, 3, 4]
+    assert ckpt.meta == {k: v for k, v in meta.items() if k != "rng"}
+    assert type(ckpt.meta["epoch"]) is int and type(ckpt.meta["resumable"]) is bool
+    with h5py.File(path, "r") as f:
+        assert f.attrs["schema_version"] == SCHEMA_VERSION and bool(f.attrs["complete"])
+        assert list(f.attrs)[-1] == "complete"  # written last
+        assert "0.weight" in f["params"]  # dotted names kept as they are
+
+
+def test_load_state_dict_reproduces_the_model(tmp_path):
+    model = trained_model()
+    path = save(tmp_path / "a.h5", model)
+    fresh = make_model(1).eval()
+    x = torch.randn(7, 4)
+    assert not torch.equal(fresh(x), model(x))
+    state = load_state_dict(path)
+    assert list(state) == list(model.state_dict())
+    assert state["1.num_batches_tracked"].dtype == torch.int64
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh(x), model(x))
+
+
+def test_float64_is_stored_float32(tmp_path):
+    path = write_checkpoint(tmp_path / "a.h5", {"w": np.array([1 / 3])}, {"flag": np.array(True)}, {}, ["w", "flag"])
+    ckpt = read_checkpoint(path)
+    assert ckpt.params["w"].dtype == np.float32 and ckpt.params["w"][0] == np.float32(1 / 3)
+    assert ckpt.buffers["flag"].dtype == np.bool_ and bool(ckpt.buffers["flag"])
+
+
+def test_bad_names_and_order_are_refused(tmp_path):
+    w = {"a/b": np.zeros(2, np.float32)}
+    with pytest.raises(ValueError, match="contains '/'"):
+        write_checkpoint(tmp_path / "a.h5", w, {}, {}, ["a/b"])
+    with pytest.raises(ValueError, match=r"missing from order: \['b'\]"):
+        write_checkpoint(tmp_path / "a.h5", {"a": np.zeros(1)}, {"b": np.zeros(1)}, {}, ["a"])
+    with pytest.raises(ValueError, match=r"unknown in order: \['c'\]"):
+        write_checkpoint(tmp_path / "a.h5", {"a": np.zeros(1)}, {}, {}, ["a", "c"])
+    with pytest.raises(ValueError, match="reserved"):
+        write_checkpoint(tmp_path / "a.h5", {"a": np.zeros(1)}, {}, {"complete": True}, ["a"])
+    assert os.listdir(tmp_path) == []
+
+
+def test_incomplete_file_is_refused_and_skipped(tmp_path):
+    good = save(tmp_path / checkpoint_name(0, 1), trained_model(), round_=1)
+    bad = tmp_path / checkpoint_name(0, 2)
+    with h5py.File(bad, "w") as f:  # what an interrupted write without the flag looks like
+        f.create_group("params")
+        f.attrs["round"] = 2
+        f.attrs["schema_version"] = SCHEMA_VERSION
+    with pytest.raises(CheckpointError, match=f"{bad.name}.*incomplete"):
+        read_checkpoint(bad)
+    (tmp_path / "notes.h5").write_text("not hdf5")
+    assert list_checkpoints(tmp_path) == [good]
+    assert latest_checkpoint(tmp_path) == good
+
+
+def test_missing_foreign_and_newer_files_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="no such file"):
+        read_checkpoint(tmp_path / "nope.h5")
+    (tmp_path / "text.h5").write_text("hello")
+    with pytest.raises(CheckpointError, match="not an HDF5 file"):
+        read_checkpoint(tmp_path / "text.h5")
+    path = save(tmp_path / "new.h5", trained_model())
+    with h5py.File(path, "a") as f:
+        f.attrs["schema_version"] = SCHEMA_VERSION + 1
+    with pytest.raises(CheckpointError, match="newer"):
+        read_checkpoint(path)
+    assert latest_checkpoint(tmp_path / "no-dir") is None
+
+
+def test_crash_mid_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    model = trained_model()
+    path = save(tmp_path / "ckpt.h5", model, round_=1)
+    before = path.read_bytes()
+
+    def crash(src, dst):
+        raise OSError("killed before the rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    params, buffers, order = split_state(make_model(9))
+    with pytest.raises(OSError, match="killed"):
+        write_checkpoint(path, params, buffers, {"round": 2}, order)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert read_checkpoint(path).meta["round"] == 1
+    assert os.listdir(tmp_path) == ["ckpt.h5"]  # the temporary file was removed
+
+
+def test_list_prune_keep_the_newest(tmp_path):
+    model = trained_model()
+    # Written out of order: listing sorts by meta round, not by mtime.
+    for r in (3, 1, 4, 2, 5):
+        save(tmp_path / checkpoint_name(0, r), model, round_=r)
+    want = [tmp_path / checkpoint_name(0, r) for r in (1, 2, 3, 4, 5)]
+    assert list_checkpoints(tmp_path) == want
+
+    dead = tmp_path / (checkpoint_name(0, 6) + ".tmp-999999999")  # no such pid
+    dead.write_bytes(b"half a file")
+    live = tmp_path / (checkpoint_name(0, 7) + f".tmp-{os.getpid()}")  # a write in flight
+    live.write_bytes(b"in progress")
+
+    deleted = prune_checkpoints(tmp_path, keep=2)
+    assert sorted(deleted) == sorted(want[:3] + [dead])
+    assert list_checkpoints(tmp_path) == want[3:]
+    assert live.exists() and not dead.exists()
+    with pytest.raises(ValueError, match="keep must be an int >= 1, got 0"):
+        prune_checkpoints(tmp_path, keep=0)

@@ -1,0 +1,198 @@
+"""metrics.h5 tables (SWMR) and rank 0's writer thread."""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from flodl_mpi import checkpoint
+from flodl_mpi.checkpoint import checkpoint_name, latest_checkpoint, read_checkpoint
+from flodl_mpi.metrics import (
+    GUARD_VERDICTS,
+    MetricsFile,
+    MetricsWriter,
+    WriterError,
+    read_table,
+    table_schema,
+)
+
+W = 3
+
+
+def batch_rows(start, k):
+    """k rows of the batches table with values that identify their row."""
+    i = np.arange(start, start + k)
+    return {"rank": i % W, "epoch": i // 10, "step": i, "batch_ms": i * 1.5, "data_ms": i * 0.25,
+            "loss": 1.0 / (1 + i), "lr": np.full(k, 0.1), "param_norm": np.where(i % 10 == 0, i * 2.0, np.nan)}
+
+
+def round_rows(start, k):
+    i = np.arange(start, start + k)
+    per_rank = i[:, None] * 10.0 + np.arange(W)  # (k, W)
+    return {"round": i, "version": i + 100, "time_s": i * 0.5, "skipped": i % 2 == 1,
+            "steps": per_rank.astype(np.int64), "mass": per_rank, "divergence": per_rank / 7,
+            "pre_norm": per_rank + 1, "post_norm": i * 3.0, "pack_ms": per_rank, "allreduce_ms": per_rank,
+            "unpack_ms": per_rank, "bytes": i * 4096, "window": per_rank.astype(np.int64) + 1,
+            "anchor": np.full(k, 3), "guard": (i % 3).astype(np.int8)}
+
+
+def expected(rows_list):
+    return {c: np.concatenate([r[c] for r in rows_list]) for c in rows_list[0]}
+
+
+def assert_table_equal(got, want):
+    assert set(got) == set(want)
+    for c in want:
+        np.testing.assert_array_equal(got[c], want[c], err_msg=c)
+
+
+def test_schema_shapes():
+    schema = table_schema(4)
+    assert schema["rounds"]["mass"] == (np.dtype(np.float64), (4,))
+    assert schema["batches"]["rank"] == (np.dtype(np.int32), ())
+    assert h5py.check_enum_dtype(schema["rounds"]["guard"][0]) == GUARD_VERDICTS
+    assert len(schema["rounds"]) == 16 and len(schema["epochs"]) == 16 and len(schema["batches"]) == 8
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        table_schema(0)
+
+
+def test_appends_in_batches_read_back(tmp_path):
+    path = tmp_path / "metrics.h5"
+    attrs = {"config": {"lr": 0.1, "policy": "cadence"}, "hosts": ["a", "b", "a"], "version": "0.1.0"}
+    parts = [batch_rows(0, 4), batch_rows(4, 1), batch_rows(5, 7)]
+    rparts = [round_rows(0, 2), round_rows(2, 3)]
+    with MetricsFile(path, W, attrs) as m:
+        for p in parts:
+            m.append("batches", p)
+        for p in rparts:
+            m.append("rounds", p)
+    assert_table_equal(read_table(path, "batches"), expected(parts))
+    assert_table_equal(read_table(path, "rounds"), expected(rparts))
+    assert read_table(path, "epochs")["epoch"].shape == (0,)
+    with h5py.File(path, "r") as f:
+        assert f.attrs["world_size"] == W and f.attrs["version"] == "0.1.0"
+        assert json.loads(f.attrs["config"]) == attrs["config"]
+        assert set(json.loads(f.attrs["json_attrs"])) == {"config", "hosts"}
+        assert f["rounds/mass"].shape == (5, W) and f["rounds/mass"].maxshape == (None, W)
+
+
+def test_swmr_reader_sees_rows_while_the_writer_is_open(tmp_path):
+    path = tmp_path / "metrics.h5"
+    with MetricsFile(path, W, {}) as m:
+        m.append("batches", batch_rows(0, 2))
+        with h5py.File(path, "r", libver="latest", swmr=True) as r:
+            step = r["batches/step"]
+            assert step[()].tolist() == [0, 1]
+            m.append("batches", batch_rows(2, 3))
+            step.refresh()
+            assert step[()].tolist() == [0, 1, 2, 3, 4]
+            assert read_table(path, "batches")["loss"].shape == (5,)  # a second reader, meanwhile
+
+
+def test_bad_rows_raise_value_error(tmp_path):
+    with MetricsFile(tmp_path / "metrics.h5", W, {}) as m:
+        rows = round_rows(0, 2)
+        rows["mass"] = np.zeros((2, W + 1))
+        with pytest.raises(ValueError, match=r"table 'rounds' column 'mass': expected shape \(k>=1, \*\(3,\)\), got \(2, 4\)"):
+            m.append("rounds", rows)
+        rows = batch_rows(0, 2)
+        del rows["lr"]
+        with pytest.raises(ValueError, match=r"missing columns \['lr'\]"):
+            m.append("batches", rows)
+        with pytest.raises(ValueError, match="unknown table 'steps'"):
+            m.append("steps", batch_rows(0, 1))
+        rows = round_rows(0, 1)
+        rows["guard"] = np.array([7], np.int8)
+        with pytest.raises(ValueError, match="codes must be in"):
+            m.append("rounds", rows)
+        rows = batch_rows(0, 2)
+        rows["step"] = np.array([0.5, 1.5])
+        with pytest.raises(TypeError, match="cannot store float64 as int64"):
+            m.append("batches", rows)
+    assert read_table(tmp_path / "metrics.h5", "rounds")["round"].shape == (0,)  # nothing half-written
+
+
+def test_existing_file_is_not_overwritten(tmp_path):
+    (tmp_path / "metrics.h5").write_bytes(b"an earlier run")
+    with pytest.raises(FileExistsError):
+        MetricsFile(tmp_path / "metrics.h5", W, {})
+    assert (tmp_path / "metrics.h5").read_bytes() == b"an earlier run"
+
+
+def state(seed):
+    rng = np.random.default_rng(seed)
+    params = {"0.weight": rng.standard_normal((4, 3)).astype(np.float32), "0.bias": np.zeros(4, np.float32)}
+    buffers = {"1.num_batches_tracked": np.array(seed, np.int64)}
+    return params, buffers, ["0.weight", "0.bias", "1.num_batches_tracked"]
+
+
+def test_writer_writes_metrics_and_checkpoints(tmp_path):
+    ckdir = tmp_path / "checkpoints"
+    writer = MetricsWriter(tmp_path, W, {"world_size": W}, checkpoint_dir=ckdir, keep_checkpoints=2)
+    writer.start()
+    parts = [batch_rows(i, 1) for i in range(50)]  # many small appends, coalesced by the thread
+    for p in parts[:25]:
+        writer.append("batches", p)
+    for r in range(1, 4):
+        params, buffers, order = state(r)
+        writer.save_checkpoint(checkpoint_name(0, r), params, buffers, {"round": r, "epoch": 0}, order)
+    assert writer.flush_wait(timeout=30)
+    assert_table_equal(read_table(tmp_path / "metrics.h5", "batches"), expected(parts[:25]))
+    for p in parts[25:]:
+        writer.append("batches", p)
+    writer.append("rounds", round_rows(0, 4))
+    writer.close()
+    writer.close()  # idempotent
+
+    assert_table_equal(read_table(tmp_path / "metrics.h5", "batches"), expected(parts))
+    assert_table_equal(read_table(tmp_path / "metrics.h5", "rounds"), round_rows(0, 4))
+    assert sorted(p.name for p in ckdir.iterdir()) == [checkpoint_name(0, 2), checkpoint_name(0, 3)]
+    ckpt = read_checkpoint(latest_checkpoint(ckdir))
+    params, buffers, order = state(3)
+    assert ckpt.order == order and ckpt.meta == {"round": 3, "epoch": 0}
+    np.testing.assert_array_equal(ckpt.params["0.weight"], params["0.weight"])
+    assert int(ckpt.buffers["1.num_batches_tracked"]) == 3
+
+
+def test_writer_validates_rows_in_the_callers_thread(tmp_path):
+    writer = MetricsWriter(tmp_path, W, {})
+    writer.start()
+    rows = batch_rows(0, 2)
+    rows["loss"] = np.zeros((2, 1))
+    with pytest.raises(ValueError, match="column 'loss'"):
+        writer.append("batches", rows)
+    with pytest.raises(ValueError, match="checkpoint_dir=None"):
+        writer.save_checkpoint("a.h5", *state(0)[:2], {}, state(0)[2])
+    writer.close()  # the bad rows never reached the thread: no error
+
+
+def test_writer_failure_surfaces_as_writer_error(tmp_path, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write_checkpoint", disk_full)
+    writer = MetricsWriter(tmp_path, W, {}, checkpoint_dir=tmp_path / "ck")
+    writer.start()
+    writer.append("batches", batch_rows(0, 3))
+    params, buffers, order = state(1)
+    writer.save_checkpoint("ckpt.h5", params, buffers, {}, order)
+    with pytest.raises(WriterError, match="No space left") as info:
+        writer.flush_wait(timeout=30)  # returns promptly: the failure releases the wait
+    assert isinstance(info.value.__cause__, OSError)
+    with pytest.raises(WriterError):
+        writer.check()
+    with pytest.raises(WriterError):
+        writer.append("batches", batch_rows(3, 1))  # no more work accepted
+    with pytest.raises(WriterError):
+        writer.close(timeout=30)
+    # Rows appended before the failure are kept, and the file was closed cleanly.
+    assert read_table(tmp_path / "metrics.h5", "batches")["step"].tolist() == [0, 1, 2]
+
+
+def test_writer_start_fails_when_metrics_exists(tmp_path):
+    (tmp_path / "metrics.h5").write_bytes(b"")
+    writer = MetricsWriter(tmp_path, W, {})
+    with pytest.raises(WriterError) as info:
+        writer.start()
+    assert isinstance(info.value.__cause__, FileExistsError)
