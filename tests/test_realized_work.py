@@ -1,0 +1,44 @@
+import math
+
+import pytest
+
+from flodl_mpi.realized_work import gamma_mass, is_realized, mover_mass
+
+
+@pytest.mark.parametrize(
+    "n, gamma, expected",
+    [
+        (4, 1.0, 4.0),          # plain work weighting: exactly n
+        (4, 0.5, 2.0),          # sqrt damps a fast rank
+        (9, 0.5, 3.0),
+        (4, 0.0, 1.0),          # unweighted mean over movers
+        (7, 0.0, 1.0),
+        (4, -1.0, 0.25),        # each step weighted equally
+        (3, 2.0, 9.0),
+    ],
+)
+def test_gamma_mass_moving_rank(n, gamma, expected):
+    assert gamma_mass(n, gamma) == expected
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5, 0.0, -1.0, -2.5])
+@pytest.mark.parametrize("n", [0, -3, float("nan")])
+def test_gamma_mass_idle_rank_has_no_vote(n, gamma):
+    # 0 ** 0 == 1 and 0 ** -1 == inf are the traps: an idle rank must weigh exactly 0.
+    assert gamma_mass(n, gamma) == 0.0
+
+
+def test_gamma_one_is_exact_for_large_counts():
+    n = 2**53 - 1
+    assert gamma_mass(n, 1.0) == float(n)
+
+
+def test_mover_mass():
+    assert [mover_mass(n) for n in (0, 1, 17, -1)] == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_is_realized():
+    assert is_realized(1e-30)
+    assert not is_realized(0.0)
+    assert not is_realized(-1.0)
+    assert not is_realized(math.nan)
