@@ -171,7 +171,7 @@ def main() -> int:
     methods += [
         (f"ours: sumcount_reduce only, chunk {DEFAULT_CHUNK_ELEMS}", reduce_only),
         ("raw: MPICH Allreduce, whole buffer", raw_whole),
-        (f"raw: MPICH Allreduce, 1 MiB pieces", raw_pieces),
+        ("raw: MPICH Allreduce, 1 MiB pieces", raw_pieces),
         ("peer: gloo all_reduce, flatten/unflatten", gloo_flat),
         ("peer: PeriodicModelAverager (gloo)", gloo_averager),
     ]
@@ -219,7 +219,8 @@ def main() -> int:
     say(
         f"\nP = {args.params:,} float32 ({4 * args.params / 2**20:.1f} MiB) in {len(shapes)} tensors, "
         f"{world} ranks, {args.repeats} repeats after {args.warmup} warm-up, torch threads "
-        f"{torch.get_num_threads()}, {MPI.Get_library_version().splitlines()[0].strip()}, torch {torch.__version__}"
+        f"{torch.get_num_threads()}, {MPI.Get_library_version().splitlines()[0].strip()}, torch {torch.__version__}, "
+        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
     )
     width = max(len(n) for n, _ in methods)
     say(f"{'method':<{width}}  {'median ms':>9}  {'min ms':>8}  {'x ours':>6}")

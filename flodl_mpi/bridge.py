@@ -385,7 +385,7 @@ class _Plane:
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
 
     def sum_squares(self) -> float:
-        return sum(sum_squares(self.staging[lo:hi], self.scratch.f64) for lo, hi in self.layout.chunks)
+        return sum(sum_squares(self.staging[lo:hi]) for lo, hi in self.layout.chunks if lo < self.layout.n)
 
 
 def _epoch_row(s: EpochSummary, time_s: float) -> dict[str, np.ndarray]:

@@ -84,12 +84,10 @@ class ReduceStats:
 
 
 class Scratch:
-    """Per-piece float32 and float64 scratch, allocated once per layout."""
+    """Per-piece float32 scratch, allocated once per layout."""
 
     def __init__(self, layout: WireLayout) -> None:
-        k = min(layout.chunk_elems, layout.size)
-        self.f32 = np.empty(k, dtype=np.float32)
-        self.f64 = np.empty(k, dtype=np.float64)
+        self.f32 = np.empty(min(layout.chunk_elems, layout.size), dtype=np.float32)
 
 
 def sumcount_reduce(
@@ -129,7 +127,7 @@ def sumcount_reduce(
     clock = time.perf_counter
     for i, (lo, hi) in enumerate(reversed(layout.chunks)):
         t0 = clock()
-        stats.pre_sq += pack_chunk(staging, frame, lo, hi, scale, scratch.f64)
+        stats.pre_sq += pack_chunk(staging, frame, lo, hi, scale)
         t1 = clock()
         comm.Allreduce(MPI.IN_PLACE, [frame[lo:hi], MPI.FLOAT], op=MPI.SUM)
         t2 = clock()
@@ -143,9 +141,9 @@ def sumcount_reduce(
             if not stats.realized:
                 # Finish pre_sq for the metrics; no rank reduces further pieces.
                 for lo2, hi2 in layout.chunks[:-1]:
-                    stats.pre_sq += sum_squares(staging[lo2:hi2], scratch.f64)
+                    stats.pre_sq += sum_squares(staging[lo2:hi2])
                 return stats
-        d, p = unpack_chunk(frame, staging, lo, hi, total, scratch.f32, scratch.f64)
+        d, p = unpack_chunk(frame, staging, lo, hi, total, scratch.f32)
         stats.diff_sq += d
         stats.post_sq += p
         stats.unpack_ms += 1e3 * (clock() - t2)

@@ -26,8 +26,7 @@ def test_views_share_memory_with_the_staging():
 
 def _pack_all(layout, staging, scale):
     frame = layout.new_frame()
-    scratch = Scratch(layout)
-    pre_sq = sum(pack_chunk(staging, frame, lo, hi, scale, scratch.f64) for lo, hi in layout.chunks)
+    pre_sq = sum(pack_chunk(staging, frame, lo, hi, scale) for lo, hi in layout.chunks)
     return frame, pre_sq
 
 
@@ -62,7 +61,7 @@ def test_pack_then_unpack_is_the_weighted_mean(chunk):
     scratch = Scratch(layout)
     diff_sq = post_sq = 0.0
     for lo, hi in layout.chunks:
-        d, p = unpack_chunk(summed, staging, lo, hi, summed[-1], scratch.f32, scratch.f64)
+        d, p = unpack_chunk(summed, staging, lo, hi, summed[-1], scratch.f32)
         diff_sq, post_sq = diff_sq + d, post_sq + p
     ref = (ma * a.astype(np.float64) + mb * b) / (ma + mb)
     np.testing.assert_allclose(staging, ref, rtol=1e-6)

@@ -1,0 +1,123 @@
+"""The command as a user runs it: bad input, injected faults, never a hang."""
+
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STALL, InputError
+from flodl_mpi.world import check_world_size
+from tests.conftest import run_flodl
+
+QUICK = ("--epochs", "1", "--batch-size", "64")
+
+
+def error_lines(proc):
+    return [line for line in proc.stderr.splitlines() if "error" in line]
+
+
+def test_missing_data_file_is_one_line_and_exit_2_on_every_rank(tmp_path):
+    proc = run_flodl(2, "train", "--data", str(tmp_path / "nope.h5"), "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == EXIT_INPUT, proc.stderr
+    assert error_lines(proc) == [f"flodl-mpi: error: --data '{tmp_path / 'nope.h5'}': no such file"]
+    assert not (tmp_path / "r").exists()  # nothing created for a run that never started
+
+
+def test_bad_flag_is_one_usage_line(tmp_path):
+    proc = run_flodl(2, "train", "--epochs", "zero", timeout=120)
+    assert proc.returncode == EXIT_INPUT
+    assert len(error_lines(proc)) == 1 and "--epochs" in proc.stderr
+
+
+def test_bad_value_names_the_option(tmp_path):
+    proc = run_flodl(2, "train", "--window", "0", "--policy", "window", timeout=120)
+    assert proc.returncode == EXIT_INPUT
+    assert error_lines(proc) == ["flodl-mpi: error: --window 0: must be an integer >= 1"]
+
+
+def test_wrong_data_shapes_are_refused(tmp_path):
+    path = tmp_path / "bad.h5"
+    with h5py.File(path, "w") as f:
+        f["train/x"] = np.zeros((10, 4), np.float32)
+        f["train/y"] = np.zeros(9, np.int64)
+        f["test/x"] = np.zeros((5, 4), np.float32)
+        f["test/y"] = np.zeros(5, np.int64)
+    proc = run_flodl(2, "train", "--data", str(path), "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == EXIT_INPUT
+    assert len(error_lines(proc)) == 1 and "10 rows" in proc.stderr and "9" in proc.stderr
+
+
+def test_models_that_differ_across_ranks_are_refused(tmp_path):
+    module = tmp_path / "net.py"
+    module.write_text(
+        "import os, torch\n"
+        "def make(input_shape, num_classes):\n"
+        "    hidden = 8 + int(os.environ.get('PMI_RANK', '0'))\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, hidden),\n"
+        "                               torch.nn.ReLU(), torch.nn.Linear(hidden, num_classes))\n"
+    )
+    proc = run_flodl(2, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == EXIT_INPUT, proc.stderr
+    assert error_lines(proc) and "model differs across ranks" in error_lines(proc)[0]
+
+
+def test_existing_run_dir_is_never_overwritten(tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "metrics.h5").write_bytes(b"earlier work")
+    proc = run_flodl(2, "train", *QUICK, "--run-dir", str(run_dir), timeout=120)
+    assert proc.returncode == EXIT_INPUT
+    assert "already holds a run" in proc.stderr
+    assert (run_dir / "metrics.h5").read_bytes() == b"earlier work"
+
+
+@pytest.mark.parametrize("kind", ["bridge", "step"])
+def test_injected_error_ends_the_job_in_seconds(tmp_path, kind):
+    t0 = time.monotonic()
+    proc = run_flodl(2, "train", *QUICK, "--run-dir", str(tmp_path / "r"), "--inject-fault", f"{kind}@1:3",
+                     timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "injected fault" in proc.stderr
+    if kind == "bridge":
+        assert "failed at stage 'params reduce'" in proc.stderr
+    print(f"{kind} fault: job ended with exit {proc.returncode} after {elapsed:.1f} s")
+
+
+def test_a_hung_rank_is_ended_by_the_watchdog(tmp_path):
+    proc = run_flodl(2, "train", *QUICK, "--run-dir", str(tmp_path / "r"), "--inject-fault", "hang@1:2",
+                     "--stall-timeout", "3", timeout=120)
+    assert proc.returncode == EXIT_STALL, proc.stderr
+    assert "watchdog: a round made no progress" in proc.stderr
+
+
+def test_non_finite_parameters_end_every_rank_with_one_line_and_keep_checkpoints(tmp_path):
+    run_dir = tmp_path / "r"
+    # Round 40 is in epoch 2 (23 rounds per epoch at batch 32): epoch 1's checkpoint must survive.
+    proc = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--inject-fault", "nan@0:40",
+                     timeout=180)
+    assert proc.returncode == EXIT_ERROR, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1 and "non-finite parameters in round 40: rank(s) 0 had NaN" in lines[0]
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert ckpt.meta["epoch"] == 1 and all(np.isfinite(a).all() for a in ckpt.params.values())
+
+
+def test_launcher_size_mismatch_is_caught():
+    with pytest.raises(InputError, match="OMPI_COMM_WORLD_SIZE=4"):
+        check_world_size(1, {"OMPI_COMM_WORLD_SIZE": "4"})
+    check_world_size(2, {"PMI_SIZE": "2"})
+    check_world_size(1, {})
+
+
+def test_launcher_size_mismatch_end_to_end(tmp_path):
+    env = {"OMPI_COMM_WORLD_SIZE": "2"}
+    proc = subprocess.run([sys.executable, "-m", "flodl_mpi", "train"], capture_output=True, text=True,
+                          timeout=60, env={**__import__("os").environ, **env})
+    assert proc.returncode == EXIT_INPUT
+    assert "MPI sees a world of 1" in proc.stderr

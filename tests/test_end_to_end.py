@@ -1,0 +1,93 @@
+"""End to end: `mpiexec -n N flodl-mpi train` on the built-in digits, as a user runs it."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flodl_mpi.cadence import fixed_quotas, plan_window
+from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict, read_checkpoint
+from flodl_mpi.data import default_digits_path, load_dataset
+from flodl_mpi.metrics import read_table
+from flodl_mpi.models import digits_mlp
+from flodl_mpi.worker import evaluate
+from tests.conftest import run_flodl
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 10
+
+
+def expected_windows(world_size: int, window: int, n_batches: int) -> list[tuple[int, ...]]:
+    counts, cursor = [], 0
+    while cursor < n_batches:
+        w = plan_window(fixed_quotas(world_size, window), cursor, n_batches)
+        counts.append(w.counts)
+        cursor = w.end
+    return counts
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_train_digits(tmp_path, world_size):
+    run_dir = tmp_path / "run"
+    proc = run_flodl(world_size, "train", "--epochs", str(EPOCHS), "--run-dir", str(run_dir), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    data = load_dataset(default_digits_path())
+    n_batches = math.ceil(data.train.n / 32)
+    windows = expected_windows(world_size, 1, n_batches) * EPOCHS
+
+    # -- one record per round, with every rank's steps, masses and divergences
+    rounds = read_table(run_dir / "metrics.h5", "rounds")
+    assert len(rounds["round"]) == len(windows)
+    np.testing.assert_array_equal(rounds["round"], np.arange(len(windows)))
+    np.testing.assert_array_equal(rounds["version"], np.arange(1, len(windows) + 1))
+    np.testing.assert_array_equal(rounds["steps"], np.array(windows))  # sync: steps = batches run
+    np.testing.assert_array_equal(rounds["mass"], np.array(windows, dtype=float))  # gamma 1: mass = steps
+    assert rounds["divergence"].shape == (len(windows), world_size)
+    assert np.all(np.isfinite(rounds["divergence"])) and np.all(rounds["divergence"] >= 0)
+    if world_size == 1:
+        assert np.all(rounds["divergence"] == 0.0)  # one rank always agrees with itself
+    else:
+        # Where every rank moved, replicas had drifted apart; where only rank 0
+        # moved (the epoch's last window), the consensus is rank 0's own params.
+        everyone = np.all(np.array(windows) > 0, axis=1)
+        assert np.all(rounds["divergence"][everyone] > 0)
+        only_rank0 = np.all(np.array(windows)[:, 1:] == 0, axis=1)
+        assert np.all(rounds["divergence"][only_rank0, 0] <= 1e-6)
+
+    # -- per epoch and per batch
+    epochs = read_table(run_dir / "metrics.h5", "epochs")
+    np.testing.assert_array_equal(epochs["epoch"], np.arange(EPOCHS))
+    np.testing.assert_array_equal(epochs["per_rank_samples"].sum(axis=1), [data.train.n] * EPOCHS)
+    batches = read_table(run_dir / "metrics.h5", "batches")
+    assert len(batches["rank"]) == n_batches * EPOCHS
+    assert sorted(set(batches["rank"].tolist())) == list(range(world_size))
+    final_accuracy = float(epochs["test_accuracy"][-1])
+    print(f"{world_size} rank(s), {EPOCHS} epochs: test accuracy {final_accuracy:.4f}")
+    assert final_accuracy >= 0.93
+
+    # -- the checkpoint loads into the model and reproduces the logged accuracy
+    path = latest_checkpoint(run_dir / "checkpoints")
+    ckpt = read_checkpoint(path)
+    assert ckpt.meta["epoch"] == EPOCHS and ckpt.meta["round"] == len(windows)
+    model = digits_mlp(data.input_shape, data.num_classes)
+    model.load_state_dict(load_state_dict(path))
+    _, correct, count = evaluate(model, data.test, 0, 1, torch.device("cpu"), 1024)
+    assert count == data.test.n
+    assert correct / count == final_accuracy == ckpt.meta["test_accuracy"]
+
+
+def test_fixed_window_policy(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_flodl(2, "train", "--epochs", "3", "--window", "4", "--gamma", "0.5", "--run-dir", str(run_dir),
+                     timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = load_dataset(default_digits_path())
+    windows = expected_windows(2, 4, math.ceil(data.train.n / 32)) * 3
+    rounds = read_table(run_dir / "metrics.h5", "rounds")
+    np.testing.assert_array_equal(rounds["steps"], np.array(windows))
+    np.testing.assert_allclose(rounds["mass"], np.sqrt(np.array(windows, dtype=float)))
+    assert np.all(rounds["anchor"] == 4)
+    assert read_table(run_dir / "metrics.h5", "epochs")["test_accuracy"][-1] > 0.8
