@@ -46,7 +46,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from flodl_mpi.bridge import Bridge
-from flodl_mpi.reduce import Scratch, sumcount_reduce
+from flodl_mpi.reduce import sumcount_reduce
 from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout
 
 MIB_ELEMS = 1 << 18  # float32 elements in 1 MiB
@@ -140,11 +140,11 @@ def main() -> int:
 
     red_comm = comm.Dup()
     layout = WireLayout(shapes)
-    staging, frame, scratch = layout.new_staging(), layout.new_frame(), Scratch(layout)
+    staging, frame = layout.new_staging(), layout.new_frame()
     last_stats = []
 
     def reduce_only():
-        last_stats.append(sumcount_reduce(red_comm, layout, staging, frame, 1.0, scratch))
+        last_stats.append(sumcount_reduce(red_comm, layout, staging, frame, 1.0))
 
     raw = np.empty(args.params, dtype=np.float32)
 

@@ -25,7 +25,7 @@ from mpi4py import MPI
 from flodl_mpi.divergence import TrendGuard, triple_from_sums
 from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
 from flodl_mpi.realized_work import gamma_mass, mover_mass
-from flodl_mpi.reduce import MAX_COUNT, Scratch, control_gather, sumcount_reduce
+from flodl_mpi.reduce import MAX_COUNT, control_gather, sumcount_reduce
 from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares
 
@@ -130,7 +130,7 @@ class Bridge:
         self.rank, self.world_size = comm.rank, comm.size
         self.gamma = float(gamma)
         self.anchor = int(anchor)
-        # Plan once (STYLE 21): layouts, staging, frames and scratch persist.
+        # Plan once (STYLE 21): layouts, staging and frames persist.
         self._p = _Plane(WireLayout(param_shapes, chunk_elems))
         self._b = _Plane(WireLayout(buffer_shapes, chunk_elems))
         #: torch views of the params staging, in ``param_shapes`` order.
@@ -274,7 +274,7 @@ class Bridge:
             triple = (0.0, math.sqrt(pre_sq), math.sqrt(pre_sq))
         else:
             self._enter("params reduce")
-            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, masses[self.rank], p.scratch)
+            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, masses[self.rank])
             self._enter("divergence")
             if not stats.realized:
                 pre_sq = stats.pre_sq
@@ -287,7 +287,7 @@ class Bridge:
                 self._enter("buffers reduce")
                 bstats = sumcount_reduce(
                     self.comm, self._b.layout, self._b.staging, self._b.frame,
-                    mover_mass(all_steps[self.rank]), self._b.scratch,
+                    mover_mass(all_steps[self.rank]),
                 )
                 stats.bytes += bstats.bytes
                 stats.pack_ms += bstats.pack_ms
@@ -375,13 +375,12 @@ class Bridge:
 
 
 class _Plane:
-    """Staging, wire frame and scratch of one layout (params or float buffers)."""
+    """Staging and wire frame of one layout (params or float buffers)."""
 
     def __init__(self, layout: WireLayout) -> None:
         self.layout = layout
         self.staging = layout.new_staging()
         self.frame = layout.new_frame()
-        self.scratch = Scratch(layout)
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
 
     def sum_squares(self) -> float:

@@ -83,20 +83,12 @@ class ReduceStats:
     bytes: int = 0
 
 
-class Scratch:
-    """Per-piece float32 scratch, allocated once per layout."""
-
-    def __init__(self, layout: WireLayout) -> None:
-        self.f32 = np.empty(min(layout.chunk_elems, layout.size), dtype=np.float32)
-
-
 def sumcount_reduce(
     comm: MPI.Comm,
     layout: WireLayout,
     staging: np.ndarray,
     frame: np.ndarray,
     mass: float,
-    scratch: Scratch,
 ) -> ReduceStats:
     """Realized-work weighted consensus ``Σ m_r·T_r / Σ m_r``, in place in ``staging``.
 
@@ -115,7 +107,6 @@ def sumcount_reduce(
         frame: float32 ``(layout.size,)`` persistent wire buffer (scratch).
         mass: this rank's mass ``m_r`` (>= 0; 0 for an idle rank, which then
             sends true zeros but still joins every call).
-        scratch: per-piece scratch for ``layout``.
 
     Returns:
         :class:`ReduceStats`. When the summed mass is not realized (every
@@ -143,7 +134,7 @@ def sumcount_reduce(
                 for lo2, hi2 in layout.chunks[:-1]:
                     stats.pre_sq += sum_squares(staging[lo2:hi2])
                 return stats
-        d, p = unpack_chunk(frame, staging, lo, hi, total, scratch.f32)
+        d, p = unpack_chunk(frame, staging, lo, hi, total)
         stats.diff_sq += d
         stats.post_sq += p
         stats.unpack_ms += 1e3 * (clock() - t2)

@@ -115,22 +115,23 @@ def unpack_chunk(
     lo: int,
     hi: int,
     total_mass: np.float32,
-    scratch32: np.ndarray,
 ) -> tuple[float, float]:
     """Unpack piece ``[lo, hi)``: ``staging = frame / total_mass``, the one divide.
 
     ``staging`` holds the rank's pre-round tensors on entry and the consensus on
-    return; ``frame`` holds the summed piece and is left as scratch.
+    return; ``frame`` holds the summed piece and is left holding the consensus
+    piece. ``||pre - post||`` is one fused read of both pieces (``torch.dist``),
+    no difference array is written.
 
     Returns:
-        ``(sum((pre - post) ** 2), sum(post ** 2))`` for this piece, in float64.
+        ``(sum((pre - post) ** 2), sum(post ** 2))`` for this piece, as float64.
     """
     t_hi = min(hi, staging.size)
     if t_hi <= lo:
         return 0.0, 0.0
     post = np.divide(frame[lo:t_hi], total_mass, out=frame[lo:t_hi])
     pre = staging[lo:t_hi]
-    diff = np.subtract(pre, post, out=scratch32[: t_hi - lo])
-    diff_sq, post_sq = sum_squares(diff), sum_squares(post)
+    diff_sq = float(torch.dist(torch.from_numpy(pre), torch.from_numpy(post))) ** 2
+    post_sq = sum_squares(post)
     np.copyto(pre, post)
     return diff_sq, post_sq

@@ -244,13 +244,20 @@ class Trainer:
                  f"test_acc {s.test_accuracy:.4f}  rounds {s.rounds}  {s.epoch_ms / 1e3:.1f} s")
         due = cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0
         if due or last or stopped:
-            self.save_checkpoint(s, reason="graceful_shutdown" if stopped else "checkpoint")
+            self.save_checkpoint(s, reason="graceful_shutdown" if stopped else "checkpoint", epoch_done=not stopped)
 
-    def save_checkpoint(self, s: EpochSummary, reason: str) -> None:
-        """Rank 0: hand the consensus state dict and meta to the writer thread."""
+    def save_checkpoint(self, s: EpochSummary, reason: str, epoch_done: bool = True) -> None:
+        """Rank 0: hand the consensus state dict and meta to the writer thread.
+
+        ``epoch`` in the meta counts completed epochs; a stop mid-epoch saves
+        ``epoch_complete = False`` and ``batches_done`` (the epoch's batches
+        trained by the cohort before the stop round).
+        """
         params, buffers, order = state_arrays(self.replica.model)
         meta = {
-            "epoch": s.epoch + 1,                # epochs completed (stop rounds: partial)
+            "epoch": s.epoch + 1 if epoch_done else s.epoch,
+            "epoch_complete": epoch_done,
+            "batches_done": s.batches,
             "round": self.bridge.version,
             "global_step": self.global_step,
             "reason": reason,

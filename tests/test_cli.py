@@ -121,3 +121,42 @@ def test_launcher_size_mismatch_end_to_end(tmp_path):
                           timeout=60, env={**__import__("os").environ, **env})
     assert proc.returncode == EXIT_INPUT
     assert "MPI sees a world of 1" in proc.stderr
+
+
+def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path):
+    """SIGUSR1 to one rank (Slurm's --signal): every rank stops after the same round.
+
+    Also reads metrics.h5 with SWMR while the run is still writing it.
+    """
+    import os
+    import signal
+
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.metrics import read_table
+    from tests.conftest import MPIEXEC
+
+    run_dir = tmp_path / "sig"
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--epochs", "50",
+                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        rows = 0
+        while rows < 30 and time.monotonic() < deadline:  # wait for the run to be well under way
+            time.sleep(0.5)
+            if (run_dir / "metrics.h5").exists():
+                rows = len(read_table(run_dir / "metrics.h5", "rounds")["round"])
+        assert rows >= 30, "the run did not start"
+        pids = subprocess.run(["pgrep", "-f", f"flodl_mpi train --epochs 50 --run-dir {run_dir}"],
+                              capture_output=True, text=True).stdout.split()
+        ranks = [int(p) for p in pids if int(p) != proc.pid]
+        assert ranks
+        os.kill(ranks[-1], signal.SIGUSR1)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert ckpt.meta["reason"] == "graceful_shutdown"
+    rounds = read_table(run_dir / "metrics.h5", "rounds")
+    assert ckpt.meta["round"] == len(rounds["round"]) < 50 * 23  # stopped early, every round recorded
+    assert "stopped on request" in out
