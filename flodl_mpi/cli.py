@@ -12,13 +12,8 @@ Exit status: 0 done, 1 failed while training, 2 bad input, 3 a stalled round.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import signal
 import sys
-import time
 import traceback
-from pathlib import Path
 
 from mpi4py import MPI
 
@@ -128,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         if world.rank == 0:
             print(f"flodl-mpi: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except BaseException:  # the one place that decides to abort (STYLE 14)
-        print(f"flodl-mpi: rank {world.rank}: error:", file=sys.stderr)
+    except BaseException as exc:  # the one place that decides to abort (STYLE 14)
         traceback.print_exc()
+        print(f"flodl-mpi: rank {world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",
+              file=sys.stderr)
         abort(EXIT_ERROR)

@@ -22,7 +22,7 @@ from flodl_mpi.checkpoint import checkpoint_name
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.faults import Fault, InjectedFault
-from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary
+from flodl_mpi.reporting import EpochReport, EpochSummary
 
 __all__ = ["Replica", "Trainer", "evaluate", "make_optimizer", "state_arrays"]
 

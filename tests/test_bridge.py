@@ -143,7 +143,7 @@ def test_agree_turns_one_rank_failure_into_an_error_everywhere():
 
     def step():
         if comm.rank == comm.size - 1:
-            raise FileNotFoundError(f"--data 'x.h5': no such file")
+            raise FileNotFoundError("--data 'x.h5': no such file")
         return comm.rank
 
     with pytest.raises(InputError, match="^--data 'x.h5': no such file$"):

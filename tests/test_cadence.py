@@ -1,4 +1,3 @@
-import numpy as np
 import pytest
 
 from flodl_mpi.cadence import fit_quotas, fixed_quotas, plan_window
