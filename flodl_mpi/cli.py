@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"flodl-mpi: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except BaseException as exc:  # the one place that decides to abort (STYLE 14)
-        traceback.print_exc()
         print(f"flodl-mpi: rank {world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",
               file=sys.stderr)
+        traceback.print_exc()
         abort(EXIT_ERROR)

@@ -96,12 +96,20 @@ def start_world(comm: MPI.Comm | None = None) -> World:
 
 
 def torch_threads(local_size: int) -> int:
-    """A fair share of this host's usable cores per rank, at least 1."""
+    """Torch threads for this rank: its own cores when pinned, else a fair share.
+
+    A launcher that pins each rank (Slurm's ``--cpus-per-task``) already gave the
+    rank its share, so the affinity mask is used as is; an unpinned rank sees
+    every core of the host and takes ``cores // local_size``. At least 1.
+    """
+    total = os.cpu_count() or 1
     try:
-        cores = len(os.sched_getaffinity(0))
+        mine = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_size))
+        mine = total
+    if mine < total:
+        return max(1, mine)
+    return max(1, total // max(1, local_size))
 
 
 def agree(comm: MPI.Comm, what: str, fn: Callable[[], T]) -> T:
@@ -152,6 +160,9 @@ def abort(code: int = EXIT_ERROR) -> None:
             stream.flush()
         except Exception:  # nothing left to tell: we are aborting either way
             pass
+    # The launcher forwards our output through pipes and stops reading once the
+    # abort reaches it: give it a moment to pass on the lines just written.
+    time.sleep(0.5)
     MPI.COMM_WORLD.Abort(code)
     os._exit(code)  # Abort does not return; belt and braces
 
