@@ -140,11 +140,11 @@ def main() -> int:
 
     red_comm = comm.Dup()
     layout = WireLayout(shapes)
-    staging, frame = layout.new_staging(), layout.new_frame()
+    staging, frame, scratch = layout.new_staging(), layout.new_frame(), layout.new_scratch()
     last_stats = []
 
     def reduce_only():
-        last_stats.append(sumcount_reduce(red_comm, layout, staging, frame, 1.0))
+        last_stats.append(sumcount_reduce(red_comm, layout, staging, frame, 1.0, scratch))
 
     raw = np.empty(args.params, dtype=np.float32)
 

@@ -130,7 +130,7 @@ class Bridge:
         self.rank, self.world_size = comm.rank, comm.size
         self.gamma = float(gamma)
         self.anchor = int(anchor)
-        # Plan once (STYLE 21): layouts, staging and frames persist.
+        # Plan once (STYLE 21): layouts, staging, frames and scratch persist.
         self._p = _Plane(WireLayout(param_shapes, chunk_elems))
         self._b = _Plane(WireLayout(buffer_shapes, chunk_elems))
         #: torch views of the params staging, in ``param_shapes`` order.
@@ -274,7 +274,7 @@ class Bridge:
             triple = (0.0, math.sqrt(pre_sq), math.sqrt(pre_sq))
         else:
             self._enter("params reduce")
-            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, masses[self.rank])
+            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, masses[self.rank], p.scratch)
             self._enter("divergence")
             if not stats.realized:
                 pre_sq = stats.pre_sq
@@ -287,7 +287,7 @@ class Bridge:
                 self._enter("buffers reduce")
                 bstats = sumcount_reduce(
                     self.comm, self._b.layout, self._b.staging, self._b.frame,
-                    mover_mass(all_steps[self.rank]),
+                    mover_mass(all_steps[self.rank]), self._b.scratch,
                 )
                 stats.bytes += bstats.bytes
                 stats.pack_ms += bstats.pack_ms
@@ -375,12 +375,13 @@ class Bridge:
 
 
 class _Plane:
-    """Staging and wire frame of one layout (params or float buffers)."""
+    """Staging, wire frame and scratch of one layout (params or float buffers)."""
 
     def __init__(self, layout: WireLayout) -> None:
         self.layout = layout
         self.staging = layout.new_staging()
         self.frame = layout.new_frame()
+        self.scratch = layout.new_scratch()
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
 
     def sum_squares(self) -> float:

@@ -89,6 +89,7 @@ def sumcount_reduce(
     staging: np.ndarray,
     frame: np.ndarray,
     mass: float,
+    scratch: np.ndarray,
 ) -> ReduceStats:
     """Realized-work weighted consensus ``Σ m_r·T_r / Σ m_r``, in place in ``staging``.
 
@@ -107,6 +108,7 @@ def sumcount_reduce(
         frame: float32 ``(layout.size,)`` persistent wire buffer (scratch).
         mass: this rank's mass ``m_r`` (>= 0; 0 for an idle rank, which then
             sends true zeros but still joins every call).
+        scratch: float32 scratch of one piece (``layout.new_scratch()``).
 
     Returns:
         :class:`ReduceStats`. When the summed mass is not realized (every
@@ -134,7 +136,7 @@ def sumcount_reduce(
                 for lo2, hi2 in layout.chunks[:-1]:
                     stats.pre_sq += sum_squares(staging[lo2:hi2])
                 return stats
-        d, p = unpack_chunk(frame, staging, lo, hi, total)
+        d, p = unpack_chunk(frame, staging, lo, hi, total, scratch)
         stats.diff_sq += d
         stats.post_sq += p
         stats.unpack_ms += 1e3 * (clock() - t2)

@@ -61,6 +61,10 @@ class WireLayout:
         """A zeroed float32 array of ``n`` elements: the tensors, no mass slot."""
         return np.zeros(self.n, dtype=np.float32)
 
+    def new_scratch(self) -> np.ndarray:
+        """An uninitialised float32 array of one piece: :func:`unpack_chunk`'s scratch."""
+        return np.empty(min(self.chunk_elems, self.size), dtype=np.float32)
+
     def new_frame(self) -> np.ndarray:
         """A zeroed float32 array of ``size`` elements: the frame sent on the wire."""
         return np.zeros(self.size, dtype=np.float32)
@@ -115,13 +119,15 @@ def unpack_chunk(
     lo: int,
     hi: int,
     total_mass: np.float32,
+    scratch: np.ndarray,
 ) -> tuple[float, float]:
     """Unpack piece ``[lo, hi)``: ``staging = frame / total_mass``, the one divide.
 
     ``staging`` holds the rank's pre-round tensors on entry and the consensus on
     return; ``frame`` holds the summed piece and is left holding the consensus
-    piece. ``||pre - post||`` is one fused read of both pieces (``torch.dist``),
-    no difference array is written.
+    piece; ``scratch`` (float32, one piece, from ``new_scratch``) receives
+    ``pre - post``. Measured here, a cache-resident subtract plus dot costs half
+    of ``torch.dist``.
 
     Returns:
         ``(sum((pre - post) ** 2), sum(post ** 2))`` for this piece, as float64.
@@ -131,7 +137,7 @@ def unpack_chunk(
         return 0.0, 0.0
     post = np.divide(frame[lo:t_hi], total_mass, out=frame[lo:t_hi])
     pre = staging[lo:t_hi]
-    diff_sq = float(torch.dist(torch.from_numpy(pre), torch.from_numpy(post))) ** 2
+    diff_sq = sum_squares(np.subtract(pre, post, out=scratch[: t_hi - lo]))
     post_sq = sum_squares(post)
     np.copyto(pre, post)
     return diff_sq, post_sq

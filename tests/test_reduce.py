@@ -64,7 +64,8 @@ def test_consensus_matches_float64_reference(comm, chunk_elems):
     for view, t in zip(layout.views(staging), rank_tensors(comm.rank)):
         view[...] = t
     pre = staging.astype(np.float64)
-    stats = sumcount_reduce(comm, layout, staging, layout.new_frame(), gamma_mass(steps[comm.rank], gamma))
+    stats = sumcount_reduce(comm, layout, staging, layout.new_frame(), gamma_mass(steps[comm.rank], gamma),
+                            layout.new_scratch())
 
     masses = [0.0 if n == 0 else n**gamma for n in steps]  # SPEC §1, by hand
     flat = [np.concatenate([t.ravel() for t in rank_tensors(r)]).astype(np.float64) for r in range(comm.size)]
@@ -87,7 +88,7 @@ def test_idle_rank_with_nan_does_not_poison_the_consensus(comm):
     else:
         staging[:] = 1.0 + comm.rank
     mass = 0.0 if (comm.rank == idle and comm.size > 1) else 1.0
-    stats = sumcount_reduce(comm, layout, staging, layout.new_frame(), mass)
+    stats = sumcount_reduce(comm, layout, staging, layout.new_frame(), mass, layout.new_scratch())
     movers = [1.0 + r for r in range(comm.size) if not (r == idle and comm.size > 1)]
     np.testing.assert_allclose(staging, np.mean(movers), rtol=1e-7)
     assert stats.realized
@@ -97,7 +98,7 @@ def test_all_idle_mass_is_not_realized_and_keeps_local(comm):
     layout = WireLayout(SHAPES, chunk_elems=16)
     staging = layout.new_staging()
     staging[:] = comm.rank + 0.5
-    stats = sumcount_reduce(comm, layout, staging, layout.new_frame(), 0.0)
+    stats = sumcount_reduce(comm, layout, staging, layout.new_frame(), 0.0, layout.new_scratch())
     assert not stats.realized and stats.total_mass == 0.0
     assert np.all(staging == comm.rank + 0.5)
     assert stats.pre_sq == pytest.approx(layout.n * (comm.rank + 0.5) ** 2)

@@ -59,7 +59,7 @@ def test_pack_then_unpack_is_the_weighted_mean(chunk):
     staging = a.copy()
     diff_sq = post_sq = 0.0
     for lo, hi in layout.chunks:
-        d, p = unpack_chunk(summed, staging, lo, hi, summed[-1])
+        d, p = unpack_chunk(summed, staging, lo, hi, summed[-1], layout.new_scratch())
         diff_sq, post_sq = diff_sq + d, post_sq + p
     ref = (ma * a.astype(np.float64) + mb * b) / (ma + mb)
     np.testing.assert_allclose(staging, ref, rtol=1e-6)
