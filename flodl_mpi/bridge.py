@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from flodl_mpi.divergence import TrendGuard, triple_from_sums
 from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
-from flodl_mpi.realized_work import gamma_mass, mover_mass
+from flodl_mpi.realized_work import gamma_mass, mover_mass, relative_masses
 from flodl_mpi.reduce import MAX_COUNT, control_gather, sumcount_reduce
 from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares
@@ -263,7 +263,8 @@ class Bridge:
         gathered = control_gather(self.comm, row)
         self._take_acks(gathered[:, len(_ROUND_HEAD) :])
         all_steps = gathered[:, 0]
-        masses = np.array([gamma_mass(n, self.gamma) for n in all_steps])
+        masses = np.array([gamma_mass(n, self.gamma) for n in all_steps])  # for the metrics
+        wire_masses = relative_masses(all_steps, self.gamma)  # same consensus, finite on the wire
         skipped = float(all_steps.sum()) == 0.0
         p = self._p
         if skipped:
@@ -274,7 +275,7 @@ class Bridge:
             triple = (0.0, math.sqrt(pre_sq), math.sqrt(pre_sq))
         else:
             self._enter("params reduce")
-            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, masses[self.rank], p.scratch)
+            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, wire_masses[self.rank], p.scratch)
             self._enter("divergence")
             if not stats.realized:
                 pre_sq = stats.pre_sq

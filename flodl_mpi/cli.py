@@ -42,10 +42,12 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``flodl-mpi`` argument parser (defaults come from :class:`TrainConfig`)."""
-    parser = _Parser(prog="flodl-mpi", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="flodl-mpi", allow_abbrev=False,
+                     description="MPI-launched PyTorch training with work-weighted parameter averaging.")
     parser.add_argument("--version", action="version", version=f"flodl-mpi {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    t = sub.add_parser("train", help="train with work-weighted parameter averaging",
+    # allow_abbrev=False below too: `--epoch 3` must not silently mean --epochs.
+    t = sub.add_parser("train", help="train with work-weighted parameter averaging", allow_abbrev=False,
                        description="Train one replica per rank; a bridge thread averages parameters.")
     d = TrainConfig()
     g = t.add_argument_group("data and model")
@@ -85,11 +87,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ConfigError: a bad value or file.
     """
     values = read_config_file(args.config) if args.config else {}
-    for name in TrainConfig.field_names():
-        v = getattr(args, name, None)
-        if v is not None:
-            values[name] = v
-    if "window" in values and values["window"] != 1 and "policy" not in values:
+    flags = {name: getattr(args, name) for name in TrainConfig.field_names() if getattr(args, name, None) is not None}
+    # A flag overrides the file, and so does what the flag implies:
+    # --policy sync means a window of 1, --window K > 1 means --policy window.
+    if flags.get("policy") == "sync" and "window" not in flags:
+        values.pop("window", None)
+    if flags.get("window", 1) != 1 and "policy" not in flags:
+        values["policy"] = "window"
+    values.update(flags)
+    if values.get("window", 1) != 1 and "policy" not in values:
         values["policy"] = "window"
     return TrainConfig(**values)
 

@@ -15,9 +15,10 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 
-__all__ = ["ModelSpecError", "build_model", "digits_mlp", "model_signature"]
+__all__ = ["ModelSpecError", "build_model", "check_model_output", "digits_mlp", "model_signature"]
 
 
 class ModelSpecError(ValueError):
@@ -74,6 +75,10 @@ def _describe(exc: BaseException) -> str:
 def _import(spec: str, module: str) -> object:
     """Import ``module``: a dotted name, or a path ending in .py (loaded from the file)."""
     if not module.endswith(".py"):
+        # As `python -m` does: a module in the working directory is importable
+        # from the console script too.
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             return importlib.import_module(module)
         except Exception as exc:  # user code: ImportError, SyntaxError, its own errors
@@ -175,6 +180,40 @@ def build_model(spec: str | None, input_shape: tuple[int, ...], num_classes: int
                 "all parameters must be floating point"
             )
     return model
+
+
+def check_model_output(model: nn.Module, sample: torch.Tensor, num_classes: int, spec: str | None) -> None:
+    """Run one forward pass on real samples and check the logits fit the labels.
+
+    Args:
+        model: the built model, on ``sample``'s device.
+        sample: a float32 batch of shape ``(k, *input_shape)``, k >= 1.
+        num_classes: classes in the data (largest label + 1).
+        spec: the ``--model`` text, for messages (None: the built-in model).
+
+    Raises:
+        ModelSpecError: the forward pass fails, or does not return logits of
+            shape ``(k, C)`` with ``C >= num_classes``.
+    """
+    name = f"--model {spec!r}" if spec is not None else "the built-in model"
+    was_training = model.training
+    model.eval()  # no BatchNorm statistics are touched, no dropout drawn
+    try:
+        with torch.no_grad():
+            out = model(sample)
+    except Exception as exc:  # user code
+        raise ModelSpecError(
+            f"{name}: forward pass on samples of shape {tuple(sample.shape)} failed: {_describe(exc)}"
+        ) from exc
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != sample.shape[0]:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ModelSpecError(f"{name}: must return logits of shape (batch, classes), got {got} "
+                             f"for a batch of {sample.shape[0]}")
+    if out.shape[1] < num_classes:
+        raise ModelSpecError(f"{name}: outputs {out.shape[1]} logits per sample but the data has "
+                             f"{num_classes} classes (labels 0..{num_classes - 1})")
 
 
 def _dtype(tensor) -> str:

@@ -8,8 +8,9 @@ exactly 0.0 for every gamma, so it can never vote (``0 ** 0 == 1`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-__all__ = ["gamma_mass", "mover_mass", "is_realized"]
+__all__ = ["gamma_mass", "relative_masses", "mover_mass", "is_realized"]
 
 
 def gamma_mass(n: float, gamma: float) -> float:
@@ -31,7 +32,32 @@ def gamma_mass(n: float, gamma: float) -> float:
         return 0.0
     if gamma == 1.0:
         return float(n)
-    return float(n) ** gamma
+    try:
+        return float(n) ** gamma
+    except OverflowError:  # e.g. 5 ** 1000: a mass too large for a float64
+        return math.inf
+
+
+def relative_masses(steps: Sequence[float], gamma: float) -> list[float]:
+    """Every rank's ``gamma_mass`` divided by the largest one, in ``[0, 1]``.
+
+    The consensus ``Σ m_r·T_r / Σ m_r`` does not change when every mass is
+    divided by the same factor, and every rank computes the same factor from
+    the gathered step counts. Dividing by the largest mass keeps the float32
+    frame finite for any gamma (``n ** gamma`` alone overflows float32 already
+    at ``1000 ** 13``). Computed in log space, so it never overflows.
+
+    Args:
+        steps: every rank's ``n_r``, index = rank.
+        gamma: the mass exponent.
+
+    Returns:
+        ``m_r / max_s m_s`` per rank; idle ranks exactly 0.0; all zeros when
+        no rank moved.
+    """
+    logs = [gamma * math.log(n) if n > 0 else None for n in steps]
+    top = max((v for v in logs if v is not None), default=None)
+    return [0.0 if v is None else math.exp(v - top) for v in logs]
 
 
 def mover_mass(n: float) -> float:

@@ -8,6 +8,8 @@ one clear line on rank 0 and a non-zero exit everywhere, never a hang.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import json
 import logging
 import signal
@@ -25,11 +27,11 @@ from flodl_mpi import __version__
 from flodl_mpi.bridge import Bridge
 from flodl_mpi.cli import config_from_args
 from flodl_mpi.config import TrainConfig
-from flodl_mpi.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset
+from flodl_mpi.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset, num_batches
 from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, parse_fault
 from flodl_mpi.metrics import MetricsWriter, WriterError
-from flodl_mpi.models import build_model, model_signature
+from flodl_mpi.models import build_model, check_model_output, model_signature
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree, torch_threads
 
@@ -53,28 +55,62 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return device
 
 
-def _load_data(cfg: TrainConfig, world: World) -> Dataset:
+def _load_data(cfg: TrainConfig, world: World, watchdog: Watchdog) -> Dataset:
     names = {k: getattr(cfg, k) for k in DEFAULT_NAMES}
     if cfg.data is not None:
-        return agree(world.comm, "data", lambda: load_dataset(cfg.data, names))
+        return agree(world.comm, "data", lambda: load_dataset(cfg.data, names), watchdog)
     path = default_digits_path()
     # One writer per host (the cache may be node-local); the write is atomic.
-    agree(world.comm, "data", lambda: ensure_digits(path) if world.local_rank == 0 else None)
-    return agree(world.comm, "data", lambda: load_dataset(path, names))
+    agree(world.comm, "data", lambda: ensure_digits(path) if world.local_rank == 0 else None, watchdog,
+          name_ranks=False)
+    return agree(world.comm, "data", lambda: load_dataset(path, names), watchdog)
 
 
-def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm) -> Path:
+def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
+    """Rank 0 claims a fresh run directory; never one that holds anything already.
+
+    The default ``runs/<UTC time>`` is claimed with an exclusive ``mkdir`` (a
+    suffix ``-1``, ``-2``, ... when several jobs start in the same second).
+    """
+
     def create() -> str | None:
         if comm.rank != 0:
             return None
-        run_dir = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime()))
-        if (run_dir / "metrics.h5").exists():
-            raise ValueError(f"--run-dir {str(run_dir)!r} already holds a run (metrics.h5); "
-                             "choose a new --run-dir so nothing saved is overwritten")
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        if cfg.run_dir is not None:
+            run_dir = Path(cfg.run_dir)
+            if run_dir.exists() and not run_dir.is_dir():
+                raise ValueError(f"--run-dir {cfg.run_dir!r}: exists and is not a directory")
+            if run_dir.is_dir() and any(run_dir.iterdir()):
+                raise ValueError(f"--run-dir {cfg.run_dir!r} is not empty (it may hold another run); "
+                                 "choose a new or empty directory so nothing saved is overwritten")
+            run_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            base = time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
+            for k in itertools.count():
+                run_dir = Path(base if k == 0 else f"{base}-{k}")
+                try:
+                    run_dir.mkdir(parents=True)
+                    break
+                except FileExistsError:
+                    continue
+        (run_dir / "checkpoints").mkdir()
         return str(run_dir)
 
-    return Path(comm.bcast(agree(comm, "run dir", create), root=0))
+    return Path(comm.bcast(agree(comm, "run dir", create, watchdog, name_ranks=False), root=0))
+
+
+def _note_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
+    """Append why the run failed to ``train.log``, so the run directory tells later.
+
+    A cohort error is written once, by rank 0; a local error by the rank that had it.
+    """
+    if isinstance(exc, CohortError) and rank != 0:
+        return
+    who = "run" if isinstance(exc, CohortError) else f"rank {rank}"
+    line = f"{time.strftime('%H:%M:%S')} {who} failed: {type(exc).__name__}: {exc}\n"
+    with contextlib.suppress(OSError):  # the run dir itself may be the problem; stderr has it
+        with open(run_dir / "train.log", "a") as fh:
+            fh.write(line)
 
 
 def _check_same_model(model: torch.nn.Module, comm: MPI.Comm) -> None:
@@ -124,32 +160,53 @@ def run_train(args, world: World, watchdog: Watchdog) -> list:
         Exception: anything local; the caller aborts the world.
     """
     comm = world.comm
-    # -- config, device, data, outputs
-    cfg = agree(comm, "config", lambda: config_from_args(args))
+    # -- config, device, data
+    cfg = agree(comm, "config", lambda: config_from_args(args), watchdog)
     watchdog.stall_timeout = cfg.stall_timeout
     fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
     torch.set_num_threads(torch_threads(world.local_size))
-    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank))
-    data = _load_data(cfg, world)
-    run_dir = _make_run_dir(cfg, comm)
-    _setup_logging(run_dir, world.rank)
+    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
+    data = _load_data(cfg, world, watchdog)
 
-    # -- model: same structure everywhere, then the same initial values
+    # -- model: same structure everywhere, right output size, then the same initial values
     torch.manual_seed(cfg.seed)
-    model = agree(comm, "model", lambda: build_model(cfg.model, data.input_shape, data.num_classes).to(device))
+
+    def make_model() -> torch.nn.Module:
+        model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+        check_model_output(model, torch.from_numpy(data.train.x[:2]).to(device), data.num_classes, cfg.model)
+        return model
+
+    model = agree(comm, "model", make_model, watchdog)
     _check_same_model(model, comm)
     replica = Replica(model, device)
+
+    # -- outputs: nothing is created on disk before the input is known to be good
+    run_dir = _make_run_dir(cfg, comm, watchdog)
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
+    _setup_logging(run_dir, world.rank)
+    try:
+        return _train(cfg, world, watchdog, data, replica, run_dir, fault)
+    except BaseException as exc:
+        _note_failure(run_dir, world.rank, exc)
+        raise
+
+
+def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
+           run_dir: Path, fault) -> list:
+    comm = world.comm
 
     def bridge_fault(round_: int, stage: str) -> None:
         if fault is not None and stage == "params reduce" and fault.fires("bridge", world.rank, round_):
             raise InjectedFault(f"injected fault in the bridge (rank {world.rank}, round {round_})")
 
-    attrs = _run_attrs(cfg, world, device)
+    attrs = _run_attrs(cfg, world, replica.device)
+    attrs["data_source"] = data.source
     writer = None
     if world.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints)
-    agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None)
+    agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog,
+          name_ranks=False)
     bridge = Bridge(
         comm.Dup(),
         [tuple(p.shape) for p in replica.params],
@@ -165,14 +222,22 @@ def run_train(args, world: World, watchdog: Watchdog) -> list:
 
     trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info)
 
-    def request_stop(signum, frame) -> None:  # the next round carries it to every rank
+    def request_stop(signum, frame) -> None:
+        # The next round carries the stop to every rank; a second Ctrl-C is impatience.
+        if signum == signal.SIGINT and trainer.stop_requested:
+            raise KeyboardInterrupt
         trainer.stop_requested = True
 
-    signal.signal(signal.SIGUSR1, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-    log.info(f"flodl-mpi {__version__}: {world.size} ranks, policy {cfg.policy} window {cfg.window}, "
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
+    ranks = f"{world.size} rank{'s' if world.size > 1 else ''}"
+    log.info(f"flodl-mpi {__version__}: {ranks}, policy {cfg.policy} window {cfg.window}, "
              f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
              f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
+    n_batches = num_batches(data.train.n, cfg.batch_size)
+    if n_batches < world.size:
+        log.info(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
+                 f"rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
 
     # -- train
     bridge.start()

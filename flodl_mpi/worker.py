@@ -157,7 +157,7 @@ class Trainer:
         for epoch in range(self.cfg.epochs):
             stopped = self._epoch(epoch)
             if stopped:
-                self.log(f"stopped on request after epoch {epoch} round {self.bridge.version}; checkpoint saved")
+                self.log(f"stopped on request in epoch {epoch + 1} at round {self.bridge.version}; checkpoint saved")
                 break
         return self.history
 
@@ -240,7 +240,10 @@ class Trainer:
         if self.writer is None:
             return
         self.writer.check()  # a disk error on rank 0 ends the job now, not at the end
-        self.log(f"epoch {s.epoch + 1}/{cfg.epochs}  loss {s.avg_loss:.4f}  test_loss {s.test_loss:.4f}  "
+        partial = ""
+        if stopped:
+            partial = f" (stopped after {s.batches} of {num_batches(self.data.train.n, cfg.batch_size)} batches)"
+        self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}  test_loss {s.test_loss:.4f}  "
                  f"test_acc {s.test_accuracy:.4f}  rounds {s.rounds}  {s.epoch_ms / 1e3:.1f} s")
         due = cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0
         if due or last or stopped:

@@ -112,7 +112,8 @@ def torch_threads(local_size: int) -> int:
     return max(1, total // max(1, local_size))
 
 
-def agree(comm: MPI.Comm, what: str, fn: Callable[[], T]) -> T:
+def agree(comm: MPI.Comm, what: str, fn: Callable[[], T], watchdog: "Watchdog | None" = None,
+          name_ranks: bool = True) -> T:
     """Run a setup step on every rank and fail on every rank if it failed on any.
 
     Collective: every rank calls it with the same ``what``, in the same order.
@@ -122,14 +123,18 @@ def agree(comm: MPI.Comm, what: str, fn: Callable[[], T]) -> T:
         comm: the world.
         what: the step's name, for messages.
         fn: the step.
+        watchdog: times the wait for the other ranks like a round, so a rank
+            that hangs in its setup step ends the job instead of hanging it.
+        name_ranks: prefix the failing ranks when not every rank failed; False
+            for a step only one rank does (its rank says nothing).
 
     Returns:
         ``fn()``'s result on this rank.
 
     Raises:
         InputError: some rank's step raised a ``ValueError`` or ``OSError`` (bad
-            input); the message is that rank's one line (prefixed with the ranks
-            when they differ).
+            input); the message is that rank's one line, prefixed with the
+            failing ranks unless every rank failed alike.
         CohortError: some rank's step raised anything else.
     """
     result, error = None, None
@@ -139,13 +144,21 @@ def agree(comm: MPI.Comm, what: str, fn: Callable[[], T]) -> T:
         error = ("input", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     except Exception as exc:  # a bug on one rank must not hang the others
         error = ("bug", f"{what}: {type(exc).__name__}: {exc}")
+    if watchdog is not None:
+        watchdog.round_started(f"setup step {what!r}")
     errors = comm.allgather(error)
+    if watchdog is not None:
+        watchdog.round_finished()
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not failed:
         return result
     messages = sorted({e[1] for _, e in failed})
-    if len(messages) == 1:
+    if len(messages) == 1 and len(failed) == len(errors):
         text = messages[0]
+    elif len(messages) == 1 and not name_ranks:
+        text = messages[0]
+    elif len(messages) == 1:
+        text = f"rank(s) {', '.join(str(r) for r, _ in failed)}: {messages[0]}"
     else:
         text = "; ".join(f"rank {r}: {e[1]}" for r, e in failed)
     if all(e[0] == "input" for _, e in failed):
@@ -209,6 +222,7 @@ class Watchdog:
         self.stall_timeout = float(stall_timeout)
         self.exit_grace = float(exit_grace)
         self._round_since: float | None = None
+        self._what = "a round"
         self._exit_by: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="flodl-watchdog", daemon=True)
@@ -219,7 +233,9 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
-    def round_started(self) -> None:
+    def round_started(self, what: str = "a round") -> None:
+        """A collective wait began; ``what`` names it in the message if it stalls."""
+        self._what = what
         self._round_since = time.monotonic()
 
     def round_finished(self) -> None:
@@ -239,7 +255,7 @@ class Watchdog:
             now = time.monotonic()
             since = self._round_since
             if since is not None and now - since > self.stall_timeout:
-                self._fire(EXIT_STALL, f"a round made no progress for {now - since:.0f} s "
+                self._fire(EXIT_STALL, f"{self._what} made no progress for {now - since:.0f} s "
                            f"(stall timeout {self.stall_timeout:g} s; a peer may be hung or dead)")
             if self._exit_by is not None and now > self._exit_by:
                 self._fire(EXIT_ERROR, f"the rank did not exit within {self.exit_grace:g} s of an error")

@@ -64,14 +64,40 @@ def test_models_that_differ_across_ranks_are_refused(tmp_path):
     assert error_lines(proc) and "model differs across ranks" in error_lines(proc)[0]
 
 
-def test_existing_run_dir_is_never_overwritten(tmp_path):
+@pytest.mark.parametrize("earlier", ["metrics.h5", "checkpoints/ckpt-e000003-r000069.h5", "config.json"])
+def test_existing_run_dir_is_never_overwritten(tmp_path, earlier):
     run_dir = tmp_path / "r"
-    run_dir.mkdir()
-    (run_dir / "metrics.h5").write_bytes(b"earlier work")
+    (run_dir / earlier).parent.mkdir(parents=True)
+    (run_dir / earlier).write_bytes(b"earlier work")
     proc = run_flodl(2, "train", *QUICK, "--run-dir", str(run_dir), timeout=120)
     assert proc.returncode == EXIT_INPUT
-    assert "already holds a run" in proc.stderr
-    assert (run_dir / "metrics.h5").read_bytes() == b"earlier work"
+    assert error_lines(proc) == [f"flodl-mpi: error: --run-dir '{run_dir}' is not empty (it may hold another run); "
+                                 "choose a new or empty directory so nothing saved is overwritten"]
+    assert (run_dir / earlier).read_bytes() == b"earlier work"
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()) == [earlier]
+
+
+def test_model_with_too_few_outputs_is_bad_input(tmp_path):
+    module = tmp_path / "net.py"
+    module.write_text("import torch\ndef make(input_shape):\n    return torch.nn.Linear(input_shape[0], 3)\n")
+    proc = run_flodl(2, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == EXIT_INPUT, proc.stderr
+    assert error_lines(proc) == [f"flodl-mpi: error: --model '{module}:make': outputs 3 logits per sample but "
+                                 "the data has 10 classes (labels 0..9)"]
+    assert not (tmp_path / "r").exists()  # bad input creates no run directory
+
+
+def test_a_rank_hung_in_setup_is_ended_by_the_watchdog(tmp_path):
+    module = tmp_path / "net.py"
+    module.write_text("import os, time, torch\n"
+                      "def make(input_shape, num_classes):\n"
+                      "    if os.environ.get('PMI_RANK') == '1':\n"
+                      "        time.sleep(600)\n"
+                      "    return torch.nn.Linear(input_shape[0], num_classes)\n")
+    proc = run_flodl(2, "train", "--model", f"{module}:make", "--stall-timeout", "3",
+                     "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == EXIT_STALL, proc.stderr
+    assert "watchdog: setup step 'model' made no progress" in proc.stderr
 
 
 @pytest.mark.parametrize("kind", ["bridge", "step"])
@@ -108,6 +134,20 @@ def test_non_finite_parameters_end_every_rank_with_one_line_and_keep_checkpoints
     assert ckpt.meta["epoch"] == 1 and all(np.isfinite(a).all() for a in ckpt.params.values())
 
 
+def test_flags_override_the_config_file_with_what_they_imply(tmp_path):
+    from flodl_mpi.cli import build_parser, config_from_args
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('policy = "window"\nwindow = 2\nepochs = 4\n')
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(toml), "--policy", "sync"]))
+    assert (cfg.policy, cfg.window, cfg.epochs) == ("sync", 1, 4)
+    toml.write_text('policy = "sync"\n')
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(toml), "--window", "3"]))
+    assert (cfg.policy, cfg.window) == ("window", 3)
+    toml.write_text('window = 5\n')
+    assert config_from_args(build_parser().parse_args(["train", "--config", str(toml)])).policy == "window"
+
+
 def test_launcher_size_mismatch_is_caught():
     with pytest.raises(InputError, match="OMPI_COMM_WORLD_SIZE=4"):
         check_world_size(1, {"OMPI_COMM_WORLD_SIZE": "4"})
@@ -123,8 +163,9 @@ def test_launcher_size_mismatch_end_to_end(tmp_path):
     assert "MPI sees a world of 1" in proc.stderr
 
 
-def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path):
-    """SIGUSR1 to one rank (Slurm's --signal): every rank stops after the same round.
+@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGINT"])
+def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path, signame):
+    """SIGUSR1 (Slurm's --signal) or Ctrl-C to one rank: every rank stops after the same round.
 
     Also reads metrics.h5 with SWMR while the run is still writing it.
     """
@@ -150,7 +191,7 @@ def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path):
                               capture_output=True, text=True).stdout.split()
         ranks = [int(p) for p in pids if int(p) != proc.pid]
         assert ranks
-        os.kill(ranks[-1], signal.SIGUSR1)
+        os.kill(ranks[-1], getattr(signal, signame))
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()

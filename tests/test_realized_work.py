@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from flodl_mpi.realized_work import gamma_mass, is_realized, mover_mass
+from flodl_mpi.realized_work import gamma_mass, is_realized, mover_mass, relative_masses
 
 
 @pytest.mark.parametrize(
@@ -42,3 +42,20 @@ def test_is_realized():
     assert not is_realized(0.0)
     assert not is_realized(-1.0)
     assert not is_realized(math.nan)
+
+
+def test_relative_masses_are_masses_over_the_largest():
+    steps = [3, 1, 0, 4]
+    for gamma in (1.0, 0.5, 0.0, -1.0):
+        masses = [gamma_mass(n, gamma) for n in steps]
+        expected = [m / max(masses) for m in masses]
+        assert relative_masses(steps, gamma) == pytest.approx(expected, rel=1e-12)
+        assert relative_masses(steps, gamma)[2] == 0.0
+
+
+def test_relative_masses_never_overflow():
+    # 5 ** 1000 overflows a float64; the ratios do not.
+    rel = relative_masses([5, 4, 0], 1000.0)
+    assert rel[0] == 1.0 and 0.0 <= rel[1] < 1e-90 and rel[2] == 0.0
+    assert gamma_mass(5, 1000.0) == math.inf
+    assert relative_masses([0, 0], 0.5) == [0.0, 0.0]
