@@ -146,6 +146,12 @@ def test_agree_turns_one_rank_failure_into_an_error_everywhere():
             raise FileNotFoundError("--data 'x.h5': no such file")
         return comm.rank
 
-    with pytest.raises(InputError, match="^--data 'x.h5': no such file$"):
+    prefix = f"rank\\(s\\) {comm.size - 1}: " if comm.size > 1 else ""
+    with pytest.raises(InputError, match=f"^{prefix}--data 'x.h5': no such file$"):
         agree(comm, "data", step)
+    def missing_everywhere():
+        raise FileNotFoundError("--data 'x.h5': no such file")
+
+    with pytest.raises(InputError, match="^--data 'x.h5': no such file$"):  # every rank alike: no prefix
+        agree(comm, "data", missing_everywhere)
     assert agree(comm, "ok", lambda: comm.rank * 2) == comm.rank * 2
