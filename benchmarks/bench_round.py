@@ -13,7 +13,9 @@ every method averages it across the ranks:
   training round really pays. One row per chunk size (the default, then each
   ``--chunk-elems``). A second row, ``sumcount_reduce only``, calls
   ``flodl_mpi.reduce.sumcount_reduce`` directly on the same kind of persistent
-  buffers (no thread, no control gather, no torch copies).
+  buffers (no thread, no control gather, no torch copies). ``params bound`` is
+  the CPU training path: float32 CPU params are views of the bridge's staging
+  (``flodl_mpi.worker.Replica.bind``), so a round has no copies in or out.
 * raw floor: one MPICH ``Allreduce(IN_PLACE)`` of a P-element float32 buffer,
   and the same buffer as 1 MiB pieces one after another (a sum, no averaging).
 * peers over torch.distributed gloo (loopback): DDP-style flatten, ``all_reduce``,
@@ -138,6 +140,20 @@ def main() -> int:
                 p.detach().copy_(src)  # the adoption
         return run
 
+    # The CPU training path: flodl_mpi.worker.Replica.bind makes float32 CPU params
+    # views of the bridge's staging, so there is no snapshot or adoption copy.
+    bound_bridge = Bridge(comm.Dup(), shapes)
+    bound_bridge.start()
+    bound_params = [torch.nn.Parameter(t.clone()) for t in inputs]
+    with torch.no_grad():
+        for p, view in zip(bound_params, bound_bridge.param_tensors):
+            view.copy_(p)
+            p.data = view
+
+    def ours_bound():
+        update = bound_bridge.round(steps=1, window=1)
+        assert update.adopted
+
     red_comm = comm.Dup()
     layout = WireLayout(shapes)
     staging, frame, scratch = layout.new_staging(), layout.new_frame(), layout.new_scratch()
@@ -169,6 +185,7 @@ def main() -> int:
 
     methods = [(f"ours: Bridge.round + copies, chunk {c}", ours(b)) for c, b in bridges.items()]
     methods += [
+        ("ours: Bridge.round, params bound (CPU)", ours_bound),
         (f"ours: sumcount_reduce only, chunk {DEFAULT_CHUNK_ELEMS}", reduce_only),
         ("raw: MPICH Allreduce, whole buffer", raw_whole),
         ("raw: MPICH Allreduce, 1 MiB pieces", raw_pieces),
@@ -181,6 +198,8 @@ def main() -> int:
         with torch.no_grad():
             for p, t in zip(params, inputs):
                 p.copy_(t)
+            for p, t in zip(bound_params, inputs):
+                p.copy_(t)
         staging[:] = np.concatenate([t.numpy().ravel() for t in inputs])
         raw[:] = staging
 
@@ -189,6 +208,8 @@ def main() -> int:
             return raw / world  # a plain sum; the average is one divide away
         if "sumcount" in name:
             return staging
+        if "bound" in name:
+            return np.concatenate([p.detach().numpy().ravel() for p in bound_params])
         return np.concatenate([p.detach().numpy().ravel() for p in params])
 
     bad = []
@@ -230,7 +251,7 @@ def main() -> int:
     parts = {k: statistics.median(getattr(s, k) for s in last_stats) for k in ("pack_ms", "allreduce_ms", "unpack_ms")}
     say("sumcount_reduce phases (rank 0, median ms): " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in parts.items()))
 
-    for b in bridges.values():
+    for b in [*bridges.values(), bound_bridge]:
         b.close()
     red_comm.Free()
     dist.destroy_process_group()

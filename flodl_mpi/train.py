@@ -214,6 +214,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, anchor=cfg.window,
         threaded=world.threaded_bridge, watchdog=watchdog, fault=bridge_fault,
     )
+    replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
     replica.snapshot(bridge)
     bridge.broadcast(root=0)
     replica.adopt(bridge)

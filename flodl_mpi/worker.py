@@ -53,24 +53,52 @@ class Replica:
     device: torch.device
     params: list[torch.Tensor] = field(init=False)
     float_buffers: list[torch.Tensor] = field(init=False)
+    #: True once :meth:`bind` made the params views of the bridge's staging.
+    bound: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.params = [p for _, p in self.model.named_parameters()]
         self.float_buffers = [b for _, b in self.model.named_buffers() if b.is_floating_point()]
 
     @torch.no_grad()
+    def bind(self, bridge: Bridge) -> bool:
+        """Make the parameters live in the bridge's params staging, when they can.
+
+        With every parameter a float32 CPU tensor, each ``p.data`` becomes its
+        view of the staging, so the snapshot and the adoption copies vanish: the
+        pack reads the live parameters and the unpack writes the consensus into
+        them, one pass each (DESIGN, "Where the time goes"). This departs from
+        SPEC §2's separate staging on purpose and is only sound while the
+        training thread waits for every round (the ``sync`` and ``window``
+        policies): nothing touches the parameters while the bridge works. Call
+        before the optimizer is built. Buffers keep the copy path (they are small).
+
+        Returns:
+            Whether the parameters were bound (False: CUDA or non-float32 params).
+        """
+        if not all(p.device.type == "cpu" and p.dtype == torch.float32 for p in self.params):
+            return False
+        for p, view in zip(self.params, bridge.param_tensors):
+            view.copy_(p.detach())
+            p.data = view
+        self.bound = True
+        return True
+
+    @torch.no_grad()
     def snapshot(self, bridge: Bridge) -> None:
         """Copy params and floating buffers (as float32) into the bridge's staging."""
-        for dst, src in zip(bridge.param_tensors, self.params):
-            dst.copy_(src.detach())
+        if not self.bound:
+            for dst, src in zip(bridge.param_tensors, self.params):
+                dst.copy_(src.detach())
         for dst, src in zip(bridge.buffer_tensors, self.float_buffers):
             dst.copy_(src)
 
     @torch.no_grad()
     def adopt(self, bridge: Bridge) -> None:
         """Overwrite params and floating buffers with the consensus in the staging."""
-        for dst, src in zip(self.params, bridge.param_tensors):
-            dst.copy_(src)
+        if not self.bound:
+            for dst, src in zip(self.params, bridge.param_tensors):
+                dst.copy_(src)
         for dst, src in zip(self.float_buffers, bridge.buffer_tensors):
             dst.copy_(src)
 

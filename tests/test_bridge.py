@@ -49,7 +49,8 @@ def flat(tensors) -> np.ndarray:
     return np.concatenate([t.detach().numpy().astype(np.float64).ravel() for t in tensors])
 
 
-def test_round_with_batchnorm_matches_reference():
+@pytest.mark.parametrize("bound", [False, True], ids=["copies", "bound"])
+def test_round_with_batchnorm_matches_reference(bound):
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
     replica = make_replica()
@@ -62,6 +63,9 @@ def test_round_with_batchnorm_matches_reference():
 
     gamma = 0.5
     bridge = make_bridge(replica, gamma=gamma, chunk_elems=100)
+    if bound:  # the CPU path: params live in the staging, no copies
+        assert replica.bind(bridge)
+        assert all(p.data_ptr() == v.data_ptr() for p, v in zip(replica.params, bridge.param_tensors))
     replica.snapshot(bridge)
     update = bridge.round(steps=steps, window=steps)
     replica.adopt(bridge)
