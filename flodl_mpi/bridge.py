@@ -327,7 +327,7 @@ class Bridge:
         who = f"rank(s) {', '.join(map(str, bad))} had" if bad else "the weighted sum overflowed:"
         raise NonFiniteError(
             f"non-finite parameters in round {self.version}: {who} NaN or infinite values "
-            "(training diverged? lower --lr); nothing was adopted or saved from this round"
+            "(training diverged? lower --lr); the job stops and saves nothing from this round"
         )
 
     def _take_acks(self, acks: np.ndarray) -> None:
