@@ -286,7 +286,7 @@ class MetricsWriter:
     def check(self) -> None:
         """Raise `WriterError` (chained to the thread's exception) if the thread failed."""
         if self._error is not None:
-            raise WriterError(f"metrics writer thread failed: {self._error!r}") from self._error
+            raise WriterError(f"writer thread failed: {type(self._error).__name__}: {self._error}") from self._error
 
     def _put(self, item: tuple) -> None:
         with self._lock:

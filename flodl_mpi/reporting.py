@@ -22,8 +22,8 @@ class EpochReport:
     """One rank's epoch, sent in the epoch exchange.
 
     Attributes (all per rank, this epoch): ``loss_sum`` (sum of batch losses),
-    ``batches``, ``samples``, ``epoch_ms`` (wall ms from epoch start to the
-    exchange), ``compute_ms`` (forward, backward, step), ``data_ms`` (waiting
+    ``batches``, ``samples``, ``epoch_ms`` (wall ms of the epoch's windows and
+    rounds, evaluation excluded), ``compute_ms`` (forward, backward, step), ``data_ms`` (waiting
     for batches), ``test_loss_sum``, ``test_correct`` and ``test_count`` (this
     rank's slice of the test set, evaluated on the consensus).
     """

@@ -211,9 +211,12 @@ class Trainer:
             cursor = window.end
             # -- snapshot, round, adopt (SPEC §2)
             self._fault_hook("nan")
+            self._fault_hook("disk")
             self.replica.snapshot(self.bridge)
             update = self.bridge.round(self.steps, len(mine), stop=self.stop_requested)
             self._adopt(update)
+            if self.writer is not None:
+                self.writer.check()  # a disk error on rank 0 ends the job now, not at the epoch's end
             if update.stop:
                 stopped = True
                 break
@@ -314,3 +317,7 @@ class Trainer:
         if kind == "nan":
             with torch.no_grad():
                 self.replica.params[0].fill_(math.nan)
+        if kind == "disk" and self.writer is not None:
+            moved = self.writer.checkpoint_dir.with_name("checkpoints.moved-by-fault")
+            self.writer.checkpoint_dir.rename(moved)
+            self.writer.checkpoint_dir.write_text("not a directory (injected fault)\n")

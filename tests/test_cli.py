@@ -113,6 +113,21 @@ def test_injected_error_ends_the_job_in_seconds(tmp_path, kind):
     print(f"{kind} fault: job ended with exit {proc.returncode} after {elapsed:.1f} s")
 
 
+def test_a_writer_failure_on_rank_0_ends_the_job_and_keeps_what_was_written(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--inject-fault", "disk@0:30",
+                     timeout=120)
+    assert proc.returncode == EXIT_ERROR, proc.stderr
+    assert "rank 0: error: WriterError" in proc.stderr
+    from flodl_mpi.checkpoint import latest_checkpoint
+    from flodl_mpi.metrics import read_table
+
+    # Epoch 1's checkpoint (moved aside by the fault) is whole; epoch 2's save failed
+    # and ended the job at the next round instead of training on without saving.
+    assert latest_checkpoint(run_dir / "checkpoints.moved-by-fault").name == "ckpt-e000001-r000023.h5"
+    assert len(read_table(run_dir / "metrics.h5", "rounds")["round"]) <= 47
+
+
 def test_a_hung_rank_is_ended_by_the_watchdog(tmp_path):
     proc = run_flodl(2, "train", *QUICK, "--run-dir", str(tmp_path / "r"), "--inject-fault", "hang@1:2",
                      "--stall-timeout", "3", timeout=120)
