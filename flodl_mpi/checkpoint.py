@@ -16,6 +16,9 @@ File format (``SCHEMA_VERSION = 1``)::
       schema_version   int
       order            JSON list: the state-dict key order
       complete         True, written last
+    /ranks/<r>/<name>            optional, per rank r: arrays kept in their own dtype
+                                 (optimizer state, RNG state); the group's attributes
+                                 hold that rank's JSON-able state, as the root's do
 
 State-dict names contain dots (``0.weight``); HDF5 allows dots, not '/'.
 """
@@ -26,7 +29,7 @@ import collections
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Sequence
 
@@ -76,6 +79,8 @@ class Checkpoint:
     meta: dict[str, Any]
     order: list[str]
     path: Path
+    #: Per rank: ``(arrays, attrs)`` as written by ``write_checkpoint(ranks=...)``.
+    ranks: list[tuple[dict[str, np.ndarray], dict[str, Any]]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- attributes
@@ -150,6 +155,7 @@ def write_checkpoint(
     buffers: Mapping[str, np.ndarray],
     meta: Mapping[str, Any],
     order: Sequence[str],
+    ranks: Sequence[tuple[Mapping[str, np.ndarray], Mapping[str, Any]]] = (),
 ) -> Path:
     """Write one checkpoint atomically (temporary name, complete flag, fsync, rename).
 
@@ -160,6 +166,9 @@ def write_checkpoint(
         meta: root attributes (epoch, round, reason, config, ...); see the module
             docstring for the types accepted and how dict/list values are stored.
         order: the state-dict key order; exactly the names of ``params`` and ``buffers``.
+        ranks: per rank, ``(arrays, attrs)``: arrays by name (``/`` makes
+            subgroups; dtypes kept exactly) and JSON-able attributes, e.g. each
+            rank's optimizer and RNG state (SPEC §6).
 
     Returns:
         ``Path(path)``.
@@ -200,6 +209,11 @@ def write_checkpoint(
                 g = f.create_group(group)
                 for name, value in arrays.items():
                     g.create_dataset(name, data=_disk_array(name, value))
+            for r, (arrays, attrs) in enumerate(ranks):
+                g = f.create_group(f"ranks/{r}")
+                for name, value in arrays.items():
+                    g.create_dataset(name, data=np.asarray(value))
+                g.attrs["json_keys"] = json.dumps(_write_attrs(g.attrs, attrs, f"ranks[{r}]"))
             json_keys = _write_attrs(f.attrs, meta, "meta")
             f.attrs["json_keys"] = json.dumps(json_keys)
             f.attrs["schema_version"] = SCHEMA_VERSION
@@ -266,10 +280,18 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         except KeyError as exc:
             raise CheckpointError(path, f"missing {exc.args[0]!r}") from None
         meta = _read_attrs(f.attrs, skip=_RESERVED)
+        ranks = []
+        for r in sorted(f.get("ranks", {}), key=int):
+            arrays: dict[str, np.ndarray] = {}
+            f["ranks"][r].visititems(
+                lambda name, obj: arrays.__setitem__(name, np.asarray(obj[()]))
+                if isinstance(obj, h5py.Dataset) else None
+            )
+            ranks.append((arrays, _read_attrs(f["ranks"][r].attrs)))
     lost = [k for k in order if k not in params and k not in buffers]
     if lost:
         raise CheckpointError(path, f"names in 'order' without a dataset: {lost}")
-    return Checkpoint(params=params, buffers=buffers, meta=meta, order=order, path=path)
+    return Checkpoint(params=params, buffers=buffers, meta=meta, order=order, path=path, ranks=ranks)
 
 
 def load_state_dict(path: str | os.PathLike) -> "collections.OrderedDict[str, torch.Tensor]":

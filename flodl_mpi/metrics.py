@@ -131,19 +131,27 @@ class MetricsFile:
             ...); str/int/float/bool/ndarray as they are, dict/list/None as JSON
             strings (their keys listed in the ``json_attrs`` attribute, a JSON list).
             ``world_size`` is added.
+        keep_rows: resume an existing file instead: table -> rows to keep (the
+            rows a checkpoint had seen); later rows are cut off, then appending
+            goes on. ``attrs`` are not rewritten.
 
     Raises:
         FileExistsError: ``path`` exists (a second run in the same run directory).
-        ValueError, TypeError: bad ``world_size`` or attribute values.
+        ValueError, TypeError: bad ``world_size`` or attribute values; on resume, a
+            file of another world size or with fewer rows than ``keep_rows``.
     """
 
-    def __init__(self, path: str | os.PathLike, world_size: int, attrs: Mapping[str, Any]):
+    def __init__(self, path: str | os.PathLike, world_size: int, attrs: Mapping[str, Any],
+                 keep_rows: Mapping[str, int] | None = None):
         self.path = Path(path)
         self.schema = table_schema(world_size)
         if "world_size" in attrs and attrs["world_size"] != world_size:
             raise ValueError(
                 f"attrs['world_size']={attrs['world_size']!r} differs from world_size={world_size}"
             )
+        if keep_rows is not None:
+            self._resume(world_size, keep_rows)
+            return
         # SWMR needs the latest file format; everything below must exist before swmr_mode.
         self._file = h5py.File(self.path, "w-", libver="latest")
         try:
@@ -160,6 +168,25 @@ class MetricsFile:
                     for name, (dtype, shape) in columns.items()
                 }
             self._file.swmr_mode = True  # from here on: no new objects, no attribute changes
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _resume(self, world_size: int, keep_rows: Mapping[str, int]) -> None:
+        self._file = h5py.File(self.path, "r+", libver="latest")
+        try:
+            if int(self._file.attrs["world_size"]) != world_size:
+                raise ValueError(f"{self.path} holds a run of {int(self._file.attrs['world_size'])} ranks, "
+                                 f"not {world_size}")
+            self._datasets = {t: {c: self._file[t][c] for c in cols} for t, cols in self.schema.items()}
+            for table, columns in self._datasets.items():
+                keep = int(keep_rows.get(table, 0))
+                for name, ds in columns.items():
+                    if ds.shape[0] < keep:
+                        raise ValueError(f"{self.path}: {table}/{name} has {ds.shape[0]} rows, "
+                                         f"the checkpoint saw {keep}")
+                    ds.resize(keep, axis=0)  # rows after the checkpoint are redone
+            self._file.swmr_mode = True
         except BaseException:
             self._file.close()
             raise
@@ -246,6 +273,8 @@ class MetricsWriter:
         attrs: root attributes of metrics.h5 (see `MetricsFile`).
         checkpoint_dir: where checkpoints go; None disables `save_checkpoint`.
         keep_checkpoints: complete checkpoints kept after each save, >= 1.
+        keep_rows: resume: continue the existing metrics.h5, cut to these rows
+            per table (see `MetricsFile`).
     """
 
     def __init__(
@@ -255,6 +284,7 @@ class MetricsWriter:
         attrs: Mapping[str, Any],
         checkpoint_dir: Path | None = None,
         keep_checkpoints: int = 3,
+        keep_rows: Mapping[str, int] | None = None,
     ):
         self.schema = table_schema(world_size)
         if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
@@ -263,6 +293,7 @@ class MetricsWriter:
         self.path = self.run_dir / "metrics.h5"
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self._world_size, self._attrs, self._keep = world_size, dict(attrs), keep_checkpoints
+        self._keep_rows = None if keep_rows is None else dict(keep_rows)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "refuse new work" against enqueues
         self._error: BaseException | None = None
@@ -312,6 +343,7 @@ class MetricsWriter:
         buffers: Mapping[str, np.ndarray],
         meta: Mapping[str, Any],
         order: Sequence[str],
+        ranks: Sequence[tuple[Mapping[str, np.ndarray], Mapping[str, Any]]] = (),
     ) -> None:
         """Enqueue a checkpoint ``checkpoint_dir/name``, then pruning to ``keep_checkpoints``.
 
@@ -326,7 +358,7 @@ class MetricsWriter:
             raise ValueError("save_checkpoint needs checkpoint_dir; MetricsWriter got checkpoint_dir=None")
         if not name or Path(name).name != name:
             raise ValueError(f"name must be a plain file name, got {name!r}")
-        self._put(("checkpoint", name, params, buffers, meta, list(order)))
+        self._put(("checkpoint", name, params, buffers, meta, list(order), list(ranks)))
 
     def flush_wait(self, timeout: float | None = None) -> bool:
         """Block until everything queued before this call is written.
@@ -365,7 +397,7 @@ class MetricsWriter:
         metrics = None
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            metrics = MetricsFile(self.path, self._world_size, self._attrs)
+            metrics = MetricsFile(self.path, self._world_size, self._attrs, self._keep_rows)
             self._ready.set()
             while self._serve(metrics):
                 pass
@@ -403,9 +435,9 @@ class MetricsWriter:
                 i = j
                 continue
             if kind == "checkpoint":
-                _, name, params, buffers, meta, order = item
+                _, name, params, buffers, meta, order, ranks = item
                 self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-                checkpoint.write_checkpoint(self.checkpoint_dir / name, params, buffers, meta, order)
+                checkpoint.write_checkpoint(self.checkpoint_dir / name, params, buffers, meta, order, ranks)
                 checkpoint.prune_checkpoints(self.checkpoint_dir, self._keep)
             elif kind == "flush":
                 item[1].set()
