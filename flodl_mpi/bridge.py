@@ -198,6 +198,15 @@ class Bridge:
         rows = np.ascontiguousarray(batch_rows, dtype=np.float64).reshape(-1, len(BATCH_COLUMNS))
         return self._call(("epoch", report, rows, int(epoch)))
 
+    def gather_to_root(self, obj):
+        """Gather one object per rank to rank 0 (a list there, None elsewhere).
+
+        Collective, like :meth:`round`; for checkpoints (each rank's optimizer
+        and RNG state), not for every round: it pickles in memory between our
+        own ranks (never from a file).
+        """
+        return self._call(("gather", obj))
+
     def close(self) -> None:
         """Stop the bridge thread and free its communicator."""
         if self._threaded and self._thread.is_alive():
@@ -242,8 +251,11 @@ class Bridge:
                 self._watchdog.round_started()
             if request[0] == "round":
                 reply = self._round(*request[1:])
-            else:
+            elif request[0] == "epoch":
                 reply = self._epoch(*request[1:])
+            else:
+                self._enter("state gather")
+                reply = self.comm.gather(request[1], root=0)
             if self._watchdog is not None:
                 self._watchdog.round_finished()
             return reply

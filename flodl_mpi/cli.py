@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stall-timeout", type=float, help=f"seconds before a stalled round aborts the job (default {d.stall_timeout:g})")
     g = t.add_argument_group("run")
     g.add_argument("--run-dir", metavar="DIR", help="output directory (default runs/<UTC time>)")
+    g.add_argument("--resume", action="store_true", default=None,
+                   help="continue the run in --run-dir from its newest complete checkpoint "
+                        "(or start it, if it has none)")
     g.add_argument("--checkpoint-every", type=int, help=f"epochs between checkpoints, 0 = last only (default {d.checkpoint_every})")
     g.add_argument("--keep-checkpoints", type=int, help=f"default {d.keep_checkpoints}")
     g.add_argument("--device", choices=DEVICES, help="auto: CUDA when present, else CPU")

@@ -57,6 +57,7 @@ class TrainConfig:
     checkpoint_every: int = 1         # epochs between checkpoints (0 = only the last)
     keep_checkpoints: int = 3         # newest complete checkpoints kept
     run_dir: str | None = None        # None = runs/<UTC time>, chosen by rank 0
+    resume: bool = False              # continue the run in run_dir from its newest checkpoint
     device: str = "auto"              # one of DEVICES
     stall_timeout: float = 600.0      # seconds a round may wait before the watchdog aborts
     chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
@@ -88,6 +89,9 @@ class TrainConfig:
         if self.policy == "sync" and self.window != 1:
             raise ConfigError(f"--window {self.window} contradicts --policy sync (a round after every batch); "
                               "use --policy window")
+        need(isinstance(self.resume, bool), "resume", self.resume, "true or false")
+        if self.resume and self.run_dir is None:
+            raise ConfigError("--resume needs --run-dir: the run directory to continue")
         if self.inject_fault is not None:
             from flodl_mpi.faults import parse_fault
 

@@ -30,6 +30,7 @@ from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset, num_batches
 from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, parse_fault
+from flodl_mpi.checkpoint import Checkpoint, latest_checkpoint, load_state_dict, read_checkpoint
 from flodl_mpi.metrics import MetricsWriter, WriterError
 from flodl_mpi.models import build_model, check_model_output, model_signature
 from flodl_mpi.worker import Replica, Trainer
@@ -80,7 +81,7 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
             run_dir = Path(cfg.run_dir)
             if run_dir.exists() and not run_dir.is_dir():
                 raise ValueError(f"--run-dir {cfg.run_dir!r}: exists and is not a directory")
-            if run_dir.is_dir() and any(run_dir.iterdir()):
+            if run_dir.is_dir() and any(run_dir.iterdir()) and not cfg.resume:
                 raise ValueError(f"--run-dir {cfg.run_dir!r} is not empty (it may hold another run); "
                                  "choose a new or empty directory so nothing saved is overwritten")
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -93,10 +94,46 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
                     break
                 except FileExistsError:
                     continue
-        (run_dir / "checkpoints").mkdir()
+        (run_dir / "checkpoints").mkdir(exist_ok=cfg.resume)
         return str(run_dir)
 
     return Path(comm.bcast(agree(comm, "run dir", create, watchdog, name_ranks=False), root=0))
+
+
+#: Options a resumed run must share with the checkpoint's run: they decide the
+#: model, the data order, the windows and the optimizer state's meaning.
+RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "seed",
+                     "policy", "window", "gamma", "optimizer")
+
+
+def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog):
+    """The checkpoint to resume from and the metrics rows to keep (``--resume``).
+
+    Returns:
+        ``(checkpoint or None, keep_rows or None)``: no checkpoint in a run dir
+        that holds a ``metrics.h5`` restarts the run and cuts every table to 0
+        rows; an empty run dir starts a new run.
+
+    Raises:
+        InputError: the checkpoint is unreadable on some rank, or was written by a
+            run of another world size or with other options in ``RESUME_MUST_MATCH``.
+    """
+    comm = world.comm
+    latest = comm.bcast(latest_checkpoint(run_dir / "checkpoints") if comm.rank == 0 else None, root=0)
+    if latest is None:
+        has_metrics = comm.bcast((run_dir / "metrics.h5").exists() if comm.rank == 0 else None, root=0)
+        return None, ({"rounds": 0, "epochs": 0, "batches": 0} if has_metrics else None)
+    # Every rank reads the file itself: run directories live on a shared filesystem.
+    ckpt = agree(comm, "resume", lambda: read_checkpoint(latest), watchdog)
+    saved = ckpt.meta["config"]
+    if ckpt.meta["world_size"] != world.size:
+        raise InputError(f"--resume: {latest} was written by {ckpt.meta['world_size']} ranks; "
+                         f"run with {ckpt.meta['world_size']} (each rank's optimizer state is its own)")
+    differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {saved.get(k)!r})"
+              for k in RESUME_MUST_MATCH if saved.get(k) != getattr(cfg, k)]
+    if differ:
+        raise InputError(f"--resume: the run in {run_dir} was started with other options: {'; '.join(differ)}")
+    return ckpt, ckpt.meta["metrics_rows"]
 
 
 def _note_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
@@ -183,16 +220,19 @@ def run_train(args, world: World, watchdog: Watchdog) -> list:
     # -- outputs: nothing is created on disk before the input is known to be good
     run_dir = _make_run_dir(cfg, comm, watchdog)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
+    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog) if cfg.resume else (None, None)
+    if ckpt is not None:  # the consensus, on every rank alike
+        model.load_state_dict(load_state_dict(ckpt.path))
     _setup_logging(run_dir, world.rank)
     try:
-        return _train(cfg, world, watchdog, data, replica, run_dir, fault)
+        return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows)
     except BaseException as exc:
         _note_failure(run_dir, world.rank, exc)
         raise
 
 
 def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
-           run_dir: Path, fault) -> list:
+           run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None) -> list:
     comm = world.comm
 
     def bridge_fault(round_: int, stage: str) -> None:
@@ -204,7 +244,8 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
     writer = None
     if world.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints)
+        writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints,
+                               keep_rows=keep_rows)
     agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog,
           name_ranks=False)
     bridge = Bridge(
@@ -222,6 +263,12 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
 
     trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info)
+    if ckpt is not None:
+        agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
+        log.info(f"resuming from {ckpt.path.name}: {trainer.start_epoch} epoch(s) done, "
+                 f"{trainer.start_cursor} batch(es) into the next, round {bridge.version}")
+    elif keep_rows is not None:
+        log.info(f"nothing to resume in {run_dir}: no complete checkpoint; starting the run again")
 
     def request_stop(signum, frame) -> None:
         # The next round carries the stop to every rank; a second Ctrl-C is impatience.

@@ -18,7 +18,8 @@ from torch import nn
 
 from flodl_mpi.bridge import Bridge, RoundUpdate
 from flodl_mpi.cadence import fixed_quotas, plan_window
-from flodl_mpi.checkpoint import checkpoint_name
+from flodl_mpi import rank_state
+from flodl_mpi.checkpoint import Checkpoint, checkpoint_name
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.faults import Fault, InjectedFault
@@ -179,11 +180,36 @@ class Trainer:
         #: The latest cohort epoch metrics, identical on every rank (SPEC §5).
         self.latest: EpochSummary | None = None
         self.history: list[EpochSummary] = []
+        # Where training starts (moved by resume) and the rows metrics.h5 holds.
+        self.start_epoch, self.start_cursor = 0, 0
+        self.epoch_rows, self.batch_rows = 0, 0
+
+    def resume(self, ckpt: Checkpoint) -> None:
+        """Continue from a checkpoint: counters, guard, this rank's optimizer and RNG.
+
+        The model's consensus parameters and buffers are loaded by the caller on
+        every rank alike; this restores what differs per rank (SPEC §6).
+
+        Raises:
+            ValueError: the checkpoint holds no state for this rank, or state of
+                another optimizer.
+        """
+        meta = ckpt.meta
+        if len(ckpt.ranks) != self.world_size:
+            raise ValueError(f"checkpoint {ckpt.path} holds the state of {len(ckpt.ranks)} ranks, "
+                             f"this run has {self.world_size}")
+        arrays, attrs = ckpt.ranks[self.rank]
+        self.global_step = rank_state.restore(self.optimizer, arrays, attrs)
+        self.bridge.version = int(meta["round"])
+        self.bridge.guard.load_state_dict(meta["guard"])
+        self.start_epoch, self.start_cursor = int(meta["epoch"]), int(meta["cursor"])
+        self.epoch_rows = int(meta["metrics_rows"]["epochs"])
+        self.batch_rows = int(meta["metrics_rows"]["batches"])
 
     def fit(self) -> list[EpochSummary]:
-        """Train ``cfg.epochs`` epochs (or until a stop round) and return the epoch summaries."""
-        for epoch in range(self.cfg.epochs):
-            stopped = self._epoch(epoch)
+        """Train up to ``cfg.epochs`` epochs (or until a stop round) and return the epoch summaries."""
+        for epoch in range(self.start_epoch, self.cfg.epochs):
+            stopped = self._epoch(epoch, self.start_cursor if epoch == self.start_epoch else 0)
             if stopped:
                 self.log(f"stopped on request in epoch {epoch + 1} at round {self.bridge.version}; checkpoint saved")
                 break
@@ -191,14 +217,15 @@ class Trainer:
 
     # ---- one epoch -------------------------------------------------------------
 
-    def _epoch(self, epoch: int) -> bool:
+    def _epoch(self, epoch: int, cursor: int = 0) -> bool:
+        """One epoch from global batch ``cursor`` on; True when a stop round ended it."""
         cfg, model = self.cfg, self.replica.model
         t_epoch = time.perf_counter()
         perm = epoch_permutation(self.data.train.n, cfg.seed, epoch)
         n_batches = num_batches(self.data.train.n, cfg.batch_size)
         report = EpochReport()
         rows: list[tuple] = []
-        cursor, stopped = 0, False
+        stopped = False
         model.train()
         while cursor < n_batches:
             # -- plan: the same on every rank, no communication (SPEC §4)
@@ -227,9 +254,11 @@ class Trainer:
         report.epoch_ms = 1e3 * (t_eval - t_epoch)
         # -- epoch exchange: every rank gets the same summary; rank 0 writes metrics
         summary = self.bridge.epoch_end(report, np.array(rows, dtype=np.float64), epoch)
+        self.epoch_rows += 1
+        self.batch_rows += summary.batches
         self.latest = summary
         self.history.append(summary)
-        self._report(summary, stopped)
+        self._report(summary, stopped, cursor)
         return stopped
 
     def _train_batch(self, perm: np.ndarray, b: int, epoch: int, report: EpochReport) -> tuple:
@@ -265,33 +294,43 @@ class Trainer:
         # next window (SPEC §2 step 8).
         self.steps -= update.steps_at_snapshot
 
-    def _report(self, s: EpochSummary, stopped: bool) -> None:
+    def _report(self, s: EpochSummary, stopped: bool, cursor: int) -> None:
         cfg = self.cfg
         last = s.epoch == cfg.epochs - 1
-        if self.writer is None:
-            return
-        self.writer.check()  # a disk error on rank 0 ends the job now, not at the end
-        partial = ""
-        if stopped:
-            partial = f" (stopped after {s.batches} of {num_batches(self.data.train.n, cfg.batch_size)} batches)"
-        self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}  test_loss {s.test_loss:.4f}  "
-                 f"test_acc {s.test_accuracy:.4f}  rounds {s.rounds}  {s.epoch_ms / 1e3:.1f} s")
+        if self.writer is not None:
+            self.writer.check()  # a disk error on rank 0 ends the job now, not at the end
+            partial = ""
+            if stopped:
+                partial = f" (stopped after {cursor} of {num_batches(self.data.train.n, cfg.batch_size)} batches)"
+            self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}  "
+                     f"test_loss {s.test_loss:.4f}  test_acc {s.test_accuracy:.4f}  rounds {s.rounds}  "
+                     f"{s.epoch_ms / 1e3:.1f} s")
+        # Decided from the config and gathered values only: every rank agrees, and
+        # every rank joins the state gather of the save.
         due = cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0
         if due or last or stopped:
-            self.save_checkpoint(s, reason="graceful_shutdown" if stopped else "checkpoint", epoch_done=not stopped)
+            # A stop in the epoch's last window ended the epoch anyway: save it complete.
+            in_epoch = stopped and cursor < num_batches(self.data.train.n, cfg.batch_size)
+            self.save_checkpoint(s, reason="graceful_shutdown" if stopped else "checkpoint",
+                                 cursor=cursor if in_epoch else 0)
 
-    def save_checkpoint(self, s: EpochSummary, reason: str, epoch_done: bool = True) -> None:
-        """Rank 0: hand the consensus state dict and meta to the writer thread.
+    def save_checkpoint(self, s: EpochSummary, reason: str, cursor: int = 0) -> None:
+        """Save a checkpoint: collective (each rank's state is gathered), rank 0 writes.
 
-        ``epoch`` in the meta counts completed epochs; a stop mid-epoch saves
-        ``epoch_complete = False`` and ``batches_done`` (the epoch's batches
-        trained by the cohort before the stop round).
+        ``epoch`` in the meta counts completed epochs and ``cursor`` the global
+        batches of the next one already trained (non-zero after a stop mid-epoch),
+        which is where a resumed run goes on.
         """
+        ranks = self.bridge.gather_to_root(rank_state.capture(self.optimizer, self.global_step))
+        if self.writer is None:
+            return
         params, buffers, order = state_arrays(self.replica.model)
         meta = {
-            "epoch": s.epoch + 1 if epoch_done else s.epoch,
-            "epoch_complete": epoch_done,
+            "epoch": s.epoch + 1 if cursor == 0 else s.epoch,
+            "epoch_complete": cursor == 0,
+            "cursor": cursor,
             "batches_done": s.batches,
+            "metrics_rows": {"rounds": self.bridge.version, "epochs": self.epoch_rows, "batches": self.batch_rows},
             "round": self.bridge.version,
             "global_step": self.global_step,
             "reason": reason,
@@ -303,7 +342,8 @@ class Trainer:
             "guard": self.bridge.guard.state_dict(),
             "time_unix": time.time(),
         }
-        self.writer.save_checkpoint(checkpoint_name(s.epoch + 1, self.bridge.version), params, buffers, meta, order)
+        self.writer.save_checkpoint(checkpoint_name(s.epoch + 1, self.bridge.version), params, buffers, meta, order,
+                                    ranks)
 
     def _fault_hook(self, kind: str) -> None:
         f = self.fault

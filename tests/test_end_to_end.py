@@ -91,3 +91,69 @@ def test_fixed_window_policy(tmp_path):
     np.testing.assert_allclose(rounds["mass"], np.sqrt(np.array(windows, dtype=float)))
     assert np.all(rounds["anchor"] == 4)
     assert read_table(run_dir / "metrics.h5", "epochs")["test_accuracy"][-1] > 0.8
+
+
+def _final_state(run_dir):
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    return ckpt, {**ckpt.params, **ckpt.buffers}
+
+
+def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_path):
+    """Stop a run with SIGUSR1 somewhere in epoch 2, resume it: the weights end bit-identical."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import MPIEXEC
+
+    epochs = ("--epochs", "4")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run_flodl(2, "train", *epochs, "--run-dir", str(straight), timeout=300).returncode == 0
+
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", *epochs,
+                             "--run-dir", str(stopped)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, rows = time.monotonic() + 120, 0
+        while rows < 30 and time.monotonic() < deadline:  # into epoch 2 (23 rounds an epoch)
+            time.sleep(0.05)
+            if (stopped / "metrics.h5").exists():
+                rows = len(read_table(stopped / "metrics.h5", "rounds")["round"])
+        pattern = f"--run-dir {stopped}"
+        pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
+        for pid in (int(p) for p in pids if int(p) != proc.pid):
+            os.kill(pid, signal.SIGUSR1)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    ckpt, _ = _final_state(stopped)
+    assert ckpt.meta["reason"] == "graceful_shutdown" and ckpt.meta["round"] < 92
+
+    resumed = run_flodl(2, "train", *epochs, "--run-dir", str(stopped), "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    a_meta, a = _final_state(straight)
+    b_meta, b = _final_state(stopped)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert a_meta.meta["test_accuracy"] == b_meta.meta["test_accuracy"]
+    # metrics.h5 reads like one run: every round once, in order
+    rounds = read_table(stopped / "metrics.h5", "rounds")
+    np.testing.assert_array_equal(rounds["round"], np.arange(92))
+    np.testing.assert_array_equal(rounds["steps"], read_table(straight / "metrics.h5", "rounds")["steps"])
+
+
+def test_resume_refuses_other_options_and_world_sizes(tmp_path):
+    run_dir = tmp_path / "r"
+    assert run_flodl(2, "train", "--epochs", "1", "--run-dir", str(run_dir), timeout=300).returncode == 0
+    other = run_flodl(2, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", "--gamma", "0.5",
+                      timeout=120)
+    assert other.returncode == 2
+    assert "--resume: the run in" in other.stderr and "--gamma 0.5 (was 1.0)" in other.stderr
+    size = run_flodl(3, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", timeout=120)
+    assert size.returncode == 2 and "was written by 2 ranks; run with 2" in size.stderr
+    fresh = run_flodl(2, "train", "--epochs", "1", "--run-dir", str(tmp_path / "new"), "--resume", timeout=300)
+    assert fresh.returncode == 0  # nothing to resume: a requeued job's first start
