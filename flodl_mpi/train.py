@@ -25,12 +25,24 @@ from mpi4py import MPI
 
 from flodl_mpi import __version__
 from flodl_mpi.bridge import Bridge
+from flodl_mpi.checkpoint import (
+    Checkpoint,
+    latest_checkpoint,
+    load_state_dict,
+    read_checkpoint,
+)
 from flodl_mpi.cli import config_from_args
 from flodl_mpi.config import TrainConfig
-from flodl_mpi.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset, num_batches
+from flodl_mpi.data import (
+    DEFAULT_NAMES,
+    Dataset,
+    default_digits_path,
+    ensure_digits,
+    load_dataset,
+    num_batches,
+)
 from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, parse_fault
-from flodl_mpi.checkpoint import Checkpoint, latest_checkpoint, load_state_dict, read_checkpoint
 from flodl_mpi.metrics import MetricsWriter, WriterError
 from flodl_mpi.models import build_model, check_model_output, model_signature
 from flodl_mpi.worker import Replica, Trainer
@@ -222,7 +234,7 @@ def run_train(args, world: World, watchdog: Watchdog) -> list:
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
     ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog) if cfg.resume else (None, None)
     if ckpt is not None:  # the consensus, on every rank alike
-        model.load_state_dict(load_state_dict(ckpt.path))
+        agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
     _setup_logging(run_dir, world.rank)
     try:
         return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows)
@@ -262,6 +274,15 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
     # Per-rank randomness (dropout and the like) differs by rank, reproducibly.
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
 
+    ranks = f"{world.size} rank{'s' if world.size > 1 else ''}"
+    log.info(f"flodl-mpi {__version__}: {ranks}, policy {cfg.policy} window {cfg.window}, "
+             f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
+             f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
+    n_batches = num_batches(data.train.n, cfg.batch_size)
+    if n_batches < world.size:
+        log.info(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
+                 f"rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
+
     trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info)
     if ckpt is not None:
         agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
@@ -278,14 +299,6 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
 
     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
-    ranks = f"{world.size} rank{'s' if world.size > 1 else ''}"
-    log.info(f"flodl-mpi {__version__}: {ranks}, policy {cfg.policy} window {cfg.window}, "
-             f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
-             f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
-    n_batches = num_batches(data.train.n, cfg.batch_size)
-    if n_batches < world.size:
-        log.info(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
-                 f"rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
 
     # -- train
     bridge.start()

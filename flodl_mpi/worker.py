@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from flodl_mpi import rank_state
 from flodl_mpi.bridge import Bridge, RoundUpdate
 from flodl_mpi.cadence import fixed_quotas, plan_window
-from flodl_mpi import rank_state
 from flodl_mpi.checkpoint import Checkpoint, checkpoint_name
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
