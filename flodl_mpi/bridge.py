@@ -198,6 +198,15 @@ class Bridge:
         rows = np.ascontiguousarray(batch_rows, dtype=np.float64).reshape(-1, len(BATCH_COLUMNS))
         return self._call(("epoch", report, rows, int(epoch)))
 
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the run started (``time_s`` of the metrics); kept across a resume."""
+        return time.monotonic() - self._t0
+
+    def resume_clock(self, elapsed: float) -> None:
+        """Continue a resumed run's clock from ``elapsed`` seconds."""
+        self._t0 = time.monotonic() - float(elapsed)
+
     def gather_to_root(self, obj):
         """Gather one object per rank to rank 0 (a list there, None elsewhere).
 
@@ -318,7 +327,7 @@ class Bridge:
         if self._writer is not None:
             self._pending = {
                 "round": round_index, "version": self.version,
-                "time_s": time.monotonic() - self._t0, "skipped": skipped,
+                "time_s": self.elapsed, "skipped": skipped,
                 "steps": all_steps.astype(np.int64), "mass": masses,
                 "window": gathered[:, 1].astype(np.int64), "anchor": self.anchor,
             }
@@ -361,15 +370,16 @@ class Bridge:
 
     def _epoch(self, report: EpochReport, batch_rows: np.ndarray, epoch: int) -> EpochSummary:
         self._enter("epoch gather")
-        gathered = control_gather(self.comm, np.concatenate([self._ack, report.to_row()]))
+        # The row count travels on its own: after a resume mid-epoch the report also
+        # covers batches whose records were written before the stop.
+        row = np.concatenate([self._ack, [batch_rows.shape[0]], report.to_row()])
+        gathered = control_gather(self.comm, row)
         self._take_acks(gathered[:, : len(_ACK)])
-        summary = aggregate_epoch(gathered[:, len(_ACK) :], epoch=epoch, rounds=self.version)
+        summary = aggregate_epoch(gathered[:, len(_ACK) + 1 :], epoch=epoch, rounds=self.version)
+        records = gathered[:, len(_ACK)].astype(np.int64)
+        summary.batch_records = int(records.sum())
         self._enter("batch records gather")
-        counts = [int(c) * len(BATCH_COLUMNS) for c in summary.per_rank_batches]
-        if batch_rows.shape[0] != summary.per_rank_batches[self.rank]:
-            raise ValueError(
-                f"{batch_rows.shape[0]} batch records for {summary.per_rank_batches[self.rank]} batches"
-            )
+        counts = [int(c) * len(BATCH_COLUMNS) for c in records]
         recv = None
         if self.rank == 0:
             recvbuf = np.empty(sum(counts), dtype=np.float64)
@@ -383,7 +393,7 @@ class Bridge:
                     cols[name] = cols[name].astype(np.int64)
                 cols["rank"] = cols["rank"].astype(np.int32)
                 self._writer.append("batches", cols)
-            self._writer.append("epochs", _epoch_row(summary, time.monotonic() - self._t0))
+            self._writer.append("epochs", _epoch_row(summary, self.elapsed))
         return summary
 
 

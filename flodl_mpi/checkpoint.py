@@ -46,6 +46,7 @@ __all__ = [
     "write_checkpoint",
     "read_checkpoint",
     "load_state_dict",
+    "read_rank_state",
     "checkpoint_name",
     "list_checkpoints",
     "latest_checkpoint",
@@ -79,8 +80,9 @@ class Checkpoint:
     meta: dict[str, Any]
     order: list[str]
     path: Path
-    #: Per rank: ``(arrays, attrs)`` as written by ``write_checkpoint(ranks=...)``.
-    ranks: list[tuple[dict[str, np.ndarray], dict[str, Any]]] = field(default_factory=list)
+    #: rank -> ``(arrays, attrs)`` as written by ``write_checkpoint(ranks=...)``
+    #: (only the ranks asked for by ``read_checkpoint(ranks=...)``).
+    ranks: dict[int, tuple[dict[str, np.ndarray], dict[str, Any]]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- attributes
@@ -259,8 +261,13 @@ def _open(path: Path) -> h5py.File:
         raise
 
 
-def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def read_checkpoint(path: str | os.PathLike, ranks: Sequence[int] | None = None) -> Checkpoint:
     """Read a complete checkpoint back into numpy arrays.
+
+    Args:
+        path: the file.
+        ranks: whose per-rank state to read (None: every rank's); a resuming rank
+            reads only its own, so memory does not grow with the world size.
 
     Returns:
         `Checkpoint` with arrays as stored (floating float32, integer/bool as written;
@@ -280,18 +287,35 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         except KeyError as exc:
             raise CheckpointError(path, f"missing {exc.args[0]!r}") from None
         meta = _read_attrs(f.attrs, skip=_RESERVED)
-        ranks = []
-        for r in sorted(f.get("ranks", {}), key=int):
-            arrays: dict[str, np.ndarray] = {}
-            f["ranks"][r].visititems(
-                lambda name, obj: arrays.__setitem__(name, np.asarray(obj[()]))
-                if isinstance(obj, h5py.Dataset) else None
-            )
-            ranks.append((arrays, _read_attrs(f["ranks"][r].attrs)))
+        saved = sorted(int(r) for r in f.get("ranks", {}))
+        states = {r: _read_rank(f, path, r) for r in (saved if ranks is None else ranks)}
     lost = [k for k in order if k not in params and k not in buffers]
     if lost:
         raise CheckpointError(path, f"names in 'order' without a dataset: {lost}")
-    return Checkpoint(params=params, buffers=buffers, meta=meta, order=order, path=path, ranks=ranks)
+    return Checkpoint(params=params, buffers=buffers, meta=meta, order=order, path=path, ranks=states)
+
+
+def _read_rank(f: h5py.File, path: Path, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    if str(rank) not in f.get("ranks", {}):
+        saved = sorted(int(r) for r in f.get("ranks", {}))
+        raise CheckpointError(path, f"holds no state for rank {rank} (it has ranks {saved})")
+    group = f["ranks"][str(rank)]
+    arrays: dict[str, np.ndarray] = {}
+    group.visititems(
+        lambda name, obj: arrays.__setitem__(name, np.asarray(obj[()])) if isinstance(obj, h5py.Dataset) else None
+    )
+    return arrays, _read_attrs(group.attrs)
+
+
+def read_rank_state(path: str | os.PathLike, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One rank's ``(arrays, attrs)`` from a checkpoint, without reading anything else.
+
+    Raises:
+        CheckpointError: as `read_checkpoint`, or no state saved for ``rank``.
+    """
+    path = Path(path)
+    with _open(path) as f:
+        return _read_rank(f, path, rank)
 
 
 def load_state_dict(path: str | os.PathLike) -> "collections.OrderedDict[str, torch.Tensor]":

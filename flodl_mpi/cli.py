@@ -20,6 +20,7 @@ from mpi4py import MPI
 from flodl_mpi import __version__
 from flodl_mpi.config import DEVICES, OPTIMIZERS, POLICIES, TrainConfig, read_config_file
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, CohortError
+from flodl_mpi.signals import StopRequest
 from flodl_mpi.world import Watchdog, abort, install_excepthooks, start_world
 
 __all__ = ["main", "build_parser"]
@@ -119,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"flodl-mpi: error: {exc}", file=sys.stderr)
         return exc.exit_code
     install_excepthooks(world.rank)
+    stop = StopRequest()
+    stop.install()  # now, not after setup: a stop signal during a slow setup is kept
     watchdog = Watchdog(world.rank, stall_timeout=600.0)
     watchdog.start()
     try:
         from flodl_mpi.train import run_train  # torch is imported here, after MPI is up
 
-        run_train(args, world, watchdog)
+        run_train(args, world, watchdog, stop)
         return 0
     except CohortError as exc:
         # Every rank raised this at the same point: leave together, one line.

@@ -131,12 +131,14 @@ class MetricsFile:
             ...); str/int/float/bool/ndarray as they are, dict/list/None as JSON
             strings (their keys listed in the ``json_attrs`` attribute, a JSON list).
             ``world_size`` is added.
-        keep_rows: resume an existing file instead: table -> rows to keep (the
-            rows a checkpoint had seen); later rows are cut off, then appending
-            goes on. ``attrs`` are not rewritten.
+        keep_rows: resume: table -> rows to keep (the rows a checkpoint had
+            seen). Those rows of an existing file at ``path`` (even one a killed
+            run left open for writing) are copied into a fresh file with
+            ``attrs``; later rows are dropped (the resumed run redoes them).
 
     Raises:
-        FileExistsError: ``path`` exists (a second run in the same run directory).
+        FileExistsError: ``path`` exists and ``keep_rows`` is None (a second run in
+            the same run directory).
         ValueError, TypeError: bad ``world_size`` or attribute values; on resume, a
             file of another world size or with fewer rows than ``keep_rows``.
     """
@@ -149,9 +151,14 @@ class MetricsFile:
             raise ValueError(
                 f"attrs['world_size']={attrs['world_size']!r} differs from world_size={world_size}"
             )
-        if keep_rows is not None:
-            self._resume(world_size, keep_rows)
-            return
+        # Resume: read the rows the checkpoint saw with a SWMR reader (it also reads a
+        # file a killed run left open for writing), then write a fresh file with them.
+        # The old file stays, renamed, until the new one holds its rows.
+        salvaged, old = None, None
+        if keep_rows is not None and self.path.exists():
+            salvaged = self._salvage(world_size, keep_rows)
+            old = self.path.with_name(self.path.name + ".before-resume")
+            os.replace(self.path, old)
         # SWMR needs the latest file format; everything below must exist before swmr_mode.
         self._file = h5py.File(self.path, "w-", libver="latest")
         try:
@@ -167,29 +174,29 @@ class MetricsFile:
                     )
                     for name, (dtype, shape) in columns.items()
                 }
+            for table, rows in (salvaged or {}).items():
+                for name, ds in self._datasets[table].items():
+                    ds.resize(len(rows[name]), axis=0)
+                    ds[:] = rows[name]
             self._file.swmr_mode = True  # from here on: no new objects, no attribute changes
         except BaseException:
             self._file.close()
             raise
+        if old is not None:
+            old.unlink()
 
-    def _resume(self, world_size: int, keep_rows: Mapping[str, int]) -> None:
-        self._file = h5py.File(self.path, "r+", libver="latest")
-        try:
-            if int(self._file.attrs["world_size"]) != world_size:
-                raise ValueError(f"{self.path} holds a run of {int(self._file.attrs['world_size'])} ranks, "
-                                 f"not {world_size}")
-            self._datasets = {t: {c: self._file[t][c] for c in cols} for t, cols in self.schema.items()}
-            for table, columns in self._datasets.items():
-                keep = int(keep_rows.get(table, 0))
-                for name, ds in columns.items():
-                    if ds.shape[0] < keep:
-                        raise ValueError(f"{self.path}: {table}/{name} has {ds.shape[0]} rows, "
-                                         f"the checkpoint saw {keep}")
-                    ds.resize(keep, axis=0)  # rows after the checkpoint are redone
-            self._file.swmr_mode = True
-        except BaseException:
-            self._file.close()
-            raise
+    def _salvage(self, world_size: int, keep_rows: Mapping[str, int]) -> dict[str, dict[str, np.ndarray]]:
+        with h5py.File(self.path, "r", libver="latest", swmr=True) as f:
+            if int(f.attrs["world_size"]) != world_size:
+                raise ValueError(f"{self.path} holds a run of {int(f.attrs['world_size'])} ranks, not {world_size}")
+        out = {}
+        for table in self.schema:
+            rows = read_table(self.path, table)
+            keep, have = int(keep_rows.get(table, 0)), min((len(a) for a in rows.values()), default=0)
+            if have < keep:
+                raise ValueError(f"{self.path}: table {table!r} has {have} rows, the checkpoint saw {keep}")
+            out[table] = {name: a[:keep] for name, a in rows.items()}  # later rows are redone
+        return out
 
     def append(self, table: str, rows: Mapping[str, np.ndarray]) -> None:
         """Append k >= 1 rows to ``table``: every column, leading dimension k.

@@ -72,6 +72,8 @@ class EpochSummary:
     test_loss: float
     test_accuracy: float
     test_count: int
+    #: Per-batch records gathered for this exchange (set by the bridge).
+    batch_records: int = 0
 
 
 def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int) -> EpochSummary:

@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
@@ -28,23 +27,19 @@ from flodl_mpi.bridge import Bridge
 from flodl_mpi.checkpoint import (
     Checkpoint,
     latest_checkpoint,
+    list_checkpoints,
     load_state_dict,
     read_checkpoint,
+    read_rank_state,
 )
 from flodl_mpi.cli import config_from_args
 from flodl_mpi.config import TrainConfig
-from flodl_mpi.data import (
-    DEFAULT_NAMES,
-    Dataset,
-    default_digits_path,
-    ensure_digits,
-    load_dataset,
-    num_batches,
-)
+from flodl_mpi.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset, num_batches
 from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, parse_fault
 from flodl_mpi.metrics import MetricsWriter, WriterError
 from flodl_mpi.models import build_model, check_model_output, model_signature
+from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree, torch_threads
 
@@ -93,9 +88,13 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
             run_dir = Path(cfg.run_dir)
             if run_dir.exists() and not run_dir.is_dir():
                 raise ValueError(f"--run-dir {cfg.run_dir!r}: exists and is not a directory")
-            if run_dir.is_dir() and any(run_dir.iterdir()) and not cfg.resume:
-                raise ValueError(f"--run-dir {cfg.run_dir!r} is not empty (it may hold another run); "
-                                 "choose a new or empty directory so nothing saved is overwritten")
+            if run_dir.is_dir() and any(run_dir.iterdir()):
+                if not cfg.resume:
+                    raise ValueError(f"--run-dir {cfg.run_dir!r} is not empty (it may hold another run); "
+                                     "choose a new or empty directory so nothing saved is overwritten")
+                if not (run_dir / "config.json").is_file():
+                    raise ValueError(f"--resume: {cfg.run_dir!r} is not empty but holds no flodl-mpi run "
+                                     "(no config.json); nothing in it was touched")
             run_dir.mkdir(parents=True, exist_ok=True)
         else:
             base = time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
@@ -135,8 +134,11 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     if latest is None:
         has_metrics = comm.bcast((run_dir / "metrics.h5").exists() if comm.rank == 0 else None, root=0)
         return None, ({"rounds": 0, "epochs": 0, "batches": 0} if has_metrics else None)
-    # Every rank reads the file itself: run directories live on a shared filesystem.
-    ckpt = agree(comm, "resume", lambda: read_checkpoint(latest), watchdog)
+    if comm.rank == 0:
+        _set_aside_damaged(run_dir / "checkpoints", latest)
+    # Every rank reads the file itself (run directories live on a shared
+    # filesystem), and of the per-rank state only its own.
+    ckpt = agree(comm, "resume", lambda: read_checkpoint(latest, ranks=[]), watchdog)
     saved = ckpt.meta["config"]
     if ckpt.meta["world_size"] != world.size:
         raise InputError(f"--resume: {latest} was written by {ckpt.meta['world_size']} ranks; "
@@ -145,7 +147,23 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
               for k in RESUME_MUST_MATCH if saved.get(k) != getattr(cfg, k)]
     if differ:
         raise InputError(f"--resume: the run in {run_dir} was started with other options: {'; '.join(differ)}")
+    ckpt.ranks = {comm.rank: agree(comm, "resume", lambda: read_rank_state(latest, comm.rank), watchdog)}
     return ckpt, ckpt.meta["metrics_rows"]
+
+
+def _set_aside_damaged(directory: Path, latest: Path) -> None:
+    """Rank 0: say which checkpoint files are not used and rename them ``*.damaged``.
+
+    A file under a checkpoint name that does not read as complete (a disk fault,
+    a truncated copy) is never the one resumed from; renamed, it is not
+    overwritten by the next save and stays for a look.
+    """
+    good = set(list_checkpoints(directory))
+    for path in sorted(directory.glob("ckpt-*.h5")):
+        if path not in good:
+            path.rename(path.with_name(path.name + ".damaged"))
+            log.info(f"warning: {path.name} is not a complete checkpoint; resuming from {latest.name}, "
+                     f"the file is kept as {path.name}.damaged")
 
 
 def _note_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
@@ -198,7 +216,7 @@ def _run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:
     }
 
 
-def run_train(args, world: World, watchdog: Watchdog) -> list:
+def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list:
     """Set up this rank and train; returns the epoch summaries.
 
     Collective: every rank calls it with the same ``args``.
@@ -232,19 +250,19 @@ def run_train(args, world: World, watchdog: Watchdog) -> list:
     # -- outputs: nothing is created on disk before the input is known to be good
     run_dir = _make_run_dir(cfg, comm, watchdog)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
+    _setup_logging(run_dir, world.rank)
     ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog) if cfg.resume else (None, None)
     if ckpt is not None:  # the consensus, on every rank alike
         agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
-    _setup_logging(run_dir, world.rank)
     try:
-        return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows)
+        return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows, stop)
     except BaseException as exc:
         _note_failure(run_dir, world.rank, exc)
         raise
 
 
 def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
-           run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None) -> list:
+           run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest) -> list:
     comm = world.comm
 
     def bridge_fault(round_: int, stage: str) -> None:
@@ -255,7 +273,10 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
     attrs["data_source"] = data.source
     writer = None
     if world.rank == 0:
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        # config.json is the run's first config; each resume adds its own beside it.
+        resumed_at = int(ckpt.meta["round"]) if ckpt is not None else 0
+        name = "config.json" if keep_rows is None else f"config-resume-r{resumed_at:06d}.json"
+        (run_dir / name).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints,
                                keep_rows=keep_rows)
     agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog,
@@ -283,22 +304,13 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         log.info(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
                  f"rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
 
-    trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info)
+    trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop)
     if ckpt is not None:
         agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
         log.info(f"resuming from {ckpt.path.name}: {trainer.start_epoch} epoch(s) done, "
                  f"{trainer.start_cursor} batch(es) into the next, round {bridge.version}")
     elif keep_rows is not None:
         log.info(f"nothing to resume in {run_dir}: no complete checkpoint; starting the run again")
-
-    def request_stop(signum, frame) -> None:
-        # The next round carries the stop to every rank; a second Ctrl-C is impatience.
-        if signum == signal.SIGINT and trainer.stop_requested:
-            raise KeyboardInterrupt
-        trainer.stop_requested = True
-
-    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, request_stop)
 
     # -- train
     bridge.start()
@@ -310,14 +322,18 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
                 writer.close(timeout=10.0)
         raise
     except BaseException:
-        if writer is not None:
+        if writer is not None:  # a cleanly closed metrics.h5 is easier on its readers
             with contextlib.suppress(WriterError):
-                writer.flush_wait(timeout=10.0)
+                writer.close(timeout=10.0)
         raise
     bridge.close()
     if writer is not None:
         writer.close()
-        last = history[-1]
-        log.info(f"done: test accuracy {last.test_accuracy:.4f} after {last.rounds} rounds; "
-                 f"metrics {run_dir / 'metrics.h5'}, checkpoints {run_dir / 'checkpoints'}")
+        if history:
+            last = history[-1]
+            log.info(f"done: test accuracy {last.test_accuracy:.4f} after {last.rounds} rounds; "
+                     f"metrics {run_dir / 'metrics.h5'}, checkpoints {run_dir / 'checkpoints'}")
+        else:
+            log.info(f"nothing to do: {trainer.start_epoch} of {cfg.epochs} epoch(s) were done already "
+                     f"(raise --epochs to train further)")
     return history

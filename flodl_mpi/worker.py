@@ -8,6 +8,7 @@ ranks included. This module never calls MPI: it talks to the bridge.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.faults import Fault, InjectedFault
 from flodl_mpi.reporting import EpochReport, EpochSummary
+from flodl_mpi.signals import StopRequest
 
 __all__ = ["Replica", "Trainer", "evaluate", "make_optimizer", "state_arrays"]
 
@@ -168,7 +170,8 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, data: Dataset, replica: Replica,
-                 bridge: Bridge, writer=None, fault: Fault | None = None, log=print) -> None:
+                 bridge: Bridge, writer=None, fault: Fault | None = None, log=print,
+                 stop: StopRequest | None = None) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.data, self.replica, self.bridge, self.writer = data, replica, bridge, writer
         self.fault, self.log = fault, log
@@ -176,13 +179,14 @@ class Trainer:
         self.quotas = fixed_quotas(world_size, cfg.window)
         self.steps = 0            # n_r: optimizer steps since the consensus last adopted
         self.global_step = 0      # this rank's optimizer steps in the run
-        self.stop_requested = False  # set by a signal handler: stop and save
+        self.stop = stop if stop is not None else StopRequest()  # set by signals: stop and save
         #: The latest cohort epoch metrics, identical on every rank (SPEC §5).
         self.latest: EpochSummary | None = None
         self.history: list[EpochSummary] = []
         # Where training starts (moved by resume) and the rows metrics.h5 holds.
         self.start_epoch, self.start_cursor = 0, 0
         self.epoch_rows, self.batch_rows = 0, 0
+        self._carried: EpochReport | None = None  # the stopped epoch's report, on resume
 
     def resume(self, ckpt: Checkpoint) -> None:
         """Continue from a checkpoint: counters, guard, this rank's optimizer and RNG.
@@ -195,14 +199,22 @@ class Trainer:
                 another optimizer.
         """
         meta = ckpt.meta
-        if len(ckpt.ranks) != self.world_size:
-            raise ValueError(f"checkpoint {ckpt.path} holds the state of {len(ckpt.ranks)} ranks, "
-                             f"this run has {self.world_size}")
+        if self.rank not in ckpt.ranks:
+            raise ValueError(f"checkpoint {ckpt.path}: no state read for rank {self.rank}")
         arrays, attrs = ckpt.ranks[self.rank]
         self.global_step = rank_state.restore(self.optimizer, arrays, attrs)
+        # Hyperparameters are the run's as configured now (a resume may change --lr).
+        for group in self.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = self.cfg.lr, self.cfg.weight_decay
+            if "momentum" in group:
+                group["momentum"] = self.cfg.momentum
         self.bridge.version = int(meta["round"])
         self.bridge.guard.load_state_dict(meta["guard"])
         self.start_epoch, self.start_cursor = int(meta["epoch"]), int(meta["cursor"])
+        self.bridge.resume_clock(float(meta["elapsed_s"]))
+        if self.start_cursor:  # the epoch goes on: its report so far, re-evaluated at its end
+            self._carried = EpochReport(**attrs["epoch_report"])
+            self._carried.test_loss_sum, self._carried.test_correct, self._carried.test_count = 0.0, 0, 0
         self.epoch_rows = int(meta["metrics_rows"]["epochs"])
         self.batch_rows = int(meta["metrics_rows"]["batches"])
 
@@ -223,7 +235,7 @@ class Trainer:
         t_epoch = time.perf_counter()
         perm = epoch_permutation(self.data.train.n, cfg.seed, epoch)
         n_batches = num_batches(self.data.train.n, cfg.batch_size)
-        report = EpochReport()
+        report, self._carried = (self._carried or EpochReport()), None
         rows: list[tuple] = []
         stopped = False
         model.train()
@@ -240,7 +252,7 @@ class Trainer:
             self._fault_hook("nan")
             self._fault_hook("disk")
             self.replica.snapshot(self.bridge)
-            update = self.bridge.round(self.steps, len(mine), stop=self.stop_requested)
+            update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested)
             self._adopt(update)
             if self.writer is not None:
                 self.writer.check()  # a disk error on rank 0 ends the job now, not at the epoch's end
@@ -251,14 +263,14 @@ class Trainer:
         t_eval = time.perf_counter()
         report.test_loss_sum, report.test_correct, report.test_count = evaluate(
             model, self.data.test, self.rank, self.world_size, self.replica.device, cfg.eval_batch_size)
-        report.epoch_ms = 1e3 * (t_eval - t_epoch)
+        report.epoch_ms += 1e3 * (t_eval - t_epoch)
         # -- epoch exchange: every rank gets the same summary; rank 0 writes metrics
         summary = self.bridge.epoch_end(report, np.array(rows, dtype=np.float64), epoch)
         self.epoch_rows += 1
-        self.batch_rows += summary.batches
+        self.batch_rows += summary.batch_records
         self.latest = summary
         self.history.append(summary)
-        self._report(summary, stopped, cursor)
+        self._report(summary, stopped, cursor, report)
         return stopped
 
     def _train_batch(self, perm: np.ndarray, b: int, epoch: int, report: EpochReport) -> tuple:
@@ -294,7 +306,7 @@ class Trainer:
         # next window (SPEC §2 step 8).
         self.steps -= update.steps_at_snapshot
 
-    def _report(self, s: EpochSummary, stopped: bool, cursor: int) -> None:
+    def _report(self, s: EpochSummary, stopped: bool, cursor: int, report: EpochReport) -> None:
         cfg = self.cfg
         last = s.epoch == cfg.epochs - 1
         if self.writer is not None:
@@ -312,16 +324,20 @@ class Trainer:
             # A stop in the epoch's last window ended the epoch anyway: save it complete.
             in_epoch = stopped and cursor < num_batches(self.data.train.n, cfg.batch_size)
             self.save_checkpoint(s, reason="graceful_shutdown" if stopped else "checkpoint",
-                                 cursor=cursor if in_epoch else 0)
+                                 cursor=cursor if in_epoch else 0, report=report)
 
-    def save_checkpoint(self, s: EpochSummary, reason: str, cursor: int = 0) -> None:
+    def save_checkpoint(self, s: EpochSummary, reason: str, cursor: int = 0,
+                        report: EpochReport | None = None) -> None:
         """Save a checkpoint: collective (each rank's state is gathered), rank 0 writes.
 
         ``epoch`` in the meta counts completed epochs and ``cursor`` the global
         batches of the next one already trained (non-zero after a stop mid-epoch),
         which is where a resumed run goes on.
         """
-        ranks = self.bridge.gather_to_root(rank_state.capture(self.optimizer, self.global_step))
+        arrays, attrs = rank_state.capture(self.optimizer, self.global_step)
+        if cursor:  # stopped mid-epoch: the resumed run finishes this epoch's report
+            attrs["epoch_report"] = dataclasses.asdict(report)
+        ranks = self.bridge.gather_to_root((arrays, attrs))
         if self.writer is None:
             return
         params, buffers, order = state_arrays(self.replica.model)
@@ -330,7 +346,10 @@ class Trainer:
             "epoch_complete": cursor == 0,
             "cursor": cursor,
             "batches_done": s.batches,
-            "metrics_rows": {"rounds": self.bridge.version, "epochs": self.epoch_rows, "batches": self.batch_rows},
+            # A stopped epoch's row is dropped on resume: the finished epoch gets one row.
+            "metrics_rows": {"rounds": self.bridge.version, "epochs": self.epoch_rows - (1 if cursor else 0),
+                             "batches": self.batch_rows},
+            "elapsed_s": self.bridge.elapsed,
             "round": self.bridge.version,
             "global_step": self.global_step,
             "reason": reason,

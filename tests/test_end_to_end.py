@@ -140,10 +140,20 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     assert a_meta.meta["test_accuracy"] == b_meta.meta["test_accuracy"]
-    # metrics.h5 reads like one run: every round once, in order
+    # metrics.h5 reads like one run: every round once, in order; one row per epoch; a clock that only grows
     rounds = read_table(stopped / "metrics.h5", "rounds")
     np.testing.assert_array_equal(rounds["round"], np.arange(92))
     np.testing.assert_array_equal(rounds["steps"], read_table(straight / "metrics.h5", "rounds")["steps"])
+    assert np.all(np.diff(rounds["time_s"]) >= 0)
+    epochs, epochs_straight = (read_table(d / "metrics.h5", "epochs") for d in (stopped, straight))
+    np.testing.assert_array_equal(epochs["epoch"], np.arange(4))
+    np.testing.assert_array_equal(epochs["per_rank_batches"], epochs_straight["per_rank_batches"])
+    np.testing.assert_allclose(epochs["avg_loss"], epochs_straight["avg_loss"], rtol=1e-12)
+    np.testing.assert_array_equal(epochs["test_accuracy"], epochs_straight["test_accuracy"])
+    batches = read_table(stopped / "metrics.h5", "batches")
+    assert sorted(zip(batches["rank"], batches["step"])) == sorted(
+        zip(*(read_table(straight / "metrics.h5", "batches")[k] for k in ("rank", "step"))))
+    assert (stopped / "config.json").exists() and list(stopped.glob("config-resume-r*.json"))
 
 
 def test_resume_refuses_other_options_and_world_sizes(tmp_path):
@@ -157,3 +167,47 @@ def test_resume_refuses_other_options_and_world_sizes(tmp_path):
     assert size.returncode == 2 and "was written by 2 ranks; run with 2" in size.stderr
     fresh = run_flodl(2, "train", "--epochs", "1", "--run-dir", str(tmp_path / "new"), "--resume", timeout=300)
     assert fresh.returncode == 0  # nothing to resume: a requeued job's first start
+
+
+def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
+    """kill -9 leaves metrics.h5 open for write; resume still goes on from the last checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import MPIEXEC
+
+    run_dir = tmp_path / "k"
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3",
+                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pattern = f"--run-dir {run_dir}"
+        pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
+        os.kill(max(int(p) for p in pids if int(p) != proc.pid), signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    saved = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta["round"]
+    damaged = run_dir / "checkpoints" / "ckpt-e000009-r000999.h5"  # say, a truncated copy
+    damaged.write_bytes(b"\x89HDF\r\n\x1a\n truncated")
+
+    resumed = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", "--lr", "0.002",
+                        timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"round {saved}" in resumed.stdout
+    assert "warning: ckpt-e000009-r000999.h5 is not a complete checkpoint" in resumed.stdout
+    assert damaged.with_name(damaged.name + ".damaged").read_bytes().endswith(b"truncated")
+    rounds = read_table(run_dir / "metrics.h5", "rounds")
+    np.testing.assert_array_equal(rounds["round"], np.arange(3 * 23))  # rows after the checkpoint redone, once
+    lr = read_table(run_dir / "metrics.h5", "batches")["lr"]
+    assert set(lr[-10:]) == {0.002}  # a resume may change the learning rate
+
+    again = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to do: 3 of 3 epoch(s) were done already" in again.stdout

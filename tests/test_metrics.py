@@ -1,6 +1,7 @@
 """metrics.h5 tables (SWMR) and rank 0's writer thread."""
 
 import json
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -196,3 +197,40 @@ def test_writer_start_fails_when_metrics_exists(tmp_path):
     with pytest.raises(WriterError) as info:
         writer.start()
     assert isinstance(info.value.__cause__, FileExistsError)
+
+
+def test_resume_salvages_a_file_a_killed_run_left_open(tmp_path):
+    """A run killed mid-write leaves metrics.h5 flagged open; resume keeps the rows a checkpoint saw."""
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "metrics.h5"
+    script = textwrap.dedent(f"""
+        import os, numpy as np
+        from flodl_mpi.metrics import MetricsFile, table_schema
+        f = MetricsFile({str(path)!r}, 2, {{"config": {{"lr": 0.1}}}})
+        for i in range(5):
+            f.append("batches", {{c: np.full((1, *s), i, dtype=d) for c, (d, s) in table_schema(2)["batches"].items()}})
+        os._exit(0)  # like kill -9: the file is never closed
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=str(Path(__file__).parent.parent))
+    with pytest.raises(OSError):  # a plain open refuses the flagged file
+        h5py.File(path, "r").close()
+
+    with MetricsFile(path, 2, {"config": {"lr": 0.2}}, keep_rows={"batches": 3}) as f:
+        f.append("batches", {c: np.full((1, *s), 9, dtype=d) for c, (d, s) in table_schema(2)["batches"].items()})
+    rows = read_table(path, "batches")
+    np.testing.assert_array_equal(rows["step"], [0, 1, 2, 9])
+    assert len(read_table(path, "rounds")["round"]) == 0
+    with h5py.File(path, "r") as f:  # closed cleanly this time
+        assert json.loads(f.attrs["config"]) == {"lr": 0.2}
+    assert not (tmp_path / "metrics.h5.before-resume").exists()
+
+
+def test_resume_refuses_fewer_rows_than_the_checkpoint_saw(tmp_path):
+    path = tmp_path / "metrics.h5"
+    MetricsFile(path, 1, {}).close()
+    with pytest.raises(ValueError, match="table 'rounds' has 0 rows, the checkpoint saw 4"):
+        MetricsFile(path, 1, {}, keep_rows={"rounds": 4})
+    assert path.exists()  # nothing lost
