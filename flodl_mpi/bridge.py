@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from mpi4py import MPI
+from mpi4py.util import pkl5
 
 from flodl_mpi.divergence import TrendGuard, triple_from_sums
 from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
@@ -151,6 +152,7 @@ class Bridge:
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._serve_forever, name="flodl-bridge", daemon=True)
+        self._pkl5 = pkl5.Intracomm(comm)
 
     # ---- training-thread side -------------------------------------------------
 
@@ -212,7 +214,7 @@ class Bridge:
 
         Collective, like :meth:`round`; for checkpoints (each rank's optimizer
         and RNG state), not for every round: it pickles in memory between our
-        own ranks (never from a file).
+        own ranks (never from a file), arrays out of band.
         """
         return self._call(("gather", obj))
 
@@ -264,7 +266,9 @@ class Bridge:
                 reply = self._epoch(*request[1:])
             else:
                 self._enter("state gather")
-                reply = self.comm.gather(request[1], root=0)
+                # pickle protocol 5, buffers out of band: no copy of the arrays, and
+                # no 2 GiB limit on one rank's optimizer state (mpi4py.util.pkl5).
+                reply = self._pkl5.gather(request[1], root=0)
             if self._watchdog is not None:
                 self._watchdog.round_finished()
             return reply

@@ -143,6 +143,15 @@ def _disk_array(name: str, value: np.ndarray) -> np.ndarray:
     raise TypeError(f"tensor {name!r} has dtype {arr.dtype}; expected floating, integer or bool")
 
 
+def _create(group: h5py.Group, name: str, data: np.ndarray) -> None:
+    """A dataset with a Fletcher-32 checksum (non-scalar ones: the filter needs chunks),
+    so a flipped bit on disk fails the read instead of loading wrong weights."""
+    if data.ndim and data.size:
+        group.create_dataset(name, data=data, fletcher32=True, chunks=True)
+    else:
+        group.create_dataset(name, data=data)
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -210,11 +219,11 @@ def write_checkpoint(
             for group, arrays in (("params", params), ("buffers", buffers)):
                 g = f.create_group(group)
                 for name, value in arrays.items():
-                    g.create_dataset(name, data=_disk_array(name, value))
+                    _create(g, name, _disk_array(name, value))
             for r, (arrays, attrs) in enumerate(ranks):
                 g = f.create_group(f"ranks/{r}")
                 for name, value in arrays.items():
-                    g.create_dataset(name, data=np.asarray(value))
+                    _create(g, name, np.asarray(value))
                 g.attrs["json_keys"] = json.dumps(_write_attrs(g.attrs, attrs, f"ranks[{r}]"))
             json_keys = _write_attrs(f.attrs, meta, "meta")
             f.attrs["json_keys"] = json.dumps(json_keys)
@@ -284,6 +293,8 @@ def read_checkpoint(path: str | os.PathLike, ranks: Sequence[int] | None = None)
             params = {k: np.asarray(v[()]) for k, v in f["params"].items()}
             buffers = {k: np.asarray(v[()]) for k, v in f["buffers"].items()}
             order = json.loads(f.attrs["order"])
+        except OSError as exc:  # e.g. a Fletcher-32 checksum mismatch: the data was damaged
+            raise CheckpointError(path, f"unreadable data ({exc})") from None
         except KeyError as exc:
             raise CheckpointError(path, f"missing {exc.args[0]!r}") from None
         meta = _read_attrs(f.attrs, skip=_RESERVED)
@@ -301,9 +312,12 @@ def _read_rank(f: h5py.File, path: Path, rank: int) -> tuple[dict[str, np.ndarra
         raise CheckpointError(path, f"holds no state for rank {rank} (it has ranks {saved})")
     group = f["ranks"][str(rank)]
     arrays: dict[str, np.ndarray] = {}
-    group.visititems(
-        lambda name, obj: arrays.__setitem__(name, np.asarray(obj[()])) if isinstance(obj, h5py.Dataset) else None
-    )
+    try:
+        group.visititems(
+            lambda name, obj: arrays.__setitem__(name, np.asarray(obj[()])) if isinstance(obj, h5py.Dataset) else None
+        )
+    except OSError as exc:  # a checksum mismatch
+        raise CheckpointError(path, f"unreadable state of rank {rank} ({exc})") from None
     return arrays, _read_attrs(group.attrs)
 
 

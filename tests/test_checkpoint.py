@@ -173,3 +173,15 @@ def test_list_prune_keep_the_newest(tmp_path):
     assert live.exists() and not dead.exists()
     with pytest.raises(ValueError, match="keep must be an int >= 1, got 0"):
         prune_checkpoints(tmp_path, keep=0)
+
+
+def test_a_flipped_bit_in_the_weights_is_caught_not_loaded(tmp_path):
+    w = np.arange(4096, dtype=np.float32)
+    path = write_checkpoint(tmp_path / "c.h5", {"w": w}, {}, {}, ["w"])
+    with h5py.File(path, "r") as f:
+        offset = f["params/w"].id.get_chunk_info(0).byte_offset
+    raw = bytearray(path.read_bytes())
+    raw[offset + 100] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="unreadable data"):
+        read_checkpoint(path)
