@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -234,8 +235,20 @@ def read_table(path: str | os.PathLike, table: str) -> dict[str, np.ndarray]:
 
     Raises:
         KeyError: no such table in the file.
+        BlockingIOError: the file stayed locked for 10 s. The writer holds it
+            locked while it creates the file, before SWMR is on; a reader that
+            comes then is retried, not failed.
     """
-    with h5py.File(path, "r", libver="latest", swmr=True) as f:
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            f = h5py.File(path, "r", libver="latest", swmr=True)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    with f:
         group = f[table]
         data = {name: ds[()] for name, ds in group.items()}
     n = min((len(a) for a in data.values()), default=0)

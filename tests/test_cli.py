@@ -210,6 +210,7 @@ def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path, si
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
+        proc.communicate()  # closes the pipes
     assert proc.returncode == 0, err
     ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     assert ckpt.meta["reason"] == "graceful_shutdown"

@@ -127,6 +127,7 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
         proc.communicate(timeout=120)
     finally:
         proc.kill()
+        proc.communicate()  # closes the pipes
     assert proc.returncode == 0
     ckpt, _ = _final_state(stopped)
     assert ckpt.meta["reason"] == "graceful_shutdown" and ckpt.meta["round"] < 92
@@ -192,6 +193,7 @@ def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
         proc.communicate(timeout=120)
     finally:
         proc.kill()
+        proc.communicate()  # closes the pipes
     assert proc.returncode != 0
     saved = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta["round"]
     damaged = run_dir / "checkpoints" / "ckpt-e000009-r000999.h5"  # say, a truncated copy
