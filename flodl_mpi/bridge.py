@@ -2,9 +2,11 @@
 
 Responsibilities: it is the only MPI caller while training runs, on its own
 duplicated communicator; it owns the staging the training thread snapshots
-into and adopts from; it runs the control gather, the all-idle skip, the params
-and buffers reduces, the divergence triple and the version; on rank 0 it turns
-the gathered values into ``metrics.h5`` records. Escape hatch: any error inside
+into and adopts from (for float32 CPU models the parameters themselves live
+there, see ``worker.Replica.bind``); it runs the control gather, the all-idle
+skip, the params and buffers reduces, the divergence triple and the version,
+the epoch exchange, and at checkpoints the gather of each rank's state; on
+rank 0 it turns the gathered values into ``metrics.h5`` records. Escape hatch: any error inside
 a round is handed to the training thread as data (never printed and lost), and
 the watchdog is told to end the process if the rank does not abort by itself.
 """
@@ -90,7 +92,8 @@ class Bridge:
             ``failed()``; None for none.
         fault: test hook ``fault(round, stage)`` called at each stage; may raise.
 
-    Failure semantics: a failed round leaves the staging undefined; the
+    Failure semantics: a failed round leaves the staging (so bound
+    parameters) undefined; the
     training thread's :meth:`round` or :meth:`epoch_end` raises (a
     :class:`CohortError` as is, anything else as :class:`RoundError` naming the
     stage); the bridge thread ends. Nothing already written to disk is touched.

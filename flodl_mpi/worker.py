@@ -163,6 +163,8 @@ class Trainer:
         writer: rank 0's ``MetricsWriter``; None elsewhere.
         fault: an injected fault (tests), or None.
         log: a callable taking one line (rank 0 prints progress with it).
+        stop: the stop request that signals set (``flodl_mpi.signals``); each
+            round carries it to every rank.
 
     Failure semantics: any exception leaves :meth:`fit`; the caller ends the
     job. Checkpoints already written stay; the one in progress is either
