@@ -63,12 +63,16 @@ def check_world_size(size: int, environ: dict[str, str] | None = None) -> None:
 
     A ``mpiexec`` from another MPI than the one mpi4py loaded starts N separate
     one-rank jobs that would each train alone, silently. The launchers' own
-    size variables give it away.
+    size variables give it away. Only a world of 1 is checked: when MPI did
+    connect several ranks, a launcher variable left over from an enclosing
+    allocation (an sbatch script's own step) must not stop the run.
     """
+    if size != 1:
+        return
     env = os.environ if environ is None else environ
     for var in _LAUNCHER_SIZE_VARS:
         value = env.get(var, "")
-        if value.isdigit() and int(value) != size:
+        if value.isdigit() and int(value) > 1:
             raise InputError(
                 f"the launcher started {value} ranks ({var}={value}) but MPI sees a world of {size}: "
                 f"the launcher belongs to another MPI than mpi4py's ({MPI.Get_library_version().splitlines()[0].strip()}); "

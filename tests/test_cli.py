@@ -168,6 +168,7 @@ def test_launcher_size_mismatch_is_caught():
         check_world_size(1, {"OMPI_COMM_WORLD_SIZE": "4"})
     check_world_size(2, {"PMI_SIZE": "2"})
     check_world_size(1, {})
+    check_world_size(4, {"SLURM_STEP_NUM_TASKS": "1"})  # stale: MPI did connect 4 ranks
 
 
 def test_launcher_size_mismatch_end_to_end(tmp_path):
