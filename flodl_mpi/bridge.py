@@ -28,7 +28,7 @@ from mpi4py.util import pkl5
 from flodl_mpi.divergence import TrendGuard, triple_from_sums
 from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
 from flodl_mpi.realized_work import gamma_mass, mover_mass, relative_masses
-from flodl_mpi.reduce import MAX_COUNT, control_gather, sumcount_reduce
+from flodl_mpi.reduce import MAX_COUNT, ReduceStats, control_gather, sumcount_reduce
 from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares
 
@@ -298,39 +298,33 @@ class Bridge:
         if skipped:
             # No rank moved: every snapshot already equals the consensus.
             self._enter("pre norm")
-            pre_sq = p.sum_squares()
-            stats = None
-            triple = (0.0, math.sqrt(pre_sq), math.sqrt(pre_sq))
+            stats = ReduceStats(pre_sq=p.sum_squares())
         else:
             self._enter("params reduce")
             stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, wire_masses[self.rank], p.scratch)
-            self._enter("divergence")
-            if not stats.realized:
-                pre_sq = stats.pre_sq
-                triple = (0.0, math.sqrt(pre_sq), math.sqrt(pre_sq))
-            else:
-                if not math.isfinite(stats.post_sq):
-                    self._raise_non_finite(stats.pre_sq)
-                triple = triple_from_sums(stats.diff_sq, stats.post_sq, stats.pre_sq)
-            if self._b.layout.n and stats.realized:
-                self._enter("buffers reduce")
-                bstats = sumcount_reduce(
-                    self.comm, self._b.layout, self._b.staging, self._b.frame,
-                    mover_mass(all_steps[self.rank]), self._b.scratch,
-                )
-                stats.bytes += bstats.bytes
-                stats.pack_ms += bstats.pack_ms
-                stats.allreduce_ms += bstats.allreduce_ms
-                stats.unpack_ms += bstats.unpack_ms
+        self._enter("divergence")
+        if not stats.realized:  # skipped, or no mass realized: pre is post
+            triple = triple_from_sums(0.0, stats.pre_sq, stats.pre_sq)
+        elif not math.isfinite(stats.post_sq):
+            self._raise_non_finite(stats.pre_sq)
+        else:
+            triple = triple_from_sums(stats.diff_sq, stats.post_sq, stats.pre_sq)
+        if self._b.layout.n and stats.realized:
+            self._enter("buffers reduce")
+            bstats = sumcount_reduce(
+                self.comm, self._b.layout, self._b.staging, self._b.frame,
+                mover_mass(all_steps[self.rank]), self._b.scratch,
+            )
+            stats.bytes += bstats.bytes
+            stats.pack_ms += bstats.pack_ms
+            stats.allreduce_ms += bstats.allreduce_ms
+            stats.unpack_ms += bstats.unpack_ms
         self._stage = "update"
         round_index = self.version
         self.version += 1
         divergence, post_norm, pre_norm = triple
-        self._ack = np.array([
-            divergence, pre_norm, post_norm,
-            stats.pack_ms if stats else 0.0, stats.allreduce_ms if stats else 0.0,
-            stats.unpack_ms if stats else 0.0, stats.bytes if stats else 0,
-        ])
+        self._ack = np.array([divergence, pre_norm, post_norm, stats.pack_ms, stats.allreduce_ms,
+                              stats.unpack_ms, stats.bytes])
         if self._writer is not None:
             self._pending = {
                 "round": round_index, "version": self.version,
@@ -340,7 +334,7 @@ class Bridge:
             }
         return RoundUpdate(
             version=self.version,
-            adopted=stats is not None and stats.realized,
+            adopted=stats.realized,
             steps_at_snapshot=steps,
             stop=bool(gathered[:, 2].any()),
             divergence=divergence, post_norm=post_norm, pre_norm=pre_norm,

@@ -1,4 +1,4 @@
-"""The collectives of a round: control gather, chunked Allreduce, sum-and-count reduce.
+"""The collectives of a round: control gather and the chunked sum-and-count reduce.
 
 Collective contract for every function here: all ranks of ``comm`` call it, in
 the same order, with buffers of the same length and dtype; a rank that does not
@@ -17,7 +17,7 @@ from mpi4py import MPI
 from flodl_mpi.realized_work import is_realized
 from flodl_mpi.wire import WireLayout, pack_chunk, sum_squares, unpack_chunk
 
-__all__ = ["MAX_COUNT", "control_gather", "chunked_allreduce", "ReduceStats", "sumcount_reduce"]
+__all__ = ["MAX_COUNT", "control_gather", "ReduceStats", "sumcount_reduce"]
 
 #: Largest element count one MPI call takes (a C ``int``).
 MAX_COUNT = 2**31 - 1
@@ -37,24 +37,6 @@ def control_gather(comm: MPI.Comm, row: np.ndarray) -> np.ndarray:
     out = np.empty((comm.size, row.size), dtype=np.float64)
     comm.Allgather([row, MPI.DOUBLE], [out, MPI.DOUBLE])
     return out
-
-
-def chunked_allreduce(comm: MPI.Comm, buf: np.ndarray, max_count: int = MAX_COUNT) -> None:
-    """In-place ``Allreduce(SUM)`` of a contiguous float32 array, ``max_count`` elements a call.
-
-    Each element's sum is the same whatever the piece size, so the result equals
-    one call on the whole buffer.
-
-    Raises:
-        ValueError: ``buf`` is not a contiguous 1-D float32 array or ``max_count`` is
-            not in ``[1, MAX_COUNT]``.
-    """
-    if buf.dtype != np.float32 or buf.ndim != 1 or not buf.flags.c_contiguous:
-        raise ValueError(f"buf must be a contiguous 1-D float32 array, got {buf.dtype} {buf.shape}")
-    if not 1 <= max_count <= MAX_COUNT:
-        raise ValueError(f"max_count must be in [1, {MAX_COUNT}], got {max_count!r}")
-    for lo in range(0, buf.size, max_count):
-        comm.Allreduce(MPI.IN_PLACE, [buf[lo : lo + max_count], MPI.FLOAT], op=MPI.SUM)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from flodl_mpi.realized_work import gamma_mass
-from flodl_mpi.reduce import chunked_allreduce, control_gather, sumcount_reduce
+from flodl_mpi.reduce import control_gather, sumcount_reduce
 from flodl_mpi.wire import WireLayout
 
 pytestmark = pytest.mark.mpi
@@ -39,17 +39,21 @@ def test_control_gather_gives_every_rank_the_same_matrix(comm):
     np.testing.assert_array_equal(m, expected)
 
 
-@pytest.mark.parametrize("max_count", [1, 7, 1000, 2**31 - 1])
-def test_chunked_allreduce_equals_the_single_call(comm, max_count):
-    rng = np.random.default_rng(comm.rank)
-    buf = rng.standard_normal(1001).astype(np.float32)
-    single = buf.copy()
-    comm.Allreduce(MPI.IN_PLACE, [single, MPI.FLOAT], op=MPI.SUM)
-    chunked_allreduce(comm, buf, max_count=max_count)
-    ref = sum(np.random.default_rng(r).standard_normal(1001).astype(np.float64) for r in range(comm.size))
-    np.testing.assert_allclose(buf, single, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(buf, ref, rtol=1e-5, atol=1e-5)
-    assert len(set(comm.allgather(digest(buf)))) == 1
+@pytest.mark.parametrize("chunk_elems", [1, 7, 100])
+def test_chunked_reduce_equals_the_single_call(comm, chunk_elems):
+    # Pieces of chunk_elems elements (down to one per Allreduce call) against one
+    # call over the whole frame: every element's sum is the same.
+    results = []
+    for chunk in (chunk_elems, 10**6):
+        layout = WireLayout(SHAPES, chunk_elems=chunk)
+        staging = layout.new_staging()
+        staging[:] = np.concatenate([t.ravel() for t in rank_tensors(comm.rank)])
+        sumcount_reduce(comm, layout, staging, layout.new_frame(), 1.0 + comm.rank, layout.new_scratch())
+        results.append(staging)
+    assert len(WireLayout(SHAPES, chunk_elems=chunk_elems).chunks) > 1
+    assert len(WireLayout(SHAPES, chunk_elems=10**6).chunks) == 1
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-6, atol=1e-7)
+    assert len(set(comm.allgather(digest(results[0])))) == 1
 
 
 @pytest.mark.parametrize("chunk_elems", [3, 64, 1 << 18])
