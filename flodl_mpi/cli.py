@@ -92,14 +92,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """
     values = read_config_file(args.config) if args.config else {}
     flags = {name: getattr(args, name) for name in TrainConfig.field_names() if getattr(args, name, None) is not None}
-    # A flag overrides the file, and so does what the flag implies:
-    # --policy sync means a window of 1, --window K > 1 means --policy window.
+    # A flag overrides the file, and so does what the flag implies: --policy sync
+    # means a window of 1; a window K > 1 means --policy window unless a policy
+    # was named where the window was (a file saying both is taken at its word).
     if flags.get("policy") == "sync" and "window" not in flags:
         values.pop("window", None)
-    if flags.get("window", 1) != 1 and "policy" not in flags:
-        values["policy"] = "window"
+    window_from_flag = "window" in flags
     values.update(flags)
-    if values.get("window", 1) != 1 and "policy" not in values:
+    if values.get("window", 1) != 1 and "policy" not in flags and (window_from_flag or "policy" not in values):
         values["policy"] = "window"
     return TrainConfig(**values)
 

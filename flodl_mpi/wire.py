@@ -73,11 +73,6 @@ class WireLayout:
         """Views of ``flat`` (length >= ``n``) shaped as the tensors; no copies."""
         return [flat[o : o + k].reshape(s) for o, k, s in zip(self.offsets, self.sizes, self.shapes)]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one frame on the wire (float32)."""
-        return 4 * self.size
-
 
 def sum_squares(x: np.ndarray) -> float:
     """``sum(x ** 2)`` of a float32 piece, returned as a float64.

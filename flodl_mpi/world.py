@@ -228,14 +228,10 @@ class Watchdog:
         self._round_since: float | None = None
         self._what = "a round"
         self._exit_by: float | None = None
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="flodl-watchdog", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def round_started(self, what: str = "a round") -> None:
         """A collective wait began; ``what`` names it in the message if it stalls."""
@@ -255,7 +251,8 @@ class Watchdog:
             self._exit_by = time.monotonic() + self.exit_grace
 
     def _loop(self) -> None:
-        while not self._stop.wait(0.5):
+        while True:  # a daemon thread: it ends with the process
+            time.sleep(0.5)
             now = time.monotonic()
             since = self._round_since
             if since is not None and now - since > self.stall_timeout:
