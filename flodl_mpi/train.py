@@ -75,7 +75,7 @@ def _load_data(cfg: TrainConfig, world: World, watchdog: Watchdog) -> Dataset:
 
 
 def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
-    """Rank 0 claims a fresh run directory; never one that holds anything already.
+    """Rank 0 claims the run directory: a new or empty one, or with ``--resume`` a run's own.
 
     The default ``runs/<UTC time>`` is claimed with an exclusive ``mkdir`` (a
     suffix ``-1``, ``-2``, ... when several jobs start in the same second).
@@ -130,12 +130,16 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
             run of another world size or with other options in ``RESUME_MUST_MATCH``.
     """
     comm = world.comm
-    latest = comm.bcast(latest_checkpoint(run_dir / "checkpoints") if comm.rank == 0 else None, root=0)
+
+    def survey() -> tuple[Path | None, bool] | None:  # rank 0 looks, every rank learns
+        if comm.rank != 0:
+            return None
+        _set_aside_damaged(run_dir / "checkpoints")
+        return latest_checkpoint(run_dir / "checkpoints"), (run_dir / "metrics.h5").exists()
+
+    latest, has_metrics = comm.bcast(agree(comm, "resume", survey, watchdog, name_ranks=False), root=0)
     if latest is None:
-        has_metrics = comm.bcast((run_dir / "metrics.h5").exists() if comm.rank == 0 else None, root=0)
         return None, ({"rounds": 0, "epochs": 0, "batches": 0} if has_metrics else None)
-    if comm.rank == 0:
-        _set_aside_damaged(run_dir / "checkpoints", latest)
     # Every rank reads the file itself (run directories live on a shared
     # filesystem), and of the per-rank state only its own.
     ckpt = agree(comm, "resume", lambda: read_checkpoint(latest, ranks=[]), watchdog)
@@ -151,7 +155,7 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     return ckpt, ckpt.meta["metrics_rows"]
 
 
-def _set_aside_damaged(directory: Path, latest: Path) -> None:
+def _set_aside_damaged(directory: Path) -> None:
     """Rank 0: say which checkpoint files are not used and rename them ``*.damaged``.
 
     A file under a checkpoint name that does not read as complete (a disk fault,
@@ -162,8 +166,8 @@ def _set_aside_damaged(directory: Path, latest: Path) -> None:
     for path in sorted(directory.glob("ckpt-*.h5")):
         if path not in good:
             path.rename(path.with_name(path.name + ".damaged"))
-            log.info(f"warning: {path.name} is not a complete checkpoint; resuming from {latest.name}, "
-                     f"the file is kept as {path.name}.damaged")
+            log.info(f"warning: {path.name} is not a complete checkpoint; not resumed from, "
+                     f"kept as {path.name}.damaged")
 
 
 def _note_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
