@@ -320,13 +320,10 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
     bridge.start()
     try:
         history = trainer.fit()
-    except CohortError:
-        if writer is not None:
-            with contextlib.suppress(WriterError):  # the cohort error is the one to report
-                writer.close(timeout=10.0)
-        raise
     except BaseException:
-        if writer is not None:  # a cleanly closed metrics.h5 is easier on its readers
+        # Close metrics.h5 cleanly (easier on its readers, and on a resume); the
+        # error in flight is the one to report, not a writer error behind it.
+        if writer is not None:
             with contextlib.suppress(WriterError):
                 writer.close(timeout=10.0)
         raise
