@@ -31,10 +31,12 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import h5py
 import numpy as np
+
+from flodl_mpi.h5attrs import read_attrs, write_attrs
 
 if TYPE_CHECKING:  # torch is imported lazily: reading a checkpoint needs only h5py
     import torch
@@ -86,48 +88,6 @@ class Checkpoint:
 
 
 # ---------------------------------------------------------------- attributes
-
-
-def _write_attrs(attrs: MutableMapping, items: Mapping[str, Any], what: str) -> list[str]:
-    """Store ``items`` as HDF5 attributes; return the keys that were JSON-encoded.
-
-    Raises:
-        TypeError: a value is none of str, int, float, bool, numeric ndarray,
-            dict, list, tuple, None (numpy scalars count as int/float/bool).
-    """
-    json_keys = []
-    for key, value in items.items():
-        if isinstance(value, (str, bool, int, float, np.bool_, np.integer, np.floating)):
-            attrs[key] = value
-        elif isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
-            attrs[key] = value
-        elif value is None or isinstance(value, (dict, list, tuple)):
-            try:
-                attrs[key] = json.dumps(value)
-            except TypeError as exc:
-                raise TypeError(f"{what}[{key!r}] is not JSON-serializable: {exc}") from None
-            json_keys.append(key)
-        else:
-            raise TypeError(
-                f"{what}[{key!r}] has type {type(value).__name__}; expected str, int, float, "
-                "bool, a numeric ndarray, or a JSON-serializable dict/list/None"
-            )
-    return json_keys
-
-
-def _read_attrs(attrs: Mapping, skip: Sequence[str] = ()) -> dict[str, Any]:
-    """Inverse of `_write_attrs`: numpy scalars become Python scalars, JSON is decoded."""
-    json_keys = set(json.loads(attrs["json_keys"])) if "json_keys" in attrs else set()
-    out = {}
-    for key, value in attrs.items():
-        if key in skip or key == "json_keys":
-            continue
-        if isinstance(value, np.generic):
-            value = value.item()
-        if key in json_keys:
-            value = json.loads(value)
-        out[key] = value
-    return out
 
 
 # ---------------------------------------------------------------- write
@@ -224,8 +184,8 @@ def write_checkpoint(
                 g = f.create_group(f"ranks/{r}")
                 for name, value in arrays.items():
                     _create(g, name, np.asarray(value))
-                g.attrs["json_keys"] = json.dumps(_write_attrs(g.attrs, attrs, f"ranks[{r}]"))
-            json_keys = _write_attrs(f.attrs, meta, "meta")
+                g.attrs["json_keys"] = json.dumps(write_attrs(g.attrs, attrs, f"ranks[{r}]"))
+            json_keys = write_attrs(f.attrs, meta, "meta")
             f.attrs["json_keys"] = json.dumps(json_keys)
             f.attrs["schema_version"] = SCHEMA_VERSION
             f.attrs["order"] = json.dumps(order)
@@ -297,7 +257,7 @@ def read_checkpoint(path: str | os.PathLike, ranks: Sequence[int] | None = None)
             raise CheckpointError(path, f"unreadable data ({exc})") from None
         except KeyError as exc:
             raise CheckpointError(path, f"missing {exc.args[0]!r}") from None
-        meta = _read_attrs(f.attrs, skip=_RESERVED)
+        meta = read_attrs(f.attrs, skip=_RESERVED)
         saved = sorted(int(r) for r in f.get("ranks", {}))
         states = {r: _read_rank(f, path, r) for r in (saved if ranks is None else ranks)}
     lost = [k for k in order if k not in params and k not in buffers]
@@ -318,7 +278,7 @@ def _read_rank(f: h5py.File, path: Path, rank: int) -> tuple[dict[str, np.ndarra
         )
     except OSError as exc:  # a checksum mismatch
         raise CheckpointError(path, f"unreadable state of rank {rank} ({exc})") from None
-    return arrays, _read_attrs(group.attrs)
+    return arrays, read_attrs(group.attrs)
 
 
 def read_rank_state(path: str | os.PathLike, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

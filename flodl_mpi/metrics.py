@@ -24,8 +24,9 @@ from typing import Any, Mapping, Sequence
 import h5py
 import numpy as np
 
+from flodl_mpi.h5attrs import write_attrs
+
 from . import checkpoint
-from .checkpoint import _write_attrs
 
 __all__ = [
     "GUARD_VERDICTS",
@@ -163,7 +164,7 @@ class MetricsFile:
         # SWMR needs the latest file format; everything below must exist before swmr_mode.
         self._file = h5py.File(self.path, "w-", libver="latest")
         try:
-            json_keys = _write_attrs(self._file.attrs, {**attrs, "world_size": world_size}, "attrs")
+            json_keys = write_attrs(self._file.attrs, {**attrs, "world_size": world_size}, "attrs")
             self._file.attrs["json_attrs"] = json.dumps(json_keys)
             self._datasets: dict[str, dict[str, h5py.Dataset]] = {}
             for table, columns in self.schema.items():
