@@ -8,7 +8,8 @@ and ends the job through the world abort (:mod:`flodl_mpi.world`).
 
 from __future__ import annotations
 
-__all__ = ["CohortError", "InputError", "NonFiniteError", "RoundError", "EXIT_ERROR", "EXIT_INPUT", "EXIT_STALL"]
+__all__ = ["CohortError", "InputError", "NonFiniteError", "RoundError", "EXIT_ERROR", "EXIT_INPUT", "EXIT_STALL",
+           "EXIT_STOPPED"]
 
 #: Exit status of a run that failed while training.
 EXIT_ERROR = 1
@@ -16,6 +17,10 @@ EXIT_ERROR = 1
 EXIT_INPUT = 2
 #: Exit status when the watchdog found a round stalled.
 EXIT_STALL = 3
+#: Exit status of a run stopped on request (SIGUSR1, SIGTERM, Ctrl-C) before its
+#: last epoch, after its checkpoint was saved: not done, resumable with --resume.
+#: Job scripts requeue on exactly this status.
+EXIT_STOPPED = 4
 
 
 class CohortError(Exception):
