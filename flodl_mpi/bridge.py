@@ -25,18 +25,21 @@ import torch
 from mpi4py import MPI
 from mpi4py.util import pkl5
 
+from flodl_mpi.config import ON_NON_FINITE
 from flodl_mpi.divergence import TrendGuard, triple_from_sums
 from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
-from flodl_mpi.realized_work import gamma_mass, mover_mass, relative_masses
+from flodl_mpi.realized_work import round_masses
 from flodl_mpi.reduce import MAX_COUNT, ReduceStats, control_gather, sumcount_reduce
 from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary, aggregate_epoch
-from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares
+from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares_pieces
 
 __all__ = ["RoundUpdate", "Bridge"]
 
 # The ack of a rank's last round rides its next control gather (SPEC §2 step 9).
 _ACK = ("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "bytes")
-_ROUND_HEAD = ("steps", "window", "stop")
+_ROUND_HEAD = ("steps", "window", "stop", "non_finite")
+# Bits of the non_finite column: what this rank found not finite before the round.
+_LOSS, _TENSORS = 1, 2
 
 
 @dataclass
@@ -51,6 +54,8 @@ class RoundUpdate:
         steps_at_snapshot: the ``n_r`` this rank sent; subtract it (do not zero).
         stop: some rank asked to stop; every rank stops after this round.
         divergence, post_norm, pre_norm: this rank's triple (SPEC §3).
+        quarantined: ranks that sent mass 0 because their loss or tensors were
+            not finite (the same tuple on every rank); they adopted the consensus.
     """
 
     version: int
@@ -60,6 +65,7 @@ class RoundUpdate:
     divergence: float
     post_norm: float
     pre_norm: float
+    quarantined: tuple[int, ...] = ()
 
 
 @dataclass
@@ -91,6 +97,18 @@ class Bridge:
         watchdog: object with ``round_started()``, ``round_finished()`` and
             ``failed()``; None for none.
         fault: test hook ``fault(round, stage)`` called at each stage; may raise.
+        on_non_finite: ``"quarantine"`` (default): a rank whose loss, parameters
+            or floating buffers are not finite sends mass 0 for the round and
+            adopts the finite ranks' consensus; the job stops only when no rank
+            is finite. ``"stop"``: any non-finite rank stops the job.
+
+    Non-finite values: each rank checks its own tensors (the pre-round sum of
+    squares, a pass before the control gather) and is told whether its loss
+    was finite; the flag rides the control gather, so whom to quarantine, and
+    whether to stop, is decided from the gathered matrix on every rank alike.
+    A stop raises :class:`NonFiniteError` on every rank before any reduce
+    (staging untouched); a consensus that overflows although every rank was
+    finite raises it after the reduced piece showed it (same on every rank).
 
     Failure semantics: a failed round leaves the staging (so bound
     parameters) undefined; the
@@ -125,7 +143,10 @@ class Bridge:
         threaded: bool = True,
         watchdog=None,
         fault: Callable[[int, str], None] | None = None,
+        on_non_finite: str = "quarantine",
     ) -> None:
+        if on_non_finite not in ON_NON_FINITE:
+            raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
         if not math.isfinite(gamma):
             raise ValueError(f"gamma must be finite, got {gamma!r}")
         if not 1 <= int(chunk_elems) <= MAX_COUNT:
@@ -134,6 +155,7 @@ class Bridge:
         self.rank, self.world_size = comm.rank, comm.size
         self.gamma = float(gamma)
         self.anchor = int(anchor)
+        self.on_non_finite = on_non_finite
         # Plan once (STYLE 21): layouts, staging, frames and scratch persist.
         self._p = _Plane(WireLayout(param_shapes, chunk_elems))
         self._b = _Plane(WireLayout(buffer_shapes, chunk_elems))
@@ -150,6 +172,9 @@ class Bridge:
         self._stage = "idle"
         self._ack = np.full(len(_ACK), np.nan)
         self._pending: dict | None = None  # rank 0: the round record awaiting acks
+        # Ranks whose divergence the guard reads in the acks of the last round:
+        # those that contributed mass (not idle, not quarantined); same on every rank.
+        self._contributed = np.zeros(self.world_size, dtype=bool)
         self._t0 = time.monotonic()
         self._failed: _Failure | None = None
         self._requests: queue.Queue = queue.Queue()
@@ -175,7 +200,7 @@ class Bridge:
         for plane in (self._p, self._b):
             self.comm.Bcast([plane.staging, MPI.FLOAT], root=root)
 
-    def round(self, steps: int, window: int, stop: bool = False) -> RoundUpdate:
+    def round(self, steps: int, window: int, stop: bool = False, loss_finite: bool = True) -> RoundUpdate:
         """One averaging round; blocks until the consensus is in the staging.
 
         Collective: every rank calls it, the same number of times, idle ranks
@@ -186,12 +211,17 @@ class Bridge:
             steps: optimizer steps since the consensus last adopted (``n_r``).
             window: batches this rank ran in the window (for the metrics).
             stop: this rank asks the cohort to stop after this round.
+            loss_finite: every loss of this rank's window was finite; False
+                quarantines the rank for this round (see ``on_non_finite``).
 
         Raises:
-            CohortError: raised identically on every rank (e.g. non-finite consensus).
+            NonFiniteError: raised identically on every rank: no rank was
+                finite, or any rank was not and ``on_non_finite == "stop"``, or
+                the consensus overflowed.
+            CohortError: raised identically on every rank.
             RoundError: the round failed on this rank.
         """
-        return self._call(("round", int(steps), int(window), bool(stop)))
+        return self._call(("round", int(steps), int(window), bool(stop), bool(loss_finite)))
 
     def epoch_end(self, report: EpochReport, batch_rows: np.ndarray, epoch: int) -> EpochSummary:
         """Exchange the epoch's reports; every rank gets the same :class:`EpochSummary`.
@@ -285,36 +315,47 @@ class Bridge:
         if self._fault is not None:
             self._fault(self.version, stage)
 
-    def _round(self, steps: int, window: int, stop: bool) -> RoundUpdate:
+    def _round(self, steps: int, window: int, stop: bool, loss_finite: bool) -> RoundUpdate:
+        p, b = self._p, self._b
+        # -- this rank's own check, before the gather: a float64-safe sum of squares
+        # (one pass) is finite exactly when the tensors hold no NaN or infinity.
+        self._enter("pre norm")
+        pre_sq = p.sum_squares()
+        flag = (0 if loss_finite else _LOSS) | (0 if math.isfinite(pre_sq + b.sum_squares()) else _TENSORS)
         self._enter("control gather")
-        row = np.concatenate([[steps, window, float(stop)], self._ack])
+        row = np.concatenate([[steps, window, float(stop), flag], self._ack])
         gathered = control_gather(self.comm, row)
         self._take_acks(gathered[:, len(_ROUND_HEAD) :])
-        all_steps = gathered[:, 0]
-        masses = np.array([gamma_mass(n, self.gamma) for n in all_steps])  # for the metrics
-        wire_masses = relative_masses(all_steps, self.gamma)  # same consensus, finite on the wire
-        skipped = float(all_steps.sum()) == 0.0
-        p = self._p
+        # -- decide, from the gathered matrix only: every rank takes the same branch
+        all_steps, flags = gathered[:, 0], gathered[:, 3].astype(np.int64)
+        if flags.all() or (flags.any() and self.on_non_finite == "stop"):
+            raise NonFiniteError(_non_finite_message(self.version, flags, self.on_non_finite))
+        masses = round_masses(all_steps, flags == 0, self.gamma)
+        skipped = not masses.quarantined and float(all_steps.sum()) == 0.0
         if skipped:
             # No rank moved: every snapshot already equals the consensus.
-            self._enter("pre norm")
-            stats = ReduceStats(pre_sq=p.sum_squares())
+            stats = ReduceStats()
         else:
             self._enter("params reduce")
-            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, wire_masses[self.rank], p.scratch)
+            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, masses.wire[self.rank], p.scratch)
+        stats.pre_sq = pre_sq
         self._enter("divergence")
-        if not stats.realized:  # skipped, or no mass realized: pre is post
+        if not stats.post_finite:  # read from the reduced values: every rank is here
+            raise NonFiniteError(
+                f"non-finite consensus in round {self.version}: every rank's parameters were finite but their "
+                "weighted sum overflowed float32 (values near 1e38; training diverged? lower --lr); the job "
+                "stops and saves nothing from this round")
+        if not stats.realized:  # skipped: pre is post
             triple = triple_from_sums(0.0, stats.pre_sq, stats.pre_sq)
-        elif not math.isfinite(stats.post_sq):
-            self._raise_non_finite(stats.pre_sq)
         else:
             triple = triple_from_sums(stats.diff_sq, stats.post_sq, stats.pre_sq)
-        if self._b.layout.n and stats.realized:
+        if b.layout.n and stats.realized:
             self._enter("buffers reduce")
-            bstats = sumcount_reduce(
-                self.comm, self._b.layout, self._b.staging, self._b.frame,
-                mover_mass(all_steps[self.rank]), self._b.scratch,
-            )
+            bstats = sumcount_reduce(self.comm, b.layout, b.staging, b.frame, masses.buffers[self.rank], b.scratch)
+            if not bstats.post_finite:
+                raise NonFiniteError(
+                    f"non-finite buffers consensus in round {self.version}: every rank's buffers were finite but "
+                    "their sum overflowed float32; the job stops and saves nothing from this round")
             stats.bytes += bstats.bytes
             stats.pack_ms += bstats.pack_ms
             stats.allreduce_ms += bstats.allreduce_ms
@@ -322,14 +363,18 @@ class Bridge:
         self._stage = "update"
         round_index = self.version
         self.version += 1
+        self._contributed = np.asarray(masses.wire) > 0
         divergence, post_norm, pre_norm = triple
         self._ack = np.array([divergence, pre_norm, post_norm, stats.pack_ms, stats.allreduce_ms,
                               stats.unpack_ms, stats.bytes])
         if self._writer is not None:
+            quarantined = np.zeros(self.world_size, dtype=bool)
+            quarantined[masses.quarantined] = True
             self._pending = {
                 "round": round_index, "version": self.version,
                 "time_s": self.elapsed, "skipped": skipped,
-                "steps": all_steps.astype(np.int64), "mass": masses,
+                "steps": all_steps.astype(np.int64), "mass": np.asarray(masses.mass),
+                "quarantined": quarantined,
                 "window": gathered[:, 1].astype(np.int64), "anchor": self.anchor,
             }
         return RoundUpdate(
@@ -338,25 +383,18 @@ class Bridge:
             steps_at_snapshot=steps,
             stop=bool(gathered[:, 2].any()),
             divergence=divergence, post_norm=post_norm, pre_norm=pre_norm,
-        )
-
-    def _raise_non_finite(self, pre_sq: float) -> None:
-        # Every rank got the same non-finite consensus, so every rank is here:
-        # one more gather names the ranks whose own parameters were not finite.
-        self._enter("non-finite check")
-        flags = control_gather(self.comm, np.array([0.0 if math.isfinite(pre_sq) else 1.0]))[:, 0]
-        bad = [r for r in range(self.world_size) if flags[r]]
-        who = f"rank(s) {', '.join(map(str, bad))} had" if bad else "the weighted sum overflowed:"
-        raise NonFiniteError(
-            f"non-finite parameters in round {self.version}: {who} NaN or infinite values "
-            "(training diverged? lower --lr); the job stops and saves nothing from this round"
+            quarantined=tuple(masses.quarantined),
         )
 
     def _take_acks(self, acks: np.ndarray) -> None:
         """Feed the guard the previous round's divergences; rank 0 writes its record."""
         if np.isnan(acks[:, 0]).all():  # no round before this gather
             return
-        verdict = self.guard.observe(float(np.max(acks[:, 0])))
+        # The guard reads the ranks that contributed mass: an idle rank's or a
+        # quarantined rank's divergence (NaN for the latter) says nothing of the
+        # cohort's drift. A round where none did (skipped) reads as 0.
+        contributed = acks[self._contributed, 0]
+        verdict = self.guard.observe(float(np.max(contributed)) if contributed.size else 0.0)
         if self._pending is not None:
             a = {name: acks[:, i] for i, name in enumerate(_ACK)}
             rec = dict(self._pending)
@@ -409,7 +447,20 @@ class _Plane:
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
 
     def sum_squares(self) -> float:
-        return sum(sum_squares(self.staging[lo:hi]) for lo, hi in self.layout.chunks if lo < self.layout.n)
+        return sum_squares_pieces(self.staging, self.layout)
+
+
+def _non_finite_message(round_: int, flags: np.ndarray, on_non_finite: str) -> str:
+    """One line naming every rank whose loss or tensors were not finite, and why the job stops."""
+    parts = []
+    for r, f in enumerate(flags.tolist()):
+        what = [w for bit, w in ((_LOSS, "loss"), (_TENSORS, "parameters/buffers")) if f & bit]
+        if what:
+            parts.append(f"{r} ({' and '.join(what)})")
+    why = ("no rank is finite" if flags.all() else "--on-non-finite stop")
+    return (f"non-finite values in round {round_}: rank(s) {', '.join(parts)} had NaN or infinite values; {why}, "
+            "so the job stops (training diverged? lower --lr) and saves nothing from this round; "
+            "checkpoints saved before stay")
 
 
 def _epoch_row(s: EpochSummary, time_s: float) -> dict[str, np.ndarray]:

@@ -18,7 +18,7 @@ import traceback
 from mpi4py import MPI
 
 from flodl_mpi import __version__
-from flodl_mpi.config import DEVICES, OPTIMIZERS, POLICIES, TrainConfig, read_config_file
+from flodl_mpi.config import DEVICES, ON_NON_FINITE, OPTIMIZERS, POLICIES, TrainConfig, read_config_file
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, CohortError
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.world import Watchdog, abort, install_excepthooks, start_world
@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", type=int, help="batches per rank between rounds (implies --policy window)")
     g.add_argument("--gamma", type=float, help=f"mass exponent: rank weight = steps**gamma (default {d.gamma:g})")
     g.add_argument("--chunk-elems", type=int, help=f"float32 elements per Allreduce piece (default {d.chunk_elems})")
+    g.add_argument("--on-non-finite", choices=ON_NON_FINITE,
+                   help="a rank whose loss or parameters are NaN/Inf: quarantine it for the round (mass 0, it "
+                        "adopts the others' consensus; the job stops only when no rank is finite), or stop the "
+                        f"job (default {d.on_non_finite})")
     g.add_argument("--stall-timeout", type=float, help=f"seconds before a stalled round aborts the job (default {d.stall_timeout:g})")
     g = t.add_argument_group("run")
     g.add_argument("--run-dir", metavar="DIR", help="output directory (default runs/<UTC time>)")

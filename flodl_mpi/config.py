@@ -19,11 +19,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["POLICIES", "OPTIMIZERS", "DEVICES", "TrainConfig", "ConfigError", "read_config_file"]
+__all__ = ["POLICIES", "OPTIMIZERS", "DEVICES", "ON_NON_FINITE", "TrainConfig", "ConfigError", "read_config_file"]
 
 POLICIES = ("sync", "window")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
+#: What a round does with a rank whose loss or parameters are NaN/Inf (``--on-non-finite``).
+ON_NON_FINITE = ("quarantine", "stop")
 
 
 class ConfigError(ValueError):
@@ -61,6 +63,7 @@ class TrainConfig:
     device: str = "auto"              # one of DEVICES
     stall_timeout: float = 600.0      # seconds a round may wait before the watchdog aborts
     chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
+    on_non_finite: str = "quarantine"  # one of ON_NON_FINITE: a rank with NaN/Inf loss or params
     eval_batch_size: int = 1024       # samples per evaluation batch
     inject_fault: str | None = None   # tests only: KIND@RANK:ROUND (see flodl_mpi.faults)
 
@@ -86,6 +89,8 @@ class TrainConfig:
         need(self.optimizer in OPTIMIZERS, "optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
         need(self.policy in POLICIES, "policy", self.policy, f"one of {', '.join(POLICIES)}")
         need(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
+        need(self.on_non_finite in ON_NON_FINITE, "on_non_finite", self.on_non_finite,
+             f"one of {', '.join(ON_NON_FINITE)}")
         if self.policy == "sync" and self.window != 1:
             raise ConfigError(f"--window {self.window} contradicts --policy sync (a round after every batch); "
                               "use --policy window")

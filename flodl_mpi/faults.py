@@ -3,7 +3,8 @@
 Kinds: ``bridge`` raises inside the bridge's params reduce; ``step`` raises in
 the training step; ``hang`` blocks the training thread forever (the watchdog
 must end the job); ``nan`` writes NaN into the rank's parameters before the
-round; ``disk`` (rank 0) puts a file where the checkpoint directory was, so the
+round; ``nanloss`` makes the rank's losses of the window before the round NaN
+(so its gradients and, after the step, its parameters); ``disk`` (rank 0) puts a file where the checkpoint directory was, so the
 writer thread's next save fails. ``ROUND`` counts rounds from 0. Used through ``flodl-mpi train
 --inject-fault``; never active unless asked for.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 __all__ = ["KINDS", "Fault", "parse_fault"]
 
-KINDS = ("bridge", "step", "hang", "nan", "disk")
+KINDS = ("bridge", "step", "hang", "nan", "nanloss", "disk")
 
 
 class InjectedFault(RuntimeError):

@@ -63,6 +63,7 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
         "rounds": {
             "round": (_I64, ()), "version": (_I64, ()), "time_s": (_F64, ()),
             "skipped": (_BOOL, ()), "steps": (_I64, W), "mass": (_F64, W),
+            "quarantined": (_BOOL, W),  # rank sent mass 0: its loss or tensors were not finite
             "divergence": (_F64, W), "pre_norm": (_F64, W), "post_norm": (_F64, ()),
             "pack_ms": (_F64, W), "allreduce_ms": (_F64, W), "unpack_ms": (_F64, W),
             "bytes": (_I64, ()),   # bytes one rank put on the wire this round

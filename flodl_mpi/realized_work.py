@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["gamma_mass", "relative_masses", "mover_mass", "is_realized"]
+__all__ = ["gamma_mass", "relative_masses", "mover_mass", "is_realized", "RoundMasses", "round_masses"]
 
 
 def gamma_mass(n: float, gamma: float) -> float:
@@ -72,3 +73,58 @@ def mover_mass(n: float) -> float:
 def is_realized(mass: float) -> bool:
     """Whether a summed mass realized any work: ``mass > 0``; NaN is not realized."""
     return not math.isnan(mass) and mass > 0.0
+
+
+@dataclass(frozen=True)
+class RoundMasses:
+    """Every rank's masses for one round (index = rank), after quarantine.
+
+    Attributes:
+        mass: the params mass as recorded in ``metrics.h5`` (``gamma_mass``;
+            0.0 for a quarantined rank).
+        wire: the params mass sent on the wire (``mass`` divided by the largest,
+            see :func:`relative_masses`).
+        buffers: the buffers mass (:func:`mover_mass`; 0.0 when quarantined).
+        quarantined: ranks whose flag said non-finite, ascending.
+    """
+
+    mass: list[float]
+    wire: list[float]
+    buffers: list[float]
+    quarantined: list[int]
+
+
+def round_masses(steps: Sequence[float], finite: Sequence[bool], gamma: float) -> RoundMasses:
+    """The masses of a round in which the ranks flagged non-finite are quarantined.
+
+    A quarantined rank sends mass 0 (true zeros, SPEC §1) for the params and
+    the buffers and adopts the consensus of the finite ranks; the masses are
+    renormalized over the finite ranks only. When some rank is quarantined but
+    no finite rank moved, every finite rank gets mass 1.0: each holds the last
+    consensus it adopted unchanged (no step since), so their mean is that
+    consensus, and the quarantined rank takes it back instead of keeping its
+    non-finite values.
+
+    Args:
+        steps: every rank's ``n_r``, index = rank (the gathered control column).
+        finite: every rank's flag, True when its loss and tensors were finite.
+        gamma: the params mass exponent.
+
+    Returns:
+        :class:`RoundMasses`. With no rank quarantined this is exactly
+        ``gamma_mass`` / ``relative_masses`` / ``mover_mass`` of ``steps``.
+        With no finite rank every mass is 0.0 (the caller stops the job).
+    """
+    if len(steps) != len(finite):
+        raise ValueError(f"steps has {len(steps)} ranks but finite has {len(finite)}")
+    quarantined = [r for r, ok in enumerate(finite) if not ok]
+    counted = [n if ok else 0.0 for n, ok in zip(steps, finite)]
+    if quarantined and not any(n > 0 for n in counted):
+        ones = [1.0 if ok else 0.0 for ok in finite]
+        return RoundMasses(list(ones), list(ones), list(ones), quarantined)
+    return RoundMasses(
+        mass=[gamma_mass(n, gamma) for n in counted],
+        wire=relative_masses(counted, gamma),
+        buffers=[mover_mass(n) for n in counted],
+        quarantined=quarantined,
+    )

@@ -8,6 +8,7 @@ Only the bridge thread calls these during training.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from flodl_mpi.realized_work import is_realized
-from flodl_mpi.wire import WireLayout, pack_chunk, sum_squares, unpack_chunk
+from flodl_mpi.wire import WireLayout, pack_chunk, unpack_chunk
 
 __all__ = ["MAX_COUNT", "control_gather", "ReduceStats", "sumcount_reduce"]
 
@@ -48,8 +49,12 @@ class ReduceStats:
             the factor W of the wire-scale trick.
         realized: ``is_realized(total_mass)``; when False the staging is untouched.
         pre_sq, diff_sq, post_sq: float64 sums of squares of the pre-round
-            tensors, of ``pre - post`` and of the consensus (only ``pre_sq`` when
-            not realized).
+            tensors (filled by the caller, see ``wire.sum_squares_pieces``), of
+            ``pre - post`` and of the consensus (0 when not realized).
+        post_finite: every consensus piece was finite (``post_sq`` is finite);
+            the same on every rank, since it reads the reduced values. When
+            False the staging holds whatever was unpacked before the first
+            non-finite piece: the caller must stop the job.
         pack_ms, allreduce_ms, unpack_ms: wall time of each phase, milliseconds.
         bytes: bytes this rank put into Allreduce calls.
     """
@@ -59,6 +64,7 @@ class ReduceStats:
     pre_sq: float = 0.0
     diff_sq: float = 0.0
     post_sq: float = 0.0
+    post_finite: bool = True
     pack_ms: float = 0.0
     allreduce_ms: float = 0.0
     unpack_ms: float = 0.0
@@ -93,16 +99,25 @@ def sumcount_reduce(
         scratch: float32 scratch of one piece (``layout.new_scratch()``).
 
     Returns:
-        :class:`ReduceStats`. When the summed mass is not realized (every
-        contribution idle) the remaining pieces are skipped on every rank alike:
-        the decision reads the reduced mass slot, the same value everywhere.
+        :class:`ReduceStats` (``pre_sq`` left 0: the caller measures it before
+        the round). When the summed mass is not realized (every contribution
+        idle), or a reduced piece is not finite, the remaining pieces are
+        skipped on every rank alike: the decision reads the reduced values,
+        the same everywhere.
     """
+    # NaN/Inf may arrive (a rank's overflow, inf - inf): they are detected from the
+    # sums, so numpy's warnings about them are noise here.
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _reduce(comm, layout, staging, frame, mass, scratch)
+
+
+def _reduce(comm, layout, staging, frame, mass, scratch) -> ReduceStats:
     stats = ReduceStats()
     scale = float(comm.size) * float(mass)
     clock = time.perf_counter
     for i, (lo, hi) in enumerate(reversed(layout.chunks)):
         t0 = clock()
-        stats.pre_sq += pack_chunk(staging, frame, lo, hi, scale)
+        pack_chunk(staging, frame, lo, hi, scale)
         t1 = clock()
         comm.Allreduce(MPI.IN_PLACE, [frame[lo:hi], MPI.FLOAT], op=MPI.SUM)
         t2 = clock()
@@ -114,13 +129,14 @@ def sumcount_reduce(
             stats.total_mass = float(total)
             stats.realized = is_realized(stats.total_mass)
             if not stats.realized:
-                # Finish pre_sq for the metrics; no rank reduces further pieces.
-                for lo2, hi2 in layout.chunks[:-1]:
-                    stats.pre_sq += sum_squares(staging[lo2:hi2])
-                return stats
+                return stats  # no rank reduces further pieces
         d, p = unpack_chunk(frame, staging, lo, hi, total, scratch)
         stats.diff_sq += d
         stats.post_sq += p
         stats.unpack_ms += 1e3 * (clock() - t2)
+        if not math.isfinite(p):
+            # A reduced piece is the same on every rank, so every rank stops here:
+            # no rank enters a further Allreduce. Nothing non-finite was unpacked.
+            stats.post_finite = False
+            return stats
     return stats
-

@@ -290,7 +290,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         [tuple(p.shape) for p in replica.params],
         [tuple(b.shape) for b in replica.float_buffers],
         gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, anchor=cfg.window,
-        threaded=world.threaded_bridge, watchdog=watchdog, fault=bridge_fault,
+        threaded=world.threaded_bridge, watchdog=watchdog, fault=bridge_fault, on_non_finite=cfg.on_non_finite,
     )
     replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
     replica.snapshot(bridge)

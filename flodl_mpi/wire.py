@@ -8,7 +8,9 @@ and its mass together (SPEC §1, "the wire-scale trick").
 Layout of a frame of ``n`` tensor elements: ``[W·m·t_0 …, W·m·t_{n-1}, W·m]``.
 The pack multiplies by ``W·m`` while copying (one pass); the unpack divides by
 the summed mass while copying back (one pass) and accumulates the float64 sums
-of squares the divergence triple needs (SPEC §3) in the same pass.
+of squares the divergence triple needs (SPEC §3) in the same pass. The pre-round
+sum of squares is a pass of its own before the round (:func:`sum_squares_pieces`):
+its finiteness decides, through the control gather, whether the rank is quarantined.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["DEFAULT_CHUNK_ELEMS", "WireLayout", "pack_chunk", "unpack_chunk", "sum_squares"]
+__all__ = ["DEFAULT_CHUNK_ELEMS", "WireLayout", "pack_chunk", "unpack_chunk", "sum_squares", "sum_squares_pieces"]
 
 #: Elements per piece: 1 MiB of float32. Cache-sized pieces reduce faster than one
 #: big Allreduce on the machines we measured (DESIGN, "Where the time goes").
@@ -82,30 +84,46 @@ def sum_squares(x: np.ndarray) -> float:
     are then added in float64 by the caller, like the reference's per-tensor
     norms summed in float64 (SPEC §3). numpy's BLAS is avoided on purpose: its
     own thread pool fights the ranks and MPI's busy-wait for the same cores.
+
+    The float32 dot is the fast path. A finite piece can still overflow it (a
+    value near 1e19 squares past float32's 3.4e38), so a result that is not
+    finite is recomputed in float64, which holds the square sum of any finite
+    float32 piece. The result is therefore not finite only when the piece holds
+    a NaN or an infinity (the recompute costs one extra pass, in that case only).
     """
     t = torch.from_numpy(x)
-    return float(torch.dot(t, t))
+    s = float(torch.dot(t, t))
+    if not math.isfinite(s):
+        t = t.double()
+        s = float(torch.dot(t, t))
+    return s
 
 
-def pack_chunk(staging: np.ndarray, frame: np.ndarray, lo: int, hi: int, scale: float) -> float:
+def sum_squares_pieces(flat: np.ndarray, layout: WireLayout) -> float:
+    """``sum(flat[:layout.n] ** 2)`` in float64, piece by piece (:func:`sum_squares`).
+
+    The pre-round norm, taken before the round's control gather so that its
+    finiteness (``math.isfinite`` of the result: no NaN or infinity in the
+    tensors) rides the gather as the rank's non-finite flag (SPEC §2 step 2).
+    """
+    return sum(sum_squares(flat[lo:min(hi, layout.n)]) for lo, hi in layout.chunks if lo < layout.n)
+
+
+def pack_chunk(staging: np.ndarray, frame: np.ndarray, lo: int, hi: int, scale: float) -> None:
     """Pack piece ``[lo, hi)`` of the frame: ``frame = scale · staging``, mass slot ``= scale``.
 
-    ``scale`` is ``W · m_r``. An idle rank (``scale == 0``) writes true zeros,
-    never ``0 · θ``: a NaN in θ would survive the multiply (SPEC §1).
-
-    Returns:
-        ``sum(staging[lo:hi] ** 2)`` in float64 (the pre-round norm, fused here).
+    ``scale`` is ``W · m_r``. An idle or quarantined rank (``scale == 0``)
+    writes true zeros, never ``0 · θ``: a NaN in θ would survive the multiply
+    (SPEC §1).
     """
     n = staging.size
     t_hi = min(hi, n)
-    seg = staging[lo:t_hi]
     if scale == 0.0:
         frame[lo:hi] = 0.0
     else:
-        np.multiply(seg, np.float32(scale), out=frame[lo:t_hi])
+        np.multiply(staging[lo:t_hi], np.float32(scale), out=frame[lo:t_hi])
         if hi > n:
             frame[n] = scale
-    return sum_squares(seg) if seg.size else 0.0
 
 
 def unpack_chunk(
@@ -124,6 +142,9 @@ def unpack_chunk(
     ``pre - post``. Measured here, a cache-resident subtract plus dot costs half
     of ``torch.dist``.
 
+    When the consensus piece is not finite (``post_sq`` is not), the staging
+    keeps its pre-round values for this piece.
+
     Returns:
         ``(sum((pre - post) ** 2), sum(post ** 2))`` for this piece, as float64.
     """
@@ -134,5 +155,6 @@ def unpack_chunk(
     pre = staging[lo:t_hi]
     diff_sq = sum_squares(np.subtract(pre, post, out=scratch[: t_hi - lo]))
     post_sq = sum_squares(post)
-    np.copyto(pre, post)
+    if math.isfinite(post_sq):  # a non-finite consensus piece never reaches the staging
+        np.copyto(pre, post)
     return diff_sq, post_sq

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ from flodl_mpi.faults import Fault, InjectedFault
 from flodl_mpi.reporting import EpochReport, EpochSummary
 from flodl_mpi.signals import StopRequest
 
-__all__ = ["Replica", "Trainer", "evaluate", "make_optimizer", "state_arrays"]
+__all__ = ["ReplacedTensorError", "Replica", "Trainer", "evaluate", "make_optimizer", "state_arrays"]
 
 #: Every this many steps a batch record carries the L2 norm of all params (SPEC §5).
 PARAM_NORM_EVERY = 10
@@ -42,7 +41,14 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-@dataclass
+class ReplacedTensorError(ValueError):
+    """A parameter or buffer the model replaced no longer fits the round's layout.
+
+    The wire layout is planned once from the model's structure (shapes and
+    dtypes); a tensor replaced by one of another shape or dtype cannot travel.
+    """
+
+
 class Replica:
     """A rank's model and the tensors that travel: params, then floating buffers.
 
@@ -50,18 +56,72 @@ class Replica:
     model's structure, never filtered by rank-local state (SPEC §2 step 1).
     Integer buffers (``num_batches_tracked``) never travel: they keep their
     local values.
+
+    Tensors are resolved **by name at every snapshot and adoption**: a module
+    that re-assigns a registered buffer in ``forward`` (``self.stat =
+    x.mean(0).detach()``), a parameter whose ``.data`` is replaced, or a
+    parameter re-registered under its name is still averaged, and the live
+    tensor receives the consensus. Resolution looks each owning submodule up
+    by its path, then the tensor in its ``_parameters`` / ``_buffers`` table: a
+    few dict look-ups per tensor per round (a replaced submodule is found too).
+
+    Args:
+        model: the rank's model, already on ``device``.
+        device: where the model lives.
+
+    Raises:
+        ReplacedTensorError: (from :meth:`snapshot`, :meth:`adopt`,
+            :attr:`params`) a tensor was replaced by one of another shape or
+            dtype, or removed; the message names it.
     """
 
-    model: nn.Module
-    device: torch.device
-    params: list[torch.Tensor] = field(init=False)
-    float_buffers: list[torch.Tensor] = field(init=False)
-    #: True once :meth:`bind` made the params views of the bridge's staging.
-    bound: bool = field(init=False, default=False)
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        #: True once :meth:`bind` made the params views of the bridge's staging.
+        self.bound = False
+        self._views: list[torch.Tensor] = []
 
-    def __post_init__(self) -> None:
-        self.params = [p for _, p in self.model.named_parameters()]
-        self.float_buffers = [b for _, b in self.model.named_buffers() if b.is_floating_point()]
+        def slot(name: str) -> tuple[str, str]:
+            owner, _, attr = name.rpartition(".")
+            return owner, attr
+
+        named_params = list(model.named_parameters())
+        named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        #: State-dict names of the travelling params and floating buffers, in wire order.
+        self.param_names = [n for n, _ in named_params]
+        self.buffer_names = [n for n, _ in named_buffers]
+        self._param_slots = [slot(n) for n in self.param_names]
+        self._buffer_slots = [slot(n) for n in self.buffer_names]
+        self._param_specs = [(tuple(p.shape), p.dtype) for _, p in named_params]
+        self._buffer_specs = [(tuple(b.shape), b.dtype) for _, b in named_buffers]
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The live parameters, resolved by name now (``named_parameters()`` order)."""
+        return self._resolve(self._param_slots, self.param_names, self._param_specs, "_parameters", "parameter")
+
+    @property
+    def float_buffers(self) -> list[torch.Tensor]:
+        """The live floating buffers, resolved by name now (``named_buffers()`` order)."""
+        return self._resolve(self._buffer_slots, self.buffer_names, self._buffer_specs, "_buffers", "buffer")
+
+    def _resolve(self, slots, names, specs, table: str, kind: str) -> list[torch.Tensor]:
+        out = []
+        owners: dict[str, nn.Module] = {}  # each submodule looked up once per call
+        for (path, attr), name, (shape, dtype) in zip(slots, names, specs):
+            module = owners.get(path)
+            if module is None:
+                module = owners[path] = self.model.get_submodule(path)
+            t = getattr(module, table).get(attr)
+            if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+                got = "removed" if t is None else f"replaced by a {tuple(t.shape)} {t.dtype} tensor"
+                raise ReplacedTensorError(
+                    f"model {kind} {name!r} was {got}; it was {shape} {dtype} when training started, and "
+                    "averaging needs every parameter and buffer to keep its shape and dtype (copy new values "
+                    f"into it in place, e.g. self.{attr}.copy_(...))")
+            out.append(t)
+        return out
 
     @torch.no_grad()
     def bind(self, bridge: Bridge) -> bool:
@@ -76,12 +136,19 @@ class Replica:
         policies): nothing touches the parameters while the bridge works. Call
         before the optimizer is built. Buffers keep the copy path (they are small).
 
+        A parameter whose ``.data`` the model later replaces (or a new
+        parameter under the same name) is found at the next :meth:`snapshot`
+        (one pointer compare per parameter) and bound again: its values are
+        copied into its view, once.
+
         Returns:
             Whether the parameters were bound (False: CUDA or non-float32 params).
         """
-        if not all(p.device.type == "cpu" and p.dtype == torch.float32 for p in self.params):
+        params = self.params
+        if not all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
             return False
-        for p, view in zip(self.params, bridge.param_tensors):
+        self._views = list(bridge.param_tensors)
+        for p, view in zip(params, self._views):
             view.copy_(p.detach())
             p.data = view
         self.bound = True
@@ -89,18 +156,32 @@ class Replica:
 
     @torch.no_grad()
     def snapshot(self, bridge: Bridge) -> None:
-        """Copy params and floating buffers (as float32) into the bridge's staging."""
-        if not self.bound:
-            for dst, src in zip(bridge.param_tensors, self.params):
+        """Copy params and floating buffers (as float32) into the bridge's staging.
+
+        Bound params are not copied; one the model swapped out is bound again.
+        """
+        params = self.params
+        if self.bound:
+            for p, view in zip(params, self._views):
+                if p.data_ptr() != view.data_ptr():  # p.data replaced: re-bind, one copy
+                    view.copy_(p.detach())
+                    p.data = view
+        else:
+            for dst, src in zip(bridge.param_tensors, params):
                 dst.copy_(src.detach())
         for dst, src in zip(bridge.buffer_tensors, self.float_buffers):
             dst.copy_(src)
 
     @torch.no_grad()
     def adopt(self, bridge: Bridge) -> None:
-        """Overwrite params and floating buffers with the consensus in the staging."""
-        if not self.bound:
-            for dst, src in zip(self.params, bridge.param_tensors):
+        """Overwrite the live params and floating buffers with the consensus in the staging."""
+        params = self.params
+        if self.bound:
+            for p, view in zip(params, self._views):
+                if p.data_ptr() != view.data_ptr():
+                    p.data = view
+        else:
+            for dst, src in zip(params, bridge.param_tensors):
                 dst.copy_(src)
         for dst, src in zip(self.float_buffers, bridge.buffer_tensors):
             dst.copy_(src)
@@ -180,6 +261,7 @@ class Trainer:
         self.optimizer = make_optimizer(cfg, replica.model)
         self.quotas = fixed_quotas(world_size, cfg.window)
         self.steps = 0            # n_r: optimizer steps since the consensus last adopted
+        self.loss_finite = True   # every loss of the current window was finite
         self.global_step = 0      # this rank's optimizer steps in the run
         self.stop = stop if stop is not None else StopRequest()  # set by signals: stop and save
         #: The latest cohort epoch metrics, identical on every rank (SPEC §5).
@@ -254,7 +336,8 @@ class Trainer:
             self._fault_hook("nan")
             self._fault_hook("disk")
             self.replica.snapshot(self.bridge)
-            update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested)
+            update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested, loss_finite=self.loss_finite)
+            self.loss_finite = True
             self._adopt(update)
             if self.writer is not None:
                 self.writer.check()  # a disk error on rank 0 ends the job now, not at the epoch's end
@@ -286,9 +369,12 @@ class Trainer:
         self._fault_hook("hang")
         self.optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(self.replica.model(x), y)
+        if self.fault is not None and self.fault.fires("nanloss", self.rank, self.bridge.version):
+            loss = loss * math.nan  # the injected fault: a non-finite loss, and so NaN gradients
         loss.backward()
         self.optimizer.step()
         loss_value = loss.item()  # sync point: the step is done on the device
+        self.loss_finite = self.loss_finite and math.isfinite(loss_value)
         t2 = time.perf_counter()
         self.steps += 1
         self.global_step += 1
@@ -304,6 +390,14 @@ class Trainer:
     def _adopt(self, update: RoundUpdate) -> None:
         if update.adopted:
             self.replica.adopt(self.bridge)
+        if update.quarantined:
+            if self.writer is not None:
+                self.log(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
+                         "non-finite loss or NaN/Inf parameters: quarantined (mass 0), adopted the consensus")
+            if self.rank in update.quarantined:
+                # The step that went non-finite most likely left NaN in the optimizer's
+                # state too (momentum, Adam moments): start it afresh on the consensus.
+                self.optimizer.state.clear()
         # Subtract, don't zero: steps taken while a round runs count toward the
         # next window (SPEC §2 step 8).
         self.steps -= update.steps_at_snapshot

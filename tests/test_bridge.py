@@ -1,6 +1,7 @@
 """Multi-rank tests of the bridge thread through its public behaviour."""
 
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from flodl_mpi.bridge import Bridge
 from flodl_mpi.divergence import divergence_triple
 from flodl_mpi.errors import InputError, NonFiniteError, RoundError
 from flodl_mpi.models import digits_mlp
-from flodl_mpi.worker import Replica
+from flodl_mpi.worker import Replica, ReplacedTensorError, state_arrays
 from flodl_mpi.world import agree
 
 pytestmark = pytest.mark.mpi
@@ -129,17 +130,210 @@ def test_error_in_a_round_crosses_to_the_training_thread():
         bridge.round(steps=1, window=1)
 
 
-def test_non_finite_params_name_the_rank_on_every_rank():
+def test_non_finite_params_stop_every_rank_with_on_non_finite_stop():
     comm = MPI.COMM_WORLD
     replica = make_replica()
     bad = comm.size - 1
     if comm.rank == bad:
         with torch.no_grad():
             replica.params[0][0, 0] = float("nan")
+    before = flat(replica.params)
+    bridge = make_bridge(replica, on_non_finite="stop")
+    replica.snapshot(bridge)
+    t0 = time.monotonic()
+    with pytest.raises(NonFiniteError, match=rf"round 0: rank\(s\) {bad} \(parameters/buffers\) had NaN or infinite"):
+        bridge.round(steps=1, window=1)
+    assert time.monotonic() - t0 < 30
+    # Decided from the control gather, before any reduce: every staging is untouched.
+    np.testing.assert_array_equal(flat(bridge.param_tensors), before)
+
+
+# ---- quarantine (issue 5 item 7) ---------------------------------------------------
+
+
+# ---- tensors the model replaces (issue 5 item 6) --------------------------------------
+
+
+class Reassigning(torch.nn.Module):
+    """Re-assigns a registered buffer in forward, as users write running statistics."""
+
+    def __init__(self, shape_change: bool = False) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 10)
+        self.register_buffer("stat", torch.zeros(64))
+        self.shape_change = shape_change
+
+    def forward(self, x):
+        if self.training:
+            self.stat = x.mean(1).detach() if self.shape_change else x.mean(0).detach()
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["copies", "bound"])
+def test_replaced_buffer_and_param_data_are_averaged_and_adopted(bound):
+    comm = MPI.COMM_WORLD
+    rank = comm.rank
+    torch.manual_seed(0)
+    model = Reassigning()
+    replica = Replica(model, torch.device("cpu"))
+    bridge = make_bridge(replica, chunk_elems=100)
+    if bound:
+        assert replica.bind(bridge)  # before the optimizer, as train.py does
+    steps = rank + 1
+    local_steps(replica, rank, steps)
+    model.fc.bias.data = model.fc.bias.data.clone()  # p.data replaced: a new storage
+    stat = model.get_buffer("stat")
+    assert stat.abs().sum() > 0
+    all_params = comm.allgather(flat([model.fc.weight, model.fc.bias]))
+    all_stats = comm.allgather(stat.numpy().astype(np.float64))
+    replica.snapshot(bridge)
+    update = bridge.round(steps=steps, window=steps)
+    replica.adopt(bridge)
+    bridge.close()
+
+    masses = np.arange(1, comm.size + 1, dtype=np.float64)  # gamma 1: steps
+    ref_params = sum(m * p for m, p in zip(masses, all_params)) / masses.sum()
+    ref_stat = sum(all_stats) / comm.size  # buffers: equal weight among movers
+    live = flat([model.fc.weight, model.fc.bias])
+    assert update.adopted
+    assert np.linalg.norm(live - ref_params) / np.linalg.norm(ref_params) <= 1e-6
+    np.testing.assert_allclose(model.get_buffer("stat").numpy(), ref_stat, rtol=1e-5, atol=1e-7)
+    # What a checkpoint saves (the state dict by name) is the consensus too.
+    params, buffers, _ = state_arrays(model)
+    np.testing.assert_allclose(buffers["stat"], ref_stat, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(params["fc.bias"], ref_params[-10:], rtol=1e-5, atol=1e-7)
+    digests = comm.allgather(hashlib.sha256(live.tobytes() + buffers["stat"].tobytes()).hexdigest())
+    assert len(set(digests)) == 1
+    if bound:  # bound again: the optimizer's parameter lives in the staging once more
+        assert model.fc.bias.data_ptr() == bridge.param_tensors[1].data_ptr()
+
+
+def test_a_tensor_replaced_with_another_shape_is_an_error_naming_it():
+    torch.manual_seed(0)
+    model = Reassigning(shape_change=True)
+    replica = Replica(model, torch.device("cpu"))
+    bridge = make_bridge(replica)
+    model(torch.randn(8, 64))
+    with pytest.raises(ReplacedTensorError, match=r"model buffer 'stat' was replaced by a \(8,\) torch.float32 "
+                                                  r"tensor; it was \(64,\) torch.float32 when training started"):
+        replica.snapshot(bridge)
+    model.fc.weight.data = torch.zeros(3, 3, dtype=torch.float64)
+    with pytest.raises(ReplacedTensorError, match=r"model parameter 'fc.weight' was replaced by a \(3, 3\)"):
+        replica.adopt(bridge)
+    bridge.close()
+
+
+def quarantine_case(bound: bool, *, bad_loss: bool = False, bad_params: bool = True):
+    """The last rank is non-finite; returns (update, replica, float64 reference of the others)."""
+    comm = MPI.COMM_WORLD
+    rank, size, bad = comm.rank, comm.size, comm.size - 1
+    replica = make_replica()
+    steps = rank + 1
+    local_steps(replica, rank, steps)
+    all_params = comm.allgather(flat(replica.params))  # before the NaN: the others' are what counts
+    all_buffers = comm.allgather(flat(replica.float_buffers))
+    bridge = make_bridge(replica, gamma=0.5, chunk_elems=100)
+    if bound:
+        assert replica.bind(bridge)
+    if rank == bad and bad_params:
+        with torch.no_grad():
+            replica.params[1][3] = float("nan")
+            replica.params[0][2, 2] = float("inf")
+    replica.snapshot(bridge)
+    update = bridge.round(steps=steps, window=steps, loss_finite=not (rank == bad and bad_loss))
+    if update.adopted:
+        replica.adopt(bridge)
+    version = bridge.version
+    bridge.close()
+    good = range(size - 1)
+    masses = np.array([(r + 1) ** 0.5 for r in good])  # SPEC §1, gamma 0.5, by hand
+    ref_params = sum(m * all_params[r] for m, r in zip(masses, good)) / masses.sum()
+    ref_buffers = sum(all_buffers[r] for r in good) / len(good)
+    return update, replica, ref_params, ref_buffers, version
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["copies", "bound"])
+@pytest.mark.parametrize("what", ["params", "loss", "both"])
+def test_a_non_finite_rank_is_quarantined_and_adopts_the_others_consensus(bound, what):
+    comm = MPI.COMM_WORLD
+    if comm.size < 2:
+        pytest.skip("quarantine needs a finite peer")
+    update, replica, ref_params, ref_buffers, version = quarantine_case(
+        bound, bad_loss=what in ("loss", "both"), bad_params=what in ("params", "both"))
+    got = flat(replica.params)
+    assert update.quarantined == (comm.size - 1,) and update.adopted and version == 1
+    assert np.linalg.norm(got - ref_params) / np.linalg.norm(ref_params) <= 1e-6
+    np.testing.assert_allclose(flat(replica.float_buffers), ref_buffers, rtol=1e-5, atol=1e-7)
+    digests = comm.allgather(hashlib.sha256(got.tobytes()).hexdigest())
+    assert len(set(digests)) == 1  # every rank, the quarantined one too, holds the same consensus
+
+
+def test_every_rank_non_finite_stops_the_job_naming_them():
+    comm = MPI.COMM_WORLD
+    replica = make_replica()
+    with torch.no_grad():
+        replica.params[0][0, 0] = float("nan")
     bridge = make_bridge(replica)
     replica.snapshot(bridge)
-    with pytest.raises(NonFiniteError, match=rf"rank\(s\) {bad} had NaN"):
+    names = ", ".join(f"{r} \\(parameters/buffers\\)" for r in range(comm.size - 1))
+    names = ", ".join([*([names] if names else []), f"{comm.size - 1} \\(loss and parameters/buffers\\)"])
+    with pytest.raises(NonFiniteError, match=rf"round 0: rank\(s\) {names} had NaN .*no rank is finite"):
+        bridge.round(steps=1, window=1, loss_finite=comm.rank != comm.size - 1)
+
+
+def test_an_overflowing_consensus_of_finite_ranks_stops_every_rank():
+    replica = make_replica()
+    with torch.no_grad():
+        replica.params[0].fill_(3e38)  # finite in float32; W * m * 3e38 is not
+    bridge = make_bridge(replica)
+    replica.snapshot(bridge)
+    with pytest.raises(NonFiniteError, match="finite but their weighted sum overflowed"):
         bridge.round(steps=1, window=1)
+
+
+def test_large_finite_params_are_averaged_not_stopped():
+    comm = MPI.COMM_WORLD
+    replica = make_replica()
+    with torch.no_grad():
+        for p in replica.params:
+            p.mul_(1e25 * (1 + comm.rank))
+    all_params = comm.allgather(flat(replica.params))
+    bridge = make_bridge(replica, chunk_elems=100)
+    replica.snapshot(bridge)
+    update = bridge.round(steps=1, window=1)
+    replica.adopt(bridge)
+    bridge.close()
+    ref = sum(all_params) / comm.size
+    assert update.adopted and not update.quarantined
+    assert np.linalg.norm(flat(replica.params) - ref) / np.linalg.norm(ref) <= 1e-6
+    assert update.post_norm == pytest.approx(np.linalg.norm(ref), rel=1e-5)
+    assert update.pre_norm == pytest.approx(np.linalg.norm(all_params[comm.rank]), rel=1e-5)
+
+
+def test_the_guard_reads_only_ranks_that_contributed():
+    # The last rank is idle (steps 0) and far from the others: its divergence is large
+    # but says nothing of the cohort's drift; the guard must see the movers' max only.
+    comm = MPI.COMM_WORLD
+    if comm.size < 2:
+        pytest.skip("needs an idle peer")
+    idle = comm.rank == comm.size - 1
+    replica = make_replica()
+    local_steps(replica, comm.rank, 1)
+    if idle:
+        with torch.no_grad():
+            for p in replica.params:
+                p.mul_(50.0)
+    bridge = make_bridge(replica)
+    replica.snapshot(bridge)
+    first = bridge.round(steps=0 if idle else 1, window=1)
+    replica.adopt(bridge)
+    replica.snapshot(bridge)
+    bridge.round(steps=1, window=1)  # its control gather carries the first round's acks
+    history = bridge.guard.state_dict()["history"]
+    bridge.close()
+    divs = comm.allgather(first.divergence)
+    assert divs[-1] > 10 * max(divs[:-1])
+    assert history == [pytest.approx(max(divs[:-1]))]
 
 
 def test_agree_turns_one_rank_failure_into_an_error_everywhere():

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from flodl_mpi.realized_work import gamma_mass, is_realized, mover_mass, relative_masses
+from flodl_mpi.realized_work import gamma_mass, is_realized, mover_mass, relative_masses, round_masses
 
 
 @pytest.mark.parametrize(
@@ -59,3 +59,20 @@ def test_relative_masses_never_overflow():
     assert rel[0] == 1.0 and 0.0 <= rel[1] < 1e-90 and rel[2] == 0.0
     assert gamma_mass(5, 1000.0) == math.inf
     assert relative_masses([0, 0], 0.5) == [0.0, 0.0]
+
+
+def test_round_masses_quarantine_renormalizes_over_finite_ranks():
+    m = round_masses([4, 2, 8], [True, True, False], gamma=1.0)
+    assert m.quarantined == [2]
+    assert m.mass == [4.0, 2.0, 0.0]
+    assert m.wire == [1.0, 0.5, 0.0]  # divided by the largest *finite* mass
+    assert m.buffers == [1.0, 1.0, 0.0]
+    plain = round_masses([4, 2, 8], [True] * 3, gamma=0.5)
+    assert plain.quarantined == [] and plain.wire == relative_masses([4, 2, 8], 0.5)
+
+
+def test_round_masses_quarantine_with_only_idle_finite_ranks_takes_their_mean():
+    m = round_masses([0, 3, 0], [True, False, True], gamma=1.0)
+    assert m.wire == [1.0, 0.0, 1.0] and m.buffers == [1.0, 0.0, 1.0] and m.quarantined == [1]
+    none = round_masses([1, 3], [False, False], gamma=1.0)
+    assert none.wire == [0.0, 0.0] and none.quarantined == [0, 1]

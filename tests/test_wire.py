@@ -1,7 +1,9 @@
+import math
+
 import numpy as np
 import pytest
 
-from flodl_mpi.wire import WireLayout, pack_chunk, unpack_chunk
+from flodl_mpi.wire import WireLayout, pack_chunk, sum_squares, sum_squares_pieces, unpack_chunk
 
 
 def test_layout_offsets_and_chunks_cover_the_frame():
@@ -25,8 +27,9 @@ def test_views_share_memory_with_the_staging():
 
 def _pack_all(layout, staging, scale):
     frame = layout.new_frame()
-    pre_sq = sum(pack_chunk(staging, frame, lo, hi, scale) for lo, hi in layout.chunks)
-    return frame, pre_sq
+    for lo, hi in layout.chunks:
+        pack_chunk(staging, frame, lo, hi, scale)
+    return frame, sum_squares_pieces(staging, layout)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 1000])
@@ -70,3 +73,35 @@ def test_pack_then_unpack_is_the_weighted_mean(chunk):
 def test_layout_validates():
     with pytest.raises(ValueError, match="chunk_elems"):
         WireLayout([(2,)], chunk_elems=0)
+
+
+@pytest.mark.parametrize("scale", [1e19, 1e25, 1e30])
+def test_sum_squares_of_large_finite_values_does_not_overflow(scale):
+    # float32 squares overflow past 1.8e19; SPEC §3 wants the sums in float64.
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(5000) * scale).astype(np.float32)
+    want = float(np.sum(x.astype(np.float64) ** 2))
+    assert math.isfinite(want)
+    assert sum_squares(x) == pytest.approx(want, rel=1e-6)
+    layout = WireLayout([(5000,)], chunk_elems=999)
+    assert sum_squares_pieces(x, layout) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_sum_squares_is_not_finite_only_for_nan_or_inf(bad):
+    x = np.full(100, 1e30, dtype=np.float32)
+    assert math.isfinite(sum_squares(x))
+    x[37] = bad
+    assert not math.isfinite(sum_squares(x))
+
+
+def test_unpack_of_a_non_finite_piece_keeps_the_staging():
+    layout = WireLayout([(4,)], chunk_elems=2)
+    staging = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    summed = np.array([2.0, np.nan, 6.0, 8.0, 2.0], dtype=np.float32)
+    _, post_sq = unpack_chunk(summed, staging, 0, 2, summed[-1], layout.new_scratch())
+    assert not math.isfinite(post_sq)
+    np.testing.assert_array_equal(staging, [1.0, 2.0, 3.0, 4.0])
+    _, post_sq = unpack_chunk(summed, staging, 2, 4, summed[-1], layout.new_scratch())
+    assert post_sq == pytest.approx(9.0 + 16.0)
+    np.testing.assert_array_equal(staging, [1.0, 2.0, 3.0, 4.0])  # consensus piece equals pre here
