@@ -3,8 +3,9 @@
 Kinds: ``bridge`` raises inside the bridge's params reduce; ``step`` raises in
 the training step; ``hang`` blocks the training thread forever (the watchdog
 must end the job); ``nan`` writes NaN into the rank's parameters before the
-round; ``nanloss`` makes the rank's losses of the window before the round NaN
-(so its gradients and, after the step, its parameters); ``disk`` (rank 0) puts a file where the checkpoint directory was, so the
+round; ``nanloss`` makes the rank's losses in the window before the round NaN
+(so its gradients, and after the step its parameters, too);
+``disk`` (rank 0) puts a file where the checkpoint directory was, so the
 writer thread's next save fails. ``ROUND`` counts rounds from 0. Used through ``flodl-mpi train
 --inject-fault``; never active unless asked for.
 """

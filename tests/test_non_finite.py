@@ -1,0 +1,94 @@
+"""Non-finite loss or parameters, end to end through the command (issue 5 item 7).
+
+A rank whose loss or parameters go NaN/Inf is quarantined for the round (mass 0,
+it adopts the others' consensus) and the event is in ``metrics.h5``; the job stops
+(exit 1, one line naming the ranks, earlier checkpoints kept) only when no rank is
+finite, or on any non-finite rank with ``--on-non-finite stop``.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+from flodl_mpi.errors import EXIT_ERROR
+from flodl_mpi.metrics import read_table
+from tests.conftest import run_flodl
+
+QUICK = ("--epochs", "1", "--batch-size", "64")
+
+
+def inject(spec: str) -> tuple[str, ...]:
+    """The test-only fault hook (flodl_mpi.faults), in one place."""
+    return ("--inject-fault", spec)
+
+
+def error_lines(proc):
+    return [line for line in proc.stderr.splitlines() if "error" in line]
+
+
+@pytest.mark.parametrize(("n", "kind"), [(2, "nan"), (3, "nan"), (2, "nanloss")])
+def test_a_non_finite_rank_is_quarantined_and_the_run_goes_on(tmp_path, n, kind):
+    run_dir = tmp_path / "r"
+    proc = run_flodl(n, "train", *QUICK, "--run-dir", str(run_dir), *inject(f"{kind}@1:5"), timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert "round 5: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined" in proc.stdout + proc.stderr
+    rounds = read_table(run_dir / "metrics.h5", "rounds")
+    want = np.zeros((len(rounds["round"]), n), dtype=bool)
+    want[5, 1] = True  # that round only: the rank came back (its optimizer state was reset)
+    np.testing.assert_array_equal(rounds["quarantined"], want)
+    assert rounds["mass"][5, 1] == 0.0 and (rounds["mass"][5, [0, *range(2, n)]] > 0).all()
+    assert np.isnan(rounds["divergence"][5, 1])
+    if n == 2:
+        # The consensus is rank 0's parameters exactly ((2·1·θ)/2 is exact in binary),
+        # so rank 0's own divergence is 0: the quarantined rank counted for nothing.
+        assert rounds["divergence"][5, 0] == 0.0
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert all(np.isfinite(a).all() for a in ckpt.params.values())
+
+
+def test_every_rank_non_finite_ends_the_job_with_one_line_and_keeps_checkpoints(tmp_path):
+    module = tmp_path / "diverging.py"
+    module.write_text(
+        "import torch\n"
+        "class Diverging(torch.nn.Module):\n"
+        "    def __init__(self, d, k):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(d, k)\n"
+        "        self.calls = 0\n"
+        "    def forward(self, x):\n"
+        "        self.calls += self.training\n"
+        "        out = self.fc(x)\n"
+        "        return out * float('nan') if self.calls > 30 else out\n"  # epoch 2 on every rank
+        "def make(input_shape, num_classes):\n"
+        "    return Diverging(input_shape[0], num_classes)\n")
+    run_dir = tmp_path / "r"
+    t0 = time.monotonic()
+    proc = run_flodl(2, "train", "--epochs", "3", "--model", "diverging:make", "--run-dir", str(run_dir),
+                     timeout=180, env={"PYTHONPATH": str(tmp_path)})
+    assert time.monotonic() - t0 < 170
+    assert proc.returncode == EXIT_ERROR, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    assert ("rank(s) 0 (loss and parameters/buffers), 1 (loss and parameters/buffers) had NaN or infinite values; "
+            "no rank is finite, so the job stops") in lines[0]
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert ckpt.meta["epoch"] == 1 and all(np.isfinite(a).all() for a in ckpt.params.values())
+
+
+def test_on_non_finite_stop_ends_every_rank_with_one_line_and_keeps_checkpoints(tmp_path):
+    run_dir = tmp_path / "r"
+    # Round 40 is in epoch 2 (23 rounds per epoch at batch 32): epoch 1's checkpoint must survive.
+    t0 = time.monotonic()
+    proc = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--on-non-finite", "stop",
+                     *inject("nan@0:40"), timeout=180)
+    assert time.monotonic() - t0 < 170
+    assert proc.returncode == EXIT_ERROR, proc.stderr
+    lines = error_lines(proc)
+    assert lines == ["flodl-mpi: error: non-finite values in round 40: rank(s) 0 (parameters/buffers) had NaN or "
+                     "infinite values; --on-non-finite stop, so the job stops (training diverged? lower --lr) and "
+                     "saves nothing from this round; checkpoints saved before stay"]
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert ckpt.meta["epoch"] == 1 and all(np.isfinite(a).all() for a in ckpt.params.values())
+    assert len(read_table(run_dir / "metrics.h5", "rounds")["round"]) <= 40
