@@ -320,8 +320,10 @@ class Bridge:
         # -- this rank's own check, before the gather: a float64-safe sum of squares
         # (one pass) is finite exactly when the tensors hold no NaN or infinity.
         self._enter("pre norm")
+        t0 = time.perf_counter()
         pre_sq = p.sum_squares()
         flag = (0 if loss_finite else _LOSS) | (0 if math.isfinite(pre_sq + b.sum_squares()) else _TENSORS)
+        pre_ms = 1e3 * (time.perf_counter() - t0)  # counted as pack time: it was fused there before
         self._enter("control gather")
         row = np.concatenate([[steps, window, float(stop), flag], self._ack])
         gathered = control_gather(self.comm, row)
@@ -339,6 +341,7 @@ class Bridge:
             self._enter("params reduce")
             stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, masses.wire[self.rank], p.scratch)
         stats.pre_sq = pre_sq
+        stats.pack_ms += pre_ms
         self._enter("divergence")
         if not stats.post_finite:  # read from the reduced values: every rank is here
             raise NonFiniteError(

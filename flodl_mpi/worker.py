@@ -61,9 +61,11 @@ class Replica:
     that re-assigns a registered buffer in ``forward`` (``self.stat =
     x.mean(0).detach()``), a parameter whose ``.data`` is replaced, or a
     parameter re-registered under its name is still averaged, and the live
-    tensor receives the consensus. Resolution looks each owning submodule up
-    by its path, then the tensor in its ``_parameters`` / ``_buffers`` table: a
-    few dict look-ups per tensor per round (a replaced submodule is found too).
+    tensor receives the consensus. Each tensor's owning table
+    (``_parameters`` / ``_buffers`` of its submodule) is found once by name; per
+    round a tensor costs one dict look-up and two compares (same object, same
+    storage), plus one look-up per submodule to notice a replaced submodule,
+    whose tables are then found again.
 
     Args:
         model: the rank's model, already on ``device``.
@@ -81,47 +83,75 @@ class Replica:
         #: True once :meth:`bind` made the params views of the bridge's staging.
         self.bound = False
         self._views: list[torch.Tensor] = []
-
-        def slot(name: str) -> tuple[str, str]:
-            owner, _, attr = name.rpartition(".")
-            return owner, attr
-
         named_params = list(model.named_parameters())
         named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
         #: State-dict names of the travelling params and floating buffers, in wire order.
         self.param_names = [n for n, _ in named_params]
         self.buffer_names = [n for n, _ in named_buffers]
-        self._param_slots = [slot(n) for n in self.param_names]
-        self._buffer_slots = [slot(n) for n in self.buffer_names]
-        self._param_specs = [(tuple(p.shape), p.dtype) for _, p in named_params]
-        self._buffer_specs = [(tuple(b.shape), b.dtype) for _, b in named_buffers]
+        self._param_specs = [(tuple(t.shape), t.dtype) for _, t in named_params]
+        self._buffer_specs = [(tuple(t.shape), t.dtype) for _, t in named_buffers]
+        # The tensors seen last, with their storage: a different object or a moved
+        # storage is checked against the spec; an unchanged one costs two compares.
+        self._param_seen = [(t, t.data_ptr()) for _, t in named_params]
+        self._buffer_seen = [(t, t.data_ptr()) for _, t in named_buffers]
+        self._plan_slots()
+        self._live: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def _plan_slots(self) -> None:
+        """Find each tensor's owning table by name; note the module tree to notice a swapped submodule."""
+
+        def owner(name: str, table: str) -> tuple[dict, str]:
+            path, _, attr = name.rpartition(".")
+            try:
+                return getattr(self.model.get_submodule(path), table), attr
+            except AttributeError:
+                return {}, attr  # the submodule is gone: the tensor reads as removed
+
+        self._param_slots = [owner(n, "_parameters") for n in self.param_names]
+        self._buffer_slots = [owner(n, "_buffers") for n in self.buffer_names]
+        self._edges = [(m._modules, name, child) for m in self.model.modules() for name, child in m._modules.items()]
 
     @property
     def params(self) -> list[torch.Tensor]:
         """The live parameters, resolved by name now (``named_parameters()`` order)."""
-        return self._resolve(self._param_slots, self.param_names, self._param_specs, "_parameters", "parameter")
+        return self._resolve()[0]
 
     @property
     def float_buffers(self) -> list[torch.Tensor]:
         """The live floating buffers, resolved by name now (``named_buffers()`` order)."""
-        return self._resolve(self._buffer_slots, self.buffer_names, self._buffer_specs, "_buffers", "buffer")
+        return self._resolve()[1]
 
-    def _resolve(self, slots, names, specs, table: str, kind: str) -> list[torch.Tensor]:
-        out = []
-        owners: dict[str, nn.Module] = {}  # each submodule looked up once per call
-        for (path, attr), name, (shape, dtype) in zip(slots, names, specs):
-            module = owners.get(path)
-            if module is None:
-                module = owners[path] = self.model.get_submodule(path)
-            t = getattr(module, table).get(attr)
-            if t is None or tuple(t.shape) != shape or t.dtype != dtype:
-                got = "removed" if t is None else f"replaced by a {tuple(t.shape)} {t.dtype} tensor"
-                raise ReplacedTensorError(
-                    f"model {kind} {name!r} was {got}; it was {shape} {dtype} when training started, and "
-                    "averaging needs every parameter and buffer to keep its shape and dtype (copy new values "
-                    f"into it in place, e.g. self.{attr}.copy_(...))")
+    def _resolve(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self._resolve_changes()[:2]
+
+    def _resolve_changes(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """The live params and floating buffers, and the indices of the params found changed."""
+        if not all(modules.get(name) is child for modules, name, child in self._edges):
+            self._plan_slots()  # a submodule was replaced: find the tables again (rare)
+        params, changed = self._check(self._param_slots, self._param_seen, self._param_specs, self.param_names,
+                                      "parameter")
+        buffers, _ = self._check(self._buffer_slots, self._buffer_seen, self._buffer_specs, self.buffer_names,
+                                 "buffer")
+        return params, buffers, changed
+
+    @staticmethod
+    def _check(slots, seen, specs, names, kind: str) -> tuple[list[torch.Tensor], list[int]]:
+        out, changed = [], []
+        for i, (table, attr) in enumerate(slots):
+            t = table.get(attr)
+            last, ptr = seen[i]
+            if t is not last or t.data_ptr() != ptr:
+                shape, dtype = specs[i]
+                if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+                    got = "removed" if t is None else f"replaced by a {tuple(t.shape)} {t.dtype} tensor"
+                    raise ReplacedTensorError(
+                        f"model {kind} {names[i]!r} was {got}; it was {shape} {dtype} when training started, and "
+                        "averaging needs every parameter and buffer to keep its shape and dtype (copy new "
+                        f"values into it in place, e.g. self.{attr}.copy_(...))")
+                seen[i] = (t, t.data_ptr())
+                changed.append(i)
             out.append(t)
-        return out
+        return out, changed
 
     @torch.no_grad()
     def bind(self, bridge: Bridge) -> bool:
@@ -148,9 +178,10 @@ class Replica:
         if not all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
             return False
         self._views = list(bridge.param_tensors)
-        for p, view in zip(params, self._views):
+        for i, (p, view) in enumerate(zip(params, self._views)):
             view.copy_(p.detach())
             p.data = view
+            self._param_seen[i] = (p, p.data_ptr())
         self.bound = True
         return True
 
@@ -159,31 +190,43 @@ class Replica:
         """Copy params and floating buffers (as float32) into the bridge's staging.
 
         Bound params are not copied; one the model swapped out is bound again.
+        The tensors found here are the ones the next :meth:`adopt` writes into.
         """
-        params = self.params
+        params, buffers, changed = self._resolve_changes()
         if self.bound:
-            for p, view in zip(params, self._views):
-                if p.data_ptr() != view.data_ptr():  # p.data replaced: re-bind, one copy
+            for i in changed:  # a new parameter, or p.data replaced: bind again (one copy)
+                p, view = params[i], self._views[i]
+                if p.data_ptr() != view.data_ptr():
                     view.copy_(p.detach())
                     p.data = view
+                    self._param_seen[i] = (p, p.data_ptr())
         else:
             for dst, src in zip(bridge.param_tensors, params):
                 dst.copy_(src.detach())
-        for dst, src in zip(bridge.buffer_tensors, self.float_buffers):
+        for dst, src in zip(bridge.buffer_tensors, buffers):
             dst.copy_(src)
+        self._live = (params, buffers)
 
     @torch.no_grad()
     def adopt(self, bridge: Bridge) -> None:
-        """Overwrite the live params and floating buffers with the consensus in the staging."""
-        params = self.params
-        if self.bound:
-            for p, view in zip(params, self._views):
-                if p.data_ptr() != view.data_ptr():
-                    p.data = view
+        """Overwrite the live params and floating buffers with the consensus in the staging.
+
+        Writes into the tensors the last :meth:`snapshot` found (the training
+        thread does not touch the model while a round runs); without one, it
+        resolves them by name now.
+        """
+        if self._live is None:  # no snapshot since the last adoption: bind what changed
+            params, buffers, changed = self._resolve_changes()
+            for i in changed if self.bound else ():
+                params[i].data = self._views[i]
+                self._param_seen[i] = (params[i], params[i].data_ptr())
         else:
+            params, buffers = self._live
+        self._live = None
+        if not self.bound:
             for dst, src in zip(params, bridge.param_tensors):
                 dst.copy_(src)
-        for dst, src in zip(self.float_buffers, bridge.buffer_tensors):
+        for dst, src in zip(buffers, bridge.buffer_tensors):
             dst.copy_(src)
 
     @torch.no_grad()

@@ -208,6 +208,23 @@ def test_replaced_buffer_and_param_data_are_averaged_and_adopted(bound):
         assert model.fc.bias.data_ptr() == bridge.param_tensors[1].data_ptr()
 
 
+def test_a_replaced_submodule_is_averaged():
+    comm = MPI.COMM_WORLD
+    torch.manual_seed(0)
+    model = Reassigning()
+    replica = Replica(model, torch.device("cpu"))
+    bridge = make_bridge(replica)
+    torch.manual_seed(10 + comm.rank)
+    model.fc = torch.nn.Linear(64, 10)  # new values on every rank, same shapes
+    all_params = comm.allgather(flat([model.fc.weight, model.fc.bias]))
+    replica.snapshot(bridge)
+    bridge.round(steps=1, window=1)
+    replica.adopt(bridge)
+    bridge.close()
+    ref = sum(all_params) / comm.size
+    np.testing.assert_allclose(flat([model.fc.weight, model.fc.bias]), ref, rtol=1e-6, atol=1e-7)
+
+
 def test_a_tensor_replaced_with_another_shape_is_an_error_naming_it():
     torch.manual_seed(0)
     model = Reassigning(shape_change=True)
