@@ -32,7 +32,8 @@ def round_rows(start, k):
     i = np.arange(start, start + k)
     per_rank = i[:, None] * 10.0 + np.arange(W)  # (k, W)
     return {"round": i, "version": i + 100, "time_s": i * 0.5, "skipped": i % 2 == 1,
-            "steps": per_rank.astype(np.int64), "mass": per_rank, "divergence": per_rank / 7,
+            "steps": per_rank.astype(np.int64), "mass": per_rank, "quarantined": per_rank % 3 == 0,
+            "divergence": per_rank / 7,
             "pre_norm": per_rank + 1, "post_norm": i * 3.0, "pack_ms": per_rank, "allreduce_ms": per_rank,
             "unpack_ms": per_rank, "bytes": i * 4096, "window": per_rank.astype(np.int64) + 1,
             "anchor": np.full(k, 3), "guard": (i % 3).astype(np.int8)}
@@ -53,7 +54,8 @@ def test_schema_shapes():
     assert schema["rounds"]["mass"] == (np.dtype(np.float64), (4,))
     assert schema["batches"]["rank"] == (np.dtype(np.int32), ())
     assert h5py.check_enum_dtype(schema["rounds"]["guard"][0]) == GUARD_VERDICTS
-    assert len(schema["rounds"]) == 16 and len(schema["epochs"]) == 16 and len(schema["batches"]) == 8
+    assert schema["rounds"]["quarantined"] == (np.dtype(np.bool_), (4,))
+    assert len(schema["rounds"]) == 17 and len(schema["epochs"]) == 16 and len(schema["batches"]) == 8
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         table_schema(0)
 
