@@ -92,3 +92,14 @@ def test_on_non_finite_stop_ends_every_rank_with_one_line_and_keeps_checkpoints(
     ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     assert ckpt.meta["epoch"] == 1 and all(np.isfinite(a).all() for a in ckpt.params.values())
     assert len(read_table(run_dir / "metrics.h5", "rounds")["round"]) <= 40
+
+
+def test_on_non_finite_is_validated_in_config_files_and_flags():
+    from flodl_mpi.cli import build_parser, config_from_args
+    from flodl_mpi.config import ConfigError, TrainConfig
+
+    assert TrainConfig().on_non_finite == "quarantine"
+    with pytest.raises(ConfigError, match=r"^--on-non-finite 'skip': must be one of quarantine, stop$"):
+        TrainConfig(on_non_finite="skip")
+    cfg = config_from_args(build_parser().parse_args(["train", "--on-non-finite", "stop"]))
+    assert cfg.on_non_finite == "stop"
