@@ -13,8 +13,8 @@ draw; `write_plots` saves them atomically (temporary name, then rename).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -23,8 +23,13 @@ from flodl_mpi.metrics import GUARD_VERDICTS
 from flodl_mpi.runinfo import Run
 
 __all__ = [
-    "training_figure", "ranks_figure", "divergence_figure", "round_times_figure", "cadence_figure",
-    "FIGURES", "write_plots",
+    "FIGURES",
+    "cadence_figure",
+    "divergence_figure",
+    "ranks_figure",
+    "round_times_figure",
+    "training_figure",
+    "write_plots",
 ]
 
 _STYLES = ("-", "--", ":", "-.")

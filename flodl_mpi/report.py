@@ -16,15 +16,16 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from flodl_mpi.metrics import GUARD_VERDICTS
 from flodl_mpi.runinfo import NOT_OPTIONS, Run, RunError, load_run
 
-__all__ = ["summarize", "differing_options", "format_summary", "format_comparison", "add_parser", "main"]
+__all__ = ["add_parser", "differing_options", "format_comparison", "format_summary", "main", "summarize"]
 
 
 def _last(col: np.ndarray | None) -> float:
@@ -114,14 +115,14 @@ def format_summary(run: Run) -> str:
     planned = s["epochs_planned"]
     status = "finished" if planned is not None and s["epochs"] >= planned else "running or stopped"
     lines = [
-        f"run {run.path}  ({run.world_size} ranks, policy {run.attrs.get('policy', cfg.get('policy', '?'))}"
-        f", window {cfg.get('window', '?')}, gamma {cfg.get('gamma', '?')})",
+        (f"run {run.path}  ({run.world_size} ranks, policy {run.attrs.get('policy', cfg.get('policy', '?'))}"
+        f", window {cfg.get('window', '?')}, gamma {cfg.get('gamma', '?')})"),
         f"  epochs        {s['epochs']} of {planned if planned is not None else '?'} ({status})",
         f"  test accuracy {_fmt(s['test_accuracy'])} (last)   best {_fmt(s['best_test_accuracy'])}"
         + (f" at epoch {s['best_epoch']}" if s["best_epoch"] else ""),
         f"  loss          train {_fmt(s['train_loss'])}   test {_fmt(s['test_loss'])} (last epoch)",
-        f"  rounds        {s['rounds']} ({s['skipped_rounds']} skipped) in {s['elapsed_s']:.1f} s;"
-        f" {_fmt_bytes(s['bytes_per_rank'])} on the wire per rank",
+        (f"  rounds        {s['rounds']} ({s['skipped_rounds']} skipped) in {s['elapsed_s']:.1f} s;"
+        f" {_fmt_bytes(s['bytes_per_rank'])} on the wire per rank"),
         f"  averaging     {_per_rank(s['averaging_pct'], '.1f')} % of wall time (pack + allreduce + unpack)",
         f"  throughput    {_per_rank(s['throughput'], '.0f')} samples/s (mean over epochs)",
         f"  batch share   {_per_rank(s['batch_share'], '.3f')}",

@@ -21,7 +21,7 @@ import numpy as np
 
 from flodl_mpi.metrics import SCHEMA_VERSION, read_table
 
-__all__ = ["RunError", "Run", "load_run", "open_metrics", "metrics_attrs"]
+__all__ = ["Run", "RunError", "load_run", "metrics_attrs", "open_metrics"]
 
 #: Options that name the run, not how it trained: never reported as a difference.
 NOT_OPTIONS = ("run_dir", "resume")
