@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batch-size", type=int, help=f"default {d.eval_batch_size}")
     g.add_argument("--config", metavar="FILE.toml", help="TOML file of the options above; flags override it")
     g.add_argument("--inject-fault", metavar="KIND@RANK:ROUND", help=argparse.SUPPRESS)
+    g = t.add_argument_group("output")
+    g.add_argument("-v", "--verbose", action="count", default=0, help="more detail (per-rank lines each epoch)")
+    g.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (train.log keeps all)")
+    g.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
+                   help="bar: a progress bar within each epoch; lines: one line per epoch; "
+                        "auto: a bar when the output is a terminal (default)")
     for module in TOOLS.values():
         importlib.import_module(module).add_parser(sub)
     return parser
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     watchdog = Watchdog(world.rank, stall_timeout=600.0)
     watchdog.start()
     try:
+        if world.rank == 0 and not args.quiet:
+            print(f"flodl-mpi: {world.size} rank(s) up; loading PyTorch", flush=True)
         from flodl_mpi.train import run_train  # torch is imported here, after MPI is up
 
         run_train(args, world, watchdog, stop)

@@ -71,6 +71,8 @@ def describe_checkpoint(path: Path) -> tuple[str, bool]:
         ckpt = read_checkpoint(path)
     except CheckpointError as exc:
         verdict = str(exc)
+    except OSError as exc:  # e.g. a truncated file: HDF5 refuses to open it
+        verdict = f"checkpoint {path}: cannot be opened ({str(exc).splitlines()[0]})"
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
