@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from collections.abc import Sequence
@@ -188,6 +189,19 @@ def format_comparison(runs: Sequence[Run]) -> str:
     return "\n".join(lines)
 
 
+def _with_option_labels(runs: Sequence[Run]) -> list[Run]:
+    """Runs labelled for legends with the options that differ: ``A [window 1]``, ``B [window 4]``.
+
+    Up to three options; with more, the directory names alone (the table lists them).
+    """
+    differ = differing_options(runs)
+    if not differ or len(differ) > 3:
+        return list(runs)
+    names = {k: ("W" if k.startswith("world") else k) for k in differ}
+    return [dataclasses.replace(r, label=f"{r.label} [" + ", ".join(f"{names[k]} {v[i]}" for k, v in differ.items())
+                                + "]") for i, r in enumerate(runs)]
+
+
 def _labels(paths: Sequence[str]) -> list[str]:
     """Legend labels: the directory names, made unique (``A``, ``A (2)``)."""
     names = [Path(p).resolve().name if not Path(p).is_file() else Path(p).resolve().parent.name for p in paths]
@@ -231,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
                   "pip install 'flodl-mpi[plot]', or pass --no-plots", file=sys.stderr)
             return 2
         out = Path(args.out) if args.out else (runs[0].path / "plots" if len(runs) == 1 else Path("plots-compare"))
-        written = plots.write_plots(runs, out)
+        written = plots.write_plots(_with_option_labels(runs), out)
         print(f"plots: {', '.join(str(p) for p in written)}")
     if args.tensorboard:
         from flodl_mpi import tensorboard_export

@@ -112,6 +112,27 @@ def test_comparison_names_exactly_the_differing_options(tmp_path):
     assert "none" in format_comparison([a, same]).splitlines()[0]
 
 
+def test_legends_name_the_differing_options(tmp_path):
+    from flodl_mpi.report import _with_option_labels
+
+    a = load_run(write_synthetic(tmp_path / "A", config={"window": 1, "policy": "sync"}))
+    b = load_run(write_synthetic(tmp_path / "B", config={"window": 4, "policy": "window"}))
+    fig = plots.training_figure(_with_option_labels([a, b]))
+    labels = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert labels == ["A [policy sync, window 1]: test accuracy", "B [policy window, window 4]: test accuracy"]
+
+
+def test_stops_and_resumes_are_counted(tmp_path):
+    run_dir = write_synthetic(tmp_path / "r")
+    (run_dir / "train.log").write_text("10:00:00 epoch 1/3  loss 1\n"
+                                        "10:00:01 stopped on request in epoch 2 at round 9; checkpoint saved\n"
+                                        "10:05:00 resuming from ckpt-e000001-r000009.h5\n")
+    (run_dir / "config-resume-r000009.json").write_text("{}")
+    s = summarize(load_run(run_dir))
+    assert (s["stops"], s["resumes"]) == (1, 1)
+    assert s["last_log"].endswith("resuming from ckpt-e000001-r000009.h5")
+
+
 # ---------------------------------------------------------------- plots
 
 
@@ -165,6 +186,20 @@ def _report(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     code = ("import sys; from flodl_mpi.report import main; rc = main(sys.argv[1:]); "
             "assert 'mpi4py.MPI' not in sys.modules, 'report loaded MPI'; sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+
+
+_CLI_IMPORTS_MPI = any(line.startswith("from mpi4py import MPI")
+                       for line in (Path(__file__).parents[1] / "flodl_mpi" / "cli.py").read_text().splitlines())
+
+
+@pytest.mark.xfail(_CLI_IMPORTS_MPI, reason="cli.py imports MPI at module level until the launch work makes it lazy",
+                   strict=True)
+def test_the_cli_entry_starts_no_mpi_for_report(tmp_path):
+    run_dir = write_synthetic(tmp_path / "r")
+    code = ("import sys; from flodl_mpi.cli import main; rc = main(['report', sys.argv[1], '--no-plots']); "
+            "assert 'mpi4py.MPI' not in sys.modules, 'flodl-mpi report loaded MPI'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.slow
