@@ -45,7 +45,9 @@ def summarize(run: Run) -> dict[str, Any]:
         ``averaging_pct`` (W,): per rank, 100 * (pack + allreduce + unpack) /
         elapsed; ``throughput`` (W,) samples/s, mean over epochs;
         ``batch_share`` (W,): the rank's batches / all batches; ``guard``:
-        verdict name -> rounds (non-stable verdicts only); ``stops``: "stopped on
+        verdict name -> rounds (non-stable verdicts only); ``quarantined``: rank ->
+        rounds it was quarantined in, from a ``rounds/quarantined`` column when the
+        file has one (ranks never quarantined left out); ``stops``: "stopped on
         request" lines in train.log; ``resumes``; ``last_log``: train.log's last line.
     """
     ep, W = run.tables.get("epochs", {}), run.world_size
@@ -64,7 +66,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "bytes_per_rank": int(np.sum(run.column("rounds", "bytes"))) if run.column("rounds", "bytes") is not None else 0,
         "averaging_pct": None, "throughput": None, "batch_share": None,
-        "guard": {}, "resumes": run.resumes,
+        "guard": {}, "quarantined": {}, "resumes": run.resumes,
         "stops": sum("stopped on request" in line for line in run.log_lines),
         "last_log": run.log_lines[-1] if run.log_lines else "",
     }
@@ -86,6 +88,9 @@ def summarize(run: Run) -> dict[str, Any]:
             n = int(np.sum(guard == code))
             if n and name != "stable":
                 s["guard"][name] = n
+    quarantined = run.column("rounds", "quarantined")
+    if quarantined is not None and quarantined.ndim == 2:
+        s["quarantined"] = {r: int(n) for r, n in enumerate(np.sum(quarantined != 0, axis=0)) if n}
     if W and s["throughput"] is not None and len(s["throughput"]) != W:
         s["throughput"] = None  # a file whose per-rank width disagrees with world_size: say nothing
     return s
@@ -130,6 +135,8 @@ def format_summary(run: Run) -> str:
         f"  stops {s['stops']}, resumes {s['resumes']}; guard "
         + (", ".join(f"{k} {v}" for k, v in s["guard"].items()) or "stable in every round"),
     ]
+    if s["quarantined"]:
+        lines.append("  quarantined   " + ", ".join(f"rank {r} in {n} round(s)" for r, n in s["quarantined"].items()))
     if s["last_log"]:
         lines.append(f"  last log line {s['last_log']}")
     return "\n".join(lines)

@@ -20,7 +20,6 @@ import h5py
 import mpi4py
 import numpy as np
 import torch
-import torch._dynamo  # noqa: F401  (the first optimizer imports it: seconds; here it is under "loading PyTorch")
 from mpi4py import MPI
 
 from flodl_mpi import __version__
@@ -260,6 +259,9 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list
     """
     comm = world.comm
     _log_to_stdout(world.rank, verbosity(args))
+    # PyTorch's first optimizer imports its compiler stack (seconds on a busy node):
+    # build a throwaway one now, under the "loading PyTorch" line, not silently later.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     # -- config, device, data
     cfg = agree(comm, "config", lambda: config_from_args(args), watchdog)
     watchdog.stall_timeout = cfg.stall_timeout

@@ -58,6 +58,7 @@ def test_summary_numbers_match_the_hand_computed_values(tmp_path):
 def test_absent_and_extra_columns_are_tolerated(tmp_path):
     rows = synthetic_rows(2, 10, 2, skip=("rounds/anchor", "rounds/window", "rounds/pack_ms", "epochs/test_loss"))
     rows["rounds"]["quarantined"] = np.zeros((10, 2), bool)  # a column a later writer adds
+    rows["rounds"]["quarantined"][[2, 5, 7], 1] = True
     run = load_run(_write_raw(tmp_path / "r", rows, {"world_size": 2, "config": json.dumps({"epochs": 2}),
                                                       "json_attrs": json.dumps(["config"])}))
     s = summarize(run)
@@ -68,6 +69,7 @@ def test_absent_and_extra_columns_are_tolerated(tmp_path):
     assert len(plots.training_figure([run]).axes[0].get_lines()) == 1   # train loss only
     assert len(plots.round_times_figure([run]).axes[0].get_lines()) == 2
     assert "test -" in format_summary(run)
+    assert s["quarantined"] == {1: 3} and "quarantined   rank 1 in 3 round(s)" in format_summary(run)
 
 
 def test_newer_schema_is_refused_with_a_clear_message(tmp_path, capsys):
