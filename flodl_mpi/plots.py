@@ -24,6 +24,8 @@ from flodl_mpi.runinfo import Run
 
 __all__ = [
     "FIGURES",
+    "time_figure",
+    "time_parts",
     "cadence_figure",
     "divergence_figure",
     "ranks_figure",
@@ -52,7 +54,9 @@ def _label(runs: Sequence[Run], run: Run, what: str) -> str:
 
 
 def _title(runs: Sequence[Run], what: str) -> str:
-    return f"{what} — {runs[0].label}" if len(runs) == 1 else f"{what} — " + " vs ".join(r.label for r in runs)
+    """``what — A vs B``, with the run directories' names (legends carry the options)."""
+    names = [r.label.split(" [")[0] for r in runs]
+    return f"{what} — " + " vs ".join(names)
 
 
 def _epoch_axis(run: Run) -> np.ndarray | None:
@@ -126,6 +130,55 @@ def ranks_figure(runs: Sequence[Run]) -> Figure | None:
         ax.xaxis.get_major_locator().set_params(integer=True)
     ax_thr.set_ylim(bottom=0)
     fig.suptitle(_title(runs, "Ranks"))
+    return fig
+
+
+#: Where a rank's epoch time goes: (label, how to sum it from a run, per rank, in ms).
+_TIME_PARTS = ("compute", "data wait", "averaging", "other")
+
+
+def time_parts(run: Run) -> np.ndarray | None:
+    """Per rank, seconds of compute, data wait, averaging (pack + allreduce + unpack) and
+    the rest of the epochs' wall time (control gather, snapshot, adoption, waiting),
+    float64 ``(W, 4)``; None without ``per_rank_epoch_ms``."""
+    wall = run.column("epochs", "per_rank_epoch_ms")
+    if wall is None:
+        return None
+    W = wall.shape[1]
+
+    def total(table: str, col: str) -> np.ndarray:
+        c = run.column(table, col)
+        return np.zeros(W) if c is None else np.nansum(c, axis=0)
+
+    compute, data = total("epochs", "per_rank_compute_ms"), total("epochs", "per_rank_data_ms")
+    averaging = sum(total("rounds", p) for p in ("pack_ms", "allreduce_ms", "unpack_ms"))
+    other = np.maximum(np.nansum(wall, axis=0) - compute - data - averaging, 0.0)
+    return np.stack([compute, data, averaging, other], axis=1) / 1e3
+
+
+def time_figure(runs: Sequence[Run]) -> Figure | None:
+    """Where each rank's training time went: one stacked bar per (run, rank), 4 parts."""
+    parts = [(run, time_parts(run)) for run in runs]
+    parts = [(run, p) for run, p in parts if p is not None]
+    if not parts:
+        return None
+    labels, rows = [], []
+    for run, p in parts:
+        for r in range(p.shape[0]):
+            labels.append(f"rank {r}" if len(runs) == 1 else f"{run.label}: rank {r}")
+            rows.append(p[r])
+    data = np.array(rows)
+    fig = Figure(figsize=(_FIGSIZE[0], max(2.5, 1.2 + 0.45 * len(rows))), layout="constrained")
+    ax = fig.subplots()
+    y = np.arange(len(rows))[::-1]
+    left = np.zeros(len(rows))
+    for j, name in enumerate(_TIME_PARTS):
+        ax.barh(y, data[:, j], left=left, color=_color(j), label=name)
+        left += data[:, j]
+    ax.set_yticks(y, labels)
+    ax.set(title=_title(runs, "Where each rank's training time went (evaluation excluded)"), xlabel="time (s)")
+    ax.grid(alpha=0.3, axis="x")
+    fig.legend(*ax.get_legend_handles_labels(), fontsize="small", loc="outside right upper")
     return fig
 
 
@@ -215,6 +268,7 @@ def cadence_figure(runs: Sequence[Run]) -> Figure | None:
 FIGURES = {
     "training": training_figure,
     "ranks": ranks_figure,
+    "time": time_figure,
     "divergence": divergence_figure,
     "round_times": round_times_figure,
     "cadence": cadence_figure,

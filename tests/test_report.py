@@ -55,6 +55,12 @@ def test_summary_numbers_match_the_hand_computed_values(tmp_path):
     assert "r0 10.0  r1 10.0 % of wall time" in text and "suppress_growth 1" in text
 
 
+def test_time_parts_add_up_to_the_epochs_wall_time(tmp_path):
+    run = load_run(write_synthetic(tmp_path / "r", world_size=2, rounds=20, epochs=3))
+    # per rank: compute 3 * 600 ms, data 3 * 50 ms, averaging 20 * 50 ms, wall 3 * 1000 ms
+    np.testing.assert_allclose(plots.time_parts(run), [[1.8, 0.15, 1.0, 0.05]] * 2)
+
+
 def test_absent_and_extra_columns_are_tolerated(tmp_path):
     rows = synthetic_rows(2, 10, 2, skip=("rounds/anchor", "rounds/window", "rounds/pack_ms", "epochs/test_loss"))
     rows["rounds"]["quarantined"] = np.zeros((10, 2), bool)  # a column a later writer adds
@@ -151,6 +157,8 @@ def test_figures_draw_the_expected_series(tmp_path, n_runs):
     assert _lines(plots.divergence_figure(runs)) == [(W + 1) * n_runs]       # ranks + guard markers
     assert _lines(plots.round_times_figure(runs)) == [3 * n_runs]            # pack, allreduce, unpack
     assert _lines(plots.cadence_figure(runs)) == [(1 + W) * n_runs]          # anchor + windows
+    bars = plots.time_figure(runs).axes[0].containers
+    assert [len(c) for c in bars] == [W * n_runs] * 4                        # compute, data, averaging, other
     for fig in (plots.training_figure(runs), plots.divergence_figure(runs)):
         for ax in fig.axes:
             assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
@@ -165,7 +173,8 @@ def test_write_plots_gives_valid_pngs(tmp_path):
     assert [p.name for p in written] == [f"{name}.png" for name in plots.FIGURES]
     for p in written:
         img = matplotlib.image.imread(p)
-        assert img.shape[:2] == (450, 1100)   # figsize (11, 4.5) inches at 100 dpi
+        # figsize (11, 4.5) inches at 100 dpi; the time bars: 1.2 in + 0.45 in per bar, at least 2.5 in
+        assert img.shape[:2] == ((250 if p.stem == "time" else 450), 1100), p
         assert img.std() > 0                  # not blank
     assert not list((tmp_path / "out").glob(".*tmp*"))
 
