@@ -24,12 +24,12 @@ from flodl_mpi.runinfo import Run
 
 __all__ = [
     "FIGURES",
-    "time_figure",
-    "time_parts",
     "cadence_figure",
     "divergence_figure",
     "ranks_figure",
     "round_times_figure",
+    "time_figure",
+    "time_parts",
     "training_figure",
     "write_plots",
 ]
@@ -215,7 +215,8 @@ def divergence_figure(runs: Sequence[Run]) -> Figure | None:
 
 def round_times_figure(runs: Sequence[Run]) -> Figure | None:
     """Time per round phase (pack, allreduce, unpack), mean over ranks, smoothed: 3 lines per run."""
-    phases = [p for p in ("pack_ms", "allreduce_ms", "unpack_ms") if any(r.column("rounds", p) is not None for r in runs)]
+    phases = [p for p in ("pack_ms", "allreduce_ms", "unpack_ms")
+              if any(r.column("rounds", p) is not None for r in runs)]
     if not phases:
         return None
     k = _smoothing(runs)

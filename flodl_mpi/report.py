@@ -33,6 +33,10 @@ def _last(col: np.ndarray | None) -> float:
     return float(col[-1]) if col is not None else math.nan
 
 
+def _or_zero(col: np.ndarray | None) -> np.ndarray:
+    return np.zeros(0) if col is None else col
+
+
 def summarize(run: Run) -> dict[str, Any]:
     """The numbers of a run's text summary, from its tables (absent columns give NaN/None).
 
@@ -62,9 +66,9 @@ def summarize(run: Run) -> dict[str, Any]:
         "train_loss": _last(run.column("epochs", "avg_loss")),
         "best_test_accuracy": math.nan, "best_epoch": None,
         "rounds": len(run.column("rounds", "round")) if run.column("rounds", "round") is not None else 0,
-        "skipped_rounds": int(np.sum(run.column("rounds", "skipped"))) if run.column("rounds", "skipped") is not None else 0,
+        "skipped_rounds": int(np.sum(_or_zero(run.column("rounds", "skipped")))),
         "elapsed_s": elapsed,
-        "bytes_per_rank": int(np.sum(run.column("rounds", "bytes"))) if run.column("rounds", "bytes") is not None else 0,
+        "bytes_per_rank": int(np.sum(_or_zero(run.column("rounds", "bytes")))),
         "averaging_pct": None, "throughput": None, "batch_share": None,
         "guard": {}, "quarantined": {}, "resumes": run.resumes,
         "stops": sum("stopped on request" in line for line in run.log_lines),

@@ -43,10 +43,12 @@ def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, .
             "epoch": np.arange(E), "time_s": (R * 0.5) * (np.arange(E) + 1) / E, "rounds": (np.arange(E) + 1) * R // E,
             "avg_loss": 1.0 / (np.arange(E) + 1), "epoch_ms": np.full(E, 1000.0), "batches": np.full(E, 10 * W),
             "per_rank_loss": np.ones((E, W)), "per_rank_batches": np.tile(np.arange(1, W + 1) * 2, (E, 1)),
-            "per_rank_samples": np.full((E, W), 320), "per_rank_throughput": np.tile(100.0 * (np.arange(W) + 1), (E, 1)),
+            "per_rank_samples": np.full((E, W), 320),
+            "per_rank_throughput": np.tile(100.0 * (np.arange(W) + 1), (E, 1)),
             "per_rank_batch_share": np.full((E, W), 1.0 / W), "per_rank_epoch_ms": np.full((E, W), 1000.0),
             "per_rank_compute_ms": np.full((E, W), 600.0), "per_rank_data_ms": np.full((E, W), 50.0),
-            "test_loss": 2.0 / (np.arange(E) + 2), "test_accuracy": np.array([0.5, 0.9, 0.8][:E] + [0.85] * max(0, E - 3)),
+            "test_loss": 2.0 / (np.arange(E) + 2),
+            "test_accuracy": np.array([0.5, 0.9, 0.8][:E] + [0.85] * max(0, E - 3)),
         },
         "batches": {c: np.zeros((1,), dtype=dt) for c, (dt, _) in schema["batches"].items()},
     }
@@ -62,7 +64,8 @@ def write_synthetic(run_dir: Path, world_size: int = 2, rounds: int = 20, epochs
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"epochs": epochs, "policy": "sync", "window": 1, "gamma": 1.0, "lr": 0.001, "run_dir": str(run_dir),
            **(config or {})}
-    with MetricsFile(run_dir / "metrics.h5", world_size, {"config": cfg, "policy": cfg["policy"], **(attrs or {})}) as m:
+    attrs = {"config": cfg, "policy": cfg["policy"], **(attrs or {})}
+    with MetricsFile(run_dir / "metrics.h5", world_size, attrs) as m:
         for table, cols in synthetic_rows(world_size, rounds, epochs).items():
             m.append(table, cols)
     (run_dir / "config.json").write_text(json.dumps(cfg))

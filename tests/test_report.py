@@ -196,7 +196,8 @@ def _report(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """``flodl-mpi report`` through the CLI entry, in a fresh process that must not load MPI."""
     code = ("import sys; from flodl_mpi.report import main; rc = main(sys.argv[1:]); "
             "assert 'mpi4py.MPI' not in sys.modules, 'report loaded MPI'; sys.exit(rc)")
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False,
+                          timeout=timeout)
 
 
 _CLI_IMPORTS_MPI = any(line.startswith("from mpi4py import MPI")
@@ -209,7 +210,8 @@ def test_the_cli_entry_starts_no_mpi_for_report(tmp_path):
     run_dir = write_synthetic(tmp_path / "r")
     code = ("import sys; from flodl_mpi.cli import main; rc = main(['report', sys.argv[1], '--no-plots']); "
             "assert 'mpi4py.MPI' not in sys.modules, 'flodl-mpi report loaded MPI'; sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, check=False,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -231,7 +233,7 @@ def test_report_on_a_finished_run(run_a):
 def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path):
     out = tmp_path / "ab"
     proc = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_a), str(run_b), "--out", str(out)],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, check=False, timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert "options that differ: --policy 'sync' vs 'window'; --window 1 vs 4" in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if line.split() == ["A", "B"])
