@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         out = Path(args.out) if args.out else (runs[0].path / "plots" if len(runs) == 1 else Path("plots-compare"))
         written = plots.write_plots(_with_option_labels(runs), out)
-        print(f"plots: {', '.join(str(p) for p in written)}")
+        print(f"plots: {', '.join(str(p) for p in written)}" if written else "plots: none yet (no rows to draw)")
     if args.tensorboard:
         from flodl_mpi import tensorboard_export
 
