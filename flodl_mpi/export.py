@@ -70,7 +70,8 @@ def export_state_dict(ckpt: str | os.PathLike, out: str | os.PathLike, fmt: str 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``export`` on the ``flodl-mpi`` sub-parsers."""
-    p = sub.add_parser("export", allow_abbrev=False, help="write a checkpoint's weights as a plain PyTorch state dict",
+    p = sub.add_parser("export", allow_abbrev=False,
+                       help="write a checkpoint's weights as a plain PyTorch state dict",
                        description="Write a checkpoint's state dict for use outside flodl-mpi: "
                                    "model.load_state_dict(torch.load(OUT, weights_only=True)).")
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint file, or a run directory (its newest checkpoint)")

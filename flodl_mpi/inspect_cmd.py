@@ -170,7 +170,8 @@ def _kind(path: Path) -> str | None:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``inspect`` on the ``flodl-mpi`` sub-parsers."""
-    p = sub.add_parser("inspect", allow_abbrev=False, help="show what a checkpoint or metrics.h5 holds, and whether it is sound",
+    p = sub.add_parser("inspect", allow_abbrev=False,
+                       help="show what a checkpoint or metrics.h5 holds, and whether it is sound",
                        description="A checkpoint: meta, tensors (name, shape, dtype, checksum), completeness, "
                                    "ranks with saved state. A metrics.h5: tables, row counts, config. "
                                    "Exit status 0 sound, 1 damaged, 2 not a file inspect knows.")
