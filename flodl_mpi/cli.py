@@ -6,12 +6,19 @@ Run it under the mpiexec installed with mpi4py (one rank per GPU or CPU slot)::
     mpiexec -n 4 flodl-mpi train --data d.h5 --model mypkg.nets:make_net --epochs 30
     srun flodl-mpi train --config run.toml             # Slurm: see jobs/
 
+Looking at a run needs no mpiexec (and starts no MPI)::
+
+    flodl-mpi report runs/A [runs/B ...]               # summary, plots, A/B comparison
+    flodl-mpi inspect runs/A/checkpoints/ckpt-e000010-r000230.h5
+    flodl-mpi export runs/A model.pt                   # plain state dict
+
 Exit status: 0 done, 1 failed while training, 2 bad input, 3 a stalled round.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 
@@ -24,6 +31,11 @@ from flodl_mpi.signals import StopRequest
 from flodl_mpi.world import Watchdog, abort, install_excepthooks, start_world
 
 __all__ = ["main", "build_parser"]
+
+
+#: Sub-commands that only read a run's files, each in its own module (``add_parser``,
+#: ``run``). They run on a login node without mpiexec, so they never start MPI.
+TOOLS = {"report": "flodl_mpi.report", "inspect": "flodl_mpi.inspect_cmd", "export": "flodl_mpi.export"}
 
 
 class _UsageError(Exception):
@@ -85,7 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batch-size", type=int, help=f"default {d.eval_batch_size}")
     g.add_argument("--config", metavar="FILE.toml", help="TOML file of the options above; flags override it")
     g.add_argument("--inject-fault", metavar="KIND@RANK:ROUND", help=argparse.SUPPRESS)
+    g = t.add_argument_group("output")
+    g.add_argument("-v", "--verbose", action="count", default=0, help="more detail (per-rank lines each epoch)")
+    g.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (train.log keeps all)")
+    g.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
+                   help="bar: a progress bar within each epoch; lines: one line per epoch; "
+                        "auto: a bar when the output is a terminal (default)")
+    for module in TOOLS.values():
+        importlib.import_module(module).add_parser(sub)
     return parser
+
+
+def _run_tool(argv: list[str]) -> int:
+    """``flodl-mpi report|inspect|export ...``: a plain argparse run, no MPI world."""
+    parser = argparse.ArgumentParser(prog="flodl-mpi", allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {name: importlib.import_module(module) for name, module in TOOLS.items()}
+    for module in modules.values():
+        module.add_parser(sub)
+    args = parser.parse_args(argv)
+    return modules[args.command].run(args)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -110,6 +141,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``flodl-mpi``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:
+        return _run_tool(argv)
     rank = MPI.COMM_WORLD.rank
     try:
         args = build_parser().parse_args(argv)
@@ -129,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     watchdog = Watchdog(world.rank, stall_timeout=600.0)
     watchdog.start()
     try:
+        if world.rank == 0 and not args.quiet:
+            print(f"flodl-mpi: {world.size} rank(s) up; loading PyTorch", flush=True)
         from flodl_mpi.train import run_train  # torch is imported here, after MPI is up
 
         run_train(args, world, watchdog, stop)

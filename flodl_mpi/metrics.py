@@ -29,6 +29,7 @@ from flodl_mpi.h5attrs import write_attrs
 from . import checkpoint
 
 __all__ = [
+    "SCHEMA_VERSION",
     "GUARD_VERDICTS",
     "table_schema",
     "MetricsFile",
@@ -36,6 +37,10 @@ __all__ = [
     "WriterError",
     "MetricsWriter",
 ]
+
+#: Version of the metrics.h5 layout, root attribute ``schema_version``; readers
+#: refuse a newer one (a file without the attribute is version 1).
+SCHEMA_VERSION = 1
 
 #: Guard verdict codes of the ``rounds/guard`` column (SPEC §3), an HDF5 enum.
 GUARD_VERDICTS = {"stable": 0, "suppress_growth": 1, "nudge_down": 2}
@@ -167,6 +172,7 @@ class MetricsFile:
         try:
             json_keys = write_attrs(self._file.attrs, {**attrs, "world_size": world_size}, "attrs")
             self._file.attrs["json_attrs"] = json.dumps(json_keys)
+            self._file.attrs["schema_version"] = SCHEMA_VERSION
             self._datasets: dict[str, dict[str, h5py.Dataset]] = {}
             for table, columns in self.schema.items():
                 group = self._file.create_group(table)

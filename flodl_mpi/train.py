@@ -39,6 +39,7 @@ from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, parse_fault
 from flodl_mpi.metrics import MetricsWriter, WriterError
 from flodl_mpi.models import build_model, check_model_output, model_signature
+from flodl_mpi.progress import EpochProgress, stdout_is_terminal
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree, torch_threads
@@ -166,7 +167,7 @@ def _set_aside_damaged(directory: Path) -> None:
     for path in sorted(directory.glob("ckpt-*.h5")):
         if path not in good:
             path.rename(path.with_name(path.name + ".damaged"))
-            log.info(f"warning: {path.name} is not a complete checkpoint; not resumed from, "
+            log.warning(f"warning: {path.name} is not a complete checkpoint; not resumed from, "
                      f"kept as {path.name}.damaged")
 
 
@@ -193,13 +194,32 @@ def _check_same_model(model: torch.nn.Module, comm: MPI.Comm) -> None:
                              f"{first[1]} (every rank must build the same model)")
 
 
-def _setup_logging(run_dir: Path, rank: int) -> None:
-    log.setLevel(logging.INFO)
+def verbosity(args) -> int:
+    """``-v`` count minus ``-q``: -1 quiet (warnings only), 0 default, 1 details."""
+    return int(getattr(args, "verbose", 0) or 0) - int(bool(getattr(args, "quiet", False)))
+
+
+def _log_to_stdout(rank: int, level: int) -> None:
+    """Rank 0 prints the log on stdout from the start of setup (before the run dir exists)."""
+    log.setLevel(logging.DEBUG)
     log.propagate = False
-    if rank == 0 and not log.handlers:
-        for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
-            handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-            log.addHandler(handler)
+    if rank == 0 and not any(getattr(h, "flodl_stdout", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.flodl_stdout = True
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+    for h in log.handlers:
+        if getattr(h, "flodl_stdout", False):
+            h.setLevel(logging.WARNING if level < 0 else logging.DEBUG if level > 0 else logging.INFO)
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    """``train.log`` in the run dir: the default lines whatever -v/-q say."""
+    if rank == 0 and not any(isinstance(h, logging.FileHandler) for h in log.handlers):
+        handler = logging.FileHandler(run_dir / "train.log")
+        handler.setLevel(logging.INFO)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
 
 
 def _run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:
@@ -220,6 +240,13 @@ def _run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:
     }
 
 
+def _progress_mode(args, rank: int) -> EpochProgress:
+    """Rank 0's bar: ``--progress bar``/``lines``, or ``auto``: a bar when stdout ends on a terminal."""
+    mode = getattr(args, "progress", None) or "auto"
+    on = rank == 0 and verbosity(args) >= 0 and (mode == "bar" or (mode == "auto" and stdout_is_terminal()))
+    return EpochProgress(enabled=on)
+
+
 def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list:
     """Set up this rank and train; returns the epoch summaries.
 
@@ -231,6 +258,10 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list
         Exception: anything local; the caller aborts the world.
     """
     comm = world.comm
+    _log_to_stdout(world.rank, verbosity(args))
+    # PyTorch's first optimizer imports its compiler stack (seconds on a busy node):
+    # build a throwaway one now, under the "loading PyTorch" line, not silently later.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     # -- config, device, data
     cfg = agree(comm, "config", lambda: config_from_args(args), watchdog)
     watchdog.stall_timeout = cfg.stall_timeout
@@ -259,14 +290,16 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list
     if ckpt is not None:  # the consensus, on every rank alike
         agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
     try:
-        return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows, stop)
+        return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows, stop,
+                      _progress_mode(args, world.rank))
     except BaseException as exc:
         _note_failure(run_dir, world.rank, exc)
         raise
 
 
 def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
-           run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest) -> list:
+           run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest,
+           progress: EpochProgress | None = None) -> list:
     comm = world.comm
 
     def bridge_fault(round_: int, stage: str) -> None:
@@ -305,10 +338,11 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
              f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
     n_batches = num_batches(data.train.n, cfg.batch_size)
     if n_batches < world.size:
-        log.info(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
+        log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
                  f"rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
 
-    trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop)
+    trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop,
+                      progress=progress, log_detail=log.debug)
     if ckpt is not None:
         agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
         log.info(f"resuming from {ckpt.path.name}: {trainer.start_epoch} epoch(s) done, "
@@ -329,6 +363,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         raise
     bridge.close()
     if writer is not None:
+        log.info(f"finishing: writing the last checkpoint and closing {run_dir / 'metrics.h5'}")
         writer.close()
         if history:
             last = history[-1]

@@ -23,6 +23,7 @@ from flodl_mpi.checkpoint import Checkpoint, checkpoint_name
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.faults import Fault, InjectedFault
+from flodl_mpi.progress import EpochProgress
 from flodl_mpi.reporting import EpochReport, EpochSummary
 from flodl_mpi.signals import StopRequest
 
@@ -289,6 +290,9 @@ class Trainer:
         log: a callable taking one line (rank 0 prints progress with it).
         stop: the stop request that signals set (``flodl_mpi.signals``); each
             round carries it to every rank.
+        progress: rank 0's bar within an epoch (`EpochProgress`); disabled by default.
+        log_detail: a callable taking one line: rank 0's per-rank detail of each
+            epoch (``-v``); default: dropped.
 
     Failure semantics: any exception leaves :meth:`fit`; the caller ends the
     job. Checkpoints already written stay; the one in progress is either
@@ -297,10 +301,13 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, data: Dataset, replica: Replica,
                  bridge: Bridge, writer=None, fault: Fault | None = None, log=print,
-                 stop: StopRequest | None = None) -> None:
+                 stop: StopRequest | None = None, progress: EpochProgress | None = None,
+                 log_detail=None) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.data, self.replica, self.bridge, self.writer = data, replica, bridge, writer
         self.fault, self.log = fault, log
+        self.progress = progress if progress is not None else EpochProgress(enabled=False)
+        self.log_detail = log_detail if log_detail is not None else (lambda line: None)
         self.optimizer = make_optimizer(cfg, replica.model)
         self.quotas = fixed_quotas(world_size, cfg.window)
         self.steps = 0            # n_r: optimizer steps since the consensus last adopted
@@ -366,6 +373,7 @@ class Trainer:
         rows: list[tuple] = []
         stopped = False
         model.train()
+        self.progress.start(f"epoch {epoch + 1}/{cfg.epochs}", n_batches, cursor, self.bridge.version)
         while cursor < n_batches:
             # -- plan: the same on every rank, no communication (SPEC §4)
             window = plan_window(self.quotas, cursor, n_batches)
@@ -382,12 +390,14 @@ class Trainer:
             update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested, loss_finite=self.loss_finite)
             self.loss_finite = True
             self._adopt(update)
+            self.progress.update(cursor, report.loss_sum / max(report.batches, 1), self.bridge.version)
             if self.writer is not None:
                 self.writer.check()  # a disk error on rank 0 ends the job now, not at the epoch's end
             if update.stop:
                 stopped = True
                 break
         # -- evaluate the consensus on this rank's slice of the test set
+        self.progress.close()
         t_eval = time.perf_counter()
         report.test_loss_sum, report.test_correct, report.test_count = evaluate(
             model, self.data.test, self.rank, self.world_size, self.replica.device, cfg.eval_batch_size)
@@ -456,6 +466,9 @@ class Trainer:
             self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}  "
                      f"test_loss {s.test_loss:.4f}  test_acc {s.test_accuracy:.4f}  rounds {s.rounds}  "
                      f"{s.epoch_ms / 1e3:.1f} s")
+            self.log_detail("  per rank: " + "; ".join(
+                f"r{r} {s.per_rank_throughput[r]:.0f} samples/s, {s.per_rank_batches[r]} batches, "
+                f"data wait {s.per_rank_data_ms[r] / 1e3:.2f} s" for r in range(self.world_size)))
         # Decided from the config and gathered values only: every rank agrees, and
         # every rank joins the state gather of the save.
         due = cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0

@@ -1,0 +1,300 @@
+"""PNG plots of one or several runs (matplotlib, the ``plot`` extra), for ``flodl-mpi report``.
+
+Invariant: every figure is drawn on a stand-alone ``matplotlib.figure.Figure``
+rendered by the Agg canvas — no pyplot, no global backend switch, no display — so
+it works on a login node and leaves a user's own matplotlib state alone. Columns
+are looked up by name; a figure whose columns are absent is not drawn. Several
+runs share the axes: the A/B comparison is read off one picture.
+
+Each ``*_figure`` function returns the Figure, or None when it has nothing to
+draw; `write_plots` saves them atomically (temporary name, then rename).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from flodl_mpi.metrics import GUARD_VERDICTS
+from flodl_mpi.runinfo import Run
+
+__all__ = [
+    "FIGURES",
+    "cadence_figure",
+    "divergence_figure",
+    "ranks_figure",
+    "round_times_figure",
+    "time_figure",
+    "time_parts",
+    "training_figure",
+    "write_plots",
+]
+
+_STYLES = ("-", "--", ":", "-.")
+_FIGSIZE = (11, 4.5)
+
+
+def _color(i: int) -> str:
+    return f"C{i % 10}"
+
+
+def _series_style(runs: Sequence[Run], i_run: int, rank: int) -> dict:
+    """One run: a color per rank. Several: a color per run, a line style per rank."""
+    if len(runs) == 1:
+        return {"color": _color(rank), "linestyle": "-"}
+    return {"color": _color(i_run), "linestyle": _STYLES[rank % len(_STYLES)]}
+
+
+def _label(runs: Sequence[Run], run: Run, what: str) -> str:
+    return what if len(runs) == 1 else f"{run.label}: {what}"
+
+
+def _title(runs: Sequence[Run], what: str) -> str:
+    """``what — A vs B``, with the run directories' names (legends carry the options)."""
+    names = [r.label.split(" [")[0] for r in runs]
+    return f"{what} — " + " vs ".join(names)
+
+
+def _epoch_axis(run: Run) -> np.ndarray | None:
+    e = run.column("epochs", "epoch")
+    return None if e is None else e + 1  # 1-based, as the log counts epochs
+
+
+def _smooth(y: np.ndarray, k: int) -> np.ndarray:
+    """Moving average of ``k`` points ('valid' part padded at the start with a shorter mean)."""
+    if k <= 1 or len(y) < k:
+        return y
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    head = c[1:k] / np.arange(1, k)
+    return np.concatenate([head, (c[k:] - c[:-k]) / k])
+
+
+def _smoothing(runs: Sequence[Run]) -> int:
+    n = max(len(r.column("rounds", "round")) if r.column("rounds", "round") is not None else 0 for r in runs)
+    return max(1, n // 100)
+
+
+def training_figure(runs: Sequence[Run]) -> Figure | None:
+    """Loss (train and test) and test accuracy per epoch: 2 + 1 lines per run."""
+    if not any(_epoch_axis(r) is not None for r in runs):
+        return None
+    fig = Figure(figsize=_FIGSIZE, layout="constrained")
+    ax_loss, ax_acc = fig.subplots(1, 2)
+    for i, run in enumerate(runs):
+        x = _epoch_axis(run)
+        if x is None:
+            continue
+        c = _color(i)
+        for col, style, what in (("avg_loss", "-", "train loss"), ("test_loss", "--", "test loss")):
+            y = run.column("epochs", col)
+            if y is not None:
+                ax_loss.plot(x, y, color=c, linestyle=style, marker="o", markersize=3, label=_label(runs, run, what))
+        acc = run.column("epochs", "test_accuracy")
+        if acc is not None:
+            ax_acc.plot(x, 100 * acc, color=c, marker="o", markersize=3, label=_label(runs, run, "test accuracy"))
+    ax_loss.set(title="Loss per epoch", xlabel="epoch", ylabel="cross-entropy loss (nats)")
+    ax_acc.set(title="Test accuracy per epoch (consensus model)", xlabel="epoch", ylabel="top-1 accuracy (%)")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(_title(runs, "Training"))
+    return fig
+
+
+def ranks_figure(runs: Sequence[Run]) -> Figure | None:
+    """Per-rank throughput (samples/s) and batch share per epoch: W + W lines per run."""
+    cols = ("per_rank_throughput", "per_rank_batch_share")
+    if not any(_epoch_axis(r) is not None and any(r.column("epochs", c) is not None for c in cols) for r in runs):
+        return None
+    fig = Figure(figsize=_FIGSIZE, layout="constrained")
+    ax_thr, ax_share = fig.subplots(1, 2)
+    for i, run in enumerate(runs):
+        x = _epoch_axis(run)
+        for ax, col, scale in ((ax_thr, cols[0], 1.0), (ax_share, cols[1], 100.0)):
+            y = run.column("epochs", col)
+            if x is None or y is None:
+                continue
+            for r in range(y.shape[1]):
+                ax.plot(x, scale * y[:, r], marker="o", markersize=3, label=_label(runs, run, f"rank {r}"),
+                        **_series_style(runs, i, r))
+    ax_thr.set(title="Throughput per rank (compute + data wait)", xlabel="epoch", ylabel="samples / s")
+    ax_share.set(title="Share of the epoch's batches per rank", xlabel="epoch", ylabel="batch share (%)")
+    for ax in (ax_thr, ax_share):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    ax_thr.set_ylim(bottom=0)
+    fig.suptitle(_title(runs, "Ranks"))
+    return fig
+
+
+#: Where a rank's epoch time goes: (label, how to sum it from a run, per rank, in ms).
+_TIME_PARTS = ("compute", "data wait", "averaging", "other")
+
+
+def time_parts(run: Run) -> np.ndarray | None:
+    """Per rank, seconds of compute, data wait, averaging (pack + allreduce + unpack) and
+    the rest of the epochs' wall time (control gather, snapshot, adoption, waiting),
+    float64 ``(W, 4)``; None without ``per_rank_epoch_ms``."""
+    wall = run.column("epochs", "per_rank_epoch_ms")
+    if wall is None:
+        return None
+    W = wall.shape[1]
+
+    def total(table: str, col: str) -> np.ndarray:
+        c = run.column(table, col)
+        return np.zeros(W) if c is None else np.nansum(c, axis=0)
+
+    compute, data = total("epochs", "per_rank_compute_ms"), total("epochs", "per_rank_data_ms")
+    averaging = sum(total("rounds", p) for p in ("pack_ms", "allreduce_ms", "unpack_ms"))
+    other = np.maximum(np.nansum(wall, axis=0) - compute - data - averaging, 0.0)
+    return np.stack([compute, data, averaging, other], axis=1) / 1e3
+
+
+def time_figure(runs: Sequence[Run]) -> Figure | None:
+    """Where each rank's training time went: one stacked bar per (run, rank), 4 parts."""
+    parts = [(run, time_parts(run)) for run in runs]
+    parts = [(run, p) for run, p in parts if p is not None]
+    if not parts:
+        return None
+    labels, rows = [], []
+    for run, p in parts:
+        for r in range(p.shape[0]):
+            labels.append(f"rank {r}" if len(runs) == 1 else f"{run.label}: rank {r}")
+            rows.append(p[r])
+    data = np.array(rows)
+    fig = Figure(figsize=(_FIGSIZE[0], max(2.5, 1.2 + 0.45 * len(rows))), layout="constrained")
+    ax = fig.subplots()
+    y = np.arange(len(rows))[::-1]
+    left = np.zeros(len(rows))
+    for j, name in enumerate(_TIME_PARTS):
+        ax.barh(y, data[:, j], left=left, color=_color(j), label=name)
+        left += data[:, j]
+    ax.set_yticks(y, labels)
+    ax.set(title=_title(runs, "Where each rank's training time went (evaluation excluded)"), xlabel="time (s)")
+    ax.grid(alpha=0.3, axis="x")
+    fig.legend(*ax.get_legend_handles_labels(), fontsize="small", loc="outside right upper")
+    return fig
+
+
+def divergence_figure(runs: Sequence[Run]) -> Figure | None:
+    """Divergence ‖θ_r − consensus‖ / ‖consensus‖ per round per rank: W lines per run.
+
+    Rounds where the trend guard did not answer ``stable`` are marked on the axis.
+    """
+    if not any(r.column("rounds", "divergence") is not None for r in runs):
+        return None
+    fig = Figure(figsize=_FIGSIZE, layout="constrained")
+    ax = fig.subplots()
+    positive = True
+    for i, run in enumerate(runs):
+        x, y = run.column("rounds", "round"), run.column("rounds", "divergence")
+        if x is None or y is None:
+            continue
+        positive &= bool(np.all(y > 0))
+        for r in range(y.shape[1]):
+            ax.plot(x, y[:, r], linewidth=1, label=_label(runs, run, f"rank {r}"), **_series_style(runs, i, r))
+        guard = run.column("rounds", "guard")
+        if guard is not None and np.any(guard != GUARD_VERDICTS["stable"]):
+            hit = x[guard != GUARD_VERDICTS["stable"]]
+            ax.plot(hit, np.full(len(hit), np.nanmax(y)), "v", color=_color(i), markersize=5, linestyle="none",
+                    label=_label(runs, run, "guard: not stable"))
+    if positive:
+        ax.set_yscale("log")
+    ax.set(title=_title(runs, "Divergence of each rank from the consensus, per round"), xlabel="round",
+           ylabel="‖θ_r − consensus‖ / ‖consensus‖ (ratio)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def round_times_figure(runs: Sequence[Run]) -> Figure | None:
+    """Time per round phase (pack, allreduce, unpack), mean over ranks, smoothed: 3 lines per run."""
+    phases = [p for p in ("pack_ms", "allreduce_ms", "unpack_ms")
+              if any(r.column("rounds", p) is not None for r in runs)]
+    if not phases:
+        return None
+    k = _smoothing(runs)
+    fig = Figure(figsize=_FIGSIZE, layout="constrained")
+    ax = fig.subplots()
+    for i, run in enumerate(runs):
+        x = run.column("rounds", "round")
+        for j, p in enumerate(phases):
+            y = run.column("rounds", p)
+            if x is None or y is None:
+                continue
+            style = {"color": _color(j), "linestyle": "-"} if len(runs) == 1 else \
+                {"color": _color(i), "linestyle": _STYLES[j % len(_STYLES)]}
+            ax.plot(x, _smooth(y.mean(axis=1), k), linewidth=1.2, label=_label(runs, run, p[:-3]), **style)
+    ax.set_ylim(bottom=0)
+    avg = f" (moving average over {k} rounds)" if k > 1 else ""
+    ax.set(title=_title(runs, f"Time per round phase, mean over ranks{avg}"), xlabel="round", ylabel="time (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def cadence_figure(runs: Sequence[Run]) -> Figure | None:
+    """Anchor and per-rank window (batches) per round, when the columns are there: 1 + W lines per run."""
+    if not any(r.column("rounds", "anchor") is not None or r.column("rounds", "window") is not None for r in runs):
+        return None
+    fig = Figure(figsize=_FIGSIZE, layout="constrained")
+    ax = fig.subplots()
+    for i, run in enumerate(runs):
+        x = run.column("rounds", "round")
+        if x is None:
+            continue
+        anchor, window = run.column("rounds", "anchor"), run.column("rounds", "window")
+        if anchor is not None:
+            ax.step(x, anchor, where="post", color="black" if len(runs) == 1 else _color(i), linewidth=2,
+                    alpha=0.6, label=_label(runs, run, "anchor"))
+        if window is not None:
+            for r in range(window.shape[1]):
+                ax.step(x, window[:, r], where="post", linewidth=1, label=_label(runs, run, f"rank {r} window"),
+                        **_series_style(runs, i, r))
+    ax.set_ylim(bottom=0)
+    ax.set(title=_title(runs, "Anchor and batches per rank in each window"), xlabel="round",
+           ylabel="batches per window")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+#: File stem -> figure function, in the order the report writes them.
+FIGURES = {
+    "training": training_figure,
+    "ranks": ranks_figure,
+    "time": time_figure,
+    "divergence": divergence_figure,
+    "round_times": round_times_figure,
+    "cadence": cadence_figure,
+}
+
+
+def write_plots(runs: Sequence[Run], out_dir: str | os.PathLike, dpi: int = 100) -> list[Path]:
+    """Draw every figure that has data and save it as ``out_dir/<name>.png``.
+
+    Each file is written under a temporary name and renamed, so a reader never
+    sees half a PNG. Returns the paths written, in `FIGURES` order.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, draw in FIGURES.items():
+        fig = draw(runs)
+        if fig is None:
+            continue
+        path = out / f"{name}.png"
+        tmp = out / f".{name}.png.tmp-{os.getpid()}"
+        try:
+            fig.savefig(tmp, format="png", dpi=dpi)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        written.append(path)
+    return written

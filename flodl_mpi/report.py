@@ -1,0 +1,283 @@
+"""``flodl-mpi report RUN_DIR [RUN_DIR ...]``: a run's summary and plots; several runs side by side.
+
+Invariant: a report only reads (SWMR, so it works while the run writes), never
+initialises MPI and never imports torch; matplotlib is imported only to draw
+(the ``plot`` extra), tensorboard only for ``--tensorboard`` (the ``tensorboard``
+extra). The numbers come from metrics.h5 as documented in docs/file-formats.rst.
+
+Example::
+
+    flodl-mpi report runs/20260101-120000                # summary + runs/.../plots/*.png
+    flodl-mpi report runs/A runs/B --out ab/             # A/B: same axes, a side-by-side table
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flodl_mpi.metrics import GUARD_VERDICTS
+from flodl_mpi.runinfo import NOT_OPTIONS, Run, RunError, load_run
+
+__all__ = ["add_parser", "differing_options", "format_comparison", "format_summary", "main", "summarize"]
+
+
+def _last(col: np.ndarray | None) -> float:
+    return float(col[-1]) if col is not None else math.nan
+
+
+def _or_zero(col: np.ndarray | None) -> np.ndarray:
+    return np.zeros(0) if col is None else col
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    """The numbers of a run's text summary, from its tables (absent columns give NaN/None).
+
+    Returns:
+        dict with ``epochs`` (rows of the epochs table) and ``epochs_planned``;
+        ``test_accuracy``, ``test_loss``, ``train_loss`` of the last epoch;
+        ``best_test_accuracy`` and ``best_epoch`` (1-based); ``rounds``,
+        ``skipped_rounds``; ``elapsed_s`` (the later of the last epoch's and
+        round's ``time_s``); ``bytes_per_rank`` (sum of ``rounds/bytes``);
+        ``averaging_pct`` (W,): per rank, 100 * (pack + allreduce + unpack) /
+        elapsed; ``throughput`` (W,) samples/s, mean over epochs;
+        ``batch_share`` (W,): the rank's batches / all batches; ``guard``:
+        verdict name -> rounds (non-stable verdicts only); ``quarantined``: rank ->
+        rounds it was quarantined in, from a ``rounds/quarantined`` column when the
+        file has one (ranks never quarantined left out); ``stops``: "stopped on
+        request" lines in train.log; ``resumes``; ``last_log``: train.log's last line.
+    """
+    ep, W = run.tables.get("epochs", {}), run.world_size
+    acc = run.column("epochs", "test_accuracy")
+    time_e, time_r = run.column("epochs", "time_s"), run.column("rounds", "time_s")
+    elapsed = max(_last(time_e) if time_e is not None else 0.0, _last(time_r) if time_r is not None else 0.0)
+    s: dict[str, Any] = {
+        "epochs": len(next(iter(ep.values()))) if ep else 0,
+        "epochs_planned": run.config.get("epochs"),
+        "test_accuracy": _last(acc),
+        "test_loss": _last(run.column("epochs", "test_loss")),
+        "train_loss": _last(run.column("epochs", "avg_loss")),
+        "best_test_accuracy": math.nan, "best_epoch": None,
+        "rounds": len(run.column("rounds", "round")) if run.column("rounds", "round") is not None else 0,
+        "skipped_rounds": int(np.sum(_or_zero(run.column("rounds", "skipped")))),
+        "elapsed_s": elapsed,
+        "bytes_per_rank": int(np.sum(_or_zero(run.column("rounds", "bytes")))),
+        "averaging_pct": None, "throughput": None, "batch_share": None,
+        "guard": {}, "quarantined": {}, "resumes": run.resumes,
+        "stops": sum("stopped on request" in line for line in run.log_lines),
+        "last_log": run.log_lines[-1] if run.log_lines else "",
+    }
+    if acc is not None and np.isfinite(acc).any():
+        best = int(np.nanargmax(acc))
+        s["best_test_accuracy"], s["best_epoch"] = float(acc[best]), best + 1
+    phases = [c for c in (run.column("rounds", n) for n in ("pack_ms", "allreduce_ms", "unpack_ms")) if c is not None]
+    if phases and elapsed > 0:
+        s["averaging_pct"] = 100.0 * sum(p.sum(axis=0) for p in phases) / 1e3 / elapsed
+    thr = run.column("epochs", "per_rank_throughput")
+    if thr is not None:
+        s["throughput"] = np.nanmean(thr, axis=0)
+    batches = run.column("epochs", "per_rank_batches")
+    if batches is not None and batches.sum() > 0:
+        s["batch_share"] = batches.sum(axis=0) / batches.sum()
+    guard = run.column("rounds", "guard")
+    if guard is not None:
+        for name, code in GUARD_VERDICTS.items():
+            n = int(np.sum(guard == code))
+            if n and name != "stable":
+                s["guard"][name] = n
+    quarantined = run.column("rounds", "quarantined")
+    if quarantined is not None and quarantined.ndim == 2:
+        s["quarantined"] = {r: int(n) for r, n in enumerate(np.sum(quarantined != 0, axis=0)) if n}
+    if W and s["throughput"] is not None and len(s["throughput"]) != W:
+        s["throughput"] = None  # a file whose per-rank width disagrees with world_size: say nothing
+    return s
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _fmt(x: float, spec: str = ".4f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _per_rank(values, spec: str) -> str:
+    if values is None:
+        return "-"
+    return "  ".join(f"r{r} {format(float(v), spec)}" for r, v in enumerate(values))
+
+
+def format_summary(run: Run) -> str:
+    """The text summary of one run: several lines, no trailing newline."""
+    s = summarize(run)
+    cfg = run.config
+    planned = s["epochs_planned"]
+    status = "finished" if planned is not None and s["epochs"] >= planned else "running or stopped"
+    lines = [
+        (f"run {run.path}  ({run.world_size} ranks, policy {run.attrs.get('policy', cfg.get('policy', '?'))}"
+        f", window {cfg.get('window', '?')}, gamma {cfg.get('gamma', '?')})"),
+        f"  epochs        {s['epochs']} of {planned if planned is not None else '?'} ({status})",
+        f"  test accuracy {_fmt(s['test_accuracy'])} (last)   best {_fmt(s['best_test_accuracy'])}"
+        + (f" at epoch {s['best_epoch']}" if s["best_epoch"] else ""),
+        f"  loss          train {_fmt(s['train_loss'])}   test {_fmt(s['test_loss'])} (last epoch)",
+        (f"  rounds        {s['rounds']} ({s['skipped_rounds']} skipped) in {s['elapsed_s']:.1f} s;"
+        f" {_fmt_bytes(s['bytes_per_rank'])} on the wire per rank"),
+        f"  averaging     {_per_rank(s['averaging_pct'], '.1f')} % of wall time (pack + allreduce + unpack)",
+        f"  throughput    {_per_rank(s['throughput'], '.0f')} samples/s (mean over epochs)",
+        f"  batch share   {_per_rank(s['batch_share'], '.3f')}",
+        f"  stops {s['stops']}, resumes {s['resumes']}; guard "
+        + (", ".join(f"{k} {v}" for k, v in s["guard"].items()) or "stable in every round"),
+    ]
+    if s["quarantined"]:
+        lines.append("  quarantined   " + ", ".join(f"rank {r} in {n} round(s)" for r, n in s["quarantined"].items()))
+    if s["last_log"]:
+        lines.append(f"  last log line {s['last_log']}")
+    return "\n".join(lines)
+
+
+def differing_options(runs: Sequence[Run]) -> dict[str, list[Any]]:
+    """Options whose values differ between the runs: option -> value per run.
+
+    Compares every config key (``run_dir`` and ``resume`` excepted: they name the
+    run) and the world size; a key absent from a run's config counts as ``None``.
+    Keys use the command line's spelling (``batch-size``).
+    """
+    keys = sorted({k for r in runs for k in r.config} - set(NOT_OPTIONS))
+    out = {}
+    for k in keys:
+        values = [r.config.get(k) for r in runs]
+        if any(v != values[0] for v in values):
+            out[k.replace("_", "-")] = values
+    sizes = [r.world_size for r in runs]
+    if any(v != sizes[0] for v in sizes):
+        out["world size (mpiexec -n)"] = sizes
+    return out
+
+
+def format_comparison(runs: Sequence[Run]) -> str:
+    """A side-by-side table of several runs' summaries, headed by the options that differ."""
+    sums = [summarize(r) for r in runs]
+    differ = differing_options(runs)
+    lines = []
+    if differ:
+        lines.append("options that differ: " + "; ".join(
+            f"--{k} " + " vs ".join(repr(v) for v in vals) if not k.startswith("world")
+            else f"{k} " + " vs ".join(str(v) for v in vals) for k, vals in differ.items()))
+    else:
+        lines.append("options that differ: none (same options; differences are run to run noise)")
+    rows: list[tuple[str, list[str]]] = [
+        ("epochs", [str(s["epochs"]) for s in sums]),
+        ("test accuracy (last)", [_fmt(s["test_accuracy"]) for s in sums]),
+        ("test accuracy (best)", [_fmt(s["best_test_accuracy"]) for s in sums]),
+        ("test loss (last)", [_fmt(s["test_loss"]) for s in sums]),
+        ("train loss (last)", [_fmt(s["train_loss"]) for s in sums]),
+        ("rounds", [str(s["rounds"]) for s in sums]),
+        ("wall time (s)", [_fmt(s["elapsed_s"], ".1f") for s in sums]),
+        ("averaging (% wall, mean rank)",
+         [_fmt(float(np.mean(s["averaging_pct"])), ".1f") if s["averaging_pct"] is not None else "-" for s in sums]),
+        ("bytes per rank", [_fmt_bytes(s["bytes_per_rank"]) for s in sums]),
+        ("throughput (samples/s, sum)",
+         [_fmt(float(np.sum(s["throughput"])), ".0f") if s["throughput"] is not None else "-" for s in sums]),
+    ]
+    rows[:0] = [(k if k.startswith("world") else f"--{k}", [str(v) for v in vals]) for k, vals in differ.items()]
+    labels = [r.label for r in runs]
+    w0 = max(len(name) for name, _ in rows)
+    widths = [max(len(lab), *(len(v[i]) for _, v in rows)) for i, lab in enumerate(labels)]
+    lines.append(" " * w0 + "  " + "  ".join(lab.rjust(w) for lab, w in zip(labels, widths)))
+    for name, vals in rows:
+        lines.append(name.ljust(w0) + "  " + "  ".join(v.rjust(w) for v, w in zip(vals, widths)))
+    return "\n".join(lines)
+
+
+def _with_option_labels(runs: Sequence[Run]) -> list[Run]:
+    """Runs labelled for legends with the options that differ: ``A [window 1]``, ``B [window 4]``.
+
+    Up to three options; with more, the directory names alone (the table lists them).
+    """
+    differ = differing_options(runs)
+    if not differ or len(differ) > 3:
+        return list(runs)
+    names = {k: ("W" if k.startswith("world") else k) for k in differ}
+    return [dataclasses.replace(r, label=f"{r.label} [" + ", ".join(f"{names[k]} {v[i]}" for k, v in differ.items())
+                                + "]") for i, r in enumerate(runs)]
+
+
+def _labels(paths: Sequence[str]) -> list[str]:
+    """Legend labels: the directory names, made unique (``A``, ``A (2)``)."""
+    names = [Path(p).resolve().name if not Path(p).is_file() else Path(p).resolve().parent.name for p in paths]
+    out = []
+    for i, n in enumerate(names):
+        out.append(n if names.count(n) == 1 else f"{n} ({names[:i + 1].count(n)})")
+    return out
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register ``report`` on the ``flodl-mpi`` sub-parsers."""
+    p = sub.add_parser("report", help="summarize and plot runs (compare several)", allow_abbrev=False,
+                       description="Summarize and plot one run, or compare several on the same axes. "
+                                   "Works while a run is still writing.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or their metrics.h5)")
+    p.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots for one run, "
+                                                "./plots-compare for several)")
+    p.add_argument("--no-plots", action="store_true", help="text only (no matplotlib needed)")
+    p.add_argument("--tensorboard", metavar="DIR", help="also write the metrics as TensorBoard event files "
+                                                        "(one sub-directory per run; needs the tensorboard extra)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """``flodl-mpi report``; returns the exit status (0, or 2 for an unreadable run)."""
+    try:
+        runs = [load_run(p, label) for p, label in zip(args.runs, _labels(args.runs))]
+    except RunError as exc:
+        print(f"flodl-mpi report: error: {exc}", file=sys.stderr)
+        return 2
+    for r in runs:
+        print(format_summary(r))
+    if len(runs) > 1:
+        print()
+        print(format_comparison(runs))
+    if not args.no_plots:
+        try:
+            from flodl_mpi import plots
+        except ImportError as exc:
+            print(f"flodl-mpi report: error: plots need matplotlib ({exc}); "
+                  "pip install 'flodl-mpi[plot]', or pass --no-plots", file=sys.stderr)
+            return 2
+        out = Path(args.out) if args.out else (runs[0].path / "plots" if len(runs) == 1 else Path("plots-compare"))
+        written = plots.write_plots(_with_option_labels(runs), out)
+        print(f"plots: {', '.join(str(p) for p in written)}" if written else "plots: none yet (no rows to draw)")
+    if args.tensorboard:
+        from flodl_mpi import tensorboard_export
+
+        try:
+            dirs = tensorboard_export.write_events(runs, Path(args.tensorboard))
+        except ImportError as exc:
+            print(f"flodl-mpi report: error: --tensorboard needs tensorboard ({exc}); "
+                  "pip install 'flodl-mpi[tensorboard]'", file=sys.stderr)
+            return 2
+        print(f"tensorboard: {', '.join(str(d) for d in dirs)}  (tensorboard --logdir {args.tensorboard})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flodl_mpi.report RUN_DIR ...`` (the same as ``flodl-mpi report``)."""
+    parser = argparse.ArgumentParser(prog="flodl-mpi")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(["report", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,164 @@
+"""A run directory read back for looking at: metrics.h5 tables, its attributes, the log.
+
+Invariant: reading never writes and never initialises MPI, and it works while the
+run still writes (metrics.h5 is opened as an HDF5 SWMR reader through
+`flodl_mpi.metrics.read_table`). Absent tables or columns (a file from an older or
+newer writer) come back absent, not as an error; only a schema version newer than
+this reader knows, or a file that is not a run's metrics.h5, is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from flodl_mpi.metrics import SCHEMA_VERSION, read_table
+
+__all__ = ["Run", "RunError", "load_run", "metrics_attrs", "open_metrics"]
+
+#: Options that name the run, not how it trained: never reported as a difference.
+NOT_OPTIONS = ("run_dir", "resume")
+
+
+class RunError(ValueError):
+    """A run directory or metrics.h5 that cannot be read; the message says why and what to do."""
+
+
+@dataclass
+class Run:
+    """One run as read back.
+
+    Attributes:
+        path: the run directory.
+        label: short name for legends and table headers (the directory name).
+        attrs: metrics.h5 root attributes, JSON ones decoded (``config``, ``hosts``, ...).
+        tables: table -> column -> array (rows so far; columns cut to the shortest).
+            Per-rank columns have shape ``(rows, W)``.
+        log_lines: ``train.log`` (rank 0's log), or empty.
+        resumes: how many times the run was resumed (``config-resume-*.json`` files).
+    """
+
+    path: Path
+    label: str
+    attrs: dict[str, Any]
+    tables: dict[str, dict[str, np.ndarray]]
+    log_lines: list[str] = field(default_factory=list)
+    resumes: int = 0
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The options as run (``attrs['config']``), ``{}`` when absent."""
+        cfg = self.attrs.get("config")
+        return cfg if isinstance(cfg, dict) else {}
+
+    @property
+    def world_size(self) -> int:
+        return int(self.attrs.get("world_size", 0))
+
+    def column(self, table: str, name: str) -> np.ndarray | None:
+        """The column, or None when the table or column is absent or has no rows."""
+        col = self.tables.get(table, {}).get(name)
+        return col if col is not None and len(col) else None
+
+
+def open_metrics(path: str | os.PathLike, timeout: float = 10.0) -> h5py.File:
+    """Open a metrics.h5 as an SWMR reader (safe while the run writes).
+
+    Raises:
+        RunError: no such file, not HDF5, or still locked after ``timeout`` seconds
+            (the writer holds the lock while it creates the file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RunError(f"{path}: no such file")
+    if not h5py.is_hdf5(path):
+        raise RunError(f"{path}: not an HDF5 file")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return h5py.File(path, "r", libver="latest", swmr=True)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise RunError(f"{path}: locked by its writer for {timeout:g} s; try again") from None
+            time.sleep(0.05)
+        except OSError as exc:
+            raise RunError(f"{path}: cannot be opened ({exc})") from None
+
+
+def metrics_attrs(f: h5py.File) -> dict[str, Any]:
+    """Root attributes of an open metrics.h5, JSON ones (listed in ``json_attrs``) decoded."""
+    json_keys = set(json.loads(f.attrs["json_attrs"])) if "json_attrs" in f.attrs else set()
+    out = {}
+    for key, value in f.attrs.items():
+        if key == "json_attrs":
+            continue
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, bytes):
+            value = value.decode()
+        if key in json_keys:
+            value = json.loads(value)
+        out[key] = value
+    return out
+
+
+def check_schema(path: Path, attrs: dict[str, Any], tables: list[str]) -> None:
+    """Refuse, with a clear message, a file this reader cannot interpret.
+
+    A file without ``schema_version`` is version 1 (written before the attribute existed).
+
+    Raises:
+        RunError: schema newer than `flodl_mpi.metrics.SCHEMA_VERSION`, or no ``epochs`` table.
+    """
+    version = attrs.get("schema_version", 1)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise RunError(f"{path}: metrics schema_version {version!r} is newer than this flodl-mpi reads "
+                       f"({SCHEMA_VERSION}); upgrade flodl-mpi (pip install -U flodl-mpi) to read it")
+    if "epochs" not in tables:
+        raise RunError(f"{path}: no 'epochs' table; not a flodl-mpi metrics.h5 (tables: {sorted(tables)})")
+
+
+def load_run(run_dir: str | os.PathLike, label: str | None = None) -> Run:
+    """Read a run directory (or its ``metrics.h5`` given directly), while it writes or after.
+
+    Args:
+        run_dir: the run directory, holding ``metrics.h5``; or the file itself.
+        label: legend name; default the directory's name.
+
+    Returns:
+        `Run`.
+
+    Raises:
+        RunError: no metrics.h5, not HDF5, a schema this version cannot read.
+    """
+    path = Path(run_dir)
+    metrics = path if path.is_file() else path / "metrics.h5"
+    if path.is_file():
+        path = path.parent
+    if not path.exists():
+        raise RunError(f"{run_dir}: no such run directory")
+    if not metrics.exists():
+        raise RunError(f"{run_dir}: no metrics.h5 (not a flodl-mpi run directory, or the run has not "
+                       "started writing yet)")
+    with open_metrics(metrics) as f:
+        attrs = metrics_attrs(f)
+        names = [k for k, v in f.items() if isinstance(v, h5py.Group)]
+    check_schema(metrics, attrs, names)
+    tables = {}
+    for name in names:
+        try:
+            tables[name] = read_table(metrics, name)
+        except BlockingIOError:
+            raise RunError(f"{metrics}: locked by its writer; try again") from None
+    log = path / "train.log"
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    resumes = len(list(path.glob("config-resume-*.json")))
+    return Run(path=path, label=label or path.resolve().name, attrs=attrs, tables=tables,
+               log_lines=lines, resumes=resumes)

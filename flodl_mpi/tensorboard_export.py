@@ -1,0 +1,76 @@
+"""``flodl-mpi report --tensorboard DIR``: a run's metrics as TensorBoard event files.
+
+Invariant: the events are written by TensorBoard's own writer
+(``torch.utils.tensorboard.SummaryWriter``, which needs the ``tensorboard``
+package: the ``tensorboard`` extra), one sub-directory per run, so runs overlay in
+TensorBoard's charts as they do in the report's plots. Only reads metrics.h5.
+
+Tags (step = epoch counted from 1, or the round index):
+``epoch/train_loss``, ``epoch/test_loss``, ``epoch/test_accuracy``,
+``epoch/throughput_rank<r>`` (samples/s), ``epoch/batch_share_rank<r>``,
+``round/divergence_rank<r>``, ``round/<phase>_ms`` (mean over ranks) for pack,
+allreduce, unpack, and ``round/anchor`` when the column is there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from flodl_mpi.runinfo import Run
+
+__all__ = ["scalars", "write_events"]
+
+
+def scalars(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """tag -> (steps int64 (n,), values float64 (n,)) of one run; absent columns give no tag."""
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    epochs = run.column("epochs", "epoch")
+    if epochs is not None:
+        step = epochs.astype(np.int64) + 1
+        for tag, col in (("train_loss", "avg_loss"), ("test_loss", "test_loss"), ("test_accuracy", "test_accuracy")):
+            y = run.column("epochs", col)
+            if y is not None:
+                out[f"epoch/{tag}"] = (step, y.astype(np.float64))
+        for tag, col in (("throughput", "per_rank_throughput"), ("batch_share", "per_rank_batch_share")):
+            y = run.column("epochs", col)
+            if y is not None:
+                for r in range(y.shape[1]):
+                    out[f"epoch/{tag}_rank{r}"] = (step, y[:, r].astype(np.float64))
+    rounds = run.column("rounds", "round")
+    if rounds is not None:
+        step = rounds.astype(np.int64)
+        div = run.column("rounds", "divergence")
+        if div is not None:
+            for r in range(div.shape[1]):
+                out[f"round/divergence_rank{r}"] = (step, div[:, r].astype(np.float64))
+        for phase in ("pack_ms", "allreduce_ms", "unpack_ms"):
+            y = run.column("rounds", phase)
+            if y is not None:
+                out[f"round/{phase}"] = (step, y.mean(axis=1))
+        anchor = run.column("rounds", "anchor")
+        if anchor is not None:
+            out["round/anchor"] = (step, anchor.astype(np.float64))
+    return out
+
+
+def write_events(runs: Sequence[Run], log_dir: Path) -> list[Path]:
+    """Write each run's `scalars` under ``log_dir/<run label>``; returns those directories.
+
+    Raises:
+        ImportError: tensorboard is not installed.
+    """
+    import tensorboard  # noqa: F401  (fail here with a clear ImportError, before torch's wrapper does)
+    from torch.utils.tensorboard import SummaryWriter
+
+    dirs = []
+    for run in runs:
+        d = Path(log_dir) / run.label
+        with SummaryWriter(log_dir=str(d)) as writer:
+            for tag, (steps, values) in scalars(run).items():
+                for s, v in zip(steps.tolist(), values.tolist()):
+                    writer.add_scalar(tag, v, global_step=s)
+        dirs.append(d)
+    return dirs

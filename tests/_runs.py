@@ -1,0 +1,72 @@
+"""Runs trained once per test session and shared by the report/inspect/export tests,
+and a synthetic metrics.h5 whose numbers are known exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from flodl_mpi.metrics import MetricsFile, table_schema
+from tests.conftest import run_flodl
+
+_CACHE: dict[str, Path] = {}
+
+
+def trained_run(tmp_path_factory, name: str, *args: str, ranks: int = 2) -> Path:
+    """``mpiexec -n ranks flodl-mpi train --run-dir <tmp>/name ARGS``, once per session."""
+    if name not in _CACHE:
+        run_dir = tmp_path_factory.mktemp("runs") / name
+        proc = run_flodl(ranks, "train", "--run-dir", str(run_dir), *args)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        _CACHE[name] = run_dir
+    return _CACHE[name]
+
+
+def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Rows for every column of every table, from simple closed forms (see the tests)."""
+    schema = table_schema(world_size)
+    W, R, E = world_size, rounds, epochs
+    r = np.arange(R)
+    rows = {
+        "rounds": {
+            "round": r, "version": r + 1, "time_s": 0.5 * (r + 1), "skipped": r % 5 == 4,
+            "steps": np.ones((R, W), np.int64), "mass": np.ones((R, W)),
+            "divergence": 0.01 / (1 + r[:, None]) * (1 + np.arange(W)), "pre_norm": np.ones((R, W)),
+            "post_norm": np.ones(R),
+            "pack_ms": np.full((R, W), 10.0), "allreduce_ms": np.full((R, W), 30.0), "unpack_ms": np.full((R, W), 10.0),
+            "bytes": np.full(R, 1000, np.int64), "window": np.ones((R, W), np.int64), "anchor": np.ones(R, np.int64),
+            "guard": np.where(r == 3, 1, 0).astype(np.int8),
+        },
+        "epochs": {
+            "epoch": np.arange(E), "time_s": (R * 0.5) * (np.arange(E) + 1) / E, "rounds": (np.arange(E) + 1) * R // E,
+            "avg_loss": 1.0 / (np.arange(E) + 1), "epoch_ms": np.full(E, 1000.0), "batches": np.full(E, 10 * W),
+            "per_rank_loss": np.ones((E, W)), "per_rank_batches": np.tile(np.arange(1, W + 1) * 2, (E, 1)),
+            "per_rank_samples": np.full((E, W), 320),
+            "per_rank_throughput": np.tile(100.0 * (np.arange(W) + 1), (E, 1)),
+            "per_rank_batch_share": np.full((E, W), 1.0 / W), "per_rank_epoch_ms": np.full((E, W), 1000.0),
+            "per_rank_compute_ms": np.full((E, W), 600.0), "per_rank_data_ms": np.full((E, W), 50.0),
+            "test_loss": 2.0 / (np.arange(E) + 2),
+            "test_accuracy": np.array([0.5, 0.9, 0.8][:E] + [0.85] * max(0, E - 3)),
+        },
+        "batches": {c: np.zeros((1,), dtype=dt) for c, (dt, _) in schema["batches"].items()},
+    }
+    for spec in skip:
+        table, col = spec.split("/")
+        rows[table].pop(col)
+    return rows
+
+
+def write_synthetic(run_dir: Path, world_size: int = 2, rounds: int = 20, epochs: int = 3,
+                    config: dict | None = None, attrs: dict | None = None) -> Path:
+    """A run dir holding a metrics.h5 of `synthetic_rows` (every column) and config.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {"epochs": epochs, "policy": "sync", "window": 1, "gamma": 1.0, "lr": 0.001, "run_dir": str(run_dir),
+           **(config or {})}
+    attrs = {"config": cfg, "policy": cfg["policy"], **(attrs or {})}
+    with MetricsFile(run_dir / "metrics.h5", world_size, attrs) as m:
+        for table, cols in synthetic_rows(world_size, rounds, epochs).items():
+            m.append(table, cols)
+    (run_dir / "config.json").write_text(json.dumps(cfg))
+    return run_dir

@@ -1,0 +1,104 @@
+"""flodl-mpi inspect: a checkpoint's contents and soundness; a metrics.h5's tables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from flodl_mpi.checkpoint import write_checkpoint
+from flodl_mpi.inspect_cmd import main
+from tests._runs import write_synthetic
+
+
+def _checkpoint(tmp_path: Path) -> Path:
+    params = {"0.weight": np.arange(4096, dtype=np.float32).reshape(64, 64), "0.bias": np.ones(64, np.float32)}
+    buffers = {"1.num_batches_tracked": np.array(7, np.int64)}
+    ranks = [({"optimizer/state/0/exp_avg": np.zeros(3)}, {"global_step": 5}),
+             ({"optimizer/state/0/exp_avg": np.ones(3)}, {"global_step": 6})]
+    return write_checkpoint(tmp_path / "ckpt-e000001-r000010.h5", params, buffers,
+                            {"epoch": 1, "round": 10, "reason": "checkpoint", "config": {"lr": 0.001}},
+                            ["0.weight", "0.bias", "1.num_batches_tracked"], ranks)
+
+
+def _flip_bytes_in(path: Path, dataset: str) -> None:
+    """Corrupt the stored data of one dataset (its first chunk), not the file's metadata."""
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_chunk_info(0).byte_offset
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 100)
+        data = fh.read(8)
+        fh.seek(offset + 100)
+        fh.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_sound_checkpoint_lists_meta_tensors_and_ranks(tmp_path, capsys):
+    path = _checkpoint(tmp_path)
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "complete True   schema_version" in out
+    assert "reason           checkpoint" in out and "round            10" in out
+    assert "param  0.weight" in out and "(64, 64)" in out and "float32" in out
+    assert "buffer 1.num_batches_tracked" in out and "int64" in out
+    assert "ranks with saved state: [0, 1]" in out
+    assert "verdict: sound" in out
+
+
+def test_damaged_checkpoint_names_the_damaged_tensor(tmp_path, capsys):
+    path = _checkpoint(tmp_path)
+    _flip_bytes_in(path, "params/0.weight")
+    assert main([str(path)]) == 1
+    out = capsys.readouterr().out
+    damaged = [line for line in out.splitlines() if "DAMAGED" in line]
+    assert any("/params/0.weight" in line for line in damaged), out
+    assert not any("0.bias" in line for line in damaged)   # the sound tensors are not blamed
+    assert "unreadable data" in out and "verdict: NOT usable" in out
+
+
+def test_incomplete_and_truncated_checkpoints_are_named(tmp_path, capsys):
+    path = _checkpoint(tmp_path)
+    with h5py.File(path, "a") as f:
+        del f.attrs["complete"]
+    assert main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "complete False" in out and "incomplete" in out and "NOT usable" in out
+
+    (tmp_path / "t").mkdir()
+    path = _checkpoint(tmp_path / "t")
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.truncate(size // 2)
+    assert main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "truncated file" in out
+
+
+def test_metrics_file_tables_row_counts_and_config(tmp_path, capsys):
+    run_dir = write_synthetic(tmp_path / "r", world_size=2, rounds=20, epochs=3, config={"window": 4})
+    assert main([str(run_dir)]) == 0      # a run dir means its metrics.h5
+    out = capsys.readouterr().out
+    assert "table rounds: 20 rows, 16 columns" in out
+    assert "table epochs: 3 rows, 16 columns" in out
+    assert "divergence               float64  per row (2,)" in out
+    assert "schema_version 1" in out and "world_size     2" in out
+    assert "    window             4" in out
+
+
+def test_unknown_file_is_bad_input(tmp_path, capsys):
+    (tmp_path / "x.h5").write_text("hello")
+    assert main([str(tmp_path / "x.h5")]) == 2
+    assert "neither a flodl-mpi checkpoint nor a metrics.h5 (not HDF5)" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.h5")]) == 2
+
+
+def test_inspect_starts_no_mpi_and_no_torch(tmp_path):
+    path = _checkpoint(tmp_path)
+    code = ("import sys; from flodl_mpi.inspect_cmd import main; rc = main(sys.argv[1:]); "
+            "assert 'mpi4py.MPI' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules); "
+            "sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=False,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr

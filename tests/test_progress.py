@@ -1,0 +1,132 @@
+"""Rank 0's progress output: a bar on a terminal (also through mpiexec), one line per epoch in a pipe."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flodl_mpi.progress import EpochProgress, stdout_is_terminal
+from tests.conftest import MPIEXEC
+
+EPOCH_LINE = re.compile(r"^\d\d:\d\d:\d\d epoch (\d+)/(\d+)  loss ", re.MULTILINE)
+
+
+def test_bar_shows_batches_loss_rounds_per_second_and_eta():
+    pytest.importorskip("tqdm")
+    out = io.StringIO()
+    bar = EpochProgress(enabled=True, stream=out, mininterval=0)
+    bar.start("epoch 2/5", total=40, done=0, rounds=7)
+    for k in range(1, 5):
+        time.sleep(0.01)
+        bar.update(10 * k, 0.5, 7 + k)
+    bar.close()
+    text = out.getvalue()
+    assert "epoch 2/5" in text and "40/40" in text and "loss 0.5000" in text
+    assert re.search(r"\d+\.\d rounds/s", text) and "batch/s" in text and "<" in text   # tqdm's ETA
+    assert "\r" in text
+
+
+def test_disabled_bar_writes_nothing_and_imports_no_tqdm():
+    out = io.StringIO()
+    bar = EpochProgress(enabled=False, stream=out)
+    bar.start("epoch 1/1", total=3)
+    bar.update(3, 0.1, 1)
+    bar.close()
+    assert out.getvalue() == ""
+    code = ("import sys; from flodl_mpi.progress import EpochProgress; b = EpochProgress(False); "
+            "b.start('x', 3); b.update(3, 0.1, 1); b.close(); assert 'tqdm' not in sys.modules")
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
+
+
+def test_stdout_is_terminal_for_a_pty_not_for_a_pipe():
+    master, slave = os.openpty()
+    try:
+        with open(slave, "w", closefd=False) as tty:
+            assert stdout_is_terminal(tty)
+    finally:
+        os.close(master)
+        os.close(slave)
+    r, w = os.pipe()
+    try:
+        with open(w, "w", closefd=False) as pipe:
+            assert not stdout_is_terminal(pipe)   # our parent is pytest, not an MPI launcher
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _train_in_pty(args: list[str], timeout: float = 300) -> tuple[int, str]:
+    """Run ``mpiexec -n 2 flodl-mpi train ARGS`` with a pseudo-terminal as its stdout and stderr."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", *args],
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:   # EIO: every writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    else:
+        proc.kill()
+    os.close(master)
+    return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_terminal_gets_a_bar_through_mpiexec(tmp_path):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    rc, out = _train_in_pty(["--run-dir", str(tmp_path / "r"), "--epochs", "2"])
+    assert rc == 0, out
+    assert "\r" in out and "batch/s" in out and "rounds/s" in out and "loss " in out
+    assert re.search(r"epoch 1/2: +\d+%", out), out          # the bar's description and percentage
+    assert [m.group(1) for m in EPOCH_LINE.finditer(out.replace("\r", "\n"))] == ["1", "2"]
+
+
+@pytest.mark.slow
+def test_pipe_gets_one_line_per_epoch_and_says_what_happens(tmp_path):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
+                           str(tmp_path / "r"), "--epochs", "2", "-v"],
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "\r" not in out and "batch/s" not in out
+    assert [m.group(1) for m in EPOCH_LINE.finditer(out)] == ["1", "2"]
+    lines = out.splitlines()
+    # start-up and shutdown each say what they are doing before the slow part
+    assert lines[0] == "flodl-mpi: 2 rank(s) up; loading PyTorch"
+    finishing = next(i for i, line in enumerate(lines) if " finishing: writing the last checkpoint" in line)
+    assert finishing < next(i for i, line in enumerate(lines) if " done: " in line)
+    assert sum(" per rank: r0 " in line for line in lines) == 2                      # -v: a detail line per epoch
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert " per rank: " not in log and len(EPOCH_LINE.findall(log)) == 2             # train.log: the default lines
+
+
+@pytest.mark.slow
+def test_quiet_prints_nothing_on_success(tmp_path):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
+                           str(tmp_path / "r"), "--epochs", "1", "-q", "--progress", "bar"],
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert len(EPOCH_LINE.findall((tmp_path / "r" / "train.log").read_text())) == 1
