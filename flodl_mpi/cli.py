@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", type=int, help="batches per rank between rounds (implies --policy window)")
     g.add_argument("--gamma", type=float, help=f"mass exponent: rank weight = steps**gamma (default {d.gamma:g})")
     g.add_argument("--chunk-elems", type=int, help=f"float32 elements per Allreduce piece (default {d.chunk_elems})")
-    g.add_argument("--stall-timeout", type=float, help=f"seconds before a stalled round aborts the job (default {d.stall_timeout:g})")
+    g.add_argument("--stall-timeout", type=float, help="seconds without progress on any rank (or without the ranks' heartbeats) before the job is "
+                        f"aborted with exit 3; a rank waiting for a slower one is not stalled (default {d.stall_timeout:g})")
     g = t.add_argument_group("run")
     g.add_argument("--run-dir", metavar="DIR", help="output directory (default runs/<UTC time>)")
     g.add_argument("--resume", action="store_true", default=None,
@@ -122,18 +123,20 @@ def main(argv: list[str] | None = None) -> int:
     install_excepthooks(world.rank)
     stop = StopRequest()
     stop.install()  # now, not after setup: a stop signal during a slow setup is kept
-    watchdog = Watchdog(world.rank, stall_timeout=600.0)
+    watchdog = Watchdog(world.comm, stall_timeout=600.0, thread_level=world.thread_level)
     watchdog.start()
     try:
         from flodl_mpi.train import run_train  # torch is imported here, after MPI is up
 
         run_train(args, world, watchdog, stop)
+        watchdog.close()  # collective: every rank ends its heartbeat before MPI finalizes
         return 0
     except CohortError as exc:
         # Every rank raised this at the same point: leave together, one line.
         watchdog.expect_exit()
         if world.rank == 0:
             print(f"flodl-mpi: error: {exc}", file=sys.stderr)
+        watchdog.close()
         return exc.exit_code
     except BaseException as exc:  # the one place that decides to abort (STYLE 14)
         print(f"flodl-mpi: rank {world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",
