@@ -318,8 +318,9 @@ def overdue_verdict(pending_s: float, timeout: float, me: int, last: np.ndarray 
 
     Returns:
         None while ``pending_s <= timeout``; else one line naming the likely
-        ranks: those that were working, not waiting, at the last exchange
-        (a rank that froze stopped its work and its heartbeat together).
+        ranks: the other ranks that were working, not waiting, at the last
+        completed exchange (a rank that froze stopped its work and its
+        heartbeat together), else every other rank, with what each was doing.
     """
     if pending_s <= timeout:
         return None
@@ -327,11 +328,12 @@ def overdue_verdict(pending_s: float, timeout: float, me: int, last: np.ndarray 
             f"{timeout:g} s): a rank is frozen (stopped, swapped out) or gone without the launcher noticing")
     if last is None:
         return f"{head}; no exchange had completed yet"
-    suspects = [r for r in range(len(last)) if r != me and not last["waiting"][r]]
-    if not suspects:
-        return f"{head}; at the last exchange, {last_age_s:.1f} s ago, every other rank waited in a collective"
+    others = [r for r in range(len(last)) if r != me]
+    working = [r for r in others if not last["waiting"][r]]
+    suspects = working or others
     what = "; ".join(f"rank {r} {_text(last[r])}" for r in suspects[:8])
-    return f"{head}; likely {_name_ranks(suspects)}, at the last exchange {last_age_s:.1f} s ago: {what}"
+    which = "likely" if len(suspects) == 1 else "one of"
+    return f"{head}; {which} {_name_ranks(suspects)}, at the last exchange {last_age_s:.1f} s ago: {what}"
 
 
 @dataclass(frozen=True)
