@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STALL, InputError
+from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, InputError
 from flodl_mpi.world import check_world_size
 from tests.conftest import run_flodl
 
