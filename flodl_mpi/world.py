@@ -481,6 +481,7 @@ class Watchdog:
         two heartbeat exchanges once the last rank calls it); while it waits,
         the watchdog still fires if the others make no progress.
         """
+        self.round_started("the exit")  # a rank still at work (a final save, say) is the one named
         self._closing = True
         if self._thread.is_alive():
             self._thread.join()
