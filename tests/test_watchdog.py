@@ -95,6 +95,43 @@ def test_heartbeat_period_and_slack():
     assert stall_slack(600.0) == 5.0
 
 
+def test_below_thread_multiple_the_watchdog_says_so_once_and_times_local_waits(capfd):
+    from mpi4py import MPI
+
+    from flodl_mpi.world import Watchdog
+
+    watchdog = Watchdog(MPI.COMM_SELF, stall_timeout=5.0, thread_level=MPI.THREAD_SERIALIZED)
+    assert not watchdog.heartbeats
+    watchdog.start()
+    watchdog.round_started()
+    watchdog.round_finished()
+    watchdog.close()
+    assert capfd.readouterr().err == ("flodl-mpi: MPI provides less than THREAD_MULTIPLE: the stall watchdog times "
+                                      "each rank's own waits (a rank waiting longer than --stall-timeout for a "
+                                      "slower one is taken for stalled)\n")
+
+
+# --------------------------------------------------------------------------- in the world (pytest-mpi)
+
+
+@pytest.mark.mpi
+def test_heartbeats_run_beside_the_setup_collectives_and_stop_on_every_rank():
+    from mpi4py import MPI
+
+    from flodl_mpi.world import Watchdog, agree
+
+    comm = MPI.COMM_WORLD
+    watchdog = Watchdog(comm, stall_timeout=5.0)  # a heartbeat every 0.5 s
+    watchdog.start()
+    # The main thread's collectives on the world while the heartbeats run on their own communicator.
+    for i in range(40):
+        assert agree(comm, f"step {i}", lambda i=i: comm.rank + i, watchdog) == comm.rank + i
+        time.sleep(0.05)
+    time.sleep(0.3 * comm.rank)  # the ranks leave at different times
+    watchdog.close()  # returns on every rank: the heartbeats ended on the same exchange
+    assert comm.allgather(comm.rank) == list(range(comm.size))  # the world still works
+
+
 # --------------------------------------------------------------------------- whole jobs
 
 
