@@ -395,14 +395,12 @@ class Watchdog:
 
         watchdog = Watchdog(MPI.COMM_WORLD, stall_timeout=600.0)
         watchdog.start()
-        try:
-            cfg = agree(comm, "config", read_config, watchdog)   # setup steps
-            watchdog.begin("training")
-            for batch in batches:
-                train_step(batch)
-                watchdog.progress("a batch")
-        finally:
-            watchdog.close()
+        cfg = agree(comm, "config", read_config, watchdog)   # setup steps
+        watchdog.begin("training")
+        for batch in batches:
+            train_step(batch)
+            watchdog.progress("a batch")
+        watchdog.close()  # every rank; on a rank-local error, abort() instead
     """
 
     def __init__(self, comm: MPI.Comm, stall_timeout: float, exit_grace: float = 20.0,
@@ -475,7 +473,8 @@ class Watchdog:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the watchdog before the rank exits. Collective: every rank calls it when it leaves.
+        """Stop the watchdog before the rank exits. Collective: every rank calls it when it leaves
+        (a rank leaving alone, on its own error, aborts the world instead).
 
         Blocks until every rank's watchdog has seen every rank exiting (one or
         two heartbeat exchanges once the last rank calls it); while it waits,
