@@ -473,9 +473,9 @@ class Watchdog:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the watchdog before the rank exits. Collective: every rank calls it when it leaves
-        (a rank leaving alone, on its own error, aborts the world instead).
+        """Stop the watchdog before the rank exits. Collective: every rank calls it when it leaves.
 
+        A rank that leaves alone, on its own error, aborts the world instead.
         Blocks until every rank's watchdog has seen every rank exiting (one or
         two heartbeat exchanges once the last rank calls it); while it waits,
         the watchdog still fires if the others make no progress.
