@@ -213,7 +213,7 @@ def test_a_rank_hung_in_setup_is_named_and_ends_the_job(tmp_path, digits):
             "finished)") in proc.stderr
     assert "rank 0 waited for it" in proc.stderr
     assert "in make\n" in proc.stderr.split("rank 1: watchdog: this rank's stacks:")[1]  # rank 1's stack: the factory
-    assert STALL < stall_age(proc.stderr) < STALL + stall_slack(STALL) + 10  # generous: a loaded machine
+    assert STALL <= stall_age(proc.stderr) < STALL + stall_slack(STALL) + 10  # printed to 0.1 s; generous bound
     assert elapsed < 150
     assert not (tmp_path / "r").exists()  # nothing was created before the stall
 
@@ -226,7 +226,7 @@ def test_a_rank_hung_in_its_training_step_is_named_and_ends_the_job(tmp_path, di
     assert "(stall timeout 4 s): rank 1 working on training (last progress: " in proc.stderr
     assert "rank 0 waited for it" in proc.stderr
     assert "in _fault_hook" in proc.stderr.split("rank 1: watchdog: this rank's stacks:")[1]  # hung where injected
-    assert STALL < stall_age(proc.stderr) < STALL + stall_slack(STALL) + 10
+    assert STALL <= stall_age(proc.stderr) < STALL + stall_slack(STALL) + 10
 
 
 def test_a_frozen_rank_ends_the_job(tmp_path, digits):
