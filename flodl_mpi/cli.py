@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank whose loss or parameters are NaN/Inf: quarantine it for the round (mass 0, it "
                         "adopts the others' consensus; the job stops only when no rank is finite), or stop the "
                         f"job (default {d.on_non_finite})")
-    g.add_argument("--stall-timeout", type=float, help=f"seconds before a stalled round aborts the job (default {d.stall_timeout:g})")
+    g.add_argument("--stall-timeout", type=float, help="seconds without progress on any rank (or without the ranks' heartbeats) before the job is "
+                        f"aborted with exit 3; a rank waiting for a slower one is not stalled (default {d.stall_timeout:g})")
     g = t.add_argument_group("run")
     g.add_argument("--run-dir", metavar="DIR", help="output directory (default runs/<UTC time>)")
     g.add_argument("--resume", action="store_true", default=None,
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     install_excepthooks(world.rank)
     stop = StopRequest()
     stop.install()  # now, not after setup: a stop signal during a slow setup is kept
-    watchdog = Watchdog(world.rank, stall_timeout=600.0)
+    watchdog = Watchdog(world.comm, stall_timeout=600.0, thread_level=world.thread_level)
     watchdog.start()
     try:
         if world.rank == 0 and not args.quiet:
@@ -168,12 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         from flodl_mpi.train import run_train  # torch is imported here, after MPI is up
 
         run_train(args, world, watchdog, stop)
+        watchdog.close()  # collective: every rank ends its heartbeat before MPI finalizes
         return 0
     except CohortError as exc:
         # Every rank raised this at the same point: leave together, one line.
         watchdog.expect_exit()
         if world.rank == 0:
             print(f"flodl-mpi: error: {exc}", file=sys.stderr)
+        watchdog.close()
         return exc.exit_code
     except BaseException as exc:  # the one place that decides to abort (STYLE 14)
         print(f"flodl-mpi: rank {world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",

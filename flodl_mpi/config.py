@@ -61,7 +61,7 @@ class TrainConfig:
     run_dir: str | None = None        # None = runs/<UTC time>, chosen by rank 0
     resume: bool = False              # continue the run in run_dir from its newest checkpoint
     device: str = "auto"              # one of DEVICES
-    stall_timeout: float = 600.0      # seconds a round may wait before the watchdog aborts
+    stall_timeout: float = 600.0      # seconds without progress on any rank before the watchdog aborts (exit 3)
     chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
     on_non_finite: str = "quarantine"  # one of ON_NON_FINITE: a rank with NaN/Inf loss or params
     eval_batch_size: int = 1024       # samples per evaluation batch

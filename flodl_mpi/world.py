@@ -10,6 +10,7 @@ rounds end the whole world with a non-zero exit.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import socket
@@ -21,11 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 from mpi4py import MPI
 
 from flodl_mpi.errors import EXIT_ERROR, EXIT_STALL, CohortError, InputError
 
-__all__ = ["World", "start_world", "agree", "abort", "Watchdog", "check_world_size"]
+__all__ = ["World", "start_world", "agree", "abort", "Watchdog", "check_world_size", "stall_verdict",
+           "overdue_verdict", "heartbeat_period", "stall_slack", "BEAT_DTYPE"]
 
 T = TypeVar("T")
 
@@ -127,8 +130,11 @@ def agree(comm: MPI.Comm, what: str, fn: Callable[[], T], watchdog: "Watchdog | 
         comm: the world.
         what: the step's name, for messages.
         fn: the step.
-        watchdog: times the wait for the other ranks like a round, so a rank
-            that hangs in its setup step ends the job instead of hanging it.
+        watchdog: told that the step began and when this rank's part is done
+            and it waits for the others (progress), so a rank that hangs in its
+            setup step ends the job instead of hanging it. A step is one piece
+            of progress: one rank's part running longer than the stall timeout
+            while another rank waits for it is a stall.
         name_ranks: prefix the failing ranks when not every rank failed; False
             for a step only one rank does (its rank says nothing).
 
@@ -141,6 +147,9 @@ def agree(comm: MPI.Comm, what: str, fn: Callable[[], T], watchdog: "Watchdog | 
             failing ranks unless every rank failed alike.
         CohortError: some rank's step raised anything else.
     """
+    step = f"setup step {what!r}"
+    if watchdog is not None:
+        watchdog.begin(step)
     result, error = None, None
     try:
         result = fn()
@@ -149,10 +158,11 @@ def agree(comm: MPI.Comm, what: str, fn: Callable[[], T], watchdog: "Watchdog | 
     except Exception as exc:  # a bug on one rank must not hang the others
         error = ("bug", f"{what}: {type(exc).__name__}: {exc}")
     if watchdog is not None:
-        watchdog.round_started(f"setup step {what!r}")
+        watchdog.round_started(step)  # progress: this rank's part is done
     errors = comm.allgather(error)
     if watchdog is not None:
         watchdog.round_finished()
+        watchdog.begin(f"setup after {step}")
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not failed:
         return result
@@ -204,65 +214,358 @@ def install_excepthooks(rank: int) -> None:
     sys.excepthook = main_hook
 
 
-class Watchdog:
-    """Ends the job when a round stalls or a failed rank does not exit.
+# --------------------------------------------------------------------------- stall watchdog
+#
+# Progress is cohort-wide. Each rank notes its own progress (a batch trained, its
+# part of a round or setup step done, a round or setup step finished) and what it
+# is doing; the watchdog threads exchange these as heartbeats on their own
+# communicator. A rank waiting for a slower peer that still trains is not
+# stalled: the cohort stalls only when some rank waits in a collective and no
+# rank made progress for the stall timeout, or when a heartbeat exchange itself
+# does not complete for that long (a rank frozen, or gone without the launcher
+# noticing).
 
-    A round in flight for more than ``stall_timeout`` seconds, or a rank still
-    running ``exit_grace`` seconds after :meth:`failed` or :meth:`expect_exit`,
-    dumps every thread's stack to stderr and aborts the world (exit status 3 for
-    a stall). It ends the process with the world abort, never by raising in its
-    own thread (STYLE 16).
+#: Longest interval between two heartbeat exchanges, seconds.
+HEARTBEAT_MAX_S = 2.0
+#: How often a waiting watchdog thread tests its request, seconds (STYLE 20).
+_POLL_S = 0.05
+#: Longest wait, seconds, for the other ranks' stack dumps before the abort.
+_DUMP_WAIT_S = 5.0
+_TEXT_BYTES = 200
+
+#: One rank's heartbeat, as exchanged (a fixed-size record sent as bytes):
+#: ``age`` seconds since the rank's last progress when it sent the beat;
+#: ``timeout`` its stall timeout, seconds; ``waiting`` 1 while it waits in a
+#: collective for the others; ``exiting`` 1 once it is leaving (see
+#: :meth:`Watchdog.close`); ``doing`` what it is doing and its last progress
+#: (UTF-8, truncated).
+BEAT_DTYPE = np.dtype([("age", "f8"), ("timeout", "f8"), ("waiting", "u1"), ("exiting", "u1"),
+                       ("doing", f"S{_TEXT_BYTES}")])
+
+
+def heartbeat_period(stall_timeout: float) -> float:
+    """Seconds between heartbeat exchanges: a tenth of the stall timeout, at most ``HEARTBEAT_MAX_S``."""
+    return min(stall_timeout / 10.0, HEARTBEAT_MAX_S)
+
+
+def stall_slack(stall_timeout: float) -> float:
+    """Seconds past the stall timeout by which the watchdog fires at the latest (heartbeats on).
+
+    Two heartbeat periods (the exchange that sees the timeout crossed is posted
+    at most one period later, and the ranks post up to a period apart) and one
+    second for polling and message latency. Loaded machines add their delays.
+    """
+    return 2.0 * heartbeat_period(stall_timeout) + 1.0
+
+
+def _text(beat) -> str:
+    return bytes(beat["doing"]).decode("utf-8", errors="replace")
+
+
+def _name_ranks(ranks: list[int], limit: int = 8) -> str:
+    shown = ", ".join(str(r) for r in ranks[:limit])
+    more = f" and {len(ranks) - limit} more" if len(ranks) > limit else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
+
+
+def stall_verdict(beats: np.ndarray) -> str | None:
+    """Whether the cohort stalled, decided from one heartbeat exchange alone.
+
+    A pure function of the gathered beats, so every rank decides alike from the
+    same exchange. The cohort stalled when some rank waits in a collective and
+    no rank made progress for the stall timeout (the largest of the ranks'
+    timeouts: the agreed one once every rank has read the config). A slow rank
+    that still makes progress keeps everyone alive however long the others wait
+    for it. Work that runs long on every rank at once (a cold import, a first
+    compile, a long evaluation) with no rank waiting is not a stall: a rank
+    that hangs is caught once a peer waits for it, as every peer soon does.
 
     Args:
-        rank: for messages.
-        stall_timeout: seconds, > 0.
+        beats: ``BEAT_DTYPE`` array of shape (W,); row r is rank r's beat.
+
+    Returns:
+        None while no rank waits, or some rank made progress within the timeout; else one line
+        naming the ranks that made no progress while not waiting for the others
+        (all ranks if every one waits in a collective), what each was doing, and
+        the ranks that waited.
+    """
+    timeout = float(beats["timeout"].max())
+    ages = beats["age"]
+    if not bool(beats["waiting"].any()) or not bool((ages > timeout).all()):
+        return None
+    ranks = list(range(len(beats)))
+    working = [r for r in ranks if not beats["waiting"][r]]
+    head = f"no rank made progress for {float(ages.min()):.1f} s (stall timeout {timeout:g} s)"
+    if not working:
+        stuck = "; ".join(f"rank {r} {_text(beats[r])}" for r in ranks[:8])
+        return f"{head}; every rank waits in a collective: {stuck}"
+    stuck = "; ".join(f"rank {r} {_text(beats[r])}, no progress for {ages[r]:.1f} s" for r in working[:8])
+    waiting = [r for r in ranks if beats["waiting"][r]]
+    others = f"; {_name_ranks(waiting)} waited for it" if waiting else ""
+    return f"{head}: {stuck}{others}"
+
+
+def overdue_verdict(pending_s: float, timeout: float, me: int, last: np.ndarray | None,
+                    last_age_s: float) -> str | None:
+    """Whether a heartbeat exchange has been pending too long (a rank frozen or gone).
+
+    Args:
+        pending_s: seconds since this rank posted the exchange that has not completed.
+        timeout: this rank's stall timeout, seconds.
+        me: this rank (alive, so never blamed).
+        last: the beats of the last exchange that completed (``BEAT_DTYPE``, (W,)), or None.
+        last_age_s: seconds since that exchange completed.
+
+    Returns:
+        None while ``pending_s <= timeout``; else one line naming the likely
+        ranks: the other ranks that were working, not waiting, at the last
+        completed exchange (a rank that froze stopped its work and its
+        heartbeat together), else every other rank, with what each was doing.
+    """
+    if pending_s <= timeout:
+        return None
+    head = (f"the watchdogs' heartbeat exchange has not completed for {pending_s:.1f} s (stall timeout "
+            f"{timeout:g} s): a rank is frozen (stopped, swapped out) or gone without the launcher noticing")
+    if last is None:
+        return f"{head}; no exchange had completed yet"
+    others = [r for r in range(len(last)) if r != me]
+    working = [r for r in others if not last["waiting"][r]]
+    suspects = working or others
+    what = "; ".join(f"rank {r} {_text(last[r])}" for r in suspects[:8])
+    which = "likely" if len(suspects) == 1 else "one of"
+    return f"{head}; {which} {_name_ranks(suspects)}, at the last exchange {last_age_s:.1f} s ago: {what}"
+
+
+@dataclass(frozen=True)
+class _Activity:
+    progress_at: float          # time.monotonic() of the rank's last progress
+    last: str                   # what that progress was
+    working_on: str | None      # what the rank does when not waiting
+    waiting_in: str | None      # the collective it waits in, or None
+    wait_since: float | None    # when that wait began
+
+
+class Watchdog:
+    """Ends the job when the cohort makes no progress, or a failed rank does not exit.
+
+    Each rank tells its watchdog what it does (:meth:`begin`), when it makes
+    progress (:meth:`progress`: a batch trained; :meth:`round_started`: its part
+    done, it now waits for the others in a collective; :meth:`round_finished`:
+    the round or setup step finished). The watchdog threads exchange heartbeats on their
+    own duplicate of the world communicator every :func:`heartbeat_period`
+    seconds (a non-blocking Allgather completed with Test and short sleeps) and
+    fire when
+
+    - some rank waits in a collective and no rank made progress for
+      ``stall_timeout`` seconds (:func:`stall_verdict`; e.g. one rank hung in
+      its training step or setup step while the others wait for it), or
+    - a heartbeat exchange has not completed for ``stall_timeout`` seconds
+      (:func:`overdue_verdict`; a rank frozen or gone), or
+    - the rank still runs ``exit_grace`` seconds after :meth:`failed` or
+      :meth:`expect_exit`.
+
+    A stall fires within ``stall_timeout + stall_slack(stall_timeout)`` seconds
+    of the cohort's last progress (on an unloaded machine); a frozen rank within
+    as long of its last heartbeat. Firing prints the
+    verdict, naming the ranks that made no progress and what they were doing,
+    dumps every thread's stack (on every rank, for a cohort stall) and aborts
+    the world: exit status 3 for a stall, 1 for a rank that did not exit. It
+    ends the process with the world abort, never by raising in its own thread
+    (STYLE 16).
+
+    Needs ``MPI.THREAD_MULTIPLE`` (the heartbeat runs beside the bridge's and the
+    setup's collectives, on another communicator). With less, rank 0 says so
+    once and each watchdog times only its own rank's waits in collectives
+    (a rank waiting longer than ``stall_timeout`` for a slower one is then taken
+    for stalled).
+
+    Collective contract: :meth:`start` and :meth:`close` are called by every
+    rank, in the same order relative to the other collectives on ``comm``. The
+    watchdog threads run the same sequence of heartbeat exchanges on every rank
+    and stop after the first exchange in which every rank is exiting, so no
+    request is left pending when MPI finalizes.
+
+    Args:
+        comm: the world (duplicated in :meth:`start`; never used directly).
+        stall_timeout: seconds, > 0. May be changed later (every rank alike).
         exit_grace: seconds a failing rank gets to abort by itself, > 0.
+        thread_level: the MPI thread level provided (default ``MPI.Query_thread()``).
+
+    Example::
+
+        watchdog = Watchdog(MPI.COMM_WORLD, stall_timeout=600.0)
+        watchdog.start()
+        cfg = agree(comm, "config", read_config, watchdog)   # setup steps
+        watchdog.begin("training")
+        for batch in batches:
+            train_step(batch)
+            watchdog.progress("a batch")
+        watchdog.close()  # every rank; on a rank-local error, abort() instead
     """
 
-    def __init__(self, rank: int, stall_timeout: float, exit_grace: float = 20.0) -> None:
+    def __init__(self, comm: MPI.Comm, stall_timeout: float, exit_grace: float = 20.0,
+                 thread_level: int | None = None) -> None:
         if not stall_timeout > 0 or not exit_grace > 0:
             raise ValueError(f"stall_timeout and exit_grace must be > 0, got {stall_timeout!r}, {exit_grace!r}")
-        self.rank = rank
+        self.comm = comm
+        self.rank = comm.rank
         self.stall_timeout = float(stall_timeout)
         self.exit_grace = float(exit_grace)
-        self._round_since: float | None = None
-        self._what = "a round"
+        level = MPI.Query_thread() if thread_level is None else thread_level
+        #: Whether heartbeats run (MPI gives THREAD_MULTIPLE); else the local clock.
+        self.heartbeats = level >= MPI.THREAD_MULTIPLE
+        self._lock = threading.Lock()
+        self._act = _Activity(time.monotonic(), "start", "start-up", None, None)
         self._exit_by: float | None = None
-        self._thread = threading.Thread(target=self._loop, name="flodl-watchdog", daemon=True)
+        self._closing = False
+        self._hb_comm: MPI.Comm | None = None
+        self._thread = threading.Thread(target=self._run, name="flodl-watchdog", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    # ---- what the rank tells its watchdog (any thread; cheap) -------------------
+
+    def begin(self, what: str) -> None:
+        """This rank now works on ``what`` (e.g. ``"setup step 'data'"``, ``"training"``); not progress."""
+        with self._lock:
+            self._act = dataclasses.replace(self._act, working_on=what)
+
+    def progress(self, done: str = "a batch") -> None:
+        """This rank made progress just now: ``done`` finished (e.g. ``"batch 3 of epoch 1"``)."""
+        now = time.monotonic()
+        with self._lock:
+            self._act = dataclasses.replace(self._act, progress_at=now, last=done)
 
     def round_started(self, what: str = "a round") -> None:
-        """A collective wait began; ``what`` names it in the message if it stalls."""
-        self._what = what
-        self._round_since = time.monotonic()
+        """This rank's part is done (progress) and it waits for the others in ``what`` (named in messages)."""
+        now = time.monotonic()
+        with self._lock:
+            self._act = dataclasses.replace(self._act, progress_at=now, last=f"reached {what}", waiting_in=what,
+                                            wait_since=now)
 
     def round_finished(self) -> None:
-        self._round_since = None
+        """The collective wait ended: the round (or setup step) is progress."""
+        now = time.monotonic()
+        with self._lock:
+            act = self._act
+            self._act = dataclasses.replace(act, progress_at=now, last=f"{act.waiting_in or 'a round'} finished",
+                                            waiting_in=None, wait_since=None)
 
     def failed(self) -> None:
         """A round failed: the rank must be gone within ``exit_grace`` seconds."""
-        self._round_since = None
+        with self._lock:
+            self._act = dataclasses.replace(self._act, waiting_in=None, wait_since=None)
         self.expect_exit()
 
     def expect_exit(self) -> None:
+        """The rank is leaving on an error: it must be gone within ``exit_grace`` seconds."""
         if self._exit_by is None:
             self._exit_by = time.monotonic() + self.exit_grace
 
-    def _loop(self) -> None:
-        while True:  # a daemon thread: it ends with the process
+    # ---- life cycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the watchdog thread. Collective (duplicates ``comm``); call once, before setup."""
+        if self.heartbeats:
+            self._hb_comm = self.comm.Dup()
+        elif self.rank == 0:
+            print("flodl-mpi: MPI provides less than THREAD_MULTIPLE: the stall watchdog times each rank's own "
+                  "waits (a rank waiting longer than --stall-timeout for a slower one is taken for stalled)",
+                  file=sys.stderr, flush=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the watchdog before the rank exits. Collective: every rank calls it when it leaves.
+
+        A rank that leaves alone, on its own error, aborts the world instead.
+        Blocks until every rank's watchdog has seen every rank exiting (one or
+        two heartbeat exchanges once the last rank calls it); while it waits,
+        the watchdog still fires if the others make no progress.
+        """
+        self.round_started("the exit")  # a rank still at work (a final save, say) is the one named
+        self._closing = True
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ---- the watchdog thread ------------------------------------------------------------
+
+    def _beat(self, now: float) -> np.ndarray:
+        act = self._act
+        if act.waiting_in is not None:
+            doing = f"waiting for the others in {act.waiting_in}"
+        else:
+            doing = f"working on {act.working_on}" if act.working_on else "working"
+        text = f"{doing} (last progress: {act.last})".encode()[:_TEXT_BYTES]
+        return np.array([(now - act.progress_at, self.stall_timeout, act.waiting_in is not None, self._closing,
+                          text)], dtype=BEAT_DTYPE)
+
+    def _run(self) -> None:
+        if self._hb_comm is None:
+            self._run_local()
+        else:
+            self._run_heartbeats(self._hb_comm)
+
+    def _run_local(self) -> None:
+        while not self._closing:
             time.sleep(0.5)
             now = time.monotonic()
-            since = self._round_since
-            if since is not None and now - since > self.stall_timeout:
-                self._fire(EXIT_STALL, f"{self._what} made no progress for {now - since:.0f} s "
+            self._check_exit(now)
+            act = self._act
+            if act.wait_since is not None and now - act.wait_since > self.stall_timeout:
+                self._fire(EXIT_STALL, f"{act.waiting_in} made no progress for {now - act.wait_since:.0f} s "
                            f"(stall timeout {self.stall_timeout:g} s; a peer may be hung or dead)")
-            if self._exit_by is not None and now > self._exit_by:
-                self._fire(EXIT_ERROR, f"the rank did not exit within {self.exit_grace:g} s of an error")
+
+    def _run_heartbeats(self, comm: MPI.Comm) -> None:
+        recv = np.zeros(comm.size, dtype=BEAT_DTYPE)
+        last, last_done = None, 0.0
+        while True:
+            # -- post this rank's beat; the exchange completes once every rank posted its own
+            posted = time.monotonic()
+            send = self._beat(posted)
+            request = comm.Iallgather([send.view(np.uint8), MPI.BYTE], [recv.view(np.uint8), MPI.BYTE])
+            while not request.Test():
+                now = time.monotonic()
+                self._check_exit(now)
+                why = overdue_verdict(now - posted, self.stall_timeout, self.rank, last, now - last_done)
+                if why is not None:
+                    self._fire(EXIT_STALL, why)
+                time.sleep(_POLL_S)
+            beats, last_done = recv.copy(), time.monotonic()
+            # -- decide from the gathered beats only: every rank decides alike
+            if bool(beats["exiting"].all()):
+                break
+            why = stall_verdict(beats)
+            if why is not None:
+                self._fire_cohort(comm, why)
+            last = beats
+            # -- wait for the next beat (at once when leaving: close() is waiting)
+            due = posted + heartbeat_period(float(beats["timeout"].max()))
+            while not self._closing and (now := time.monotonic()) < due:
+                self._check_exit(now)
+                time.sleep(min(_POLL_S, due - now))
+        comm.Free()
+
+    def _check_exit(self, now: float) -> None:
+        if self._exit_by is not None and now > self._exit_by:
+            self._fire(EXIT_ERROR, f"the rank did not exit within {self.exit_grace:g} s of an error")
 
     def _fire(self, code: int, why: str) -> None:
+        """This rank alone decided: say why, dump its stacks, abort the world."""
         print(f"flodl-mpi: rank {self.rank}: watchdog: {why}; stacks follow, then the job is aborted",
               file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         abort(code)
+
+    def _fire_cohort(self, comm: MPI.Comm, why: str) -> None:
+        """Every rank decided alike: rank 0 says why, every rank dumps its stacks, then the abort."""
+        if self.rank == 0:
+            print(f"flodl-mpi: watchdog: {why}; every rank's stacks follow, then the job is aborted",
+                  file=sys.stderr, flush=True)
+        print(f"flodl-mpi: rank {self.rank}: watchdog: this rank's stacks:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        # Let the other ranks dump theirs before the abort ends them (bounded: a
+        # rank may be frozen).
+        request = comm.Ibarrier()
+        deadline = time.monotonic() + _DUMP_WAIT_S
+        while not request.Test() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        abort(EXIT_STALL)

@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STALL, InputError
+from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, InputError
 from flodl_mpi.world import check_world_size
 from tests.conftest import run_flodl
 
@@ -87,19 +87,6 @@ def test_model_with_too_few_outputs_is_bad_input(tmp_path):
     assert not (tmp_path / "r").exists()  # bad input creates no run directory
 
 
-def test_a_rank_hung_in_setup_is_ended_by_the_watchdog(tmp_path):
-    module = tmp_path / "net.py"
-    module.write_text("import os, time, torch\n"
-                      "def make(input_shape, num_classes):\n"
-                      "    if os.environ.get('PMI_RANK') == '1':\n"
-                      "        time.sleep(600)\n"
-                      "    return torch.nn.Linear(input_shape[0], num_classes)\n")
-    proc = run_flodl(2, "train", "--model", f"{module}:make", "--stall-timeout", "3",
-                     "--run-dir", str(tmp_path / "r"), timeout=120)
-    assert proc.returncode == EXIT_STALL, proc.stderr
-    assert "watchdog: setup step 'model' made no progress" in proc.stderr
-
-
 @pytest.mark.parametrize("kind", ["bridge", "step"])
 def test_injected_error_ends_the_job_in_seconds(tmp_path, kind):
     t0 = time.monotonic()
@@ -126,13 +113,6 @@ def test_a_writer_failure_on_rank_0_ends_the_job_and_keeps_what_was_written(tmp_
     # and ended the job at the next round instead of training on without saving.
     assert latest_checkpoint(run_dir / "checkpoints.moved-by-fault").name == "ckpt-e000001-r000023.h5"
     assert len(read_table(run_dir / "metrics.h5", "rounds")["round"]) <= 47
-
-
-def test_a_hung_rank_is_ended_by_the_watchdog(tmp_path):
-    proc = run_flodl(2, "train", *QUICK, "--run-dir", str(tmp_path / "r"), "--inject-fault", "hang@1:2",
-                     "--stall-timeout", "3", timeout=120)
-    assert proc.returncode == EXIT_STALL, proc.stderr
-    assert "watchdog: a round made no progress" in proc.stderr
 
 
 def test_flags_override_the_config_file_with_what_they_imply(tmp_path):
