@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("optimization")
     g.add_argument("--epochs", type=int, help=f"passes over the training set (default {d.epochs})")
     g.add_argument("--batch-size", type=int, help=f"samples per batch per rank; a lone sample left at an epoch's end joins the batch before it (default {d.batch_size})")
-    g.add_argument("--lr", type=float, help=f"learning rate (default {d.lr:g})")
+    g.add_argument("--lr", type=float, help=f"each rank's optimizer's learning rate (default {d.lr:g})")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"each rank's optimizer (default {d.optimizer})")
     g.add_argument("--momentum", type=float, help=f"momentum of --optimizer sgd (default {d.momentum})")
     g.add_argument("--weight-decay", type=float, help=f"the optimizer's weight decay (default {d.weight_decay:g})")

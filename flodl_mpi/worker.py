@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -374,6 +375,7 @@ class Trainer:
         if kind == "step":
             raise InjectedFault(f"injected fault in the training step (rank {self.rank}, round {f.round})")
         if kind == "hang":
+            print(f"injected fault: rank {self.rank} hangs in round {f.round}", file=sys.stderr, flush=True)
             while True:  # the peers' watchdogs must end the job
                 time.sleep(1.0)
         if kind == "nan":
