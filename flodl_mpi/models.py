@@ -229,6 +229,8 @@ def _state_kept(model: nn.Module, device: torch.device) -> Iterator[None]:
             for name, t in table.items():
                 if t is not None:
                     saved.append((table, name, t, t.detach().to("cpu", copy=True), t.grad))
+    for _, _, t, _, _ in saved:
+        t.grad = None  # backward would accumulate into an existing gradient in place
     modes = [(m, m.training) for m in model.modules()]
     rng_devices = [device] if device.type == "cuda" else []
     try:

@@ -290,3 +290,12 @@ def test_every_option_has_a_sentence_and_no_test_machinery():
     text = train.format_help()
     assert "inject" not in text and "FLODL_MPI_FAULT" not in text
     assert not [name for name in TrainConfig.field_names() if "fault" in name]
+
+
+def test_the_fault_hook_is_read_from_the_environment_only():
+    from flodl_mpi.faults import Fault, active_fault
+
+    assert active_fault({}) is None and active_fault({"FLODL_MPI_FAULT": ""}) is None
+    assert active_fault({"FLODL_MPI_FAULT": "nan@0:40"}) == Fault("nan", 0, 40)
+    with pytest.raises(ValueError, match="FLODL_MPI_FAULT kind must be one of bridge, step, hang, nan, disk"):
+        active_fault({"FLODL_MPI_FAULT": "boom@0:1"})

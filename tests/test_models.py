@@ -251,6 +251,7 @@ def test_training_step_probe_changes_nothing():
     model = torch.nn.Sequential(digits_mlp((64,), 10, hidden=16), torch.nn.Dropout(0.5))
     model.eval()
     model[0][2].train()  # a mixed mode, kept as it was
+    model[0][1].weight.grad = torch.ones_like(model[0][1].weight)  # a gradient there already stays as it is
     before = _state(model)
     modes = [m.training for m in model.modules()]
     x, y = torch.rand(5, 64), torch.arange(5)
@@ -260,6 +261,7 @@ def test_training_step_probe_changes_nothing():
     assert [m.training for m in model.modules()] == modes
     assert torch.equal(torch.get_rng_state(), rng)
     # The probe did run a training step: the same step outside it moves the running mean.
+    model.zero_grad()
     model.train()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     assert not torch.equal(model[0][2].running_mean, before[-3][2]) and model[0][2].num_batches_tracked == 1
