@@ -93,7 +93,8 @@ def _smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str
         raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} leaves no batch: the training set has "
                          f"{n_samples} samples; lower --batch-size")
     if k < cfg.batch_size:  # the short last batch of an epoch
-        return k, f"add --drop-last, or choose a --batch-size that leaves no short batch of {n_samples} samples"
+        return k, (f"it is the last batch of each epoch of {n_samples} samples; add --drop-last or change "
+                   "--batch-size")
     return k, "raise --batch-size"
 
 

@@ -89,11 +89,11 @@ def test_existing_run_dir_is_never_overwritten(tmp_path, earlier):
     proc = run_flodl(2, "train", *QUICK, "--run-dir", str(run_dir), timeout=120)
     assert proc.returncode == EXIT_INPUT
     if earlier == "config.json":  # a flodl-mpi run: say how to continue it
-        assert error_lines(proc) == [f"flodl-mpi: error: --run-dir '{run_dir}' holds a flodl-mpi run: add --resume "
-                                     "to continue it, or choose a new or empty directory (nothing in it was touched)"]
+        assert error_lines(proc) == [(f"flodl-mpi: error: --run-dir '{run_dir}' holds a flodl-mpi run: add --resume "
+                                     "to continue it, or choose a new or empty directory (nothing in it was touched)")]
     else:
-        assert error_lines(proc) == [f"flodl-mpi: error: --run-dir '{run_dir}' is not empty (it may hold another "
-                                     "run); choose a new or empty directory so nothing saved is overwritten"]
+        assert error_lines(proc) == [(f"flodl-mpi: error: --run-dir '{run_dir}' is not empty (it may hold another "
+                                     "run); choose a new or empty directory so nothing saved is overwritten")]
     assert (run_dir / earlier).read_bytes() == b"earlier work"
     assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()) == [earlier]
 
@@ -103,8 +103,8 @@ def test_model_with_too_few_outputs_is_bad_input(tmp_path):
     module.write_text("import torch\ndef make(input_shape):\n    return torch.nn.Linear(input_shape[0], 3)\n")
     proc = run_flodl(2, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=120)
     assert proc.returncode == EXIT_INPUT, proc.stderr
-    assert error_lines(proc) == [f"flodl-mpi: error: --model '{module}:make': outputs 3 logits per sample but "
-                                 "the data has 10 classes (labels 0..9)"]
+    assert error_lines(proc) == [(f"flodl-mpi: error: --model '{module}:make': outputs 3 logits per sample but "
+                                 "the data has 10 classes (labels 0..9)")]
     assert not (tmp_path / "r").exists()  # bad input creates no run directory
 
 
@@ -122,8 +122,8 @@ def test_a_rank_hung_in_setup_is_ended_by_the_watchdog(tmp_path):
 
 
 @pytest.mark.parametrize("kind, where", [
-    ("bridge", "rank 1: error: RoundError: rank 1: averaging round 3 failed at stage 'params reduce': "
-               "InjectedFault: injected fault in the bridge (rank 1, round 3); aborting the job"),
+    ("bridge", ("rank 1: error: RoundError: rank 1: averaging round 3 failed at stage 'params reduce': "
+               "InjectedFault: injected fault in the bridge (rank 1, round 3); aborting the job")),
     ("step", "rank 1: error: InjectedFault: injected fault in the training step (rank 1, round 3); aborting the job"),
 ])
 def test_injected_error_ends_the_job_in_seconds(tmp_path, kind, where):
@@ -251,10 +251,10 @@ def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path, si
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--batch-size", "1"), "the built-in model fails on a training batch of 1 sample (BatchNorm needs more than "
-                            "1 value per channel): raise --batch-size"),
-    (("--batch-size", "2000", "--drop-last"), "--drop-last with --batch-size 2000 leaves no batch: the training set "
-                                              "has 1437 samples; lower --batch-size"),
+    (("--batch-size", "1"), ("the built-in model fails on a training batch of 1 sample (BatchNorm needs more than "
+                            "1 value per channel): raise --batch-size")),
+    (("--batch-size", "2000", "--drop-last"), ("--drop-last with --batch-size 2000 leaves no batch: the training set "
+                                              "has 1437 samples; lower --batch-size")),
 ])
 def test_a_batch_the_model_cannot_train_on_is_refused_before_any_epoch(tmp_path, args, message):
     """BatchNorm on a 1-sample batch used to fail after a whole epoch of work, in every epoch."""
@@ -269,8 +269,8 @@ def test_a_batch_the_model_cannot_train_on_is_refused_before_any_epoch(tmp_path,
 def test_a_malformed_fault_hook_is_refused():
     proc, elapsed = timed(2, "train", "--epochs", "1", env=fault("bridge@one"), timeout=400)
     assert proc.returncode == EXIT_INPUT, proc.stderr
-    assert error_lines(proc) == ["flodl-mpi: error: FLODL_MPI_FAULT must look like KIND@RANK:ROUND (e.g. bridge@1:3), "
-                                 "got 'bridge@one'"]
+    assert error_lines(proc) == [("flodl-mpi: error: FLODL_MPI_FAULT must look like KIND@RANK:ROUND (e.g. bridge@1:3), "
+                                 "got 'bridge@one'")]
     assert elapsed < PROMPT_S
 
 
