@@ -474,7 +474,8 @@ def _non_finite_message(round_: int, flags: np.ndarray, on_non_finite: str) -> s
 
 def _epoch_row(s: EpochSummary, time_s: float) -> dict[str, np.ndarray]:
     row = {
-        "epoch": s.epoch, "time_s": time_s, "rounds": s.rounds, "avg_loss": s.avg_loss,
+        # epoch counted from 1, as in the log and the checkpoint names
+        "epoch": s.epoch + 1, "time_s": time_s, "rounds": s.rounds, "avg_loss": s.avg_loss,
         "epoch_ms": s.epoch_ms, "batches": s.batches, "per_rank_loss": s.per_rank_loss,
         "per_rank_batches": s.per_rank_batches, "per_rank_samples": s.per_rank_samples,
         "per_rank_throughput": s.per_rank_throughput, "per_rank_batch_share": s.per_rank_batch_share,

@@ -64,40 +64,65 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train one replica per rank; a bridge thread averages parameters.")
     d = TrainConfig()
     g = t.add_argument_group("data and model")
-    g.add_argument("--data", metavar="FILE.h5", help="HDF5 file with train/test datasets (default: built-in digits)")
-    for name in ("train_x", "train_y", "test_x", "test_y"):
-        g.add_argument(f"--{name.replace('_', '-')}", metavar="NAME", help=f"dataset name in --data (default {getattr(d, name)})")
-    g.add_argument("--model", metavar="MODULE:FACTORY", help="model factory (default: built-in MLP)")
+    g.add_argument("--data", metavar="FILE.h5",
+                   help="HDF5 file with the train and test datasets (default: the built-in digits, cached in "
+                        "$FLODL_MPI_DATA_DIR or ~/.cache/flodl_mpi)")
+    roles = {"train_x": "training features", "train_y": "training labels", "test_x": "test features",
+             "test_y": "test labels"}
+    for name, role in roles.items():
+        g.add_argument(f"--{name.replace('_', '-')}", metavar="NAME",
+                       help=f"name of the {role} dataset inside --data (default {getattr(d, name)})")
+    g.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="function or class that builds the model, as module:name or path/to/file.py:name; it may "
+                        "take input_shape and num_classes (default: the built-in MLP with BatchNorm)")
     g = t.add_argument_group("optimization")
-    g.add_argument("--epochs", type=int, help=f"default {d.epochs}")
-    g.add_argument("--batch-size", type=int, help=f"samples per batch per rank (default {d.batch_size})")
-    g.add_argument("--lr", type=float, help=f"learning rate (default {d.lr:g})")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"default {d.optimizer}")
-    g.add_argument("--momentum", type=float, help=f"sgd momentum (default {d.momentum})")
-    g.add_argument("--weight-decay", type=float, help=f"default {d.weight_decay}")
-    g.add_argument("--seed", type=int, help=f"data order and init (default {d.seed})")
+    g.add_argument("--epochs", type=int, help=f"passes over the training set (default {d.epochs})")
+    g.add_argument("--batch-size", type=int,
+                   help="samples per batch per rank; a lone sample left at an epoch's end joins the batch before "
+                        f"it (default {d.batch_size})")
+    g.add_argument("--lr", type=float, help=f"each rank's optimizer's learning rate (default {d.lr:g})")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"each rank's optimizer (default {d.optimizer})")
+    g.add_argument("--momentum", type=float, help=f"momentum of --optimizer sgd (default {d.momentum})")
+    g.add_argument("--weight-decay", type=float, help=f"the optimizer's weight decay (default {d.weight_decay:g})")
+    g.add_argument("--drop-last", action="store_true", default=None,
+                   help="drop each epoch's incomplete last batch (as PyTorch's DataLoader) instead of training on it")
+    g.add_argument("--seed", type=int, help=f"seed of the data order and the model's initial values (default {d.seed})")
     g = t.add_argument_group("averaging")
-    g.add_argument("--policy", choices=POLICIES, help="sync: a round after every batch; window: every --window batches")
-    g.add_argument("--window", type=int, help="batches per rank between rounds (implies --policy window)")
-    g.add_argument("--gamma", type=float, help=f"mass exponent: rank weight = steps**gamma (default {d.gamma:g})")
-    g.add_argument("--chunk-elems", type=int, help=f"float32 elements per Allreduce piece (default {d.chunk_elems})")
+    g.add_argument("--policy", choices=POLICIES,
+                   help="when ranks average: sync after every batch, window after every --window batches "
+                        f"(default {d.policy})")
+    g.add_argument("--window", type=int,
+                   help="batches each rank trains between rounds; above 1 it implies --policy window")
+    g.add_argument("--gamma", type=float,
+                   help=f"mass exponent: a rank's weight in the average is its steps**gamma (default {d.gamma:g})")
+    g.add_argument("--chunk-elems", type=int,
+                   help=f"float32 elements per Allreduce piece; a tuning knob (default {d.chunk_elems})")
     g.add_argument("--on-non-finite", choices=ON_NON_FINITE,
                    help="a rank whose loss or parameters are NaN/Inf: quarantine it for the round (mass 0, it "
                         "adopts the others' consensus; the job stops only when no rank is finite), or stop the "
                         f"job (default {d.on_non_finite})")
-    g.add_argument("--stall-timeout", type=float, help="seconds without progress on any rank (or without the ranks' heartbeats) before the job is "
-                        f"aborted with exit 3; a rank waiting for a slower one is not stalled (default {d.stall_timeout:g})")
+    g.add_argument("--stall-timeout", type=float,
+                   help="seconds without progress on any rank (or without the ranks' heartbeats) before the "
+                        "watchdog ends the job with exit 3; a rank waiting for a slower one that still trains is "
+                        f"not stalled (default {d.stall_timeout:g})")
     g = t.add_argument_group("run")
-    g.add_argument("--run-dir", metavar="DIR", help="output directory (default runs/<UTC time>)")
+    g.add_argument("--run-dir", metavar="DIR",
+                   help="where the run writes config, metrics.h5, checkpoints and train.log; must be new or "
+                        "empty unless --resume (default runs/<UTC time>)")
     g.add_argument("--resume", action="store_true", default=None,
                    help="continue the run in --run-dir from its newest complete checkpoint "
                         "(or start it, if it has none)")
-    g.add_argument("--checkpoint-every", type=int, help=f"epochs between checkpoints, 0 = last only (default {d.checkpoint_every})")
-    g.add_argument("--keep-checkpoints", type=int, help=f"default {d.keep_checkpoints}")
-    g.add_argument("--device", choices=DEVICES, help="auto: CUDA when present, else CPU")
-    g.add_argument("--eval-batch-size", type=int, help=f"default {d.eval_batch_size}")
-    g.add_argument("--config", metavar="FILE.toml", help="TOML file of the options above; flags override it")
-    g.add_argument("--inject-fault", metavar="KIND@RANK:ROUND", help=argparse.SUPPRESS)
+    g.add_argument("--checkpoint-every", type=int,
+                   help=f"epochs between checkpoints; 0 saves only the last (default {d.checkpoint_every})")
+    g.add_argument("--keep-checkpoints", type=int,
+                   help=f"newest checkpoints kept; older ones are deleted (default {d.keep_checkpoints})")
+    g.add_argument("--device", choices=DEVICES,
+                   help="where each rank trains; auto: a GPU per local rank when CUDA is present, else the CPU "
+                        f"(default {d.device})")
+    g.add_argument("--eval-batch-size", type=int,
+                   help=f"samples per batch when evaluating the test set (default {d.eval_batch_size})")
+    g.add_argument("--config", metavar="FILE.toml",
+                   help="TOML file of the options above (keys as the long options); flags override it")
     g = t.add_argument_group("output")
     g.add_argument("-v", "--verbose", action="count", default=0, help="more detail (per-rank lines each epoch)")
     g.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (train.log keeps all)")

@@ -48,6 +48,7 @@ class TrainConfig:
     model: str | None = None          # module:factory; None = built-in MLP
     epochs: int = 10                  # passes over the training set
     batch_size: int = 32              # samples per batch, per rank
+    drop_last: bool = False           # drop each epoch's short last batch (else a lone sample is folded in)
     lr: float = 1e-3                  # learning rate
     optimizer: str = "adam"           # one of OPTIMIZERS
     momentum: float = 0.9             # sgd only
@@ -65,7 +66,6 @@ class TrainConfig:
     chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
     on_non_finite: str = "quarantine"  # one of ON_NON_FINITE: a rank with NaN/Inf loss or params
     eval_batch_size: int = 1024       # samples per evaluation batch
-    inject_fault: str | None = None   # tests only: KIND@RANK:ROUND (see flodl_mpi.faults)
 
     def __post_init__(self) -> None:
         def need(cond: bool, option: str, value: Any, allowed: str) -> None:
@@ -95,12 +95,9 @@ class TrainConfig:
             raise ConfigError(f"--window {self.window} contradicts --policy sync (a round after every batch); "
                               "use --policy window")
         need(isinstance(self.resume, bool), "resume", self.resume, "true or false")
+        need(isinstance(self.drop_last, bool), "drop_last", self.drop_last, "true or false")
         if self.resume and self.run_dir is None:
             raise ConfigError("--resume needs --run-dir: the run directory to continue")
-        if self.inject_fault is not None:
-            from flodl_mpi.faults import parse_fault
-
-            parse_fault(self.inject_fault)  # raises ValueError with the flag's name
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON-able values (saved as ``config.json`` and in checkpoints)."""

@@ -27,6 +27,7 @@ __all__ = [
     "epoch_permutation",
     "load_dataset",
     "num_batches",
+    "smallest_batch",
     "write_digits",
 ]
 
@@ -289,27 +290,68 @@ def epoch_permutation(n_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n_samples).astype(np.int64)
 
 
-def num_batches(n_samples: int, batch_size: int) -> int:
-    """Number of batches of ``batch_size`` covering ``n_samples`` (the last may be short).
+def num_batches(n_samples: int, batch_size: int, drop_last: bool = False) -> int:
+    """Number of global batches in an epoch of ``n_samples`` (the batch plan).
+
+    The plan cuts the epoch's order into batches of ``batch_size``. The last one
+    holds what is left over, with one exception: a lone sample left over
+    (``n_samples % batch_size == 1``, ``n_samples > 1``) is folded into the batch
+    before it, which then holds ``batch_size + 1`` samples, because a batch of one
+    sample fails in a model with BatchNorm in training mode. With ``drop_last``
+    the left-over samples (``n_samples % batch_size`` of them, different ones each
+    epoch) are not trained on, as PyTorch's ``DataLoader(drop_last=True)``.
+
+    Either way every sample of the plan is in exactly one batch per epoch.
+
+    Examples: 1437 samples in batches of 4 give 359 batches (358 of 4, the last
+    of 5); of 32, 45 batches (the last of 29); of 32 with ``drop_last``, 44.
 
     Raises:
         TypeError: not an int. ValueError: ``n_samples`` < 0 or ``batch_size`` < 1.
     """
     n_samples = _check_int(n_samples, "n_samples", 0)
     batch_size = _check_int(batch_size, "batch_size", 1)
-    return -(-n_samples // batch_size)
+    if drop_last:
+        return n_samples // batch_size
+    count = -(-n_samples // batch_size)
+    if count > 1 and n_samples % batch_size == 1:
+        count -= 1  # the lone sample joins the batch before it
+    return count
 
 
-def batch_indices(perm: np.ndarray, batch_size: int, batch: int) -> np.ndarray:
-    """Sample indices of global batch ``batch`` (0-based): ``perm[batch*bs:(batch+1)*bs]``.
+def smallest_batch(n_samples: int, batch_size: int, drop_last: bool = False) -> int:
+    """Samples in the smallest batch of the plan of ``num_batches`` (0 if it has no batch).
+
+    E.g. ``smallest_batch(1437, 32) == 29``, ``smallest_batch(1437, 4) == 4``,
+    ``smallest_batch(10, 32) == 10``, ``smallest_batch(10, 32, drop_last=True) == 0``.
+
+    Raises:
+        TypeError: not an int. ValueError: ``n_samples`` < 0 or ``batch_size`` < 1.
+    """
+    count = num_batches(n_samples, batch_size, drop_last)
+    if count == 0:
+        return 0
+    if count == 1:
+        return min(n_samples, batch_size) if drop_last else n_samples
+    rest = n_samples - (count - 1) * batch_size  # samples in the last batch
+    return min(batch_size, rest)
+
+
+def batch_indices(perm: np.ndarray, batch_size: int, batch: int, drop_last: bool = False) -> np.ndarray:
+    """Sample indices of global batch ``batch`` (0-based) in the plan of ``num_batches``.
+
+    ``perm[batch*bs:(batch+1)*bs]``, except the last batch: it runs to the end of
+    ``perm`` (so it holds a folded lone sample, ``bs + 1`` samples), or, with
+    ``drop_last``, stops at ``bs`` samples.
 
     Args:
         perm: 1-D index array, e.g. from ``epoch_permutation``.
-        batch_size: samples per batch, >= 1; the last batch may be shorter.
-        batch: 0 <= batch < ``num_batches(len(perm), batch_size)``.
+        batch_size: samples per batch, >= 1.
+        batch: 0 <= batch < ``num_batches(len(perm), batch_size, drop_last)``.
+        drop_last: as in ``num_batches``.
 
     Returns:
-        A view of ``perm``, shape (<= batch_size,).
+        A view of ``perm``, shape (k,) with 1 <= k <= batch_size + 1.
 
     Raises:
         ValueError: ``perm`` is not 1-D. TypeError/ValueError: bad ``batch_size``.
@@ -317,9 +359,11 @@ def batch_indices(perm: np.ndarray, batch_size: int, batch: int) -> np.ndarray:
     """
     if np.ndim(perm) != 1:
         raise ValueError(f"perm must be 1-D, got shape {np.shape(perm)}")
-    count = num_batches(len(perm), batch_size)
+    count = num_batches(len(perm), batch_size, drop_last)
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)):
         raise TypeError(f"batch must be an int, got {type(batch).__name__} {batch!r}")
     if not 0 <= batch < count:
         raise IndexError(f"batch must be in [0, {count}), got {batch}")
-    return perm[batch * batch_size : (batch + 1) * batch_size]
+    start = batch * batch_size
+    last = batch == count - 1 and not drop_last
+    return perm[start:] if last else perm[start : start + batch_size]

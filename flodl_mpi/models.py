@@ -7,18 +7,20 @@ parameters floating point, or raises ``ModelSpecError`` with one line saying why
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["ModelSpecError", "build_model", "check_model_output", "digits_mlp", "model_signature"]
+__all__ = ["ModelSpecError", "build_model", "check_model_output", "check_training_step", "digits_mlp",
+           "model_signature"]
 
 
 class ModelSpecError(ValueError):
@@ -214,6 +216,70 @@ def check_model_output(model: nn.Module, sample: torch.Tensor, num_classes: int,
     if out.shape[1] < num_classes:
         raise ModelSpecError(f"{name}: outputs {out.shape[1]} logits per sample but the data has "
                              f"{num_classes} classes (labels 0..{num_classes - 1})")
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Put back everything a training step may change: values and identity of every
+    parameter and buffer (running stats, ``num_batches_tracked``), gradients, each
+    module's training flag, and the torch RNG (CPU, and ``device`` if CUDA)."""
+    saved = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):  # what state_dict reads too
+            for name, t in table.items():
+                if t is not None:
+                    saved.append((table, name, t, t.detach().to("cpu", copy=True), t.grad))
+    for _, _, t, _, _ in saved:
+        t.grad = None  # backward would accumulate into an existing gradient in place
+    modes = [(m, m.training) for m in model.modules()]
+    rng_devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=rng_devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for table, name, t, value, grad in saved:
+                table[name] = t  # the same object, in case forward re-assigned the attribute
+                t.copy_(value)
+                t.grad = grad
+        for m, mode in modes:
+            m.training = mode
+
+
+def check_training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec: str | None,
+                        remedy: str) -> None:
+    """Run one training-mode forward and backward, as the training step does, and undo it.
+
+    Anything that would fail in a training step fails here, at setup, before any
+    epoch: e.g. BatchNorm on a batch of 1 sample. Afterwards the model is exactly as
+    before (parameters, buffers, gradients, modes, RNG; see ``_state_kept``).
+
+    Args:
+        model: the built model, on ``x``'s device.
+        x: float32 ``(k, *input_shape)``, k >= 1: the smallest batch the batch plan makes.
+        y: int64 ``(k,)`` labels.
+        spec: the ``--model`` text, for messages (None: the built-in model).
+        remedy: what the user can change, appended to the message (e.g. "raise --batch-size").
+
+    Raises:
+        ModelSpecError: the forward pass, the loss or the backward pass raised; one line
+            naming the batch size, the reason and ``remedy``.
+    """
+    name = f"--model {spec!r}" if spec is not None else "the built-in model"
+    k = int(x.shape[0])
+    try:
+        with _state_kept(model, x.device):
+            model.train()
+            loss = nn.functional.cross_entropy(model(x), y)  # the loss Trainer uses
+            loss.backward()
+    except Exception as exc:  # user code
+        text = str(exc)
+        if "Expected more than 1 value per channel when training" in text:
+            reason = "BatchNorm needs more than 1 value per channel"
+        else:
+            reason = _describe(exc)
+        raise ModelSpecError(f"{name} fails on a training batch of {k} sample{'s' if k != 1 else ''} "
+                             f"({reason}): {remedy}") from exc
 
 
 def _dtype(tensor) -> str:

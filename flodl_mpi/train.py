@@ -34,11 +34,19 @@ from flodl_mpi.checkpoint import (
 )
 from flodl_mpi.cli import config_from_args
 from flodl_mpi.config import TrainConfig
-from flodl_mpi.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset, num_batches
+from flodl_mpi.data import (
+    DEFAULT_NAMES,
+    Dataset,
+    default_digits_path,
+    ensure_digits,
+    load_dataset,
+    num_batches,
+    smallest_batch,
+)
 from flodl_mpi.errors import CohortError, InputError
-from flodl_mpi.faults import InjectedFault, parse_fault
+from flodl_mpi.faults import InjectedFault, active_fault
 from flodl_mpi.metrics import MetricsWriter, WriterError
-from flodl_mpi.models import build_model, check_model_output, model_signature
+from flodl_mpi.models import build_model, check_model_output, check_training_step, model_signature
 from flodl_mpi.progress import EpochProgress, stdout_is_terminal
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
@@ -75,6 +83,30 @@ def _load_data(cfg: TrainConfig, world: World, watchdog: Watchdog) -> Dataset:
     return agree(world.comm, "data", lambda: load_dataset(path, names), watchdog)
 
 
+def _smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str]:
+    """The smallest batch the batch plan makes, and what to change if the model fails on it.
+
+    Raises:
+        ValueError: ``--drop-last`` leaves no batch at all.
+    """
+    k = smallest_batch(n_samples, cfg.batch_size, cfg.drop_last)
+    if k == 0:
+        raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} leaves no batch: the training set has "
+                         f"{n_samples} samples; lower --batch-size")
+    if k < cfg.batch_size:  # the short last batch of an epoch
+        return k, (f"it is the last batch of each epoch of {n_samples} samples; add --drop-last or change "
+                   "--batch-size")
+    return k, "raise --batch-size"
+
+
+def _describe_policy(cfg: TrainConfig) -> str:
+    """The header's words for when ranks average, e.g. ``policy window (4 batches per rank per round)``."""
+    if cfg.policy == "sync":
+        return "policy sync (a round after every batch)"
+    per = f"{cfg.window} batch{'es' if cfg.window != 1 else ''}"
+    return f"policy {cfg.policy} ({per} per rank per round)"
+
+
 def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
     """Rank 0 claims the run directory: a new or empty one, or with ``--resume`` a run's own.
 
@@ -90,6 +122,9 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
             if run_dir.exists() and not run_dir.is_dir():
                 raise ValueError(f"--run-dir {cfg.run_dir!r}: exists and is not a directory")
             if run_dir.is_dir() and any(run_dir.iterdir()):
+                if not cfg.resume and (run_dir / "config.json").is_file():
+                    raise ValueError(f"--run-dir {cfg.run_dir!r} holds a flodl-mpi run: add --resume to continue "
+                                     "it, or choose a new or empty directory (nothing in it was touched)")
                 if not cfg.resume:
                     raise ValueError(f"--run-dir {cfg.run_dir!r} is not empty (it may hold another run); "
                                      "choose a new or empty directory so nothing saved is overwritten")
@@ -114,7 +149,7 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
 
 #: Options a resumed run must share with the checkpoint's run: they decide the
 #: model, the data order, the windows and the optimizer state's meaning.
-RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "seed",
+RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "drop_last", "seed",
                      "policy", "window", "gamma", "optimizer")
 
 
@@ -265,7 +300,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list
     # -- config, device, data
     cfg = agree(comm, "config", lambda: config_from_args(args), watchdog)
     watchdog.stall_timeout = cfg.stall_timeout
-    fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
+    fault = agree(comm, "config", active_fault, watchdog)  # tests only: FLODL_MPI_FAULT
     torch.set_num_threads(torch_threads(world.local_size))
     device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
     data = _load_data(cfg, world, watchdog)
@@ -276,6 +311,9 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list
     def make_model() -> torch.nn.Module:
         model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
         check_model_output(model, torch.from_numpy(data.train.x[:2]).to(device), data.num_classes, cfg.model)
+        k, remedy = _smallest_training_batch(cfg, data.train.n)
+        check_training_step(model, torch.from_numpy(data.train.x[:k]).to(device),
+                            torch.from_numpy(data.train.y[:k]).to(device), cfg.model, remedy)
         return model
 
     model = agree(comm, "model", make_model, watchdog)
@@ -333,10 +371,10 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
 
     ranks = f"{world.size} rank{'s' if world.size > 1 else ''}"
-    log.info(f"flodl-mpi {__version__}: {ranks}, policy {cfg.policy} window {cfg.window}, "
+    log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
              f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
              f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
-    n_batches = num_batches(data.train.n, cfg.batch_size)
+    n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
     if n_batches < world.size:
         log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
                  f"rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 
 import numpy as np
@@ -369,7 +370,7 @@ class Trainer:
         cfg, model = self.cfg, self.replica.model
         t_epoch = time.perf_counter()
         perm = epoch_permutation(self.data.train.n, cfg.seed, epoch)
-        n_batches = num_batches(self.data.train.n, cfg.batch_size)
+        n_batches = num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)
         report, self._carried = (self._carried or EpochReport()), None
         rows: list[tuple] = []
         stopped = False
@@ -416,7 +417,7 @@ class Trainer:
     def _train_batch(self, perm: np.ndarray, b: int, epoch: int, report: EpochReport) -> tuple:
         cfg, dev = self.cfg, self.replica.device
         t0 = time.perf_counter()
-        idx = batch_indices(perm, cfg.batch_size, b)
+        idx = batch_indices(perm, cfg.batch_size, b, cfg.drop_last)
         x = torch.from_numpy(self.data.train.x[idx]).to(dev, non_blocking=True)
         y = torch.from_numpy(self.data.train.y[idx]).to(dev, non_blocking=True)
         t1 = time.perf_counter()
@@ -440,7 +441,7 @@ class Trainer:
         report.compute_ms += 1e3 * (t2 - t1)
         norm = self.replica.param_norm() if self.global_step % PARAM_NORM_EVERY == 0 else math.nan
         lr = self.optimizer.param_groups[0]["lr"]
-        return (self.rank, epoch, self.global_step, 1e3 * (t2 - t0), 1e3 * (t1 - t0), loss_value, lr, norm)
+        return (self.rank, epoch + 1, self.global_step, 1e3 * (t2 - t0), 1e3 * (t1 - t0), loss_value, lr, norm)
 
     def _adopt(self, update: RoundUpdate) -> None:
         if update.adopted:
@@ -464,7 +465,8 @@ class Trainer:
             self.writer.check()  # a disk error on rank 0 ends the job now, not at the end
             partial = ""
             if stopped:
-                partial = f" (stopped after {cursor} of {num_batches(self.data.train.n, cfg.batch_size)} batches)"
+                n_batches = num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)
+                partial = f" (stopped after {cursor} of {n_batches} batches)"
             self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}  "
                      f"test_loss {s.test_loss:.4f}  test_acc {s.test_accuracy:.4f}  rounds {s.rounds}  "
                      f"{s.epoch_ms / 1e3:.1f} s")
@@ -476,7 +478,7 @@ class Trainer:
         due = cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0
         if due or last or stopped:
             # A stop in the epoch's last window ended the epoch anyway: save it complete.
-            in_epoch = stopped and cursor < num_batches(self.data.train.n, cfg.batch_size)
+            in_epoch = stopped and cursor < num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)
             self.save_checkpoint(s, reason="graceful_shutdown" if stopped else "checkpoint",
                                  cursor=cursor if in_epoch else 0, report=report)
 
@@ -525,6 +527,7 @@ class Trainer:
         if kind == "step":
             raise InjectedFault(f"injected fault in the training step (rank {self.rank}, round {f.round})")
         if kind == "hang":
+            print(f"injected fault: rank {self.rank} hangs in round {f.round}", file=sys.stderr, flush=True)
             while True:  # the peers' watchdogs must end the job
                 time.sleep(1.0)
         if kind == "nan":

@@ -62,3 +62,39 @@ def test_validation():
         fit_quotas([1, 0], 3)
     with pytest.raises(ValueError, match="cursor"):
         plan_window([1, 1], 5, 5)
+
+
+@pytest.mark.parametrize("batch_size", [4, 2, 359, 718, 1436, 32])
+@pytest.mark.parametrize("quotas", [[1, 1], [4, 4, 4], [10, 3]])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_windows_over_the_batch_plan_give_every_sample_once_and_resume_at_any_window_end(batch_size, quotas,
+                                                                                        drop_last):
+    """The windows hand out the plan's batches (a lone sample folded in) and a resume cursor continues them."""
+    import numpy as np
+
+    from flodl_mpi.data import batch_indices, epoch_permutation, num_batches
+
+    n = 1437  # the digits' training samples
+    n_batches = num_batches(n, batch_size, drop_last)
+    perm = epoch_permutation(n, 0, 1)
+    plan = epoch_plan(quotas, n_batches)
+    samples = [batch_indices(perm, batch_size, b, drop_last)
+               for w in plan for start, count in zip(w.starts, w.counts) for b in range(start, start + count)]
+    seen = np.sort(np.concatenate(samples))
+    expected = np.arange(n) if not drop_last else np.sort(perm[: n_batches * batch_size])
+    np.testing.assert_array_equal(seen, expected)
+    assert min(len(s) for s in samples) >= 2
+    # A checkpoint saves the cursor at a window end; the resumed plan goes on exactly as the straight one.
+    step = max(1, len(plan) // 10)
+    for i in [*range(0, len(plan) - 1, step), len(plan) - 2]:
+        if i >= 0:
+            assert epoch_plan_from(quotas, n_batches, plan[i].end) == plan[i + 1:]
+
+
+def epoch_plan_from(quotas, n_batches, cursor):
+    windows = []
+    while cursor < n_batches:
+        w = plan_window(quotas, cursor, n_batches)
+        windows.append(w)
+        cursor = w.end
+    return windows

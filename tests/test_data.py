@@ -17,6 +17,7 @@ from flodl_mpi.data import (
     epoch_permutation,
     load_dataset,
     num_batches,
+    smallest_batch,
     write_digits,
 )
 
@@ -246,7 +247,8 @@ def test_permutation_validates(args, exc, match):
 
 
 def test_num_batches():
-    assert num_batches(10, 3) == 4
+    assert num_batches(11, 3) == 4
+    assert num_batches(10, 3) == 3  # 3 + 3 + 4: the lone sample is folded in
     assert num_batches(9, 3) == 3
     assert num_batches(0, 3) == 0
     assert num_batches(1437, 1437) == 1
@@ -254,22 +256,63 @@ def test_num_batches():
         num_batches(10, 0)
 
 
-@pytest.mark.parametrize("n, batch_size", [(23, 5), (20, 5), (7, 10), (1, 1)])
-def test_batches_cover_every_index_once(n, batch_size):
+def reference_plan(n, batch_size, drop_last=False):
+    """Batch sizes of an epoch worked out by hand: full batches, then the rest (a lone one folded back)."""
+    full, rest = divmod(n, batch_size)
+    sizes = [batch_size] * full
+    if drop_last or rest == 0:
+        return sizes
+    if rest == 1 and sizes:
+        sizes[-1] += 1
+        return sizes
+    return sizes + [rest]
+
+
+# The digits' 1437 training samples leave one sample over at each of these batch sizes.
+DIGITS_LONE = [4, 2, 359, 718, 1436]
+
+
+@pytest.mark.parametrize("n, batch_size", [(23, 5), (20, 5), (7, 10), (1, 1), (1, 4), (21, 5), (11, 10), (6, 5)]
+                         + [(1437, bs) for bs in DIGITS_LONE + [1, 32, 1437]])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batches_cover_every_index_once(n, batch_size, drop_last):
     perm = epoch_permutation(n, 0, 2)
-    count = num_batches(n, batch_size)
-    batches = [batch_indices(perm, batch_size, b) for b in range(count)]
-    assert [len(b) for b in batches] == [batch_size] * (n // batch_size) + (
-        [n % batch_size] if n % batch_size else []
-    )
-    np.testing.assert_array_equal(np.concatenate(batches), perm)
-    np.testing.assert_array_equal(np.sort(np.concatenate(batches)), np.arange(n))
+    count = num_batches(n, batch_size, drop_last)
+    batches = [batch_indices(perm, batch_size, b, drop_last) for b in range(count)]
+    sizes = reference_plan(n, batch_size, drop_last)
+    assert [len(b) for b in batches] == sizes
+    assert smallest_batch(n, batch_size, drop_last) == min(sizes, default=0)
+    seen = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+    np.testing.assert_array_equal(seen, perm[: sum(sizes)])  # in order, each sample once
+    if not drop_last:
+        np.testing.assert_array_equal(np.sort(seen), np.arange(n))  # every sample, every epoch
+
+
+@pytest.mark.parametrize("batch_size", DIGITS_LONE)
+def test_a_lone_left_over_sample_is_folded_into_the_last_batch(batch_size):
+    """1437 % bs == 1 used to end every epoch with a batch of 1 (fatal to BatchNorm)."""
+    assert 1437 % batch_size == 1
+    count = num_batches(1437, batch_size)
+    assert count == 1437 // batch_size
+    perm = epoch_permutation(1437, 3, 0)
+    last = batch_indices(perm, batch_size, count - 1)
+    assert len(last) == batch_size + 1 and last[-1] == perm[-1]
+    assert min(len(batch_indices(perm, batch_size, b)) for b in range(count)) >= batch_size >= 2
+    assert num_batches(1437, batch_size, drop_last=True) == count  # the lone sample dropped instead
+    assert len(batch_indices(perm, batch_size, count - 1, drop_last=True)) == batch_size
+
+
+def test_drop_last_drops_the_short_batch():
+    assert num_batches(1437, 32, drop_last=True) == 44 and num_batches(1437, 32) == 45
+    assert smallest_batch(1437, 32) == 29 and smallest_batch(1437, 32, drop_last=True) == 32
+    assert num_batches(10, 32, drop_last=True) == 0 and smallest_batch(10, 32, drop_last=True) == 0
+    assert smallest_batch(10, 32) == 10
 
 
 def test_batch_indices_out_of_range():
     perm = np.arange(10)
-    with pytest.raises(IndexError, match=r"batch must be in \[0, 4\), got 4"):
-        batch_indices(perm, 3, 4)
+    with pytest.raises(IndexError, match=r"batch must be in \[0, 3\), got 3"):
+        batch_indices(perm, 3, 3)
     with pytest.raises(IndexError, match=r"got -1"):
         batch_indices(perm, 3, -1)
     with pytest.raises(ValueError, match="perm must be 1-D"):

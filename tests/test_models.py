@@ -5,7 +5,7 @@ import textwrap
 import pytest
 import torch
 
-from flodl_mpi.models import ModelSpecError, build_model, digits_mlp, model_signature
+from flodl_mpi.models import ModelSpecError, build_model, check_training_step, digits_mlp, model_signature
 
 
 def model_file(tmp_path, body, name="usernet"):
@@ -225,3 +225,81 @@ def test_error_messages_are_one_line(tmp_path):
     with pytest.raises(ModelSpecError) as info:
         build_model(f"{path}:make", (3,), 2)
     assert str(info.value).endswith("factory raised ValueError: first second")
+
+
+# --------------------------------------------------------------------------- check_training_step
+
+
+def _state(model):
+    """Every parameter and buffer (values, object identity) and every gradient, as copies."""
+    return [(name, t, t.detach().clone(), None if t.grad is None else t.grad.clone())
+            for name, t in [*model.named_parameters(), *model.named_buffers()]]
+
+
+def _assert_same_state(model, before):
+    after = dict([*model.named_parameters(), *model.named_buffers()])
+    assert list(after) == [name for name, *_ in before]
+    for name, obj, value, grad in before:
+        assert after[name] is obj, name  # the same tensor object, still registered
+        assert torch.equal(obj.detach(), value), name
+        assert (obj.grad is None) == (grad is None) and (grad is None or torch.equal(obj.grad, grad)), name
+
+
+def test_training_step_probe_changes_nothing():
+    """Running stats, num_batches_tracked, params, grads, modes and the RNG are as before the probe."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(digits_mlp((64,), 10, hidden=16), torch.nn.Dropout(0.5))
+    model.eval()
+    model[0][2].train()  # a mixed mode, kept as it was
+    model[0][1].weight.grad = torch.ones_like(model[0][1].weight)  # a gradient there already stays as it is
+    before = _state(model)
+    modes = [m.training for m in model.modules()]
+    x, y = torch.rand(5, 64), torch.arange(5)
+    rng = torch.get_rng_state()
+    check_training_step(model, x, y, None, "raise --batch-size")
+    _assert_same_state(model, before)
+    assert [m.training for m in model.modules()] == modes
+    assert torch.equal(torch.get_rng_state(), rng)
+    # The probe did run a training step: the same step outside it moves the running mean.
+    model.zero_grad()
+    model.train()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert not torch.equal(model[0][2].running_mean, before[-3][2]) and model[0][2].num_batches_tracked == 1
+
+
+def test_training_step_probe_refuses_a_batch_of_one_with_batchnorm():
+    model = digits_mlp((64,), 10, hidden=16)
+    before = _state(model)
+    with pytest.raises(ModelSpecError) as info:
+        check_training_step(model, torch.rand(1, 64), torch.tensor([3]), None, "raise --batch-size")
+    assert str(info.value) == ("the built-in model fails on a training batch of 1 sample "
+                               "(BatchNorm needs more than 1 value per channel): raise --batch-size")
+    _assert_same_state(model, before)  # restored on the error path too
+    check_training_step(model, torch.rand(2, 64), torch.tensor([3, 4]), None, "raise --batch-size")
+
+
+def test_training_step_probe_names_any_error_and_undoes_a_swapped_buffer(tmp_path):
+    path = model_file(
+        tmp_path,
+        """
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+                self.register_buffer("stat", torch.zeros(4))
+
+            def forward(self, x):
+                self.stat = x.mean(0).detach()  # replaces the registered buffer
+                if len(x) < 3:
+                    raise RuntimeError("needs 3 samples\\nor more")
+                return self.fc(x)
+        """,
+    )
+    model = build_model(f"{path}:Net", (4,), 3)
+    before = _state(model)
+    with pytest.raises(ModelSpecError, match=r"^--model '.*:Net' fails on a training batch of 2 samples "
+                                             r"\(RuntimeError: needs 3 samples or more\): add --drop-last$"):
+        check_training_step(model, torch.rand(2, 4), torch.tensor([0, 1]), f"{path}:Net", "add --drop-last")
+    _assert_same_state(model, before)
+    check_training_step(model, torch.rand(3, 4), torch.tensor([0, 1, 2]), f"{path}:Net", "x")
+    _assert_same_state(model, before)

@@ -220,8 +220,9 @@ def test_a_rank_hung_in_setup_is_named_and_ends_the_job(tmp_path, digits):
 
 def test_a_rank_hung_in_its_training_step_is_named_and_ends_the_job(tmp_path, digits):
     proc = run_flodl(2, "train", "--data", digits, "--epochs", "1", "--batch-size", "64",
-                     "--run-dir", str(tmp_path / "r"), "--inject-fault", "hang@1:2",
-                     "--stall-timeout", f"{STALL:g}", timeout=180)
+                     "--run-dir", str(tmp_path / "r"), "--stall-timeout", f"{STALL:g}",
+                     env={"FLODL_MPI_FAULT": "hang@1:2"}, timeout=180)
+    assert "injected fault: rank 1 hangs in round 2" in proc.stderr  # the hang was the fault's, not another
     assert proc.returncode == EXIT_STALL, proc.stderr
     assert "(stall timeout 4 s): rank 1 working on training (last progress: " in proc.stderr
     assert "rank 0 waited for it" in proc.stderr
