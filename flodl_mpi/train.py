@@ -389,7 +389,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         log.info(f"nothing to resume in {run_dir}: no complete checkpoint; starting the run again")
 
     # -- train
-    trainer.progress = watchdog.progress  # each batch trained is progress for the stall watchdog
+    trainer.made_progress = watchdog.progress  # each batch trained is progress for the stall watchdog
     watchdog.begin("training")
     bridge.start()
     try:

@@ -322,7 +322,7 @@ class Trainer:
         self.start_epoch, self.start_cursor = 0, 0
         self.epoch_rows, self.batch_rows = 0, 0
         self._carried: EpochReport | None = None  # the stopped epoch's report, on resume
-        self.progress = lambda done: None  # called after each batch (train.py: the stall watchdog's)
+        self.made_progress = lambda what: None  # called after each batch (train.py: the stall watchdog's)
 
     def resume(self, ckpt: Checkpoint) -> None:
         """Continue from a checkpoint: counters, guard, this rank's optimizer and RNG.
@@ -384,7 +384,7 @@ class Trainer:
             # -- train this rank's batches of the window
             for b in mine:
                 rows.append(self._train_batch(perm, b, epoch, report))
-                self.progress(f"batch {b + 1} of epoch {epoch + 1}")
+                self.made_progress(f"batch {b + 1} of epoch {epoch + 1}")
             cursor = window.end
             # -- snapshot, round, adopt (SPEC §2)
             self._fault_hook("nan")
