@@ -260,5 +260,5 @@ def test_the_fault_hook_is_read_from_the_environment_only():
 
     assert active_fault({}) is None and active_fault({"FLODL_MPI_FAULT": ""}) is None
     assert active_fault({"FLODL_MPI_FAULT": "nan@0:40"}) == Fault("nan", 0, 40)
-    with pytest.raises(ValueError, match="FLODL_MPI_FAULT kind must be one of bridge, step, hang, nan, disk"):
+    with pytest.raises(ValueError, match="FLODL_MPI_FAULT kind must be one of bridge, step, hang, nan, nanloss, disk"):
         active_fault({"FLODL_MPI_FAULT": "boom@0:1"})
