@@ -74,7 +74,7 @@ def test_appends_in_batches_read_back(tmp_path):
     with h5py.File(path, "r") as f:
         assert f.attrs["world_size"] == W and f.attrs["version"] == "0.1.0"
         assert json.loads(f.attrs["config"]) == attrs["config"]
-        assert set(json.loads(f.attrs["json_attrs"])) == {"config", "hosts"}
+        assert set(json.loads(f.attrs["json_attrs"])) == {"config", "hosts", "world_size_history"}
         assert f["rounds/mass"].shape == (5, W) and f["rounds/mass"].maxshape == (None, W)
 
 
