@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import h5py
 import numpy as np
@@ -130,9 +130,9 @@ def _check_rows(schema: Mapping, table: str, rows: Mapping[str, Any]) -> dict[st
 #: (Debian's h5dump), which reject the object versions a newer library's "latest" writes.
 LIBVER = ("v110", "v110")
 
-#: Test hook: called with a step name at each step of a rewrite of metrics.h5 (a
-#: test makes it kill the process there, to prove every step is crash-safe).
-_step: Callable[[str], None] = lambda step: None
+def _step(step: str) -> None:
+    """Test hook, called with a step name at each step of a rewrite of metrics.h5 (a
+    test replaces it to kill the process there, proving every step crash-safe)."""
 
 
 def _fsync(path: Path) -> None:
@@ -413,6 +413,10 @@ class MetricsWriter:
         self._closed = False
         self._ready = threading.Event()
         self._inflight: list[tuple] = []  # the batch the thread is working through
+        #: What a resume repaired in metrics.h5 (`MetricsFile.recovered`), once started.
+        self.recovered: list[str] = []
+        #: Seconds the latest checkpoint took to write (0 before the first).
+        self.last_save_s = 0.0
         self._thread = threading.Thread(target=self._run, name="flodl-writer", daemon=True)
 
     # -------------------------------------------------------------- caller side
@@ -488,8 +492,13 @@ class MetricsWriter:
         self.check()
         return ok
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Drain the queue, close metrics.h5, join the thread; idempotent.
+
+        Args:
+            timeout: seconds to wait at most; None waits until everything queued
+                is written (the caller's watchdog bounds it), so a long last
+                checkpoint is never dropped.
 
         Raises:
             WriterError: the thread failed, or did not finish within ``timeout`` seconds.
@@ -511,6 +520,7 @@ class MetricsWriter:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             metrics = MetricsFile(self.path, self._world_size, self._attrs, self._keep_rows)
+            self.recovered = metrics.recovered
             self._ready.set()
             while self._serve(metrics):
                 pass
@@ -549,9 +559,11 @@ class MetricsWriter:
                 continue
             if kind == "checkpoint":
                 _, name, params, buffers, meta, order, ranks = item
+                t0 = time.monotonic()
                 self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
                 checkpoint.write_checkpoint(self.checkpoint_dir / name, params, buffers, meta, order, ranks)
                 checkpoint.prune_checkpoints(self.checkpoint_dir, self._keep)
+                self.last_save_s = time.monotonic() - t0
             elif kind == "flush":
                 item[1].set()
             i += 1
