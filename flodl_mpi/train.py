@@ -309,7 +309,8 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
             log.info(f"warning: {line}")
     trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop)
     # Anything that would fail at save time fails now, before an epoch of work.
-    agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog)
+    agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
+          name_ranks=False)
     if ckpt is not None:
         agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
         log.info(f"resuming from {ckpt.path.name}: {trainer.start_epoch} epoch(s) done, "

@@ -5,7 +5,8 @@
 Hooks (each patches the package in this process only):
   --stop-at-round N     the cohort stops after round N, as if SIGUSR1 had come
                         just before it: deterministic, where a signal is not.
-  --save-delay S        every checkpoint the writer thread saves takes S more seconds.
+  --save-delay S        every checkpoint the writer thread saves takes S more seconds
+                        (not the trial save at setup).
   --scale-bounded-waits F
                         every ``Thread.join(timeout)`` waits timeout / F: a bound
                         of 30 s becomes 30 / F, so a test can outlast it quickly.
@@ -19,6 +20,7 @@ import threading
 import time
 
 from flodl_mpi import bridge, checkpoint, cli
+from flodl_mpi import worker  # noqa: F401  (binds the plain write_checkpoint for the setup's trial save)
 
 
 def main() -> int:
