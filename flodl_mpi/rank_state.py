@@ -18,7 +18,7 @@ import torch
 
 from flodl_mpi.checkpoint import escape_name, unescape_name
 
-__all__ = ["capture", "restore", "integer_buffers", "restore_integer_buffers"]
+__all__ = ["capture", "integer_buffers", "restore", "restore_integer_buffers"]
 
 _STATE = "optimizer/state"
 _INT = "int_buffers"

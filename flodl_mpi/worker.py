@@ -389,7 +389,7 @@ class Trainer:
         if self.writer is None:
             return
         s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
-        name, params, buffers, meta, order, ranks = self._contents(
+        _name, params, buffers, meta, order, ranks = self._contents(
             s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))] * self.world_size)
         path = Path(directory) / f"save-check.h5.tmp-{os.getpid()}"
         try:

@@ -19,8 +19,12 @@ import sys
 import threading
 import time
 
-from flodl_mpi import bridge, checkpoint, cli
-from flodl_mpi import worker  # noqa: F401  (binds the plain write_checkpoint for the setup's trial save)
+from flodl_mpi import (
+    bridge,
+    checkpoint,
+    cli,
+    worker,  # noqa: F401  (binds the plain write_checkpoint for the setup's trial save)
+)
 
 
 def main() -> int:

@@ -13,14 +13,14 @@ from flodl_mpi.checkpoint import (
     CheckpointError,
     checkpoint_name,
     escape_name,
-    set_aside_damaged,
-    unescape_name,
-    verify_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_state_dict,
     prune_checkpoints,
     read_checkpoint,
+    set_aside_damaged,
+    unescape_name,
+    verify_checkpoint,
     write_checkpoint,
 )
 
