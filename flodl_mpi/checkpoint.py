@@ -4,11 +4,12 @@ Invariant: a file under its final name is complete. It is written as
 ``<name>.tmp-<pid>`` in the same directory, flushed, fsynced and then renamed with
 ``os.replace`` (SPEC §6), so a kill mid-write never replaces the last good checkpoint.
 
-File format (``SCHEMA_VERSION = 1``)::
+File format (``SCHEMA_VERSION = 2``)::
 
-    /params/<state-dict name>    one dataset per parameter; floating -> float32
-    /buffers/<state-dict name>   one dataset per buffer; floating -> float32,
-                                 integer and bool kept as they are
+    /params/<escaped name>       one dataset per parameter; floating -> float32
+    /buffers/<escaped name>      one dataset per buffer; floating -> float32,
+                                 integer and bool kept as they are (rank 0's
+                                 integer buffers; each rank's own are in /ranks)
     root attributes:
       <meta key>       str, int, float, bool or numeric ndarray stored natively;
                        dict, list, tuple and None stored as a JSON string
@@ -18,9 +19,20 @@ File format (``SCHEMA_VERSION = 1``)::
       complete         True, written last
     /ranks/<r>/<name>            optional, per rank r: arrays kept in their own dtype
                                  (optimizer state, RNG state); the group's attributes
-                                 hold that rank's JSON-able state, as the root's do
+                                 hold that rank's JSON-able state, as the root's do;
+                                 a name component is escaped like a state-dict name
 
-State-dict names contain dots (``0.weight``); HDF5 allows dots, not '/'.
+Names: PyTorch allows any character in a state-dict name (``nn.ModuleDict({"conv1/7x7":
+...})`` gives ``conv1/7x7.weight``), HDF5 does not: ``/`` separates groups, a name
+``.`` is the group itself, and a NUL ends the name. So a dataset's name is the
+state-dict name percent-escaped (`escape_name`: ``%`` -> ``%25``, ``/`` -> ``%2F``,
+NUL -> ``%00``, a leading ``.`` -> ``%2E``), reversibly; ``order`` keeps the names
+as they are, and reading gives back exactly those. Schema 1 files (no escaping)
+are still read.
+
+Format bounds: the low bound v108 gives dense attribute storage (a long ``order``
+or config fits); the high bound v110 keeps every object readable by HDF5 1.10
+tools (Debian's ``h5dump``), whatever newer library writes the file.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import collections
 import json
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -43,8 +56,13 @@ if TYPE_CHECKING:  # torch is imported lazily: reading a checkpoint needs only h
 
 __all__ = [
     "SCHEMA_VERSION",
+    "LIBVER",
     "CheckpointError",
     "Checkpoint",
+    "escape_name",
+    "unescape_name",
+    "verify_checkpoint",
+    "set_aside_damaged",
     "write_checkpoint",
     "read_checkpoint",
     "load_state_dict",
@@ -55,14 +73,40 @@ __all__ = [
     "prune_checkpoints",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Root attribute names the format itself uses; meta keys may not shadow them.
 _RESERVED = ("json_keys", "schema_version", "order", "complete")
 _TMP_RE = re.compile(r"\.tmp-(\d+)$")
-# v108 as the low bound enables dense attribute storage, so a long `order` or config
-# (> 64 KiB) still fits in an attribute; HDF5 1.8+ readers can open the file.
-_LIBVER = ("v108", "latest")
+#: HDF5 format bounds of a checkpoint: v108 as the low bound enables dense attribute
+#: storage, so a long ``order`` or config (> 64 KiB) still fits in an attribute; v110
+#: as the high bound keeps the file readable by HDF5 1.10 (the newest library would
+#: otherwise write object versions 1.10's tools reject).
+LIBVER = ("v108", "v110")
+
+
+def escape_name(name: str) -> str:
+    """A state-dict name as an HDF5 link name: reversible, no ``/``, never ``.``.
+
+    ``%`` -> ``%25``, ``/`` -> ``%2F``, NUL -> ``%00``, and a leading ``.`` ->
+    ``%2E``; everything else is kept, so usual names (``0.weight``) read as they are.
+
+    >>> escape_name("conv1/7x7.weight")
+    'conv1%2F7x7.weight'
+
+    Raises:
+        ValueError: ``name`` is empty (HDF5 has no empty link name; PyTorch never
+            makes one).
+    """
+    if not name:
+        raise ValueError("a state-dict name is empty; HDF5 cannot store it")
+    out = name.replace("%", "%25").replace("/", "%2F").replace("\0", "%00")
+    return "%2E" + out[1:] if out.startswith(".") else out
+
+
+def unescape_name(link: str) -> str:
+    """Inverse of `escape_name`."""
+    return urllib.parse.unquote(link)
 
 
 class CheckpointError(ValueError):
@@ -138,14 +182,15 @@ def write_checkpoint(
             docstring for the types accepted and how dict/list values are stored.
         order: the state-dict key order; exactly the names of ``params`` and ``buffers``.
         ranks: per rank, ``(arrays, attrs)``: arrays by name (``/`` makes
-            subgroups; dtypes kept exactly) and JSON-able attributes, e.g. each
+            subgroups, so escape a component that holds one with `escape_name`;
+            dtypes kept exactly) and JSON-able attributes, e.g. each
             rank's optimizer and RNG state (SPEC §6).
 
     Returns:
         ``Path(path)``.
 
     Raises:
-        ValueError: a name contains '/', a name is in both params and buffers,
+        ValueError: an empty name, a name in both params and buffers,
             ``order`` does not match their names, or a meta key is reserved.
         TypeError: an array dtype or meta value of an unsupported kind.
         OSError: the write failed; the previous file at ``path`` is untouched and
@@ -154,8 +199,7 @@ def write_checkpoint(
     path = Path(path)
     order = list(order)
     for name in (*params, *buffers):
-        if "/" in name:
-            raise ValueError(f"state-dict name {name!r} contains '/', which HDF5 reads as a group")
+        escape_name(name)  # refuses an empty name before anything is written
     both = set(params) & set(buffers)
     if both:
         raise ValueError(f"names in both params and buffers: {sorted(both)}")
@@ -175,11 +219,11 @@ def write_checkpoint(
     try:
         # track_order: datasets and attributes list in creation order (state-dict order,
         # `complete` last) in h5dump/h5ls as well as here.
-        with h5py.File(tmp, "w", libver=_LIBVER, track_order=True) as f:
+        with h5py.File(tmp, "w", libver=LIBVER, track_order=True) as f:
             for group, arrays in (("params", params), ("buffers", buffers)):
                 g = f.create_group(group)
                 for name, value in arrays.items():
-                    _create(g, name, _disk_array(name, value))
+                    _create(g, escape_name(name), _disk_array(name, value))
             for r, (arrays, attrs) in enumerate(ranks):
                 g = f.create_group(f"ranks/{r}")
                 for name, value in arrays.items():
@@ -249,9 +293,11 @@ def read_checkpoint(path: str | os.PathLike, ranks: Sequence[int] | None = None)
     """
     path = Path(path)
     with _open(path) as f:
+        # Schema 1 stored names as they were (it refused '/'); schema 2 escapes them.
+        name = unescape_name if int(f.attrs["schema_version"]) >= 2 else str
         try:
-            params = {k: np.asarray(v[()]) for k, v in f["params"].items()}
-            buffers = {k: np.asarray(v[()]) for k, v in f["buffers"].items()}
+            params = {name(k): np.asarray(v[()]) for k, v in f["params"].items()}
+            buffers = {name(k): np.asarray(v[()]) for k, v in f["buffers"].items()}
             order = json.loads(f.attrs["order"])
         except OSError as exc:  # e.g. a Fletcher-32 checksum mismatch: the data was damaged
             raise CheckpointError(path, f"unreadable data ({exc})") from None
@@ -354,6 +400,60 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint in ``directory`` (what resume loads), or None."""
     found = list_checkpoints(directory)
     return found[-1] if found else None
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Read every dataset of a checkpoint, so each Fletcher-32 checksum is checked.
+
+    The header check of `list_checkpoints` does not read the weights; this does,
+    before a resume trusts the file.
+
+    Raises:
+        CheckpointError: as `read_checkpoint`, or a dataset whose data does not
+            read back (checksum mismatch, truncated file), named.
+    """
+    path = Path(path)
+    with _open(path) as f:
+        def read(name: str, obj) -> None:
+            if isinstance(obj, h5py.Dataset):
+                try:
+                    obj[()]
+                except OSError as exc:
+                    raise CheckpointError(path, f"unreadable data in {name!r} ({exc})") from None
+
+        try:
+            f.visititems(read)
+        except (OSError, KeyError) as exc:  # a damaged group or link table
+            raise CheckpointError(path, f"unreadable structure ({exc})") from None
+
+
+def set_aside_damaged(directory: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint whose every byte reads back; damaged ones renamed ``*.damaged``.
+
+    Files under a checkpoint name (``ckpt-*.h5``) that are not complete, then,
+    newest first, complete ones whose data fails `verify_checkpoint`, are renamed
+    ``<name>.damaged``: never resumed from, not overwritten by the next save, kept
+    for a look. Files older than the one chosen are not read.
+
+    Returns:
+        ``(newest good checkpoint or None, [(path set aside, why), ...])``.
+    """
+    directory = Path(directory)
+    good = list_checkpoints(directory)
+    aside: list[tuple[Path, str]] = [(p, "not a complete checkpoint") for p in
+                                     sorted(directory.glob("ckpt-*.h5")) if p not in set(good)]
+    chosen = None
+    for path in reversed(good):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            aside.append((path, str(exc).removeprefix(f"checkpoint {path}: ")))
+            continue
+        chosen = path
+        break
+    for path, _ in aside:
+        path.rename(path.with_name(path.name + ".damaged"))
+    return chosen, aside
 
 
 def _pid_alive(pid: int) -> bool:

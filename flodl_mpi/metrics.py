@@ -13,6 +13,7 @@ attribute; root attributes (config, world size, hosts, ...) are written at creat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -30,6 +31,7 @@ from . import checkpoint
 
 __all__ = [
     "SCHEMA_VERSION",
+    "LIBVER",
     "GUARD_VERDICTS",
     "table_schema",
     "MetricsFile",
@@ -129,6 +131,34 @@ def _check_rows(schema: Mapping, table: str, rows: Mapping[str, Any]) -> dict[st
     return out
 
 
+#: HDF5 format bounds of metrics.h5: SWMR needs v110 as the low bound (superblock
+#: version 3); v110 as the high bound keeps the file readable by HDF5 1.10 tools
+#: (Debian's h5dump), which reject the object versions a newer library's "latest" writes.
+LIBVER = ("v110", "v110")
+
+def _step(step: str) -> None:
+    """Test hook, called with a step name at each step of a rewrite of metrics.h5 (a
+    test replaces it to kill the process there, proving every step crash-safe)."""
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pad(arr: np.ndarray, width: int) -> np.ndarray:
+    """Per-rank rows ``(k, w)`` widened to ``(k, width)``: NaN for floats, -1 for integers."""
+    if arr.shape[1] == width:
+        return arr
+    fill = np.nan if arr.dtype.kind == "f" else (False if arr.dtype.kind == "b" else -1)
+    out = np.full((arr.shape[0], width, *arr.shape[2:]), fill, dtype=arr.dtype)
+    out[:, : arr.shape[1]] = arr
+    return out
+
+
 class MetricsFile:
     """metrics.h5 opened for writing in SWMR mode; one writer, any number of readers.
 
@@ -138,74 +168,136 @@ class MetricsFile:
         attrs: root attributes written before SWMR (config, hosts, devices, versions,
             ...); str/int/float/bool/ndarray as they are, dict/list/None as JSON
             strings (their keys listed in the ``json_attrs`` attribute, a JSON list).
-            ``world_size`` is added.
+            ``world_size`` and ``world_size_history`` are added.
         keep_rows: resume: table -> rows to keep (the rows a checkpoint had
             seen). Those rows of an existing file at ``path`` (even one a killed
             run left open for writing) are copied into a fresh file with
             ``attrs``; later rows are dropped (the resumed run redoes them).
 
+    The file is always built complete under a temporary name
+    (``metrics.h5.resume-tmp``), closed, fsynced, then renamed over ``path`` and
+    reopened for appending, so a kill at any point leaves either the old file or
+    the new one, whole. A resume first repairs what a killed resume of an older
+    flodl-mpi left (``metrics.h5.before-resume`` beside a partial file: the
+    former is the history) and drops stale temporaries; `recovered` says what it did.
+
+    A resume at another world size widens the per-rank columns to the widest
+    world size of the run; a row of a narrower world is padded with NaN (floats)
+    and -1 (integers). ``world_size_history`` lists ``[first round, world size]``.
+
     Raises:
         FileExistsError: ``path`` exists and ``keep_rows`` is None (a second run in
             the same run directory).
         ValueError, TypeError: bad ``world_size`` or attribute values; on resume, a
-            file of another world size or with fewer rows than ``keep_rows``.
+            file with fewer rows than ``keep_rows``.
     """
 
     def __init__(self, path: str | os.PathLike, world_size: int, attrs: Mapping[str, Any],
                  keep_rows: Mapping[str, int] | None = None):
         self.path = Path(path)
-        self.schema = table_schema(world_size)
+        self.live_schema = table_schema(world_size)
         if "world_size" in attrs and attrs["world_size"] != world_size:
             raise ValueError(
                 f"attrs['world_size']={attrs['world_size']!r} differs from world_size={world_size}"
             )
-        # Resume: read the rows the checkpoint saw with a SWMR reader (it also reads a
-        # file a killed run left open for writing), then write a fresh file with them.
-        # The old file stays, renamed, until the new one holds its rows.
-        salvaged, old = None, None
-        if keep_rows is not None and self.path.exists():
-            salvaged = self._salvage(world_size, keep_rows)
-            old = self.path.with_name(self.path.name + ".before-resume")
-            os.replace(self.path, old)
-        # SWMR needs the latest file format; everything below must exist before swmr_mode.
-        self._file = h5py.File(self.path, "w-", libver="latest")
+        #: Lines saying what a resume repaired (for the run's log).
+        self.recovered: list[str] = []
+        history: list[list[int]] = [[0, world_size]]
+        salvaged: dict[str, dict[str, np.ndarray]] = {}
+        width = world_size
+        if keep_rows is None:
+            if self.path.exists():
+                raise FileExistsError(f"{self.path} exists (a run in this directory already); resume it or use another")
+        else:
+            self._recover()
+            if any(keep_rows.values()) and self.path.exists():
+                # Read the rows the checkpoint saw with a SWMR reader (it also reads a
+                # file a killed run left open for writing).
+                salvaged, history, old_width = self._salvage(keep_rows)
+                start = int(keep_rows.get("rounds", 0))
+                history = [h for i, h in enumerate(history) if i == 0 or h[0] < start]
+                if history[-1][1] != world_size:
+                    history.append([start, world_size])
+                width = max(old_width, *(w for _, w in history))
+            _step("salvaged")
+        self.schema = table_schema(width)
+        tmp = self.path.with_name(self.path.name + ".resume-tmp")
+        tmp.unlink(missing_ok=True)
         try:
-            json_keys = write_attrs(self._file.attrs, {**attrs, "world_size": world_size}, "attrs")
-            self._file.attrs["json_attrs"] = json.dumps(json_keys)
-            self._file.attrs["schema_version"] = SCHEMA_VERSION
-            self._datasets: dict[str, dict[str, h5py.Dataset]] = {}
-            for table, columns in self.schema.items():
-                group = self._file.create_group(table)
-                self._datasets[table] = {
-                    name: group.create_dataset(
-                        name, shape=(0, *shape), maxshape=(None, *shape), dtype=dtype,
-                        chunks=(max(1, _CHUNK_BYTES // (dtype.itemsize * int(np.prod(shape)))), *shape),
-                    )
-                    for name, (dtype, shape) in columns.items()
-                }
-            for table, rows in (salvaged or {}).items():
-                for name, ds in self._datasets[table].items():
-                    ds.resize(len(rows[name]), axis=0)
-                    ds[:] = rows[name]
+            self._build(tmp, {**attrs, "world_size": world_size, "world_size_history": history}, salvaged)
+            _step("temp written")
+            _fsync(tmp)
+            os.replace(tmp, self.path)  # the old file is replaced only by a complete new one
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        with contextlib.suppress(OSError):
+            _fsync(self.path.parent)
+        _step("replaced")
+        # Reopen to append: every object exists already, as SWMR requires.
+        self._file = h5py.File(self.path, "r+", libver=LIBVER)
+        try:
+            self._datasets = {table: {name: self._file[table][name] for name in columns}
+                              for table, columns in self.schema.items()}
             self._file.swmr_mode = True  # from here on: no new objects, no attribute changes
         except BaseException:
             self._file.close()
             raise
-        if old is not None:
-            old.unlink()
 
-    def _salvage(self, world_size: int, keep_rows: Mapping[str, int]) -> dict[str, dict[str, np.ndarray]]:
-        with h5py.File(self.path, "r", libver="latest", swmr=True) as f:
-            if int(f.attrs["world_size"]) != world_size:
-                raise ValueError(f"{self.path} holds a run of {int(f.attrs['world_size'])} ranks, not {world_size}")
+    def _build(self, path: Path, attrs: Mapping[str, Any], salvaged: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        """Write a complete metrics.h5 at ``path``: attributes, every table, the salvaged rows."""
+        with h5py.File(path, "w-", libver=LIBVER) as f:
+            json_keys = write_attrs(f.attrs, attrs, "attrs")
+            f.attrs["json_attrs"] = json.dumps(json_keys)
+            f.attrs["schema_version"] = SCHEMA_VERSION
+            for table, columns in self.schema.items():
+                group = f.create_group(table)
+                for name, (dtype, shape) in columns.items():
+                    ds = group.create_dataset(
+                        name, shape=(0, *shape), maxshape=(None, *shape), dtype=dtype,
+                        chunks=(max(1, _CHUNK_BYTES // (dtype.itemsize * int(np.prod(shape)))), *shape),
+                    )
+                    rows = salvaged.get(table, {}).get(name)
+                    if rows is not None and len(rows):
+                        ds.resize(len(rows), axis=0)
+                        ds[:] = _pad(rows, shape[0]) if shape else rows
+                _step("temp partial")
+            f.flush()
+
+    def _recover(self) -> None:
+        """Finish or undo what a killed resume left, before reading the history."""
+        before = self.path.with_name(self.path.name + ".before-resume")
+        if before.exists():
+            # An older flodl-mpi renamed the history here, then was killed before its
+            # new file was complete: the renamed file is the whole history.
+            os.replace(before, self.path)
+            self.recovered.append(f"{before.name}: a resume was killed while rebuilding {self.path.name}; "
+                                  f"its history restored from {before.name}")
+        tmp = self.path.with_name(self.path.name + ".resume-tmp")
+        if tmp.exists():
+            tmp.unlink()
+            self.recovered.append(f"{tmp.name}: a resume was killed while rebuilding {self.path.name}; "
+                                  f"its unfinished copy removed, {self.path.name} was untouched")
+
+    def _salvage(self, keep_rows: Mapping[str, int]) -> tuple[dict[str, dict[str, np.ndarray]], list[list[int]], int]:
+        """The kept rows, the world size history and the per-rank width of the file at ``path``."""
+        with h5py.File(self.path, "r", swmr=True) as f:
+            old_w = int(f.attrs["world_size"])
+            history = json.loads(f.attrs["world_size_history"]) if "world_size_history" in f.attrs \
+                else [[0, old_w]]
+            width = int(f["rounds/steps"].shape[1])
         out = {}
-        for table in self.schema:
+        for table, columns in self.live_schema.items():
             rows = read_table(self.path, table)
             keep, have = int(keep_rows.get(table, 0)), min((len(a) for a in rows.values()), default=0)
             if have < keep:
                 raise ValueError(f"{self.path}: table {table!r} has {have} rows, the checkpoint saw {keep}")
-            out[table] = {name: a[:keep] for name, a in rows.items()}  # later rows are redone
-        return out
+            out[table] = {name: a[:keep] for name, a in rows.items() if name in columns}  # later rows are redone
+            for name, (dtype, shape) in columns.items():  # a column this file predates: unknown values
+                if name not in out[table]:
+                    out[table][name] = _pad(np.zeros((keep, 0, *shape[1:]), dtype), shape[0]) if shape \
+                        else np.full(keep, np.nan if dtype.kind == "f" else -1, dtype)
+        return out, history, width
 
     def append(self, table: str, rows: Mapping[str, np.ndarray]) -> None:
         """Append k >= 1 rows to ``table``: every column, leading dimension k.
@@ -216,11 +308,11 @@ class MetricsFile:
             ValueError, TypeError: as described in the schema check (names the table,
                 the column, the expected and the received shape).
         """
-        checked = _check_rows(self.schema, table, rows)
+        checked = _check_rows(self.live_schema, table, rows)
         for name, ds in self._datasets[table].items():
             n, k = ds.shape[0], checked[name].shape[0]
             ds.resize(n + k, axis=0)
-            ds[n:] = checked[name]
+            ds[n:] = _pad(checked[name], ds.shape[1]) if ds.ndim > 1 else checked[name]
             ds.flush()
 
     def close(self) -> None:
@@ -250,7 +342,7 @@ def read_table(path: str | os.PathLike, table: str) -> dict[str, np.ndarray]:
     deadline = time.monotonic() + 10.0
     while True:
         try:
-            f = h5py.File(path, "r", libver="latest", swmr=True)
+            f = h5py.File(path, "r", swmr=True)
             break
         except BlockingIOError:
             if time.monotonic() > deadline:
@@ -328,6 +420,10 @@ class MetricsWriter:
         self._closed = False
         self._ready = threading.Event()
         self._inflight: list[tuple] = []  # the batch the thread is working through
+        #: What a resume repaired in metrics.h5 (`MetricsFile.recovered`), once started.
+        self.recovered: list[str] = []
+        #: Seconds the latest checkpoint took to write (0 before the first).
+        self.last_save_s = 0.0
         self._thread = threading.Thread(target=self._run, name="flodl-writer", daemon=True)
 
     # -------------------------------------------------------------- caller side
@@ -403,8 +499,13 @@ class MetricsWriter:
         self.check()
         return ok
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Drain the queue, close metrics.h5, join the thread; idempotent.
+
+        Args:
+            timeout: seconds to wait at most; None waits until everything queued
+                is written (the caller's watchdog bounds it), so a long last
+                checkpoint is never dropped.
 
         Raises:
             WriterError: the thread failed, or did not finish within ``timeout`` seconds.
@@ -426,6 +527,7 @@ class MetricsWriter:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             metrics = MetricsFile(self.path, self._world_size, self._attrs, self._keep_rows)
+            self.recovered = metrics.recovered
             self._ready.set()
             while self._serve(metrics):
                 pass
@@ -464,9 +566,11 @@ class MetricsWriter:
                 continue
             if kind == "checkpoint":
                 _, name, params, buffers, meta, order, ranks = item
+                t0 = time.monotonic()
                 self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
                 checkpoint.write_checkpoint(self.checkpoint_dir / name, params, buffers, meta, order, ranks)
                 checkpoint.prune_checkpoints(self.checkpoint_dir, self._keep)
+                self.last_save_s = time.monotonic() - t0
             elif kind == "flush":
                 item[1].set()
             i += 1

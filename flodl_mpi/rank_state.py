@@ -1,9 +1,11 @@
-"""A rank's own training state as plain arrays and JSON: optimizer, RNG, step count.
+"""A rank's own training state as plain arrays and JSON: optimizer, RNG, step count,
+integer buffers.
 
 Invariant: ``restore(capture(...))`` gives back the same optimizer state, the same
-torch RNG stream and the same step count, without pickle, so a checkpoint holds
-each rank's state exactly (SPEC §6) and a resumed run continues as if never
-interrupted.
+torch RNG stream, the same step count and the same integer buffers (e.g.
+BatchNorm's ``num_batches_tracked``, which never travels in a round and so differs
+by rank), without pickle, so a checkpoint holds each rank's state exactly (SPEC §6)
+and a resumed run continues as if never interrupted.
 """
 
 from __future__ import annotations
@@ -14,17 +16,53 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture", "restore"]
+from flodl_mpi.checkpoint import escape_name, unescape_name
+
+__all__ = ["capture", "integer_buffers", "restore", "restore_integer_buffers"]
 
 _STATE = "optimizer/state"
+_INT = "int_buffers"
 
 
-def capture(optimizer: torch.optim.Optimizer, global_step: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def integer_buffers(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The model's non-floating buffers by state-dict name, as numpy copies (dtype kept)."""
+    return {name: b.detach().cpu().numpy().copy() for name, b in model.named_buffers()
+            if not b.is_floating_point()}
+
+
+@torch.no_grad()
+def restore_integer_buffers(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """Copy the integer buffers that `capture` saved into ``model``.
+
+    Returns:
+        The names restored (empty for state saved before integer buffers were kept
+        per rank: the model keeps what it has).
+
+    Raises:
+        ValueError: a saved name the model lacks, or a shape that differs.
+    """
+    live = dict(model.named_buffers())
+    done = []
+    for key, arr in arrays.items():
+        if not key.startswith(_INT + "/"):
+            continue
+        name = unescape_name(key[len(_INT) + 1 :])
+        if name not in live or tuple(live[name].shape) != np.shape(arr):
+            raise ValueError(f"saved integer buffer {name!r} {np.shape(arr)} does not fit the model")
+        live[name].copy_(torch.from_numpy(np.array(arr)))
+        done.append(name)
+    return done
+
+
+def capture(optimizer: torch.optim.Optimizer, global_step: int,
+            model: torch.nn.Module | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """This rank's state: ``(arrays, attrs)`` for ``write_checkpoint(ranks=...)``.
 
     Returns:
         arrays: ``optimizer/state/<param index>/<key>`` for every tensor in the
-            optimizer state (dtype kept), and ``rng/torch`` (uint8, the CPU RNG).
+            optimizer state (dtype kept), ``rng/torch`` (uint8, the CPU RNG) and,
+            given ``model``, ``int_buffers/<escaped state-dict name>`` for each
+            integer buffer (see `flodl_mpi.checkpoint.escape_name`).
         attrs: ``optimizer_param_groups`` (JSON), ``optimizer_scalars`` (non-tensor
             state values), ``optimizer_class`` and ``global_step``.
     """
@@ -37,6 +75,8 @@ def capture(optimizer: torch.optim.Optimizer, global_step: int) -> tuple[dict[st
                 arrays[f"{_STATE}/{index}/{key}"] = value.detach().cpu().numpy().copy()
             else:
                 scalars.setdefault(str(index), {})[key] = value
+    for name, arr in (integer_buffers(model) if model is not None else {}).items():
+        arrays[f"{_INT}/{escape_name(name)}"] = arr
     attrs = {
         "optimizer_class": type(optimizer).__name__,
         "optimizer_param_groups": sd["param_groups"],
@@ -46,8 +86,11 @@ def capture(optimizer: torch.optim.Optimizer, global_step: int) -> tuple[dict[st
     return arrays, attrs
 
 
-def restore(optimizer: torch.optim.Optimizer, arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> int:
-    """Load what :func:`capture` saved into ``optimizer`` and torch's RNG.
+def restore(optimizer: torch.optim.Optimizer, arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Any],
+            rng: bool = True) -> int:
+    """Load what :func:`capture` saved into ``optimizer`` and (``rng``) torch's RNG.
+
+    Integer buffers are restored separately, by `restore_integer_buffers`.
 
     Returns:
         The saved ``global_step``.
@@ -72,5 +115,6 @@ def restore(optimizer: torch.optim.Optimizer, arrays: Mapping[str, np.ndarray], 
             if key != "params" and isinstance(value, list):
                 group[key] = tuple(value)
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-    torch.set_rng_state(torch.from_numpy(np.array(arrays["rng/torch"], dtype=np.uint8)))
+    if rng:
+        torch.set_rng_state(torch.from_numpy(np.array(arrays["rng/torch"], dtype=np.uint8)))
     return int(attrs["global_step"])

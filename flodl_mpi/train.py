@@ -26,11 +26,10 @@ from flodl_mpi import __version__
 from flodl_mpi.bridge import Bridge
 from flodl_mpi.checkpoint import (
     Checkpoint,
-    latest_checkpoint,
-    list_checkpoints,
     load_state_dict,
     read_checkpoint,
     read_rank_state,
+    set_aside_damaged,
 )
 from flodl_mpi.cli import config_from_args
 from flodl_mpi.config import TrainConfig
@@ -148,13 +147,19 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
 
 
 #: Options a resumed run must share with the checkpoint's run: they decide the
-#: model, the data order, the windows and the optimizer state's meaning.
+#: model, the data order, the windows and the optimizer state's meaning. The world
+#: size may change (see `Trainer.resume` for how per-rank state is remapped).
 RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "drop_last", "seed",
                      "policy", "window", "gamma", "optimizer")
 
 
 def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog):
     """The checkpoint to resume from and the metrics rows to keep (``--resume``).
+
+    Rank 0 surveys the checkpoints once: every dataset of the newest one is read
+    (checksums checked); a damaged one is set aside as ``*.damaged`` with a
+    warning and the next newest tried. Each rank then reads the per-rank state
+    it takes over: old rank ``rank mod W_old``'s (`Trainer.resume`).
 
     Returns:
         ``(checkpoint or None, keep_rows or None)``: no checkpoint in a run dir
@@ -163,47 +168,38 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
 
     Raises:
         InputError: the checkpoint is unreadable on some rank, or was written by a
-            run of another world size or with other options in ``RESUME_MUST_MATCH``.
+            run with other options in ``RESUME_MUST_MATCH``.
     """
     comm = world.comm
 
     def survey() -> tuple[Path | None, bool] | None:  # rank 0 looks, every rank learns
         if comm.rank != 0:
             return None
-        _set_aside_damaged(run_dir / "checkpoints")
-        return latest_checkpoint(run_dir / "checkpoints"), (run_dir / "metrics.h5").exists()
+        chosen, aside = set_aside_damaged(run_dir / "checkpoints")
+        for path, why in aside:
+            log.info(f"warning: {path.name} is damaged ({why}); not resumed from, kept as {path.name}.damaged")
+        return chosen, (run_dir / "metrics.h5").exists()
 
     latest, has_metrics = comm.bcast(agree(comm, "resume", survey, watchdog, name_ranks=False), root=0)
     if latest is None:
         return None, ({"rounds": 0, "epochs": 0, "batches": 0} if has_metrics else None)
     # Every rank reads the file itself (run directories live on a shared
-    # filesystem), and of the per-rank state only its own.
+    # filesystem), and of the per-rank state only the one it takes over.
     ckpt = agree(comm, "resume", lambda: read_checkpoint(latest, ranks=[]), watchdog)
     saved = ckpt.meta["config"]
-    if ckpt.meta["world_size"] != world.size:
-        raise InputError(f"--resume: {latest} was written by {ckpt.meta['world_size']} ranks; "
-                         f"run with {ckpt.meta['world_size']} (each rank's optimizer state is its own)")
     differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {saved.get(k)!r})"
               for k in RESUME_MUST_MATCH if saved.get(k) != getattr(cfg, k)]
     if differ:
         raise InputError(f"--resume: the run in {run_dir} was started with other options: {'; '.join(differ)}")
-    ckpt.ranks = {comm.rank: agree(comm, "resume", lambda: read_rank_state(latest, comm.rank), watchdog)}
+    old_size = int(ckpt.meta["world_size"])
+    source = comm.rank % old_size
+    ckpt.ranks = {source: agree(comm, "resume", lambda: read_rank_state(latest, source), watchdog)}
+    if int(ckpt.meta.get("cursor", 0)) and "epoch_reports" not in ckpt.meta:
+        # Schema 1 kept the stopped epoch's report in each rank's own state.
+        ckpt.meta["epoch_reports"] = agree(
+            comm, "resume", lambda: [read_rank_state(latest, r)[1]["epoch_report"] for r in range(old_size)]
+            if old_size != world.size else None, watchdog)
     return ckpt, ckpt.meta["metrics_rows"]
-
-
-def _set_aside_damaged(directory: Path) -> None:
-    """Rank 0: say which checkpoint files are not used and rename them ``*.damaged``.
-
-    A file under a checkpoint name that does not read as complete (a disk fault,
-    a truncated copy) is never the one resumed from; renamed, it is not
-    overwritten by the next save and stays for a look.
-    """
-    good = set(list_checkpoints(directory))
-    for path in sorted(directory.glob("ckpt-*.h5")):
-        if path not in good:
-            path.rename(path.with_name(path.name + ".damaged"))
-            log.warning(f"warning: {path.name} is not a complete checkpoint; not resumed from, "
-                     f"kept as {path.name}.damaged")
 
 
 def _note_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
@@ -379,12 +375,20 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
                  f"rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
 
+    if writer is not None:
+        for line in writer.recovered:
+            log.info(f"warning: {line}")
     trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop,
                       progress=progress, log_detail=log.debug)
+    # Anything that would fail at save time fails now, before an epoch of work.
+    agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
+          name_ranks=False)
     if ckpt is not None:
         agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
         log.info(f"resuming from {ckpt.path.name}: {trainer.start_epoch} epoch(s) done, "
                  f"{trainer.start_cursor} batch(es) into the next, round {bridge.version}")
+        if trainer.remapped:
+            log.info(trainer.remapped)
     elif keep_rows is not None:
         log.info(f"nothing to resume in {run_dir}: no complete checkpoint; starting the run again")
 
@@ -404,7 +408,14 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
     bridge.close()
     if writer is not None:
         log.info(f"finishing: writing the last checkpoint and closing {run_dir / 'metrics.h5'}")
-        writer.close()
+        # No time cap on the last save (a big model on a slow file system may take
+        # minutes): the watchdog's stall timeout is the bound.
+        t0 = time.monotonic()
+        watchdog.round_started("the final save")
+        writer.close(timeout=None)
+        watchdog.round_finished()
+        log.info(f"final save written in {time.monotonic() - t0:.1f} s "
+                 f"(the last checkpoint took {writer.last_save_s:.1f} s)")
         if history:
             last = history[-1]
             log.info(f"done: test accuracy {last.test_accuracy:.4f} after {last.rounds} rounds; "

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,12 +23,12 @@ from torch import nn
 from flodl_mpi import rank_state
 from flodl_mpi.bridge import Bridge, RoundUpdate
 from flodl_mpi.cadence import fixed_quotas, plan_window
-from flodl_mpi.checkpoint import Checkpoint, checkpoint_name
+from flodl_mpi.checkpoint import Checkpoint, checkpoint_name, write_checkpoint
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.faults import Fault, InjectedFault
 from flodl_mpi.progress import EpochProgress
-from flodl_mpi.reporting import EpochReport, EpochSummary
+from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.signals import StopRequest
 
 __all__ = ["ReplacedTensorError", "Replica", "Trainer", "evaluate", "make_optimizer", "state_arrays"]
@@ -323,22 +326,42 @@ class Trainer:
         self.epoch_rows, self.batch_rows = 0, 0
         self._carried: EpochReport | None = None  # the stopped epoch's report, on resume
         self.made_progress = lambda what: None  # called after each batch (train.py: the stall watchdog's)
+        #: After a resume at another world size: one line saying what was remapped.
+        self.remapped = ""
 
     def resume(self, ckpt: Checkpoint) -> None:
-        """Continue from a checkpoint: counters, guard, this rank's optimizer and RNG.
+        """Continue from a checkpoint: counters, guard, per-rank state, the stopped epoch's report.
 
         The model's consensus parameters and buffers are loaded by the caller on
-        every rank alike; this restores what differs per rank (SPEC §6).
+        every rank alike; this restores what differs per rank (SPEC §6): the
+        optimizer state, the step count and the integer buffers (BatchNorm's
+        ``num_batches_tracked`` counts this rank's batches), and the RNG.
+
+        Another world size (W_old -> W): the consensus, the round and the global
+        data cursor carry over exactly. New rank r takes the optimizer state, step
+        count and integer buffers of old rank ``r mod W_old`` (so rank r < W_old
+        keeps its own); its RNG is reseeded from ``(seed, rank, round)``, since
+        old streams cannot be split or merged. A stopped epoch's reports carry
+        over so the epoch still adds up: new rank r carries the sum of the
+        reports of old ranks ``r' ≡ r (mod W)`` (losses, batches, samples, times),
+        none when there is no such rank. :attr:`remapped` says so in one line.
 
         Raises:
-            ValueError: the checkpoint holds no state for this rank, or state of
-                another optimizer.
+            ValueError: the checkpoint holds no state for the rank this one takes
+                over, or state of another optimizer or model.
         """
         meta = ckpt.meta
-        if self.rank not in ckpt.ranks:
-            raise ValueError(f"checkpoint {ckpt.path}: no state read for rank {self.rank}")
-        arrays, attrs = ckpt.ranks[self.rank]
-        self.global_step = rank_state.restore(self.optimizer, arrays, attrs)
+        old_size = int(meta["world_size"])
+        source = self.rank % old_size
+        if source not in ckpt.ranks:
+            raise ValueError(f"checkpoint {ckpt.path}: no state read for rank {source}")
+        arrays, attrs = ckpt.ranks[source]
+        same = old_size == self.world_size
+        self.global_step = rank_state.restore(self.optimizer, arrays, attrs, rng=same)
+        rank_state.restore_integer_buffers(self.replica.model, arrays)
+        if not same:
+            seed = np.random.SeedSequence([self.cfg.seed, self.rank, int(meta["round"])]).generate_state(1)[0]
+            torch.manual_seed(int(seed))
         # Hyperparameters are the run's as configured now (a resume may change --lr).
         for group in self.optimizer.param_groups:
             group["lr"], group["weight_decay"] = self.cfg.lr, self.cfg.weight_decay
@@ -349,10 +372,19 @@ class Trainer:
         self.start_epoch, self.start_cursor = int(meta["epoch"]), int(meta["cursor"])
         self.bridge.resume_clock(float(meta["elapsed_s"]))
         if self.start_cursor:  # the epoch goes on: its report so far, re-evaluated at its end
-            self._carried = EpochReport(**attrs["epoch_report"])
-            self._carried.test_loss_sum, self._carried.test_correct, self._carried.test_count = 0.0, 0, 0
+            reports = meta.get("epoch_reports") or {source: attrs["epoch_report"]}
+            mine = [EpochReport(**reports[r]) for r in range(old_size) if r % self.world_size == self.rank]
+            carried = EpochReport()
+            for f in ("loss_sum", "batches", "samples", "epoch_ms", "compute_ms", "data_ms"):
+                setattr(carried, f, sum((getattr(r, f) for r in mine), type(getattr(carried, f))()))
+            self._carried = carried
         self.epoch_rows = int(meta["metrics_rows"]["epochs"])
         self.batch_rows = int(meta["metrics_rows"]["batches"])
+        self.remapped = "" if same else (
+            f"world size {old_size} -> {self.world_size}: rank r took the optimizer state, step count and "
+            f"integer buffers of old rank r mod {old_size}; RNG reseeded from (seed, rank, round {meta['round']})"
+            + (f"; the stopped epoch's reports of old rank r' carried by rank r' mod {self.world_size}"
+               if self.start_cursor else ""))
 
     def fit(self) -> list[EpochSummary]:
         """Train up to ``cfg.epochs`` epochs (or until a stop round) and return the epoch summaries."""
@@ -488,14 +520,43 @@ class Trainer:
 
         ``epoch`` in the meta counts completed epochs and ``cursor`` the global
         batches of the next one already trained (non-zero after a stop mid-epoch),
-        which is where a resumed run goes on.
+        which is where a resumed run goes on; ``epoch_reports`` then holds every
+        rank's report of that epoch so far.
         """
-        arrays, attrs = rank_state.capture(self.optimizer, self.global_step)
-        if cursor:  # stopped mid-epoch: the resumed run finishes this epoch's report
-            attrs["epoch_report"] = dataclasses.asdict(report)
-        ranks = self.bridge.gather_to_root((arrays, attrs))
+        arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
+        ranks = self.bridge.gather_to_root((arrays, attrs, dataclasses.asdict(report) if cursor else None))
         if self.writer is None:
             return
+        self.writer.save_checkpoint(*self._contents(s, reason, cursor, ranks))
+
+    def check_saveable(self, directory) -> None:
+        """Write a checkpoint of the initial state to a temporary file and remove it (rank 0).
+
+        Every name, dtype and meta value the real saves will hold goes through the
+        writer once, so a model or config the format cannot store is refused at
+        setup, before any epoch is trained. Collective through ``agree``, not the bridge.
+
+        Raises:
+            ValueError: the state cannot be saved; one line naming why.
+            OSError: the checkpoint directory is not writable.
+        """
+        arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
+        if self.writer is None:
+            return
+        s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
+        _name, params, buffers, meta, order, ranks = self._contents(
+            s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))] * self.world_size)
+        path = Path(directory) / f"save-check.h5.tmp-{os.getpid()}"
+        try:
+            write_checkpoint(path, params, buffers, meta, order, ranks)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"the model's state cannot be saved in a checkpoint: {exc}") from None
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> tuple:
+        """``(name, params, buffers, meta, order, ranks)`` of a checkpoint, from the gathered
+        ``(arrays, attrs, epoch report or None)`` of every rank."""
         params, buffers, order = state_arrays(self.replica.model)
         meta = {
             "epoch": s.epoch + 1 if cursor == 0 else s.epoch,
@@ -517,8 +578,10 @@ class Trainer:
             "guard": self.bridge.guard.state_dict(),
             "time_unix": time.time(),
         }
-        self.writer.save_checkpoint(checkpoint_name(s.epoch + 1, self.bridge.version), params, buffers, meta, order,
-                                    ranks)
+        if cursor:  # stopped mid-epoch: the resumed run finishes this epoch's report
+            meta["epoch_reports"] = [report for _, _, report in ranks]
+        return (checkpoint_name(s.epoch + 1, self.bridge.version), params, buffers, meta, order,
+                [(arrays, attrs) for arrays, attrs, _ in ranks])
 
     def _fault_hook(self, kind: str) -> None:
         f = self.fault

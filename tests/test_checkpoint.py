@@ -8,14 +8,19 @@ import pytest
 import torch
 
 from flodl_mpi.checkpoint import (
+    LIBVER,
     SCHEMA_VERSION,
     CheckpointError,
     checkpoint_name,
+    escape_name,
     latest_checkpoint,
     list_checkpoints,
     load_state_dict,
     prune_checkpoints,
     read_checkpoint,
+    set_aside_damaged,
+    unescape_name,
+    verify_checkpoint,
     write_checkpoint,
 )
 
@@ -96,9 +101,8 @@ def test_float64_is_stored_float32(tmp_path):
 
 
 def test_bad_names_and_order_are_refused(tmp_path):
-    w = {"a/b": np.zeros(2, np.float32)}
-    with pytest.raises(ValueError, match="contains '/'"):
-        write_checkpoint(tmp_path / "a.h5", w, {}, {}, ["a/b"])
+    with pytest.raises(ValueError, match="empty"):
+        write_checkpoint(tmp_path / "a.h5", {"": np.zeros(2, np.float32)}, {}, {}, [""])
     with pytest.raises(ValueError, match=r"missing from order: \['b'\]"):
         write_checkpoint(tmp_path / "a.h5", {"a": np.zeros(1)}, {"b": np.zeros(1)}, {}, ["a"])
     with pytest.raises(ValueError, match=r"unknown in order: \['c'\]"):
@@ -185,3 +189,121 @@ def test_a_flipped_bit_in_the_weights_is_caught_not_loaded(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="unreadable data"):
         read_checkpoint(path)
+
+
+# ---------------------------------------------------------------- names HDF5 cannot hold
+
+ODD_NAMES = ["conv1/7x7.weight", "a%2Fb.bias", ".", "..", ".hidden", "x/", "/lead", "%", "%%2F/",
+             " sp ace ", "nul\0byte", "ünï/cødé", "a//b", "0.weight"]
+
+
+@pytest.mark.parametrize("name", ODD_NAMES)
+def test_escape_name_round_trips_and_is_a_plain_link_name(name):
+    link = escape_name(name)
+    assert unescape_name(link) == name
+    assert "/" not in link and "\0" not in link and not link.startswith(".")
+    if not any(c in name for c in "%/\0") and not name.startswith("."):
+        assert link == name  # ordinary names stay readable in h5dump
+
+
+def test_every_name_pytorch_allows_comes_back_exactly(tmp_path):
+    model = torch.nn.ModuleDict({"conv1/7x7": torch.nn.Linear(6, 4), "fc/out": torch.nn.Linear(4, 3),
+                                 "100%": torch.nn.BatchNorm1d(4)})
+    params = {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+    buffers = {k: v.detach().numpy().copy() for k, v in model.named_buffers()}
+    odd = {name: np.full(2, i, np.float32) for i, name in enumerate(ODD_NAMES) if name not in params}
+    order = [*model.state_dict(), *odd]
+    path = write_checkpoint(tmp_path / "a.h5", {**params, **odd}, buffers, {"round": 1}, order)
+    ckpt = read_checkpoint(path)
+    assert ckpt.order == order
+    assert set(ckpt.params) == set(params) | set(odd) and set(ckpt.buffers) == set(buffers)
+    state = load_state_dict(path)
+    assert list(state) == order
+    for name, value in model.state_dict().items():
+        assert torch.equal(state[name], value), name
+    fresh = torch.nn.ModuleDict({"conv1/7x7": torch.nn.Linear(6, 4), "fc/out": torch.nn.Linear(4, 3),
+                                 "100%": torch.nn.BatchNorm1d(4)})
+    fresh.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
+    with h5py.File(path, "r") as f:
+        assert "conv1%2F7x7.weight" in f["params"]  # one dataset, not a group "conv1"
+
+
+def test_schema_1_files_are_still_read(tmp_path):
+    """A schema-1 file stored names as they were, '%' included: read back unchanged."""
+    path = tmp_path / "old.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group("params").create_dataset("rate%2F.weight", data=np.arange(3, dtype=np.float32))
+        f.create_group("buffers").create_dataset("n", data=np.int64(7))
+        f.attrs["json_keys"] = "[]"
+        f.attrs["schema_version"] = 1
+        f.attrs["order"] = '["rate%2F.weight", "n"]'
+        f.attrs["round"] = 4
+        f.attrs["complete"] = True
+    ckpt = read_checkpoint(path)
+    assert list(ckpt.params) == ["rate%2F.weight"] and int(ckpt.buffers["n"]) == 7
+    assert list(load_state_dict(path)) == ["rate%2F.weight", "n"]
+
+
+# ---------------------------------------------------------------- damaged weight data
+
+
+def _flip_data_byte(path, group, name):
+    """Flip one byte inside a dataset's stored data (not its header)."""
+    with h5py.File(path, "r") as f:
+        ds = f[group][escape_name(name)]
+        offset = ds.id.get_chunk_info(0).byte_offset if ds.chunks else ds.id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 5)
+        byte = fh.read(1)
+        fh.seek(offset + 5)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_damaged_weight_data_is_found_and_set_aside(tmp_path):
+    older = save(tmp_path / checkpoint_name(1, 10), trained_model(), round_=10)
+    newest = save(tmp_path / checkpoint_name(2, 20), trained_model(), round_=20)
+    _flip_data_byte(newest, "params", "0.weight")
+    assert latest_checkpoint(tmp_path) == newest  # the header still reads as complete
+    verify_checkpoint(older)
+    with pytest.raises(CheckpointError, match=f"{newest.name}.*unreadable data in 'params/0.weight'"):
+        verify_checkpoint(newest)
+
+    chosen, aside = set_aside_damaged(tmp_path)
+    assert chosen == older
+    assert [(p.name, why.split(" (")[0]) for p, why in aside] == [(newest.name, "unreadable data in 'params/0.weight'")]
+    assert not newest.exists() and newest.with_name(newest.name + ".damaged").exists()
+    assert latest_checkpoint(tmp_path) == older
+
+
+def test_set_aside_damaged_reads_only_down_to_the_newest_good_one(tmp_path):
+    oldest = save(tmp_path / checkpoint_name(1, 10), trained_model(), round_=10)
+    _flip_data_byte(oldest, "params", "0.weight")  # older than the good one: never read, kept as it is
+    good = save(tmp_path / checkpoint_name(2, 20), trained_model(), round_=20)
+    truncated = tmp_path / checkpoint_name(3, 30)
+    truncated.write_bytes(b"\x89HDF\r\n\x1a\n truncated")
+    chosen, aside = set_aside_damaged(tmp_path)
+    assert chosen == good and [p for p, _ in aside] == [truncated] and oldest.exists()
+    assert set_aside_damaged(tmp_path / "missing") == (None, [])
+
+
+# ---------------------------------------------------------------- HDF5 1.10 readers
+
+
+def test_checkpoint_stays_within_hdf5_1_10_formats(tmp_path):
+    """Copying every object into a file capped at v110 fails on any newer object version."""
+    assert LIBVER[1] == "v110"
+    big = {"config": {"k": "x" * 100_000}}  # needs dense attribute storage
+    params, buffers, order = split_state(trained_model())
+    path = write_checkpoint(tmp_path / "a.h5", params, buffers, {"round": 1, **big}, order,
+                            ranks=[({"optimizer/state/0/exp_avg": np.ones(3)}, {"global_step": 3})])
+    assert_readable_by_hdf5_1_10(path)
+
+
+def assert_readable_by_hdf5_1_10(path):
+    with h5py.File(path, "r") as src, h5py.File(path.with_suffix(".v110-copy"), "w",
+                                                   libver=("earliest", "v110")) as dst:
+        assert path.read_bytes()[8] <= 3  # superblock version: 1.10 reads 0..3
+        for name in src:
+            src.copy(src[name], dst, name)  # raises "... version out of bounds" past v110
+        for key, value in src.attrs.items():
+            dst.attrs[key] = value

@@ -76,7 +76,7 @@ def test_appends_in_batches_read_back(tmp_path):
     with h5py.File(path, "r") as f:
         assert f.attrs["world_size"] == W and f.attrs["version"] == "0.1.0"
         assert json.loads(f.attrs["config"]) == attrs["config"]
-        assert set(json.loads(f.attrs["json_attrs"])) == {"config", "hosts"}
+        assert set(json.loads(f.attrs["json_attrs"])) == {"config", "hosts", "world_size_history"}
         assert f["rounds/mass"].shape == (5, W) and f["rounds/mass"].maxshape == (None, W)
 
 
@@ -236,3 +236,158 @@ def test_resume_refuses_fewer_rows_than_the_checkpoint_saw(tmp_path):
     with pytest.raises(ValueError, match="table 'rounds' has 0 rows, the checkpoint saw 4"):
         MetricsFile(path, 1, {}, keep_rows={"rounds": 4})
     assert path.exists()  # nothing lost
+
+
+# ---------------------------------------------------------------- a resume killed while it rebuilds metrics.h5
+
+
+def _history(path, rounds, world_size=W):
+    """A closed metrics.h5 holding ``rounds`` rows in the rounds table and as many batches."""
+    with MetricsFile(path, world_size, {"config": {"lr": 0.1}}) as f:
+        f.append("rounds", _rounds(world_size, 0, rounds))
+        f.append("batches", batch_rows(0, rounds))
+
+
+def _rounds(world_size, start, k):
+    rows = round_rows(start, k)
+    return {c: (a[:, :world_size] if a.ndim == 2 else a) for c, a in rows.items()}
+
+
+KEEP = {"rounds": 6, "batches": 6, "epochs": 0}
+
+
+def _assert_resumed_history(path, rounds=6):
+    got = read_table(path, "rounds")
+    np.testing.assert_array_equal(got["round"], np.arange(rounds))
+    np.testing.assert_array_equal(got["steps"], _rounds(W, 0, rounds)["steps"])
+    np.testing.assert_array_equal(read_table(path, "batches")["step"], np.arange(KEEP["batches"]))
+    leftovers = sorted(p.name for p in path.parent.iterdir() if p.name != path.name)
+    assert leftovers == [], leftovers
+
+
+@pytest.mark.parametrize("point", ["salvaged", "temp partial", "temp written", "replaced"])
+def test_a_resume_killed_at_any_step_loses_nothing(tmp_path, point):
+    """kill -9 (os._exit) at each step of the rebuild, then resume again: every kept row is there."""
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "metrics.h5"
+    _history(path, 10)
+    script = textwrap.dedent(f"""
+        import os
+        from flodl_mpi import metrics
+        metrics._step = lambda step: os._exit(9) if step == {point!r} else None
+        metrics.MetricsFile({str(path)!r}, {W}, {{}}, keep_rows={KEEP!r})
+        os._exit(0)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=str(Path(__file__).parent.parent), check=False)
+    assert proc.returncode == 9  # it died at the step named, not before or after
+
+    with MetricsFile(path, W, {}, keep_rows=KEEP) as f:  # the next resume
+        f.append("rounds", _rounds(W, 6, 2))
+    _assert_resumed_history(path, rounds=8)
+
+
+@pytest.mark.parametrize("left", ["48 bytes", "partial", "complete", "nothing"])
+def test_a_resume_repairs_what_an_older_killed_resume_left(tmp_path, left):
+    """The old rebuild renamed the history to metrics.h5.before-resume first; a kill then left
+    metrics.h5 as 48 bytes, a partial or a complete new file, or none: the history is restored."""
+    path = tmp_path / "metrics.h5"
+    _history(path, 10)
+    before = tmp_path / "metrics.h5.before-resume"
+    path.rename(before)
+    if left == "48 bytes":
+        path.write_bytes(before.read_bytes()[:48])
+    elif left == "partial":
+        path.write_bytes(before.read_bytes()[:4000])
+    elif left == "complete":
+        _history(path, 6)
+    f = MetricsFile(path, W, {}, keep_rows=KEEP)
+    f.close()
+    assert f.recovered and "history restored from metrics.h5.before-resume" in f.recovered[0]
+    _assert_resumed_history(path)
+
+
+def test_a_stale_temporary_is_removed_and_said(tmp_path):
+    path = tmp_path / "metrics.h5"
+    _history(path, 10)
+    (tmp_path / "metrics.h5.resume-tmp").write_bytes(b"\x89HDF\r\n\x1a\n half")
+    f = MetricsFile(path, W, {}, keep_rows=KEEP)
+    f.close()
+    assert "unfinished copy removed" in f.recovered[0]
+    _assert_resumed_history(path)
+
+
+# ---------------------------------------------------------------- another world size
+
+
+@pytest.mark.parametrize("old, new", [(2, 3), (3, 2)])
+def test_a_resume_at_another_world_size_reads_as_one_run(tmp_path, old, new):
+    path = tmp_path / "metrics.h5"
+    _history(path, 10, world_size=old)
+    with MetricsFile(path, new, {}, keep_rows=KEEP) as f:
+        f.append("rounds", _rounds(new, 6, 3))
+        f.append("rounds", _rounds(new, 9, 1))
+    width = max(old, new)
+    got = read_table(path, "rounds")
+    np.testing.assert_array_equal(got["round"], np.arange(10))
+    assert got["steps"].shape == got["mass"].shape == (10, width)
+
+    def widened(rows, w):
+        steps, mass = np.full((len(rows["round"]), width), -1), np.full((len(rows["round"]), width), np.nan)
+        steps[:, :w], mass[:, :w] = rows["steps"], rows["mass"]
+        return steps, mass
+
+    want_old, want_new = widened(_rounds(old, 0, 6), old), widened(_rounds(new, 6, 4), new)
+    np.testing.assert_array_equal(got["steps"], np.concatenate([want_old[0], want_new[0]]))
+    np.testing.assert_array_equal(got["mass"], np.concatenate([want_old[1], want_new[1]]))
+    with h5py.File(path, "r") as f:
+        assert json.loads(f.attrs["world_size_history"]) == [[0, old], [6, new]]
+        assert int(f.attrs["world_size"]) == new
+
+    # a later resume from before the change forgets the change, keeps the width
+    with MetricsFile(path, old, {}, keep_rows={"rounds": 4, "batches": 4, "epochs": 0}):
+        pass
+    with h5py.File(path, "r") as f:
+        assert json.loads(f.attrs["world_size_history"]) == [[0, old]]
+        assert f["rounds/steps"].shape == (4, width)
+
+
+# ---------------------------------------------------------------- HDF5 1.10 readers
+
+
+def _written_files(tmp_path):
+    """metrics.h5 and a checkpoint as the writer thread writes them (all tables, SWMR, closed)."""
+    writer = MetricsWriter(tmp_path, W, {"config": {"lr": 0.1}, "hosts": ["a", "b", "c"]},
+                           checkpoint_dir=tmp_path / "checkpoints")
+    writer.start()
+    writer.append("rounds", round_rows(0, 4))
+    writer.append("batches", batch_rows(0, 4))
+    writer.save_checkpoint(checkpoint_name(1, 4), {"0.weight": np.ones((3, 2), np.float32)},
+                           {"1.num_batches_tracked": np.int64(3)}, {"round": 4, "config": {"x": 1}},
+                           ["0.weight", "1.num_batches_tracked"])
+    writer.close()
+    return tmp_path / "metrics.h5", latest_checkpoint(tmp_path / "checkpoints")
+
+
+def test_written_files_stay_within_hdf5_1_10_formats(tmp_path):
+    """Copying every object into a file capped at v110 fails on any newer object version
+    (what made Debian's h5dump 1.10 reject metrics.h5)."""
+    from tests.test_checkpoint import assert_readable_by_hdf5_1_10
+
+    for path in _written_files(tmp_path):
+        assert_readable_by_hdf5_1_10(path)
+
+
+def test_written_files_open_in_h5dump(tmp_path):
+    import shutil
+    import subprocess
+
+    h5dump = shutil.which("h5dump")
+    if h5dump is None:
+        pytest.skip("h5dump not installed (Debian: apt-get install hdf5-tools); the v110 copy test still runs")
+    for path in _written_files(tmp_path):
+        proc = subprocess.run([h5dump, "-H", str(path)], capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "rounds" in proc.stdout or "params" in proc.stdout

@@ -4,7 +4,7 @@ import torch
 
 from flodl_mpi.checkpoint import read_checkpoint, write_checkpoint
 from flodl_mpi.models import digits_mlp
-from flodl_mpi.rank_state import capture, restore
+from flodl_mpi.rank_state import capture, restore, restore_integer_buffers
 
 
 def train(model, opt, steps, seed):
@@ -50,3 +50,27 @@ def test_restore_refuses_another_optimizer():
     with pytest.raises(ValueError, match="holds Adam state, the run uses SGD"):
         restore(torch.optim.SGD(model.parameters(), lr=0.1), arrays, attrs)
     assert np.asarray(arrays["rng/torch"]).dtype == np.uint8
+
+
+def test_integer_buffers_are_each_ranks_own_and_survive_odd_names(tmp_path):
+    def make():
+        return torch.nn.ModuleDict({"bn/a": torch.nn.BatchNorm1d(4), "bn%b": torch.nn.ModuleDict(
+            {"x/y": torch.nn.BatchNorm1d(2)})})
+
+    model = make()
+    model["bn/a"](torch.randn(8, 4))
+    for _ in range(3):
+        model["bn%b"]["x/y"](torch.randn(8, 2))
+    arrays, attrs = capture(torch.optim.SGD(model.parameters(), lr=0.1), 4, model)
+    assert sorted(k for k in arrays if k.startswith("int_buffers/")) == [
+        "int_buffers/bn%25b.x%2Fy.num_batches_tracked", "int_buffers/bn%2Fa.num_batches_tracked"]
+    path = write_checkpoint(tmp_path / "c.h5", {}, {}, {}, [], ranks=[(arrays, attrs)])
+
+    fresh = make()
+    saved, _ = read_checkpoint(path).ranks[0]
+    assert sorted(restore_integer_buffers(fresh, saved)) == ["bn%b.x/y.num_batches_tracked",
+                                                            "bn/a.num_batches_tracked"]
+    assert int(fresh["bn/a"].num_batches_tracked) == 1 and int(fresh["bn%b"]["x/y"].num_batches_tracked) == 3
+    assert restore_integer_buffers(fresh, {"rng/torch": arrays["rng/torch"]}) == []  # schema 1: nothing per rank
+    with pytest.raises(ValueError, match="does not fit the model"):
+        restore_integer_buffers(torch.nn.Linear(2, 2), saved)

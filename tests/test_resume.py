@@ -1,0 +1,371 @@
+"""Resuming a run: after a stop, a kill, damage on disk, at another world size; the final save."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict, read_checkpoint
+from flodl_mpi.data import default_digits_path, load_dataset
+from flodl_mpi.errors import EXIT_INPUT, EXIT_STALL, EXIT_STOPPED
+from flodl_mpi.metrics import read_table
+from tests.conftest import MPIEXEC, run_flodl
+
+pytestmark = pytest.mark.slow
+
+HOOKED = str(Path(__file__).with_name("hooked_flodl.py"))
+#: A stopped run exits 0 until the CLI returns EXIT_STOPPED (the launch branch); either is a stop.
+STOPPED = (0, EXIT_STOPPED)
+
+
+def run_hooked(n, *args, timeout=300.0):
+    """``mpiexec -n N python tests/hooked_flodl.py ARGS`` (hooks, then ``--``, then the CLI's arguments)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, HOOKED, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(Path(__file__).parent.parent), check=False)
+
+
+def _final_state(run_dir):
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    return ckpt, {**ckpt.params, **ckpt.buffers}
+
+
+def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_path):
+    """Stop a run with SIGUSR1 somewhere in epoch 2, resume it: the weights end bit-identical."""
+    epochs = ("--epochs", "4")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run_flodl(2, "train", *epochs, "--run-dir", str(straight), timeout=300).returncode == 0
+
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", *epochs,
+                             "--run-dir", str(stopped)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, rows = time.monotonic() + 120, 0
+        while rows < 30 and time.monotonic() < deadline:  # into epoch 2 (23 rounds an epoch)
+            time.sleep(0.05)
+            if (stopped / "metrics.h5").exists():
+                rows = len(read_table(stopped / "metrics.h5", "rounds")["round"])
+        pattern = f"--run-dir {stopped}"
+        pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
+        for pid in (int(p) for p in pids if int(p) != proc.pid):
+            os.kill(pid, signal.SIGUSR1)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()  # closes the pipes
+    assert proc.returncode == 0
+    ckpt, _ = _final_state(stopped)
+    assert ckpt.meta["reason"] == "graceful_shutdown" and ckpt.meta["round"] < 92
+    assert not ckpt.meta["epoch_complete"] and 0 < ckpt.meta["cursor"] < 45  # the stop was mid-epoch
+
+    resumed = run_flodl(2, "train", *epochs, "--run-dir", str(stopped), "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    a_meta, a = _final_state(straight)
+    b_meta, b = _final_state(stopped)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert a_meta.meta["test_accuracy"] == b_meta.meta["test_accuracy"]
+    # metrics.h5 reads like one run: every round once, in order; one row per epoch; a clock that only grows
+    rounds = read_table(stopped / "metrics.h5", "rounds")
+    np.testing.assert_array_equal(rounds["round"], np.arange(92))
+    np.testing.assert_array_equal(rounds["steps"], read_table(straight / "metrics.h5", "rounds")["steps"])
+    assert np.all(np.diff(rounds["time_s"]) >= 0)
+    epochs, epochs_straight = (read_table(d / "metrics.h5", "epochs") for d in (stopped, straight))
+    np.testing.assert_array_equal(epochs["epoch"], np.arange(1, 5))
+    np.testing.assert_array_equal(epochs["per_rank_batches"], epochs_straight["per_rank_batches"])
+    np.testing.assert_allclose(epochs["avg_loss"], epochs_straight["avg_loss"], rtol=1e-12)
+    np.testing.assert_array_equal(epochs["test_accuracy"], epochs_straight["test_accuracy"])
+    batches = read_table(stopped / "metrics.h5", "batches")
+    assert sorted(zip(batches["rank"], batches["step"])) == sorted(
+        zip(*(read_table(straight / "metrics.h5", "batches")[k] for k in ("rank", "step"))))
+    assert (stopped / "config.json").exists() and list(stopped.glob("config-resume-r*.json"))
+
+
+def test_resume_refuses_other_options(tmp_path):
+    run_dir = tmp_path / "r"
+    assert run_flodl(2, "train", "--epochs", "1", "--run-dir", str(run_dir), timeout=300).returncode == 0
+    other = run_flodl(2, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", "--gamma", "0.5",
+                      timeout=120)
+    assert other.returncode == 2
+    assert "--resume: the run in" in other.stderr and "--gamma 0.5 (was 1.0)" in other.stderr
+    fresh = run_flodl(2, "train", "--epochs", "1", "--run-dir", str(tmp_path / "new"), "--resume", timeout=300)
+    assert fresh.returncode == 0  # nothing to resume: a requeued job's first start
+
+
+def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
+    """kill -9 leaves metrics.h5 open for write; resume still goes on from the last checkpoint."""
+    run_dir = tmp_path / "k"
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3",
+                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pattern = f"--run-dir {run_dir}"
+        pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
+        os.kill(max(int(p) for p in pids if int(p) != proc.pid), signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()  # closes the pipes
+    assert proc.returncode != 0
+    saved = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta["round"]
+    damaged = run_dir / "checkpoints" / "ckpt-e000009-r000999.h5"  # say, a truncated copy
+    damaged.write_bytes(b"\x89HDF\r\n\x1a\n truncated")
+
+    resumed = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", "--lr", "0.002",
+                        timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"round {saved}" in resumed.stdout
+    assert "warning: ckpt-e000009-r000999.h5 is damaged (not a complete checkpoint)" in resumed.stdout
+    assert damaged.with_name(damaged.name + ".damaged").read_bytes().endswith(b"truncated")
+    rounds = read_table(run_dir / "metrics.h5", "rounds")
+    np.testing.assert_array_equal(rounds["round"], np.arange(3 * 23))  # rows after the checkpoint redone, once
+    lr = read_table(run_dir / "metrics.h5", "batches")["lr"]
+    assert set(lr[-10:]) == {0.002}  # a resume may change the learning rate
+
+    again = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to do: 3 of 3 epoch(s) were done already" in again.stdout
+
+
+# ---------------------------------------------------------------- state-dict names HDF5 cannot hold
+
+ODD_MODEL = """
+import torch
+from torch import nn
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({"conv1/7x7": nn.Linear(64, 32), "fc/out": nn.Linear(32, 10)})
+
+    def forward(self, x):
+        return self.layers["fc/out"](self.layers["conv1/7x7"](x).relu())
+
+
+def make():
+    return Odd()
+
+
+class Complex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+        self.register_buffer("phase", torch.zeros(3, dtype=torch.complex64))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def make_complex():
+    return Complex()
+
+"""
+
+
+def test_state_dict_names_with_slashes_train_checkpoint_resume_and_load_back(tmp_path):
+    module = tmp_path / "odd.py"
+    module.write_text(ODD_MODEL)
+    run_dir = tmp_path / "r"
+    args = ("train", "--model", f"{module}:make", "--epochs", "2", "--run-dir", str(run_dir))
+    stopped = run_hooked(2, "--stop-at-round", "10", "--", *args)
+    assert stopped.returncode in STOPPED, stopped.stderr[-3000:]
+    assert read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta["round"] == 10
+    resumed = run_flodl(2, *args, "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from ckpt-e000001-r000010.h5" in resumed.stdout
+
+    path = latest_checkpoint(run_dir / "checkpoints")
+    ckpt = read_checkpoint(path)
+    assert ckpt.meta["epoch"] == 2 and ckpt.meta["round"] == 46
+    state = load_state_dict(path)
+    want = ["layers.conv1/7x7.weight", "layers.conv1/7x7.bias", "layers.fc/out.weight", "layers.fc/out.bias"]
+    assert list(state) == want
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import odd
+    finally:
+        sys.path.remove(str(tmp_path))
+    model = odd.make()
+    model.load_state_dict(state)  # strict: exactly the model's names
+    for name, value in model.state_dict().items():
+        assert value.numpy().tobytes() == ckpt.params[name].tobytes(), name
+    from flodl_mpi.checkpoint import escape_name
+
+    with h5py.File(path, "r") as f:
+        assert sorted(f["params"]) == sorted(escape_name(n) for n in want)
+
+
+def test_a_model_the_checkpoint_cannot_store_is_refused_before_training(tmp_path):
+    module = tmp_path / "odd.py"
+    module.write_text(ODD_MODEL)
+    t0 = time.monotonic()
+    proc = run_flodl(2, "train", "--model", f"{module}:make_complex", "--epochs", "1", "--run-dir",
+                     str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == EXIT_INPUT, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("flodl-mpi:")]
+    assert errors == [("flodl-mpi: error: the model's state cannot be saved in a checkpoint: tensor 'phase' has "
+                       "dtype complex64; expected floating, integer or bool")]
+    assert "epoch 1" not in proc.stdout and time.monotonic() - t0 < 100
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == []  # the trial write removed
+
+
+# ---------------------------------------------------------------- integer buffers are each rank's own
+
+BN_MODEL = """
+from torch import nn
+
+
+def make():
+    # momentum=None: the running stats are a cumulative mean weighted by num_batches_tracked,
+    # so a rank that resumes with another rank's counter drifts from the uninterrupted run.
+    return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32, momentum=None), nn.ReLU(), nn.Linear(32, 10))
+"""
+
+
+def _every_rank_state(run_dir):
+    """The final consensus and each rank's own integer buffers, from the last checkpoint."""
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    ints = {r: {k: v for k, v in arrays.items() if k.startswith("int_buffers/")}
+            for r, (arrays, _) in ckpt.ranks.items()}
+    return ckpt, {**ckpt.params, **ckpt.buffers}, ints
+
+
+def test_integer_buffers_resume_per_rank_bitwise(tmp_path):
+    """BatchNorm1d(momentum=None) stopped mid-epoch and resumed equals the uninterrupted run on every rank."""
+    module = tmp_path / "bn.py"
+    module.write_text(BN_MODEL)
+    common = ("train", "--model", f"{module}:make", "--epochs", "2")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run_flodl(2, *common, "--run-dir", str(straight), timeout=300).returncode == 0
+    first = run_hooked(2, "--stop-at-round", "30", "--", *common, "--run-dir", str(stopped))
+    assert first.returncode in STOPPED, first.stderr[-3000:]
+    meta = read_checkpoint(latest_checkpoint(stopped / "checkpoints")).meta
+    assert (meta["epoch"], meta["cursor"], meta["round"]) == (1, 14, 30)  # mid-epoch 2: 45 batches an epoch
+    resumed = run_flodl(2, *common, "--run-dir", str(stopped), "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    a_ckpt, a, a_ints = _every_rank_state(straight)
+    b_ckpt, b, b_ints = _every_rank_state(stopped)
+    assert a.keys() == b.keys()
+    for name in a:  # a rank resumed with another rank's counter weights its running stats wrong
+        assert a[name].tobytes() == b[name].tobytes(), name
+    assert a_ckpt.meta["test_accuracy"] == b_ckpt.meta["test_accuracy"]
+    nbt = "int_buffers/1.num_batches_tracked"
+    assert [int(a_ints[r][nbt]) for r in (0, 1)] == [46, 44]  # 23 + 23 and 22 + 22 batches: ranks differ
+    for r in (0, 1):
+        assert a_ints[r].keys() == b_ints[r].keys() == {nbt}
+        assert int(b_ints[r][nbt]) == int(a_ints[r][nbt]), f"rank {r}"
+
+
+# ---------------------------------------------------------------- another world size
+
+
+@pytest.mark.parametrize("old, new", [(2, 3), (3, 2)])
+def test_resume_at_another_world_size(tmp_path, old, new):
+    data = load_dataset(default_digits_path())
+    n_batches = math.ceil(data.train.n / 32)
+    per_epoch = {w: math.ceil(n_batches / w) for w in (2, 3)}  # rounds an epoch at window 1
+    stop = per_epoch[old] + 7  # mid-epoch 2
+    run_dir = tmp_path / "r"
+    common = ("train", "--epochs", "3", "--run-dir", str(run_dir))
+    first = run_hooked(old, "--stop-at-round", str(stop), "--", *common)
+    assert first.returncode in STOPPED, first.stderr[-3000:]
+    saved = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta
+    assert (saved["epoch"], saved["cursor"], saved["world_size"]) == (1, 7 * old, old)
+
+    resumed = run_flodl(new, *common, "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"world size {old} -> {new}: rank r took the optimizer state, step count and integer buffers "
+            f"of old rank r mod {old}") in resumed.stdout
+
+    # the data cursor carried over exactly: epoch 2 finished the batches epoch 2 had left
+    rest = n_batches - 7 * old
+    rounds = read_table(run_dir / "metrics.h5", "rounds")
+    total = stop + math.ceil(rest / new) + per_epoch[new]
+    np.testing.assert_array_equal(rounds["round"], np.arange(total))
+    width = max(old, new)
+    assert rounds["steps"].shape == (total, width)
+    if new > old:
+        assert np.all(rounds["steps"][:stop, old:] == -1) and np.all(np.isnan(rounds["mass"][:stop, old:]))
+    else:
+        assert np.all(rounds["steps"][stop:, new:] == -1) and np.all(np.isnan(rounds["mass"][stop:, new:]))
+    assert rounds["steps"][:, :min(old, new)].min() >= 0
+    # every epoch adds up, the stopped one included: each sample once
+    epochs = read_table(run_dir / "metrics.h5", "epochs")
+    np.testing.assert_array_equal(epochs["epoch"], [1, 2, 3])
+    samples = np.where(epochs["per_rank_samples"] < 0, 0, epochs["per_rank_samples"])
+    np.testing.assert_array_equal(samples.sum(axis=1), [data.train.n] * 3)
+    batches_per_epoch = np.where(epochs["per_rank_batches"] < 0, 0, epochs["per_rank_batches"]).sum(axis=1)
+    np.testing.assert_array_equal(batches_per_epoch, [n_batches] * 3)
+    np.testing.assert_array_equal(epochs["batches"], [n_batches] * 3)
+    assert len(read_table(run_dir / "metrics.h5", "batches")["step"]) == 3 * n_batches
+    with h5py.File(run_dir / "metrics.h5", "r") as f:
+        assert f.attrs["world_size_history"] == f"[[0, {old}], [{stop}, {new}]]"
+    final = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert final.meta["world_size"] == new and sorted(final.ranks) == list(range(new))
+    assert final.meta["epoch"] == 3 and final.meta["test_accuracy"] > 0.8
+
+
+# ---------------------------------------------------------------- damaged weight data
+
+
+def _flip_data_byte(path, group, name):
+    """Flip one byte inside a dataset's stored data (not its header)."""
+    with h5py.File(path, "r") as f:
+        ds = f[group][name]
+        offset = ds.id.get_chunk_info(0).byte_offset if ds.chunks else ds.id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 5)
+        byte = fh.read(1)
+        fh.seek(offset + 5)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_resume_passes_over_a_checkpoint_whose_weights_fail_their_checksum(tmp_path):
+    run_dir = tmp_path / "r"
+    assert run_flodl(1, "train", "--epochs", "2", "--run-dir", str(run_dir), timeout=300).returncode == 0
+    newest = latest_checkpoint(run_dir / "checkpoints")
+    assert newest.name == "ckpt-e000002-r000090.h5"
+    _flip_data_byte(newest, "params", "1.weight")
+    resumed = run_flodl(1, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"warning: {newest.name} is damaged (unreadable data in 'params/1.weight'" in resumed.stdout
+    assert "resuming from ckpt-e000001-r000045.h5" in resumed.stdout
+    assert newest.with_name(newest.name + ".damaged").exists()
+    assert read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta["round"] == 90  # epoch 2 redone
+
+
+# ---------------------------------------------------------------- the final save
+
+
+def test_a_final_save_slower_than_any_fixed_cap_completes(tmp_path):
+    """The old writer gave the last save 30 s; here every bounded wait is 100x shorter (0.3 s)
+    and the save takes 3 s: it must still complete, and the run exit 0."""
+    run_dir = tmp_path / "r"
+    proc = run_hooked(1, "--save-delay", "3", "--scale-bounded-waits", "100", "--",
+                      "train", "--epochs", "1", "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "final save written in" in proc.stdout
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["ckpt-e000001-r000045.h5"]
+    assert read_checkpoint(run_dir / "checkpoints" / "ckpt-e000001-r000045.h5").meta["round"] == 45
+
+
+def test_a_hung_final_save_is_ended_by_the_watchdog(tmp_path):
+    t0 = time.monotonic()
+    proc = run_hooked(1, "--save-delay", "1e6", "--", "train", "--epochs", "1", "--stall-timeout", "3",
+                      "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == EXIT_STALL, proc.stderr[-3000:]
+    assert "watchdog: the final save made no progress" in proc.stderr
+    assert time.monotonic() - t0 < 90
