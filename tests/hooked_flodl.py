@@ -39,8 +39,8 @@ def main() -> int:
     if opts.stop_at_round is not None:
         plain_round = bridge.Bridge.round
 
-        def round_(self, steps, window, stop=False):
-            return plain_round(self, steps, window, stop=stop or self.version + 1 == opts.stop_at_round)
+        def round_(self, steps, window, stop=False, **kwargs):
+            return plain_round(self, steps, window, stop=stop or self.version + 1 == opts.stop_at_round, **kwargs)
 
         bridge.Bridge.round = round_
 

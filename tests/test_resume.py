@@ -367,5 +367,5 @@ def test_a_hung_final_save_is_ended_by_the_watchdog(tmp_path):
     proc = run_hooked(1, "--save-delay", "1e6", "--", "train", "--epochs", "1", "--stall-timeout", "3",
                       "--run-dir", str(tmp_path / "r"), timeout=120)
     assert proc.returncode == EXIT_STALL, proc.stderr[-3000:]
-    assert "watchdog: the final save made no progress" in proc.stderr
+    assert "watchdog: no rank made progress" in proc.stderr and "in the final save" in proc.stderr
     assert time.monotonic() - t0 < 90
