@@ -386,6 +386,7 @@ class Trainer:
             with torch.no_grad():
                 self.replica.params[0].fill_(math.nan)
         if kind == "disk" and self.writer is not None:
+            self.writer.flush_wait()  # what was queued before the fault is written, however slow the writer
             moved = self.writer.checkpoint_dir.with_name("checkpoints.moved-by-fault")
             self.writer.checkpoint_dir.rename(moved)
             self.writer.checkpoint_dir.write_text("not a directory (injected fault)\n")
