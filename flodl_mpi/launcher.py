@@ -255,7 +255,8 @@ def thread_request(threads: int | None, environ: Mapping[str, str] | None = None
     """
     env = os.environ if environ is None else environ
     if threads is not None:
-        return threads, "--threads"
+        omp = env.get("OMP_NUM_THREADS", "").strip()
+        return threads, "--threads" + (f", over OMP_NUM_THREADS={omp}" if omp else "")
     if env.get("OMP_NUM_THREADS", "").strip():
         n = parse_threads(env["OMP_NUM_THREADS"], "OMP_NUM_THREADS")
         return n, f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"

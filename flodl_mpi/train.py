@@ -236,8 +236,8 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     cfg = agree(comm, "config", lambda: config_from_args(args), watchdog)
     watchdog.stall_timeout = cfg.stall_timeout
     fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
-    threads, threads_line = settle_threads(comm, world.host, agree(comm, "threads", lambda: thread_request(cfg.threads),
-                                                                   watchdog))
+    requested = agree(comm, "threads", lambda: thread_request(cfg.threads), watchdog)
+    threads, threads_line = settle_threads(comm, world.host, requested)
     torch.set_num_threads(threads)
     device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
     data = _load_data(cfg, world, watchdog)

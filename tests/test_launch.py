@@ -152,7 +152,8 @@ def test_srun_without_an_mpi_plugin_is_refused_once_naming_srun_mpi(rank):
 # ---- threads ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("flag", "env", "usable", "sharing", "expected"), [
-    (3, {"OMP_NUM_THREADS": "1"}, 8, 1, (3, "--threads")),  # the flag over the environment
+    (3, {"OMP_NUM_THREADS": "1"}, 8, 1, (3, "--threads, over OMP_NUM_THREADS=1")),
+    (3, {}, 8, 1, (3, "--threads")),  # the flag over the environment
     (None, {"OMP_NUM_THREADS": "1"}, 8, 1, (1, "OMP_NUM_THREADS=1")),
     (None, {"OMP_NUM_THREADS": "4,2"}, 8, 1, (4, "OMP_NUM_THREADS=4,2")),  # OpenMP's nested list: first level
     (None, {"SLURM_CPUS_PER_TASK": "2"}, 32, 4, (2, "SLURM_CPUS_PER_TASK=2")),  # cgroup, no pinning
