@@ -7,10 +7,10 @@ Hydra needs neither. Every child launcher starts from a clean environment: no
 ``PMI_*`` / ``PMIX_*`` / ``OMPI_*`` left over from a launcher that started this
 process (``tests/run.sh`` runs pytest itself under ``mpiexec``).
 
-The serial pytest process never initialises MPI: importing ``mpi4py.MPI`` here
-only loads the library (``mpi4py.rc.initialize = False``); the tests that need
-MPI are marked ``mpi`` and run under ``mpiexec ... --with-mpi``, where
-``python -m mpi4py`` started MPI before this file is read.
+The serial pytest process never initialises MPI: importing ``mpi4py.MPI`` there
+only loads the library (``mpi4py.rc.initialize = False``, set in
+:func:`pytest_configure`); the tests that need MPI are marked ``mpi`` and run
+under ``mpiexec ... --with-mpi``, where importing it starts MPI as usual.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ from pathlib import Path
 import mpi4py
 import pytest
 
-if "mpi4py.MPI" not in sys.modules:  # serial run: importing mpi4py.MPI must not start MPI
-    mpi4py.rc.initialize = False
-    mpi4py.rc.finalize = False
+
+def pytest_configure(config):
+    """A serial run (no ``--with-mpi``): importing ``mpi4py.MPI`` loads the library but must not start MPI."""
+    if not config.getoption("--with-mpi", default=False) and "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
 
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
