@@ -120,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest()
     stop.install()  # first thing: before MPI starts and torch loads
     try:
+        return _main(argv, stop)
+    finally:
+        stop.close()  # the status is decided; a late stop signal must not change it during the exit
+
+
+def _main(argv: list[str] | None, stop: StopRequest) -> int:
+    try:
         args = build_parser().parse_args(argv)
     except _UsageError as exc:
         _say_once(str(exc))

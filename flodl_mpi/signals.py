@@ -46,6 +46,16 @@ class StopRequest:
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
+    def close(self) -> None:
+        """The exit status is decided: ignore stop signals from now on (call from the main thread).
+
+        Python's shutdown restores the default action (death by the signal) of
+        every signal that has a Python handler, but leaves ignored ones ignored,
+        so a late SIGTERM cannot turn a decided exit 4 (or 0) into 15.
+        """
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
     def _say(self, text: str) -> None:
         if self._speak:
             try:  # os.write, not print: a handler may run in the middle of a print

@@ -164,7 +164,7 @@ def test_flags_override_the_config_file_with_what_they_imply(tmp_path):
 
 @pytest.mark.parametrize("signame", ["SIGUSR1", "SIGINT"])
 def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path, signame):
-    """SIGUSR1 (Slurm's --signal) or Ctrl-C to one rank: every rank stops after the same round.
+    """SIGUSR1 (Slurm's --signal) or Ctrl-C to one rank, then SIGTERM: every rank stops after the same round.
 
     Also reads metrics.h5 with SWMR while the run is still writing it.
     """
@@ -186,6 +186,8 @@ def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path, si
         ranks = rank_pids(proc, f"--run-dir {run_dir}")
         assert len(ranks) == 2
         os.kill(ranks[-1], getattr(signal, signame))
+        time.sleep(0.5)
+        os.kill(ranks[-1], signal.SIGTERM)  # a second stop signal while it stops: absorbed, still exit 4
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
