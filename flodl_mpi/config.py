@@ -66,6 +66,7 @@ class TrainConfig:
     chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
     on_non_finite: str = "quarantine"  # one of ON_NON_FINITE: a rank with NaN/Inf loss or params
     eval_batch_size: int = 1024       # samples per evaluation batch
+    threads: int | None = None        # torch threads per rank; None = the rule in flodl_mpi.launcher
 
     def __post_init__(self) -> None:
         def need(cond: bool, option: str, value: Any, allowed: str) -> None:
@@ -78,6 +79,8 @@ class TrainConfig:
         for name in ("seed", "checkpoint_every"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, v, "an integer >= 0")
+        need(self.threads is None or (isinstance(self.threads, int) and not isinstance(self.threads, bool)
+                                      and self.threads >= 1), "threads", self.threads, "an integer >= 1")
         need(self.chunk_elems <= 2**31 - 1, "chunk_elems", self.chunk_elems, "<= 2**31 - 1 (the MPI count limit)")
         for name in ("lr", "stall_timeout"):
             v = getattr(self, name)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from flodl_mpi.progress import EpochProgress, stdout_is_terminal
-from tests.conftest import MPIEXEC
+from tests.conftest import MPIEXEC, launch_argv, launch_env
 
 EPOCH_LINE = re.compile(r"^\d\d:\d\d:\d\d epoch (\d+)/(\d+)  loss ", re.MULTILINE)
 
@@ -66,8 +66,8 @@ def test_stdout_is_terminal_for_a_pty_not_for_a_pipe():
 def _train_in_pty(args: list[str], timeout: float = 300) -> tuple[int, str]:
     """Run ``mpiexec -n 2 flodl-mpi train ARGS`` with a pseudo-terminal as its stdout and stderr."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", *args],
-                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", *args),
+                            env=launch_env(), stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -103,9 +103,9 @@ def test_terminal_gets_a_bar_through_mpiexec(tmp_path):
 def test_pipe_gets_one_line_per_epoch_and_says_what_happens(tmp_path):
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
-                           str(tmp_path / "r"), "--epochs", "2", "-v"],
-                          capture_output=True, text=True, check=False, timeout=300)
+    proc = subprocess.run(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
+                           str(tmp_path / "r"), "--epochs", "2", "-v"),
+                          env=launch_env(), capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "\r" not in out and "batch/s" not in out
@@ -124,9 +124,9 @@ def test_pipe_gets_one_line_per_epoch_and_says_what_happens(tmp_path):
 def test_quiet_prints_nothing_on_success(tmp_path):
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
-                           str(tmp_path / "r"), "--epochs", "1", "-q", "--progress", "bar"],
-                          capture_output=True, text=True, check=False, timeout=300)
+    proc = subprocess.run(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
+                           str(tmp_path / "r"), "--epochs", "1", "-q", "--progress", "bar"),
+                          env=launch_env(), capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
     assert len(EPOCH_LINE.findall((tmp_path / "r" / "train.log").read_text())) == 1

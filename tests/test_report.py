@@ -244,13 +244,14 @@ def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path):
 @pytest.mark.slow
 def test_report_while_the_run_writes(tmp_path):
     """Reader and writer in two processes: report reads a run that is still training."""
-    from tests.conftest import MPIEXEC
+    from tests.conftest import MPIEXEC, launch_argv, launch_env
 
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     run_dir = tmp_path / "live"
-    train = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
-                              str(run_dir), "--epochs", "200"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    train = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
+                              str(run_dir), "--epochs", "200"),
+                              env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 240

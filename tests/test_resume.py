@@ -16,21 +16,21 @@ from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict, read_checkp
 from flodl_mpi.data import default_digits_path, load_dataset
 from flodl_mpi.errors import EXIT_INPUT, EXIT_STALL, EXIT_STOPPED
 from flodl_mpi.metrics import read_table
-from tests.conftest import MPIEXEC, run_flodl
+from tests.conftest import MPIEXEC, launch_argv, launch_env, run_flodl
 
 pytestmark = pytest.mark.slow
 
 HOOKED = str(Path(__file__).with_name("hooked_flodl.py"))
-#: A stopped run exits 0 until the CLI returns EXIT_STOPPED (the launch branch); either is a stop.
-STOPPED = (0, EXIT_STOPPED)
+#: The exit statuses of a run stopped on request (stopped, resumable: not done).
+STOPPED = (EXIT_STOPPED,)
 
 
 def run_hooked(n, *args, timeout=300.0):
     """``mpiexec -n N python tests/hooked_flodl.py ARGS`` (hooks, then ``--``, then the CLI's arguments)."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, HOOKED, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=str(Path(__file__).parent.parent), check=False)
+    return subprocess.run(launch_argv(n, sys.executable, HOOKED, *args), env=launch_env(), capture_output=True,
+                          text=True, timeout=timeout, cwd=str(Path(__file__).parent.parent), check=False)
 
 
 def _final_state(run_dir):
@@ -44,8 +44,9 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert run_flodl(2, "train", *epochs, "--run-dir", str(straight), timeout=300).returncode == 0
 
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", *epochs,
-                             "--run-dir", str(stopped)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", *epochs,
+                             "--run-dir", str(stopped)),
+                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline, rows = time.monotonic() + 120, 0
         while rows < 30 and time.monotonic() < deadline:  # into epoch 2 (23 rounds an epoch)
@@ -60,7 +61,7 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
     finally:
         proc.kill()
         proc.communicate()  # closes the pipes
-    assert proc.returncode == 0
+    assert proc.returncode == EXIT_STOPPED  # stopped, resumable: not done
     ckpt, _ = _final_state(stopped)
     assert ckpt.meta["reason"] == "graceful_shutdown" and ckpt.meta["round"] < 92
     assert not ckpt.meta["epoch_complete"] and 0 < ckpt.meta["cursor"] < 45  # the stop was mid-epoch
@@ -104,8 +105,9 @@ def test_resume_refuses_other_options(tmp_path):
 def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
     """kill -9 leaves metrics.h5 open for write; resume still goes on from the last checkpoint."""
     run_dir = tmp_path / "k"
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3",
-                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3",
+                             "--run-dir", str(run_dir)),
+                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:

@@ -19,7 +19,7 @@ import pytest
 
 from flodl_mpi.errors import EXIT_STALL
 from flodl_mpi.world import BEAT_DTYPE, heartbeat_period, overdue_verdict, stall_slack, stall_verdict
-from tests.conftest import MPIEXEC, run_flodl
+from tests.conftest import launch_argv, launch_env, run_flodl
 
 # Stall timeout of the jobs below, seconds: small, yet well above any one setup
 # step's skew between two ranks on a loaded two-core machine.
@@ -233,10 +233,10 @@ def test_a_rank_hung_in_its_training_step_is_named_and_ends_the_job(tmp_path, di
 def test_a_frozen_rank_ends_the_job(tmp_path, digits):
     """SIGSTOP on rank 1's process: no launcher notices, its heartbeat stops."""
     run_dir = tmp_path / "r"
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--data", digits,
+    proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--data", digits,
                              "--model", slow_model(tmp_path, forward_s=0.05), "--epochs", "50",
-                             "--stall-timeout", f"{STALL:g}", "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--stall-timeout", f"{STALL:g}", "--run-dir", str(run_dir)),
+                            env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pid = None
     try:
         deadline = time.monotonic() + 120
