@@ -67,3 +67,158 @@ def test_job_scripts_under_slurm():
     missing = [name for name in EXPECTED if name not in passed]
     assert r.returncode == 0 and not missing, f"check.sh exit {r.returncode}; not passed: {missing}\n{report}"
     assert f"slurm checks: {len(EXPECTED)} passed, 0 failed" in r.stdout, report
+
+
+# ---- the scripts' own logic, without Slurm: stub srun, scontrol and python ----------------------
+#
+# Each script runs under bash as Slurm would start it (SLURM_JOB_ID, SLURM_SUBMIT_DIR), with
+# FLODL_VENV pointing at a stub venv whose activate puts stub commands first on PATH: srun
+# records its arguments and environment and then waits for SIGUSR1/SIGTERM (exit 4, like the
+# ranks after a stop) or exits with STUB_SRUN_EXIT; scontrol records its arguments; python
+# prints STUB_MPI as the MPI library version.
+
+JOBS = Path(__file__).parent.parent / "jobs"
+
+STUB_SRUN = r"""#!/usr/bin/env bash
+trap 'echo "srun got USR1" >> "$STUB_LOG"; exit 4' USR1
+trap 'echo "srun got TERM" >> "$STUB_LOG"; exit 4' TERM
+echo "srun $*" >> "$STUB_LOG"
+echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK-unset} OMP_NUM_THREADS=${OMP_NUM_THREADS-unset}" >> "$STUB_LOG"
+if [ -n "${STUB_SRUN_EXIT:-}" ]; then exit "$STUB_SRUN_EXIT"; fi
+touch "$STUB_READY"
+for _ in $(seq 300); do sleep 0.1; done
+exit 99
+"""
+STUB_SCONTROL = '#!/usr/bin/env bash\necho "scontrol $*" >> "$STUB_LOG"\n'
+STUB_PYTHON = '#!/usr/bin/env bash\necho "$STUB_MPI"\n'
+STUB_ACTIVATE = """export PATH="$STUB_BIN:$PATH"
+# A stop signal while the environment loads (slow imports on a parallel file system).
+if [ -n "${STUB_SIGNAL_IN_ACTIVATE:-}" ]; then kill -"$STUB_SIGNAL_IN_ACTIVATE" $$; fi
+"""
+
+
+def _stub_env(tmp_path: Path, **extra: str) -> dict:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(STUB_ACTIVATE)
+    stub_bin = tmp_path / "stubs"
+    stub_bin.mkdir()
+    for name, text in (("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL), ("python", STUB_PYTHON)):
+        (stub_bin / name).write_text(text)
+        (stub_bin / name).chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path),
+        "FLODL_VENV": str(venv), "STUB_BIN": str(stub_bin), "STUB_LOG": str(tmp_path / "stub.log"),
+        "STUB_READY": str(tmp_path / "srun.ready"), "STUB_MPI": "MPICH Version:      5.0.2",
+        "SLURM_CPUS_PER_TASK": "1",
+    }
+    env.update(extra)
+    return env
+
+
+def _run_script(script: str, tmp_path: Path, env: dict, *args: str, signal_when_ready: int | None = None):
+    """Run jobs/SCRIPT under bash; optionally send a signal to it once the stub srun waits.
+
+    Returns (exit status, stdout, the stub log's lines).
+    """
+    import signal as _signal
+    import time
+
+    proc = subprocess.Popen(["bash", str(JOBS / script), *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if signal_when_ready is not None:
+        deadline = time.monotonic() + 20
+        while not Path(env["STUB_READY"]).exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert Path(env["STUB_READY"]).exists(), "the stub srun never started"
+        proc.send_signal(_signal.Signals(signal_when_ready))
+    out, _ = proc.communicate(timeout=30)
+    log = Path(env["STUB_LOG"])
+    return proc.returncode, out, log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_preemptible_stop_while_running_requeues(tmp_path, sig):
+    import signal as _signal
+
+    env = _stub_env(tmp_path)
+    status, out, log = _run_script("slurm-preemptible.sbatch", tmp_path, env, "--epochs", "3",
+                                   signal_when_ready=getattr(_signal, f"SIG{sig}"))
+    assert status == 4, out
+    assert "srun got USR1" in log, log  # forwarded to srun as USR1 (srun passes it to the ranks)
+    assert "scontrol requeue 7" in log, log
+    assert f"got SIG{sig}" in out
+    assert "stopped and saved in runs/7/checkpoints; requeueing job 7" in out
+    assert "srun --mpi=pmi2 flodl-mpi train --run-dir runs/7 --resume --epochs 3" in log
+
+
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_preemptible_stop_during_startup_requeues(tmp_path, sig):
+    # Before the fix the traps came after `source activate`: bash died of the signal (138/143).
+    env = _stub_env(tmp_path, STUB_SIGNAL_IN_ACTIVATE=sig)
+    status, out, log = _run_script("slurm-preemptible.sbatch", tmp_path, env)
+    assert status == 4, out
+    assert not any(line.startswith("srun ") for line in log), log  # nothing started, nothing to save
+    assert "scontrol requeue 7" in log, log
+    assert "stopped and saved in runs/7/checkpoints; requeueing job 7" in out
+
+
+def test_preemptible_requeues_on_exit_4_without_a_signal_to_the_script(tmp_path):
+    # `scancel --signal=USR1 <job>` (no --batch) signals only the ranks: they stop and exit 4.
+    env = _stub_env(tmp_path, STUB_SRUN_EXIT="4")
+    status, out, log = _run_script("slurm-preemptible.sbatch", tmp_path, env)
+    assert status == 4, out
+    assert "scontrol requeue 7" in log, log
+
+
+@pytest.mark.parametrize("code", ["0", "1", "2", "3", "137"])
+def test_preemptible_no_requeue_unless_exit_4(tmp_path, code):
+    env = _stub_env(tmp_path, STUB_SRUN_EXIT=code)
+    status, out, log = _run_script("slurm-preemptible.sbatch", tmp_path, env)
+    assert status == int(code), out
+    assert not any(line.startswith("scontrol") for line in log), log
+    assert ("done: the run in runs/7 is complete" in out) == (code == "0"), out
+    assert (f"flodl-mpi failed with exit status {code}: not requeued" in out) == (code != "0"), out
+
+
+@pytest.mark.parametrize("form", [["--run-dir", "my/run"], ["--run-dir=my/run"]])
+def test_preemptible_message_names_the_given_run_dir(tmp_path, form):
+    env = _stub_env(tmp_path, STUB_SRUN_EXIT="4")
+    status, out, log = _run_script("slurm-preemptible.sbatch", tmp_path, env, *form, "--epochs", "2")
+    assert status == 4, out
+    assert "stopped and saved in my/run/checkpoints; requeueing job 7" in out
+    srun = next(line for line in log if line.startswith("srun "))
+    assert srun == f"srun --mpi=pmi2 flodl-mpi train --resume {' '.join(form)} --epochs 2"  # no runs/7 added
+
+
+@pytest.mark.parametrize("script", ["slurm-one-node.sbatch", "slurm-multi-node.sbatch", "slurm-preemptible.sbatch"])
+@pytest.mark.parametrize("mpi, pmi", [("MPICH Version:      5.0.2", "pmi2"),
+                                      ("Open MPI v5.0.11, package: Open MPI", "pmix")])
+def test_scripts_choose_pmi_and_pass_cpus_per_task(tmp_path, script, mpi, pmi):
+    env = _stub_env(tmp_path, STUB_SRUN_EXIT="0", STUB_MPI=mpi, SLURM_CPUS_PER_TASK="3")
+    status, out, log = _run_script(script, tmp_path, env)
+    assert status == 0, out
+    assert next(line for line in log if line.startswith("srun ")).startswith(f"srun --mpi={pmi} flodl-mpi train")
+    assert "SRUN_CPUS_PER_TASK=3 OMP_NUM_THREADS=3" in log  # Slurm >= 22.05 does not pass it on itself
+
+
+@pytest.mark.parametrize("script", ["slurm-one-node.sbatch", "slurm-multi-node.sbatch", "slurm-preemptible.sbatch"])
+def test_scripts_without_cpus_per_task_or_with_a_chosen_pmi(tmp_path, script):
+    # --cpus-per-task removed: no unbound variable under `set -u`, nothing invented.
+    env = _stub_env(tmp_path, STUB_SRUN_EXIT="0", FLODL_SRUN_MPI="pmix", STUB_MPI="MPICH")
+    del env["SLURM_CPUS_PER_TASK"]
+    status, out, log = _run_script(script, tmp_path, env)
+    assert status == 0, out
+    assert next(line for line in log if line.startswith("srun ")).startswith("srun --mpi=pmix ")  # honoured
+    assert "SRUN_CPUS_PER_TASK=unset OMP_NUM_THREADS=unset" in log
+
+
+@pytest.mark.parametrize("script", ["slurm-one-node.sbatch", "slurm-multi-node.sbatch", "slurm-preemptible.sbatch"])
+def test_scripts_resource_block(script):
+    # The one place to edit: every resource line inside the marked block, with the CPU-only override documented.
+    text = (JOBS / script).read_text()
+    block = text.split("# ---- resources", 1)[1].split("# -----", 1)[0]
+    for option in ("--ntasks-per-node", "--gpus-per-task", "--cpus-per-task", "--time"):
+        assert f"#SBATCH {option}=" in block, option
+        assert f"#SBATCH {option}=" not in text.replace(block, ""), option
+    assert "sbatch --gpus-per-task=0 " in text and f"jobs/{script}" in text
