@@ -80,7 +80,12 @@ def test_job_scripts_under_slurm():
 JOBS = Path(__file__).parent.parent / "jobs"
 
 STUB_SRUN = r"""#!/usr/bin/env bash
-trap 'echo "srun got USR1" >> "$STUB_LOG"; exit 4' USR1
+# STUB_SRUN_DROP=1: drop the first USR1, as srun does before it has launched the ranks.
+on_usr1() {
+    if [ "${STUB_SRUN_DROP:-0}" = 1 ]; then STUB_SRUN_DROP=0; echo "srun dropped USR1" >> "$STUB_LOG"; return; fi
+    echo "srun got USR1" >> "$STUB_LOG"; exit 4
+}
+trap on_usr1 USR1
 trap 'echo "srun got TERM" >> "$STUB_LOG"; exit 4' TERM
 echo "srun $*" >> "$STUB_LOG"
 echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK-unset} OMP_NUM_THREADS=${OMP_NUM_THREADS-unset}" >> "$STUB_LOG"
@@ -150,6 +155,15 @@ def test_preemptible_stop_while_running_requeues(tmp_path, sig):
     assert f"got SIG{sig}" in out
     assert "stopped and saved in runs/7/checkpoints; requeueing job 7" in out
     assert "srun --mpi=pmi2 flodl-mpi train --run-dir runs/7 --resume --epochs 3" in log
+
+
+def test_preemptible_forwards_the_stop_again_when_srun_dropped_it(tmp_path):
+    import signal as _signal
+
+    env = _stub_env(tmp_path, STUB_SRUN_DROP="1")
+    status, out, log = _run_script("slurm-preemptible.sbatch", tmp_path, env, signal_when_ready=_signal.SIGUSR1)
+    assert status == 4, out
+    assert log[-3:] == ["srun dropped USR1", "srun got USR1", "scontrol requeue 7"], log
 
 
 @pytest.mark.parametrize("sig", ["USR1", "TERM"])

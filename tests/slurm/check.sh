@@ -166,36 +166,13 @@ attempts() {
 inspect() { "$venv/bin/python" "$here/inspect_run.py" "$tmp/work/runs/$1"; }
 field() { "$venv/bin/python" -c 'import json, sys; print(json.loads(sys.argv[1]).get(sys.argv[2]))' "$1" "$2"; }
 
-# ---- 1. one node and "multi-node" (on one node), side by side ------------------
+# ---- 1. one node and "multi-node" (on one node); all four jobs run side by side
 declare -A job_of
 for script in slurm-one-node slurm-multi-node; do
     # --exclusive=user overrides the multi-node script's --exclusive so the two share the node.
     job_of[$script]=$(submit "${cpu_only[*]} --nodes=1 --exclusive=user jobs/$script.sbatch --epochs 1") ||
         bad "$script" "not submitted"
 done
-rounds_per_epoch=""
-for script in slurm-one-node slurm-multi-node; do
-    job=${job_of[$script]:-}
-    [ -n "$job" ] || continue
-    state=$(wait_job "$job" 240)
-    info=$(inspect "$job")
-    check "$script state" "job $job $state, exit code $(job_field "$job" ExitCode)" \
-        test "$state/$(job_field "$job" ExitCode)" = "COMPLETED/0:0"
-    check "$script world size" "metrics.h5 world_size $(field "$info" world_size), $ranks ranks started" \
-        test "$(field "$info" world_size)" = "$ranks"
-    check "$script metrics" "epochs $(field "$info" epochs), rounds $(field "$info" rounds) continuous $(field "$info" rounds_continuous)" \
-        test "$(field "$info" epochs)/$(field "$info" rounds_continuous)" = "[0]/True"
-    check "$script checkpoints" "$(field "$info" checkpoints)" \
-        grep -q "ckpt-e000001" <<<"$(field "$info" checkpoints)"
-    check "$script done line" "$(grep -m1 'done:' "$tmp/work/flodl-mpi-$job.out" || echo "no 'done:' line")" \
-        grep -q "done: test accuracy" "$tmp/work/flodl-mpi-$job.out"
-    [ -n "$rounds_per_epoch" ] || rounds_per_epoch=$(field "$info" rounds)
-    if [ "$state" != COMPLETED ]; then
-        echo "---- flodl-mpi-$job.out"; tail -n 30 "$tmp/work/flodl-mpi-$job.out" 2>/dev/null
-    fi
-done
-[ -n "$rounds_per_epoch" ] && [ "$rounds_per_epoch" != None ] || rounds_per_epoch=0
-
 # ---- 2. preemption: stopped, saved, requeued once, resumed, completed --------
 # The paced model (paced_model.py) makes each epoch last at least 23 x 0.4 s,
 # whatever the machine's speed, so a stop always lands before the last epoch.
@@ -238,6 +215,7 @@ check_resumed() {
 natural=$(submit "${cpu_only[*]} --time=2 --signal=B:USR1@60 jobs/slurm-preemptible.sbatch ${paced[*]} --epochs $natural_epochs")
 # 2b. A manual stop through the batch shell once training is under way (after epoch 1).
 manual=$(submit "${cpu_only[*]} --time=10 jobs/slurm-preemptible.sbatch ${paced[*]} --epochs $manual_epochs")
+# Act on the preemptible jobs as their moments come (the other jobs run meanwhile).
 natural_requeued=0
 manual_signalled=0
 t0=$(date +%s)
@@ -256,6 +234,31 @@ check "natural signal requeue" "job $natural: $(grep -m1 'got SIGUSR1' "$tmp/wor
     test "$natural_requeued" = 1
 check "scancel --batch signal" "job $manual: $(grep -m1 'got SIGUSR1' "$tmp/work/flodl-mpi-$manual.out" || echo "epoch 1 never ended")" \
     test "$manual_signalled" = 1
+# ---- the two plain jobs -------------------------------------------------------
+rounds_per_epoch=""
+for script in slurm-one-node slurm-multi-node; do
+    job=${job_of[$script]:-}
+    [ -n "$job" ] || continue
+    state=$(wait_job "$job" 240)
+    info=$(inspect "$job")
+    check "$script state" "job $job $state, exit code $(job_field "$job" ExitCode)" \
+        test "$state/$(job_field "$job" ExitCode)" = "COMPLETED/0:0"
+    check "$script world size" "metrics.h5 world_size $(field "$info" world_size), $ranks ranks started" \
+        test "$(field "$info" world_size)" = "$ranks"
+    check "$script metrics" "epochs $(field "$info" epochs), rounds $(field "$info" rounds) continuous $(field "$info" rounds_continuous)" \
+        test "$(field "$info" epochs)/$(field "$info" rounds_continuous)" = "[0]/True"
+    check "$script checkpoints" "$(field "$info" checkpoints)" \
+        grep -q "ckpt-e000001" <<<"$(field "$info" checkpoints)"
+    check "$script done line" "$(grep -m1 'done:' "$tmp/work/flodl-mpi-$job.out" || echo "no 'done:' line")" \
+        grep -q "done: test accuracy" "$tmp/work/flodl-mpi-$job.out"
+    [ -n "$rounds_per_epoch" ] || rounds_per_epoch=$(field "$info" rounds)
+    if [ "$state" != COMPLETED ]; then
+        echo "---- flodl-mpi-$job.out"; tail -n 30 "$tmp/work/flodl-mpi-$job.out" 2>/dev/null
+    fi
+done
+[ -n "$rounds_per_epoch" ] && [ "$rounds_per_epoch" != None ] || rounds_per_epoch=0
+
+
 check_resumed "natural signal" "$natural" "$natural_epochs"
 check_resumed "scancel --batch" "$manual" "$manual_epochs"
 
