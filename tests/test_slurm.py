@@ -2,7 +2,7 @@
 
 Runs where Slurm is installed, or can be (as root, with ``apt-get`` and the
 package mirror reachable: ``tests/slurm/install.sh``); skipped with the reason
-otherwise. ``check.sh`` starts its own Slurm, submits ``jobs/slurm-*.sbatch`` as
+otherwise, or failed when ``FLODL_TEST_SLURM=require`` (CI). ``check.sh`` starts its own Slurm, submits ``jobs/slurm-*.sbatch`` as
 a normal user with the documented CPU-only overrides, and prints one line per
 check; this test asserts on the exit status and on each check by name, so a
 check that silently stopped running fails as well. About 4 minutes (plus about
@@ -58,6 +58,8 @@ def _skip_reason() -> str | None:
 def test_job_scripts_under_slurm():
     reason = _skip_reason()
     if reason is not None:
+        if os.environ.get("FLODL_TEST_SLURM") == "require":  # CI: a skip would hide a broken install
+            pytest.fail(f"FLODL_TEST_SLURM=require but: {reason}")
         pytest.skip(reason)
     env = dict(os.environ, FLODL_VENV=sys.prefix)  # the venv running this test
     r = subprocess.run(["bash", str(SLURM_DIR / "check.sh")], capture_output=True, text=True, timeout=900, check=False,
@@ -91,7 +93,7 @@ echo "srun $*" >> "$STUB_LOG"
 echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK-unset} OMP_NUM_THREADS=${OMP_NUM_THREADS-unset}" >> "$STUB_LOG"
 if [ -n "${STUB_SRUN_EXIT:-}" ]; then exit "$STUB_SRUN_EXIT"; fi
 touch "$STUB_READY"
-for _ in $(seq 300); do sleep 0.1; done
+for _ in $(seq 120); do sleep 0.1; done
 exit 99
 """
 STUB_SCONTROL = '#!/usr/bin/env bash\necho "scontrol $*" >> "$STUB_LOG"\n'
@@ -157,13 +159,15 @@ def test_preemptible_stop_while_running_requeues(tmp_path, sig):
     assert "srun --mpi=pmi2 flodl-mpi train --run-dir runs/7 --resume --epochs 3" in log
 
 
-def test_preemptible_forwards_the_stop_again_when_srun_dropped_it(tmp_path):
+def test_preemptible_forwards_the_stop_once(tmp_path):
+    # A second USR1 would kill a rank that stopped and is exiting (Python no longer handles it then).
     import signal as _signal
 
     env = _stub_env(tmp_path, STUB_SRUN_DROP="1")
     status, out, log = _run_script("slurm-preemptible.sbatch", tmp_path, env, signal_when_ready=_signal.SIGUSR1)
-    assert status == 4, out
-    assert log[-3:] == ["srun dropped USR1", "srun got USR1", "scontrol requeue 7"], log
+    assert status == 99, out  # the stub srun ran to its end: the one USR1 was dropped, none followed
+    assert "srun dropped USR1" in log and "srun got USR1" not in log, log
+    assert not any(line.startswith("scontrol") for line in log), log
 
 
 @pytest.mark.parametrize("sig", ["USR1", "TERM"])

@@ -60,8 +60,12 @@ cleanup() {
         setfacl -x "u:$user" "$d" 2>/dev/null
     done
     if [ "$created_user" = 1 ]; then
-        pkill -u "$user" 2>/dev/null   # nothing of the test user's may outlive the test
-        userdel -r "$user" 2>/dev/null
+        if pgrep -u "$user" >/dev/null; then
+            echo "check.sh: processes of $user still run; keeping the user:" >&2
+            pgrep -a -u "$user" >&2
+        else
+            userdel -r "$user" 2>/dev/null
+        fi
         rm -rf "/tmp/torchinductor_$user"   # torch's cache, made at import
     fi
     if [ "${FLODL_SLURM_KEEP:-0}" = 1 ]; then
