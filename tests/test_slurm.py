@@ -62,7 +62,7 @@ def test_job_scripts_under_slurm():
             pytest.fail(f"FLODL_TEST_SLURM=require but: {reason}")
         pytest.skip(reason)
     env = dict(os.environ, FLODL_VENV=sys.prefix)  # the venv running this test
-    r = subprocess.run(["bash", str(SLURM_DIR / "check.sh")], capture_output=True, text=True, timeout=900, check=False,
+    r = subprocess.run(["bash", str(SLURM_DIR / "check.sh")], capture_output=True, text=True, timeout=1100, check=False,
                        env=env, stdin=subprocess.DEVNULL)
     report = r.stdout + r.stderr
     passed = {line[5:].split(":", 1)[0] for line in r.stdout.splitlines() if line.startswith("PASS ")}
