@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         from flodl_mpi.train import run_train  # torch is imported here, after MPI is up
 
         run_train(args, world, watchdog, stop)
-        return 4 if stop.requested else 0  # TEMP-SLURM-HARNESS
+        return 0
     except CohortError as exc:
         # Every rank raised this at the same point: leave together, one line.
         watchdog.expect_exit()

@@ -46,6 +46,7 @@ done
 tmp=$(mktemp -d /tmp/flodl-slurm.XXXXXX)
 created_user=0
 granted=()   # directories where $user was given traverse permission
+had_acl=()   # for each: 1 if it had an ACL of its own before
 
 cleanup() {
     local status=$?
@@ -59,9 +60,13 @@ cleanup() {
         done
     fi
     cluster_down "$tmp/cluster"
-    local d
-    for d in "${granted[@]}"; do
-        setfacl -x "u:$user" "$d" 2>/dev/null
+    local i
+    for i in "${!granted[@]}"; do
+        if [ "${had_acl[i]}" = 1 ]; then
+            setfacl -x "u:$user" "${granted[i]}" 2>/dev/null
+        else
+            setfacl -b "${granted[i]}" 2>/dev/null   # back to the plain mode bits
+        fi
     done
     if [ "$created_user" = 1 ]; then
         if pgrep -u "$user" >/dev/null; then
@@ -104,6 +109,7 @@ grant_path() {
         [ -d "$d" ] || break
         if ! user_can -x "$d"; then
             command -v setfacl >/dev/null || die "$user cannot reach $d and setfacl is missing (apt-get install acl)"
+            if [ -n "$(getfacl -p --skip-base "$d" 2>/dev/null)" ]; then had_acl+=(1); else had_acl+=(0); fi
             setfacl -m "u:$user:x" "$d"
             granted+=("$d")
         fi
@@ -197,7 +203,11 @@ check_resumed() {
         grep -q -E "resuming from ckpt|nothing to resume" "$out"
     check "$name world size" "metrics.h5 world_size $(field "$info" world_size)" \
         test "$(field "$info" world_size)" = "$ranks"
-    # An uninterrupted run has rounds_per_epoch x epochs rounds (section 1 measured one epoch).
+    # An uninterrupted sync run has ceil(ceil(samples / 32) / ranks) rounds per epoch:
+    # the epoch's batches of 32 dealt round-robin to the ranks, one round per batch each.
+    local samples rounds_per_epoch
+    samples=$(sed -n 's/.* \([0-9]*\) train \/ .*/\1/p' "$out" | head -n 1)
+    rounds_per_epoch=$(( ( (${samples:-0} + 31) / 32 + ranks - 1) / ranks ))
     check "$name rounds" "rounds $(field "$info" rounds) continuous $(field "$info" rounds_continuous), expected $((rounds_per_epoch * epochs)) = $rounds_per_epoch x $epochs epochs" \
         test "$(field "$info" rounds)/$(field "$info" rounds_continuous)" = "$((rounds_per_epoch * epochs))/True"
     check "$name epochs" "epochs $(field "$info" epochs)" \
@@ -242,7 +252,6 @@ check "natural signal requeue" "job $natural: $(grep -m1 'got SIGUSR1' "$tmp/wor
 check "scancel --batch signal" "job $manual: $(grep -m1 'got SIGUSR1' "$tmp/work/flodl-mpi-$manual.out" || echo "epoch 1 never ended")" \
     test "$manual_signalled" = 1
 # ---- the two plain jobs -------------------------------------------------------
-rounds_per_epoch=""
 for script in slurm-one-node slurm-multi-node; do
     job=${job_of[$script]:-}
     [ -n "$job" ] || continue
@@ -258,12 +267,10 @@ for script in slurm-one-node slurm-multi-node; do
         grep -q "ckpt-e000001" <<<"$(field "$info" checkpoints)"
     check "$script done line" "$(grep -m1 'done:' "$tmp/work/flodl-mpi-$job.out" || echo "no 'done:' line")" \
         grep -q "done: test accuracy" "$tmp/work/flodl-mpi-$job.out"
-    [ -n "$rounds_per_epoch" ] || rounds_per_epoch=$(field "$info" rounds)
     if [ "$state" != COMPLETED ]; then
         echo "---- flodl-mpi-$job.out"; tail -n 30 "$tmp/work/flodl-mpi-$job.out" 2>/dev/null
     fi
 done
-[ -n "$rounds_per_epoch" ] && [ "$rounds_per_epoch" != None ] || rounds_per_epoch=0
 
 
 check_resumed "natural signal" "$natural" "$natural_epochs"
