@@ -6,7 +6,12 @@ Run it under the mpiexec installed with mpi4py (one rank per GPU or CPU slot)::
     mpiexec -n 4 flodl-mpi train --data d.h5 --model mypkg.nets:make_net --epochs 30
     srun flodl-mpi train --config run.toml             # Slurm: see jobs/
 
-Exit status: 0 done, 1 failed while training, 2 bad input, 3 a stalled round.
+Exit status: 0 done (every epoch), 1 failed while training, 2 bad input, 3 a stalled
+round, 4 stopped on request (checkpoint saved; run again with ``--resume``).
+
+Start-up order matters: the stop handler first (a signal during a slow start-up
+is kept, not fatal), then the launcher checks, which need no MPI, then MPI, then
+torch. Importing this module imports neither ``mpi4py.MPI`` nor torch.
 """
 
 from __future__ import annotations
@@ -15,13 +20,11 @@ import argparse
 import sys
 import traceback
 
-from mpi4py import MPI
-
 from flodl_mpi import __version__
 from flodl_mpi.config import DEVICES, OPTIMIZERS, POLICIES, TrainConfig, read_config_file
-from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, CohortError
+from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
+from flodl_mpi.launcher import check_world_size, foreign_launcher, launch_env, launcher_rank, mixed_install, mpi_library
 from flodl_mpi.signals import StopRequest
-from flodl_mpi.world import Watchdog, abort, install_excepthooks, start_world
 
 __all__ = ["main", "build_parser"]
 
@@ -37,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: error: {message}")
 
     def _print_message(self, message: str, file=None) -> None:
-        if MPI.COMM_WORLD.rank == 0:
+        if launcher_rank() == 0:  # MPI is not started yet: the launcher's rank
             super()._print_message(message, file)
 
 
@@ -79,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-checkpoints", type=int, help=f"default {d.keep_checkpoints}")
     g.add_argument("--device", choices=DEVICES, help="auto: CUDA when present, else CPU")
     g.add_argument("--eval-batch-size", type=int, help=f"default {d.eval_batch_size}")
+    g.add_argument("--threads", type=int,
+                   help="torch threads per rank (default: OMP_NUM_THREADS if set, else SLURM_CPUS_PER_TASK, "
+                        "else this rank's share of the CPUs it may run on)")
     g.add_argument("--config", metavar="FILE.toml", help="TOML file of the options above; flags override it")
     g.add_argument("--inject-fault", metavar="KIND@RANK:ROUND", help=argparse.SUPPRESS)
     return parser
@@ -104,31 +110,50 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def _say_once(text: str) -> None:
+    if launcher_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``flodl-mpi``; returns the exit status."""
-    rank = MPI.COMM_WORLD.rank
+    """Entry point of ``flodl-mpi``; returns the exit status (see the module docstring)."""
+    stop = StopRequest()
+    stop.install()  # first thing: before MPI starts and torch loads
     try:
         args = build_parser().parse_args(argv)
     except _UsageError as exc:
-        if rank == 0:
-            print(exc, file=sys.stderr)
+        _say_once(str(exc))
         return EXIT_INPUT
-    try:
-        world = start_world()
-    except CohortError as exc:  # raised identically on every rank
-        if rank == 0:
-            print(f"flodl-mpi: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    # Before MPI starts: a launcher of another MPI makes MPI's own start-up abort
+    # (or start N worlds of 1), so it is recognised from its environment first.
+    library = mpi_library()
+    refusal = foreign_launcher(launch_env(), library)
+    if refusal:
+        _say_once(f"flodl-mpi: error: {refusal}")
+        return EXIT_INPUT
+    mixed = mixed_install()
+    if mixed:
+        _say_once(f"flodl-mpi: warning: {mixed}")
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():  # `python -m mpi4py` started it already
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    stop.install()  # again, in case the MPI library set handlers of its own while starting
+    refusal = check_world_size(MPI.COMM_WORLD.size, library)
+    if refusal:  # every process is rank 0 of its own world: the launcher's rank 0 says it
+        _say_once(f"flodl-mpi: error: {refusal}")
+        return EXIT_INPUT
+    from flodl_mpi.world import Watchdog, abort, install_excepthooks, start_world
+
+    world = start_world()
     install_excepthooks(world.rank)
-    stop = StopRequest()
-    stop.install()  # now, not after setup: a stop signal during a slow setup is kept
     watchdog = Watchdog(world.rank, stall_timeout=600.0)
     watchdog.start()
     try:
         from flodl_mpi.train import run_train  # torch is imported here, after MPI is up
 
-        run_train(args, world, watchdog, stop)
-        return 0
+        done = run_train(args, world, watchdog, stop)
+        return 0 if done else EXIT_STOPPED
     except CohortError as exc:
         # Every rank raised this at the same point: leave together, one line.
         watchdog.expect_exit()
@@ -140,3 +165,4 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         traceback.print_exc()
         abort(EXIT_ERROR)
+

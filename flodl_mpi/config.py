@@ -62,6 +62,7 @@ class TrainConfig:
     stall_timeout: float = 600.0      # seconds a round may wait before the watchdog aborts
     chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
     eval_batch_size: int = 1024       # samples per evaluation batch
+    threads: int | None = None        # torch threads per rank; None = the rule in flodl_mpi.launcher
     inject_fault: str | None = None   # tests only: KIND@RANK:ROUND (see flodl_mpi.faults)
 
     def __post_init__(self) -> None:
@@ -75,6 +76,8 @@ class TrainConfig:
         for name in ("seed", "checkpoint_every"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, v, "an integer >= 0")
+        need(self.threads is None or (isinstance(self.threads, int) and not isinstance(self.threads, bool)
+                                      and self.threads >= 1), "threads", self.threads, "an integer >= 1")
         need(self.chunk_elems <= 2**31 - 1, "chunk_elems", self.chunk_elems, "<= 2**31 - 1 (the MPI count limit)")
         for name in ("lr", "stall_timeout"):
             v = getattr(self, name)

@@ -1,31 +1,65 @@
-"""Stop requests from signals: SIGUSR1 (Slurm's ``--signal``), SIGTERM, Ctrl-C.
+"""Stop requests from signals: SIGUSR1 (Slurm's ``--signal``), SIGTERM, Ctrl-C (SIGINT).
 
 Invariant: a signal only sets a flag; the next round's control gather carries it
-to every rank, so all ranks stop after the same round and save (SPEC §2, §6).
-Installed first thing, so a signal during a slow setup is not lost.
+to every rank, so all ranks stop after the same round, save, and exit with
+status 4 (``EXIT_STOPPED``; SPEC §2, §6). Installed first thing in the entry
+point, before MPI starts and before torch is imported, so a signal during a slow
+start-up is kept, not fatal.
+
+Once a stop is under way, further stop signals (a second Ctrl-C included) are
+logged and absorbed until the save and the exit are done: a preemptible job
+that is signalled twice still ends with 4 and is requeued. To end a run at once,
+without its save, send SIGKILL.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+
+from flodl_mpi.launcher import launcher_rank
 
 __all__ = ["StopRequest"]
 
 
 class StopRequest:
-    """A flag that SIGUSR1, SIGTERM and SIGINT set; a second Ctrl-C aborts at once."""
+    """A flag that SIGUSR1, SIGTERM and SIGINT set; later stop signals are absorbed.
+
+    Attributes:
+        requested: a stop signal arrived.
+        signal_name: the first one's name (``"SIGTERM"``...), ``None`` before.
+        absorbed: how many further stop signals arrived after the first.
+    """
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal_name: str | None = None
+        self.absorbed = 0
+        # Messages come from the process its launcher calls rank 0 only: the
+        # launchers (mpiexec, srun, scancel) signal every rank alike.
+        self._speak = launcher_rank() == 0
 
     def install(self) -> None:
-        """Handle the stop signals in this process (call from the main thread)."""
+        """Handle the stop signals in this process (call from the main thread; again after MPI starts)."""
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
+    def _say(self, text: str) -> None:
+        if self._speak:
+            try:  # os.write, not print: a handler may run in the middle of a print
+                os.write(2, f"flodl-mpi: {text}\n".encode())
+            except OSError:
+                pass
+
     def _handle(self, signum, frame) -> None:
-        if signum == signal.SIGINT and self.requested:
-            raise KeyboardInterrupt  # impatience: the job aborts
-        self.requested = True
+        name = signal.Signals(signum).name
+        if not self.requested:
+            self.requested, self.signal_name = True, name
+            self._say(f"{name}: stopping after the current round; the checkpoint is saved, then the job "
+                      "exits with status 4 (resume with --resume)")
+            return
+        self.absorbed += 1
+        self._say(f"{name} again: a stop is already under way (saving, then exit status 4); "
+                  "signal absorbed (SIGKILL ends the run without its save)")

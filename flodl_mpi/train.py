@@ -37,11 +37,12 @@ from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset, num_batches
 from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, parse_fault
+from flodl_mpi.launcher import clean_text, settle_threads, thread_request
 from flodl_mpi.metrics import MetricsWriter, WriterError
 from flodl_mpi.models import build_model, check_model_output, model_signature
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
-from flodl_mpi.world import Watchdog, World, agree, torch_threads
+from flodl_mpi.world import Watchdog, World, agree
 
 __all__ = ["run_train", "pick_device"]
 
@@ -213,15 +214,15 @@ def _run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:
         "versions": {
             "flodl_mpi": __version__, "torch": torch.__version__, "numpy": np.__version__,
             "h5py": h5py.__version__, "mpi4py": mpi4py.__version__,
-            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "mpi": clean_text(MPI.Get_library_version().splitlines()[0]),
         },
         "policy": cfg.policy,
         "thread_level": world.thread_level,
     }
 
 
-def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list:
-    """Set up this rank and train; returns the epoch summaries.
+def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool:
+    """Set up this rank and train; returns whether every epoch is done (False: stopped on request).
 
     Collective: every rank calls it with the same ``args``.
 
@@ -235,7 +236,9 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list
     cfg = agree(comm, "config", lambda: config_from_args(args), watchdog)
     watchdog.stall_timeout = cfg.stall_timeout
     fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
-    torch.set_num_threads(torch_threads(world.local_size))
+    requested = agree(comm, "threads", lambda: thread_request(cfg.threads), watchdog)
+    threads, threads_line = settle_threads(comm, world.host, requested)
+    torch.set_num_threads(threads)
     device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
     data = _load_data(cfg, world, watchdog)
 
@@ -255,6 +258,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list
     run_dir = _make_run_dir(cfg, comm, watchdog)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
     _setup_logging(run_dir, world.rank)
+    log.info(threads_line)
     ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog) if cfg.resume else (None, None)
     if ckpt is not None:  # the consensus, on every rank alike
         agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
@@ -266,7 +270,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> list
 
 
 def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
-           run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest) -> list:
+           run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest) -> bool:
     comm = world.comm
 
     def bridge_fault(round_: int, stage: str) -> None:
@@ -330,11 +334,14 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
     bridge.close()
     if writer is not None:
         writer.close()
-        if history:
+        if not trainer.done:  # `done` only when every epoch is: the exit status is 4, not 0
+            log.info(f"stopped, not done ({cfg.epochs} epochs asked); exit status 4: to go on, run the same "
+                     f"command with --resume --run-dir {run_dir}")
+        elif history:
             last = history[-1]
             log.info(f"done: test accuracy {last.test_accuracy:.4f} after {last.rounds} rounds; "
                      f"metrics {run_dir / 'metrics.h5'}, checkpoints {run_dir / 'checkpoints'}")
         else:
             log.info(f"nothing to do: {trainer.start_epoch} of {cfg.epochs} epoch(s) were done already "
                      f"(raise --epochs to train further)")
-    return history
+    return trainer.done

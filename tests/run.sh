@@ -1,10 +1,42 @@
 #!/usr/bin/env bash
-# The whole suite: serial tests, then the multi-rank tests at 2 and at 3 ranks.
+# The whole suite: serial tests, then the multi-rank tests at 2 and at 3 ranks,
+# under the mpiexec of the active environment (MPICH's Hydra or Open MPI's).
+#
+#   bash tests/run.sh [pytest args]            # everything
+#   bash tests/run.sh --launch [pytest args]   # only the tests that start launchers, and the
+#                                              # multi-rank tests (.ci/run's second MPI)
+#
 # `python -m mpi4py` aborts the world when a rank fails, so a failure never hangs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pytest -q "$@"
+
+serial=(tests)
+if [[ ${1:-} == --launch ]]; then
+    shift
+    serial=(tests/test_launch.py tests/test_cli.py tests/test_end_to_end.py)
+fi
+
+# Start from a clean environment: variables a launcher left (this shell may run
+# under one) would make the launchers below and the serial pytest think they
+# were started by it.
+while IFS= read -r var; do
+    unset "$var"
+done < <(compgen -e | grep -E '^(PMI_|PMIX_|OMPI_|HYDI_|PRTE_|OPAL_|MPI_LOCAL)' || true)
+
+# What each launcher needs: Open MPI's refuses more ranks than cores without
+# --oversubscribe (MPICH's Hydra oversubscribes by default), and refuses root
+# without its two OMPI_ALLOW_RUN_AS_ROOT* variables (CI runs as root).
+flags=()
+if mpiexec --version 2>/dev/null | grep -qi 'open mpi'; then
+    flags+=(--oversubscribe)
+    if [[ $(id -u) == 0 ]]; then
+        export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    fi
+fi
+
+echo "== serial tests ($(python -c 'from flodl_mpi.launcher import mpi_library; print(mpi_library())'))"
+python -m pytest -q "${serial[@]}" "$@"
 for n in 2 3; do
     echo "== multi-rank tests on $n ranks"
-    mpiexec -n "$n" python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider "$@"
+    mpiexec "${flags[@]}" -n "$n" python -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider "$@"
 done

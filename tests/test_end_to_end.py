@@ -102,33 +102,29 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
     """Stop a run with SIGUSR1 somewhere in epoch 2, resume it: the weights end bit-identical."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    from tests.conftest import MPIEXEC
+    from flodl_mpi.errors import EXIT_STOPPED
+    from tests.conftest import rank_pids, start_flodl
 
     epochs = ("--epochs", "4")
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert run_flodl(2, "train", *epochs, "--run-dir", str(straight), timeout=300).returncode == 0
 
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", *epochs,
-                             "--run-dir", str(stopped)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_flodl(2, "train", *epochs, "--run-dir", str(stopped))
     try:
         deadline, rows = time.monotonic() + 120, 0
         while rows < 30 and time.monotonic() < deadline:  # into epoch 2 (23 rounds an epoch)
             time.sleep(0.05)
             if (stopped / "metrics.h5").exists():
                 rows = len(read_table(stopped / "metrics.h5", "rounds")["round"])
-        pattern = f"--run-dir {stopped}"
-        pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
-        for pid in (int(p) for p in pids if int(p) != proc.pid):
+        for pid in rank_pids(proc, f"--run-dir {stopped}"):
             os.kill(pid, signal.SIGUSR1)
         proc.communicate(timeout=120)
     finally:
         proc.kill()
         proc.communicate()  # closes the pipes
-    assert proc.returncode == 0
+    assert proc.returncode == EXIT_STOPPED  # stopped, resumable: not done
     ckpt, _ = _final_state(stopped)
     assert ckpt.meta["reason"] == "graceful_shutdown" and ckpt.meta["round"] < 92
 
@@ -174,22 +170,17 @@ def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
     """kill -9 leaves metrics.h5 open for write; resume still goes on from the last checkpoint."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    from tests.conftest import MPIEXEC
+    from tests.conftest import rank_pids, start_flodl
 
     run_dir = tmp_path / "k"
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3",
-                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir))
     try:
         deadline = time.monotonic() + 120
         while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        pattern = f"--run-dir {run_dir}"
-        pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
-        os.kill(max(int(p) for p in pids if int(p) != proc.pid), signal.SIGKILL)
+        os.kill(max(rank_pids(proc, f"--run-dir {run_dir}")), signal.SIGKILL)
         proc.communicate(timeout=120)
     finally:
         proc.kill()
