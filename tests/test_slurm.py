@@ -62,13 +62,19 @@ def test_job_scripts_under_slurm():
             pytest.fail(f"FLODL_TEST_SLURM=require but: {reason}")
         pytest.skip(reason)
     env = dict(os.environ, FLODL_VENV=sys.prefix)  # the venv running this test
-    r = subprocess.run(["bash", str(SLURM_DIR / "check.sh")], capture_output=True, text=True, timeout=1100, check=False,
-                       env=env, stdin=subprocess.DEVNULL)
-    report = r.stdout + r.stderr
-    passed = {line[5:].split(":", 1)[0] for line in r.stdout.splitlines() if line.startswith("PASS ")}
+    proc = subprocess.Popen(["bash", str(SLURM_DIR / "check.sh")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=1100)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # SIGTERM: check.sh tears its Slurm down (SIGKILL would leave it running)
+        out, err = proc.communicate(timeout=120)
+        pytest.fail(f"check.sh did not end within 1100 s\n{out}{err}")
+    report = out + err
+    passed = {line[5:].split(":", 1)[0] for line in out.splitlines() if line.startswith("PASS ")}
     missing = [name for name in EXPECTED if name not in passed]
-    assert r.returncode == 0 and not missing, f"check.sh exit {r.returncode}; not passed: {missing}\n{report}"
-    assert f"slurm checks: {len(EXPECTED)} passed, 0 failed" in r.stdout, report
+    assert proc.returncode == 0 and not missing, f"check.sh exit {proc.returncode}; not passed: {missing}\n{report}"
+    assert f"slurm checks: {len(EXPECTED)} passed, 0 failed" in out, report
 
 
 # ---- the scripts' own logic, without Slurm: stub srun, scontrol and python ----------------------

@@ -154,6 +154,14 @@ wait_job() {
     t0=$(date +%s)
     while (( $(date +%s) - t0 < limit )); do
         state=$(job_field "$job" JobState)
+        # A rank that failed inside MPI_Init leaves the others waiting there until
+        # the time limit (srun does not end the step for it): end the job now.
+        if grep -q "Fatal error in internal_Init_thread" "$tmp/work/flodl-mpi-$job.out" 2>/dev/null &&
+            [ "$state" = RUNNING ]; then
+            scancel "$job"
+            echo "MPI_INIT_FAILED"
+            return 0
+        fi
         case $state in
             COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE|PREEMPTED)
                 echo "$state"; return 0 ;;
