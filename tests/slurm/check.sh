@@ -244,7 +244,12 @@ done
 natural_requeued=0
 manual_signalled=0
 t0=$(date +%s)
+init_failed() {  # init_failed JOB: a rank failed inside MPI_Init (the others wait there)
+    grep -q "Fatal error in internal_Init_thread" "$tmp/work/flodl-mpi-$1.out" 2>/dev/null
+}
 while (( $(date +%s) - t0 < 480 )) && (( natural_requeued == 0 || manual_signalled == 0 )); do
+    if (( natural_requeued == 0 )) && init_failed "$natural"; then scancel "$natural"; natural_requeued=2; fi
+    if (( manual_signalled == 0 )) && init_failed "$manual"; then scancel "$manual"; manual_signalled=2; fi
     if (( natural_requeued == 0 )) && [ "$(job_field "$natural" Restarts)" -ge 1 ] 2>/dev/null; then
         scontrol update JobId="$natural" TimeLimit=10
         natural_requeued=1
