@@ -97,7 +97,6 @@ trap on_usr1 USR1
 trap 'echo "srun got TERM" >> "$STUB_LOG"; exit 4' TERM
 echo "srun $*" >> "$STUB_LOG"
 echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK-unset} OMP_NUM_THREADS=${OMP_NUM_THREADS-unset}" >> "$STUB_LOG"
-echo "MPIR_CVAR_CH4_NETMOD=${MPIR_CVAR_CH4_NETMOD-unset}" >> "$STUB_LOG"
 if [ -n "${STUB_SRUN_EXIT:-}" ]; then exit "$STUB_SRUN_EXIT"; fi
 touch "$STUB_READY"
 for _ in $(seq 120); do sleep 0.1; done
@@ -225,16 +224,6 @@ def test_scripts_choose_pmi_and_pass_cpus_per_task(tmp_path, script, mpi, pmi):
     assert status == 0, out
     assert next(line for line in log if line.startswith("srun ")).startswith(f"srun --mpi={pmi} flodl-mpi train")
     assert "SRUN_CPUS_PER_TASK=3 OMP_NUM_THREADS=3" in log  # Slurm >= 22.05 does not pass it on itself
-    # MPICH under srun: OFI, as UCX failed in MPI_Init under srun --mpi=pmi2; Open MPI untouched.
-    assert f"MPIR_CVAR_CH4_NETMOD={'ofi' if pmi == 'pmi2' else 'unset'}" in log
-
-
-@pytest.mark.parametrize("script", ["slurm-one-node.sbatch", "slurm-multi-node.sbatch", "slurm-preemptible.sbatch"])
-def test_scripts_honour_a_chosen_netmod(tmp_path, script):
-    env = _stub_env(tmp_path, STUB_SRUN_EXIT="0", MPIR_CVAR_CH4_NETMOD="ucx")
-    status, out, log = _run_script(script, tmp_path, env)
-    assert status == 0, out
-    assert "MPIR_CVAR_CH4_NETMOD=ucx" in log
 
 
 @pytest.mark.parametrize("script", ["slurm-one-node.sbatch", "slurm-multi-node.sbatch", "slurm-preemptible.sbatch"])
