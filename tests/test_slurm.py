@@ -1,8 +1,14 @@
 """The job scripts under a real single-node Slurm (``tests/slurm/check.sh``), marked ``slurm``.
 
-Runs where Slurm is installed, or can be (as root, with ``apt-get`` and the
-package mirror reachable: ``tests/slurm/install.sh``); skipped with the reason
-otherwise, or failed when ``FLODL_TEST_SLURM=require`` (CI). ``check.sh`` starts its own Slurm, submits ``jobs/slurm-*.sbatch`` as
+Runs only when asked for with ``FLODL_TEST_SLURM=1`` (or ``=require``, which
+fails instead of skipping when Slurm cannot be had), and where Slurm is
+installed, or can be (as root, with ``apt-get`` and the package mirror
+reachable: ``tests/slurm/install.sh``). Not run by default: with the mpich 5.0.2
+wheel and Debian's Slurm 22.05, about 1 in 5 ``srun --mpi=pmi2`` launches here
+aborts inside ``MPI_Init`` (UCX "failed to unpack address" in the address
+exchange over PMI2, reproduced with a bare mpi4py Allreduce, with UCX_TLS=sm,self
+too), so the whole flow (about 10 launches) fails more often than not for a
+reason outside this project. ``check.sh`` starts its own Slurm, submits ``jobs/slurm-*.sbatch`` as
 a normal user with the documented CPU-only overrides, and prints one line per
 check; this test asserts on the exit status and on each check by name, so a
 check that silently stopped running fails as well. About 4 minutes (plus about
@@ -36,6 +42,9 @@ EXPECTED = [
 
 def _skip_reason() -> str | None:
     """None when check.sh can run here (installing Slurm first if needed), else why not."""
+    if os.environ.get("FLODL_TEST_SLURM") not in ("1", "require"):
+        return ("the real-Slurm test runs only with FLODL_TEST_SLURM=1: srun --mpi=pmi2 with the mpich wheel "
+                "fails in MPI_Init in about 1 of 5 launches here (see tests/test_slurm.py)")
     if not sys.platform.startswith("linux"):
         return "a local Slurm needs Linux"
     if os.geteuid() != 0:
