@@ -95,3 +95,18 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def flip_data_byte(path, group: str, name: str) -> None:
+    """Flip one byte inside a checkpoint dataset's stored data (not its header), so its
+    Fletcher-32 checksum fails; ``name`` is the state-dict name (escaped as stored)."""
+    import h5py
+
+    from flodl_mpi.checkpoint import escape_name
+
+    with h5py.File(path, "r") as f:
+        ds = f[group][escape_name(name)]
+        offset = ds.id.get_chunk_info(0).byte_offset if ds.chunks else ds.id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 5)
+        byte = fh.read(1)
+        fh.seek(offset + 5)
+        fh.write(bytes([byte[0] ^ 0xFF]))

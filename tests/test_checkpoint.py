@@ -23,6 +23,7 @@ from flodl_mpi.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
+from tests.conftest import flip_data_byte
 
 
 def make_model(seed):
@@ -247,22 +248,11 @@ def test_schema_1_files_are_still_read(tmp_path):
 # ---------------------------------------------------------------- damaged weight data
 
 
-def _flip_data_byte(path, group, name):
-    """Flip one byte inside a dataset's stored data (not its header)."""
-    with h5py.File(path, "r") as f:
-        ds = f[group][escape_name(name)]
-        offset = ds.id.get_chunk_info(0).byte_offset if ds.chunks else ds.id.get_offset()
-    with open(path, "r+b") as fh:
-        fh.seek(offset + 5)
-        byte = fh.read(1)
-        fh.seek(offset + 5)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-
 
 def test_damaged_weight_data_is_found_and_set_aside(tmp_path):
     older = save(tmp_path / checkpoint_name(1, 10), trained_model(), round_=10)
     newest = save(tmp_path / checkpoint_name(2, 20), trained_model(), round_=20)
-    _flip_data_byte(newest, "params", "0.weight")
+    flip_data_byte(newest, "params", "0.weight")
     assert latest_checkpoint(tmp_path) == newest  # the header still reads as complete
     verify_checkpoint(older)
     with pytest.raises(CheckpointError, match=f"{newest.name}.*unreadable data in 'params/0.weight'"):
@@ -277,7 +267,7 @@ def test_damaged_weight_data_is_found_and_set_aside(tmp_path):
 
 def test_set_aside_damaged_reads_only_down_to_the_newest_good_one(tmp_path):
     oldest = save(tmp_path / checkpoint_name(1, 10), trained_model(), round_=10)
-    _flip_data_byte(oldest, "params", "0.weight")  # older than the good one: never read, kept as it is
+    flip_data_byte(oldest, "params", "0.weight")  # older than the good one: never read, kept as it is
     good = save(tmp_path / checkpoint_name(2, 20), trained_model(), round_=20)
     truncated = tmp_path / checkpoint_name(3, 30)
     truncated.write_bytes(b"\x89HDF\r\n\x1a\n truncated")

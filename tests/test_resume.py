@@ -16,7 +16,7 @@ from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict, read_checkp
 from flodl_mpi.data import default_digits_path, load_dataset
 from flodl_mpi.errors import EXIT_INPUT, EXIT_STALL, EXIT_STOPPED
 from flodl_mpi.metrics import read_table
-from tests.conftest import MPIEXEC, launch_argv, launch_env, run_flodl
+from tests.conftest import MPIEXEC, flip_data_byte, launch_argv, launch_env, run_flodl
 
 pytestmark = pytest.mark.slow
 
@@ -323,24 +323,13 @@ def test_resume_at_another_world_size(tmp_path, old, new):
 # ---------------------------------------------------------------- damaged weight data
 
 
-def _flip_data_byte(path, group, name):
-    """Flip one byte inside a dataset's stored data (not its header)."""
-    with h5py.File(path, "r") as f:
-        ds = f[group][name]
-        offset = ds.id.get_chunk_info(0).byte_offset if ds.chunks else ds.id.get_offset()
-    with open(path, "r+b") as fh:
-        fh.seek(offset + 5)
-        byte = fh.read(1)
-        fh.seek(offset + 5)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-
 
 def test_resume_passes_over_a_checkpoint_whose_weights_fail_their_checksum(tmp_path):
     run_dir = tmp_path / "r"
     assert run_flodl(1, "train", "--epochs", "2", "--run-dir", str(run_dir), timeout=300).returncode == 0
     newest = latest_checkpoint(run_dir / "checkpoints")
     assert newest.name == "ckpt-e000002-r000090.h5"
-    _flip_data_byte(newest, "params", "1.weight")
+    flip_data_byte(newest, "params", "1.weight")
     resumed = run_flodl(1, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"warning: {newest.name} is damaged (unreadable data in 'params/1.weight'" in resumed.stdout
