@@ -1,0 +1,154 @@
+"""Outer optimizers: one step on the params consensus of each realized round (SPEC §7).
+
+Invariant: the outer step is a pure function of the consensus and of outer state
+that is identical on every rank (the previous global parameters and the outer
+momentum), so every rank computes the same new parameters with no communication;
+buffers never take an outer step. A round that realizes no mass does not call
+:meth:`OuterOptimizer.step`, so it does not step.
+
+The variants (SPEC §7; SlowMo: Wang et al. 2020, arXiv:1910.00643, Alg. 1 with
+``beta = momentum``, ``alpha = lr``; DiLoCo: Douillard et al. 2023,
+arXiv:2311.08105, Alg. 1 with Nesterov momentum as the outer optimizer)::
+
+    g   = prev - consensus                    the outer "gradient"
+    v   = momentum * v + g                    (v starts at 0, so the first is v = g)
+    avg:      new = consensus
+    slowmo:   new = prev - lr * v
+    nesterov: new = prev - lr * (momentum * v + g)
+    prev = new
+
+``prev`` is the previous global parameters; the first realized round has no
+``prev``, takes the consensus as it and steps by zero. Memory: two float32
+buffers the size of the parameters (``prev`` and ``v``) plus two pieces of
+scratch; ``avg`` holds none.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["OUTERS", "OUTER_DEFAULTS", "OuterOptimizer"]
+
+#: The ``--outer`` choices.
+OUTERS = ("avg", "slowmo", "nesterov")
+#: ``(lr, momentum)`` when not given: SlowMo's usual 1.0 and 0.9, DiLoCo's 0.7 and 0.9.
+OUTER_DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (1.0, 0.9), "nesterov": (0.7, 0.9)}
+
+#: Elements per pass piece: small enough that the piece's operands stay in cache.
+_PIECE = 1 << 16
+
+
+class OuterOptimizer:
+    """Outer step on a flat float32 params consensus, in place.
+
+    Args:
+        kind: one of :data:`OUTERS`.
+        n: number of parameter elements (the consensus length), >= 0.
+        lr: outer learning rate, finite and > 0 (default per kind, :data:`OUTER_DEFAULTS`).
+        momentum: outer momentum in ``[0, 1)`` (default per kind).
+
+    Raises:
+        ValueError: an unknown ``kind``, a negative ``n``, ``lr`` not finite and
+            > 0, ``momentum`` outside ``[0, 1)``.
+
+    Example (what the bridge does after each params reduce)::
+
+        outer = OuterOptimizer("nesterov", layout.n)
+        stats = sumcount_reduce(...)          # staging now holds the consensus
+        if stats.realized:
+            outer.step(staging)               # staging now holds the new global params
+    """
+
+    def __init__(self, kind: str, n: int, lr: float | None = None, momentum: float | None = None) -> None:
+        if kind not in OUTERS:
+            raise ValueError(f"kind must be one of {', '.join(OUTERS)}, got {kind!r}")
+        if int(n) < 0:
+            raise ValueError(f"n must be >= 0, got {n!r}")
+        d_lr, d_mu = OUTER_DEFAULTS[kind]
+        lr = d_lr if lr is None else float(lr)
+        momentum = d_mu if momentum is None else float(momentum)
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+        if not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        self.kind, self.n, self.lr, self.momentum = kind, int(n), lr, momentum
+        #: Outer steps taken so far (realized rounds seen), the zero step included.
+        self.steps = 0
+        size = 0 if kind == "avg" else self.n
+        self.prev = np.zeros(size, dtype=np.float32)
+        self.velocity = np.zeros(size, dtype=np.float32)
+        piece = min(_PIECE, max(size, 1))
+        self._g = np.empty(piece, dtype=np.float32)
+        self._t = np.empty(piece, dtype=np.float32)
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes of outer state held beside the parameters (``prev`` and ``v``)."""
+        return self.prev.nbytes + self.velocity.nbytes
+
+    def step(self, consensus: np.ndarray) -> None:
+        """Replace ``consensus`` (float32, shape ``(n,)``) by the new global params, in place.
+
+        Call once per round that realized mass, on every rank, with the same
+        consensus; never for a skipped or unrealized round.
+
+        Raises:
+            ValueError: ``consensus`` is not a float32 array of shape ``(n,)``.
+        """
+        if consensus.dtype != np.float32 or consensus.shape != (self.n,):
+            raise ValueError(f"consensus must be float32 of shape ({self.n},), got {consensus.dtype} {consensus.shape}")
+        if self.kind == "avg":
+            self.steps += 1
+            return
+        if self.steps == 0:  # no previous global params yet: a zero step (SPEC §7)
+            np.copyto(self.prev, consensus)
+            self.velocity.fill(0.0)
+            self.steps = 1
+            return
+        lr, mu = np.float32(self.lr), np.float32(self.momentum)
+        nesterov = self.kind == "nesterov"
+        for lo in range(0, self.n, self._g.size):
+            hi = min(lo + self._g.size, self.n)
+            c, prev, v = consensus[lo:hi], self.prev[lo:hi], self.velocity[lo:hi]
+            g, t = self._g[: hi - lo], self._t[: hi - lo]
+            np.subtract(prev, c, out=g)          # g = prev - consensus
+            np.multiply(v, mu, out=v)
+            np.add(v, g, out=v)                  # v = mu v + g
+            if nesterov:
+                np.multiply(v, mu, out=t)
+                np.add(t, g, out=t)              # t = mu v + g
+            else:
+                t = v
+            np.multiply(t, lr, out=g)
+            np.subtract(prev, g, out=c)          # new = prev - lr t
+            np.copyto(prev, c)
+        self.steps += 1
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """``(arrays, attrs)`` for a checkpoint: ``prev`` and ``velocity`` (float32,
+        shape ``(n,)``; empty for ``avg``) and the JSON-able settings and step count."""
+        attrs = {"kind": self.kind, "lr": self.lr, "momentum": self.momentum, "steps": self.steps, "n": self.n}
+        return {"prev": self.prev.copy(), "velocity": self.velocity.copy()}, attrs
+
+    def load_state_dict(self, arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave, exactly.
+
+        The learning rate and momentum stay this optimizer's (a resume may change
+        them, like the inner ``--lr``); the kind and size must match.
+
+        Raises:
+            ValueError: another kind or parameter count, or arrays of the wrong shape.
+        """
+        if attrs.get("kind") != self.kind or int(attrs.get("n", -1)) != self.n:
+            raise ValueError(f"outer state is for --outer {attrs.get('kind')!r} over {attrs.get('n')} params, "
+                             f"not {self.kind!r} over {self.n}")
+        for name in ("prev", "velocity"):
+            arr = np.asarray(arrays[name])
+            dest = getattr(self, name)
+            if arr.shape != dest.shape:
+                raise ValueError(f"outer state {name!r} has shape {arr.shape}, expected {dest.shape}")
+            np.copyto(dest, arr.astype(np.float32, copy=False))
+        self.steps = int(attrs["steps"])
