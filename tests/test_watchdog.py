@@ -95,6 +95,7 @@ def test_heartbeat_period_and_slack():
     assert stall_slack(600.0) == 5.0
 
 
+@pytest.mark.mpi  # needs MPI started (COMM_SELF): the serial pytest process never starts it
 def test_below_thread_multiple_the_watchdog_says_so_once_and_times_local_waits(capfd):
     from mpi4py import MPI
 
