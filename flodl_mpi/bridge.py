@@ -28,6 +28,7 @@ from mpi4py.util import pkl5
 from flodl_mpi.config import ON_NON_FINITE
 from flodl_mpi.divergence import TrendGuard, triple_from_sums
 from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
+from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.realized_work import round_masses
 from flodl_mpi.reduce import MAX_COUNT, ReduceStats, control_gather, sumcount_reduce
 from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary, aggregate_epoch
@@ -36,7 +37,7 @@ from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares_pieces
 __all__ = ["RoundUpdate", "Bridge"]
 
 # The ack of a rank's last round rides its next control gather (SPEC §2 step 9).
-_ACK = ("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "bytes")
+_ACK = ("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "outer_ms", "bytes")
 _ROUND_HEAD = ("steps", "window", "stop", "non_finite")
 # Bits of the non_finite column: what this rank found not finite before the round.
 _LOSS, _TENSORS = 1, 2
@@ -56,6 +57,8 @@ class RoundUpdate:
         divergence, post_norm, pre_norm: this rank's triple (SPEC §3).
         quarantined: ranks that sent mass 0 because their loss or tensors were
             not finite (the same tuple on every rank); they adopted the consensus.
+        outer_stepped: the outer optimizer turned the consensus into the new
+            global parameters this round (never for ``--outer avg``).
     """
 
     version: int
@@ -66,6 +69,9 @@ class RoundUpdate:
     post_norm: float
     pre_norm: float
     quarantined: tuple[int, ...] = ()
+    #: The outer optimizer stepped on this round's consensus (SPEC §7): some rank
+    #: that contributed mass had trained since the last consensus.
+    outer_stepped: bool = False
 
 
 @dataclass
@@ -101,6 +107,12 @@ class Bridge:
             or floating buffers are not finite sends mass 0 for the round and
             adopts the finite ranks' consensus; the job stops only when no rank
             is finite. ``"stop"``: any non-finite rank stops the job.
+        outer: an :class:`~flodl_mpi.outer.OuterOptimizer` over the params
+            (``len == sum of param sizes``), stepped on the consensus of every
+            round in which a contributing rank trained, before adoption; None
+            (or kind ``avg``) adopts the consensus as it is (SPEC §7). The
+            bridge thread owns it while rounds run; read or load its state
+            between rounds only.
 
     Non-finite values: each rank checks its own tensors (the pre-round sum of
     squares, a pass before the control gather) and is told whether its loss
@@ -144,6 +156,7 @@ class Bridge:
         watchdog=None,
         fault: Callable[[int, str], None] | None = None,
         on_non_finite: str = "quarantine",
+        outer: OuterOptimizer | None = None,
     ) -> None:
         if on_non_finite not in ON_NON_FINITE:
             raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
@@ -156,8 +169,11 @@ class Bridge:
         self.gamma = float(gamma)
         self.anchor = int(anchor)
         self.on_non_finite = on_non_finite
+        self.outer = outer
         # Plan once (STYLE 21): layouts, staging, frames and scratch persist.
         self._p = _Plane(WireLayout(param_shapes, chunk_elems))
+        if outer is not None and outer.n != self._p.layout.n:
+            raise ValueError(f"outer is over {outer.n} elements, the params over {self._p.layout.n}")
         self._b = _Plane(WireLayout(buffer_shapes, chunk_elems))
         #: torch views of the params staging, in ``param_shapes`` order.
         self.param_tensors = self._p.tensors
@@ -369,13 +385,26 @@ class Bridge:
             stats.pack_ms += bstats.pack_ms
             stats.allreduce_ms += bstats.allreduce_ms
             stats.unpack_ms += bstats.unpack_ms
+        # -- outer step (SPEC §7): on the params consensus, identically on every rank
+        # (the same consensus, the same outer state), before anyone adopts it. Only a
+        # round in which a contributing rank trained steps: a round that realized no
+        # mass, or only the synthetic mass that hands a quarantined rank the last
+        # consensus back, would be a pure momentum step.
+        outer_ms, outer_stepped = 0.0, False
+        if self.outer is not None and self.outer.kind != "avg" and stats.realized:
+            trained = float(np.dot(np.asarray(masses.wire) > 0, all_steps)) > 0
+            if trained:
+                self._enter("outer step")
+                t0 = time.perf_counter()
+                self.outer.step(p.staging)
+                outer_ms, outer_stepped = 1e3 * (time.perf_counter() - t0), True
         self._stage = "update"
         round_index = self.version
         self.version += 1
         self._contributed = np.asarray(masses.wire) > 0
         divergence, post_norm, pre_norm = triple
         self._ack = np.array([divergence, pre_norm, post_norm, stats.pack_ms, stats.allreduce_ms,
-                              stats.unpack_ms, stats.bytes])
+                              stats.unpack_ms, outer_ms, stats.bytes])
         if self._writer is not None:
             quarantined = np.zeros(self.world_size, dtype=bool)
             quarantined[masses.quarantined] = True
@@ -393,6 +422,7 @@ class Bridge:
             stop=bool(gathered[:, 2].any()),
             divergence=divergence, post_norm=post_norm, pre_norm=pre_norm,
             quarantined=tuple(masses.quarantined),
+            outer_stepped=outer_stepped,
         )
 
     def _take_acks(self, acks: np.ndarray) -> None:
@@ -410,7 +440,7 @@ class Bridge:
             rec.update(
                 divergence=a["divergence"], pre_norm=a["pre_norm"], post_norm=float(a["post_norm"][0]),
                 pack_ms=a["pack_ms"], allreduce_ms=a["allreduce_ms"], unpack_ms=a["unpack_ms"],
-                bytes=int(a["bytes"][0]), guard=int(verdict),
+                outer_ms=a["outer_ms"], bytes=int(a["bytes"][0]), guard=int(verdict),
             )
             self._writer.append("rounds", {k: np.asarray([v]) for k, v in rec.items()})
             self._pending = None

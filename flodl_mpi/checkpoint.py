@@ -21,6 +21,10 @@ File format (``SCHEMA_VERSION = 2``)::
                                  (optimizer state, RNG state); the group's attributes
                                  hold that rank's JSON-able state, as the root's do;
                                  a name component is escaped like a state-dict name
+    /cohort/prev, /cohort/velocity   optional: state every rank holds alike, once
+                                 (the outer optimizer's previous global parameters
+                                 and momentum, float32, flat); attributes: its kind,
+                                 lr, momentum, steps and size (`read_cohort_state`)
 
 Names: PyTorch allows any character in a state-dict name (``nn.ModuleDict({"conv1/7x7":
 ...})`` gives ``conv1/7x7.weight``), HDF5 does not: ``/`` separates groups, a name
@@ -67,6 +71,7 @@ __all__ = [
     "read_checkpoint",
     "load_state_dict",
     "read_rank_state",
+    "read_cohort_state",
     "checkpoint_name",
     "list_checkpoints",
     "latest_checkpoint",
@@ -171,6 +176,7 @@ def write_checkpoint(
     meta: Mapping[str, Any],
     order: Sequence[str],
     ranks: Sequence[tuple[Mapping[str, np.ndarray], Mapping[str, Any]]] = (),
+    cohort: tuple[Mapping[str, np.ndarray], Mapping[str, Any]] | None = None,
 ) -> Path:
     """Write one checkpoint atomically (temporary name, complete flag, fsync, rename).
 
@@ -229,6 +235,11 @@ def write_checkpoint(
                 for name, value in arrays.items():
                     _create(g, name, np.asarray(value))
                 g.attrs["json_keys"] = json.dumps(write_attrs(g.attrs, attrs, f"ranks[{r}]"))
+            if cohort is not None:  # state every rank holds alike (the outer optimizer's): once
+                g = f.create_group("cohort")
+                for name, value in cohort[0].items():
+                    _create(g, name, np.asarray(value))
+                g.attrs["json_keys"] = json.dumps(write_attrs(g.attrs, cohort[1], "cohort"))
             json_keys = write_attrs(f.attrs, meta, "meta")
             f.attrs["json_keys"] = json.dumps(json_keys)
             f.attrs["schema_version"] = SCHEMA_VERSION
@@ -336,6 +347,24 @@ def read_rank_state(path: str | os.PathLike, rank: int) -> tuple[dict[str, np.nd
     path = Path(path)
     with _open(path) as f:
         return _read_rank(f, path, rank)
+
+
+def read_cohort_state(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The state every rank holds alike (``/cohort``: the outer optimizer's), as ``(arrays, attrs)``.
+
+    Raises:
+        CheckpointError: as `read_checkpoint`, no cohort state in the file, or a
+            checksum mismatch in it.
+    """
+    path = Path(path)
+    with _open(path) as f:
+        if "cohort" not in f:
+            raise CheckpointError(path, "holds no cohort state (written by a run without an outer optimizer)")
+        try:
+            arrays = {k: np.asarray(v[()]) for k, v in f["cohort"].items()}
+        except OSError as exc:
+            raise CheckpointError(path, f"unreadable cohort state ({exc})") from None
+        return arrays, read_attrs(f["cohort"].attrs)
 
 
 def load_state_dict(path: str | os.PathLike) -> "collections.OrderedDict[str, torch.Tensor]":

@@ -28,7 +28,7 @@ import sys
 import traceback
 
 from flodl_mpi import __version__
-from flodl_mpi.config import DEVICES, ON_NON_FINITE, OPTIMIZERS, POLICIES, TrainConfig, read_config_file
+from flodl_mpi.config import DEVICES, ON_NON_FINITE, OPTIMIZERS, OUTERS, POLICIES, TrainConfig, read_config_file
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
 from flodl_mpi.launcher import check_world_size, foreign_launcher, launch_env, launcher_rank, mixed_install, mpi_library
 from flodl_mpi.signals import StopRequest
@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank whose loss or parameters are NaN/Inf: quarantine it for the round (mass 0, it "
                         "adopts the others' consensus; the job stops only when no rank is finite), or stop the "
                         f"job (default {d.on_non_finite})")
+    g.add_argument("--outer", choices=OUTERS,
+                   help="outer optimizer on each round's consensus: avg adopts it as it is; slowmo (SlowMo) and "
+                        f"nesterov (DiLoCo) step from the previous global parameters with momentum (default {d.outer})")
+    g.add_argument("--outer-lr", type=float,
+                   help="the outer optimizer's learning rate (default: 1.0 for slowmo, 0.7 for nesterov)")
+    g.add_argument("--outer-momentum", type=float, help="the outer optimizer's momentum, in [0, 1) (default 0.9)")
+    g.add_argument("--outer-reset-inner", action="store_true", default=None,
+                   help="clear each rank's optimizer state after each outer step (DiLoCo-style restarts)")
     g.add_argument("--stall-timeout", type=float,
                    help="seconds without progress on any rank (or without the ranks' heartbeats) before the "
                         "watchdog ends the job with exit 3; a rank waiting for a slower one that still trains is "

@@ -19,13 +19,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["POLICIES", "OPTIMIZERS", "DEVICES", "ON_NON_FINITE", "TrainConfig", "ConfigError", "read_config_file"]
+__all__ = ["POLICIES", "OPTIMIZERS", "DEVICES", "ON_NON_FINITE", "OUTERS", "TrainConfig", "ConfigError", "read_config_file"]
 
 POLICIES = ("sync", "window")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 #: What a round does with a rank whose loss or parameters are NaN/Inf (``--on-non-finite``).
 ON_NON_FINITE = ("quarantine", "stop")
+#: The ``--outer`` choices (flodl_mpi.outer; kept here so the config needs no numpy).
+OUTERS = ("avg", "slowmo", "nesterov")
 
 
 class ConfigError(ValueError):
@@ -65,6 +67,10 @@ class TrainConfig:
     stall_timeout: float = 600.0      # seconds without progress on any rank before the watchdog aborts (exit 3)
     chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
     on_non_finite: str = "quarantine"  # one of ON_NON_FINITE: a rank with NaN/Inf loss or params
+    outer: str = "avg"                # one of OUTERS: the outer optimizer on the consensus (SPEC §7)
+    outer_lr: float | None = None     # outer learning rate; None = the outer's usual (slowmo 1.0, nesterov 0.7)
+    outer_momentum: float | None = None  # outer momentum in [0, 1); None = 0.9
+    outer_reset_inner: bool = False   # clear each rank's optimizer state after each outer step
     eval_batch_size: int = 1024       # samples per evaluation batch
     threads: int | None = None        # torch threads per rank; None = the rule in flodl_mpi.launcher
 
@@ -94,6 +100,18 @@ class TrainConfig:
         need(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
         need(self.on_non_finite in ON_NON_FINITE, "on_non_finite", self.on_non_finite,
              f"one of {', '.join(ON_NON_FINITE)}")
+        need(self.outer in OUTERS, "outer", self.outer, f"one of {', '.join(OUTERS)}")
+        need(self.outer_lr is None or (isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)
+                                       and math.isfinite(self.outer_lr) and self.outer_lr > 0),
+             "outer_lr", self.outer_lr, "a finite number > 0")
+        need(self.outer_momentum is None
+             or (isinstance(self.outer_momentum, (int, float)) and not isinstance(self.outer_momentum, bool)
+                 and 0 <= self.outer_momentum < 1), "outer_momentum", self.outer_momentum, "a number in [0, 1)")
+        need(isinstance(self.outer_reset_inner, bool), "outer_reset_inner", self.outer_reset_inner, "true or false")
+        if self.outer == "avg" and (self.outer_lr is not None or self.outer_momentum is not None
+                                    or self.outer_reset_inner):
+            raise ConfigError("--outer-lr, --outer-momentum and --outer-reset-inner take effect with --outer slowmo "
+                              "or nesterov; --outer avg adopts the consensus as it is")
         if self.policy == "sync" and self.window != 1:
             raise ConfigError(f"--window {self.window} contradicts --policy sync (a round after every batch); "
                               "use --policy window")

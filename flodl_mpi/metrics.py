@@ -73,6 +73,7 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             "quarantined": (_BOOL, W),  # rank sent mass 0: its loss or tensors were not finite
             "divergence": (_F64, W), "pre_norm": (_F64, W), "post_norm": (_F64, ()),
             "pack_ms": (_F64, W), "allreduce_ms": (_F64, W), "unpack_ms": (_F64, W),
+            "outer_ms": (_F64, W),  # the outer optimizer's step on the consensus (0: none, or --outer avg)
             "bytes": (_I64, ()),   # bytes one rank put on the wire this round
             "window": (_I64, W),   # batches each rank ran in the window
             "anchor": (_I64, ()), "guard": (guard, ()),
@@ -468,6 +469,7 @@ class MetricsWriter:
         meta: Mapping[str, Any],
         order: Sequence[str],
         ranks: Sequence[tuple[Mapping[str, np.ndarray], Mapping[str, Any]]] = (),
+        cohort: tuple[Mapping[str, np.ndarray], Mapping[str, Any]] | None = None,
     ) -> None:
         """Enqueue a checkpoint ``checkpoint_dir/name``, then pruning to ``keep_checkpoints``.
 
@@ -482,7 +484,7 @@ class MetricsWriter:
             raise ValueError("save_checkpoint needs checkpoint_dir; MetricsWriter got checkpoint_dir=None")
         if not name or Path(name).name != name:
             raise ValueError(f"name must be a plain file name, got {name!r}")
-        self._put(("checkpoint", name, params, buffers, meta, list(order), list(ranks)))
+        self._put(("checkpoint", name, params, buffers, meta, list(order), list(ranks), cohort))
 
     def flush_wait(self, timeout: float | None = None) -> bool:
         """Block until everything queued before this call is written.
@@ -565,10 +567,11 @@ class MetricsWriter:
                 i = j
                 continue
             if kind == "checkpoint":
-                _, name, params, buffers, meta, order, ranks = item
+                _, name, params, buffers, meta, order, ranks, cohort = item
                 t0 = time.monotonic()
                 self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-                checkpoint.write_checkpoint(self.checkpoint_dir / name, params, buffers, meta, order, ranks)
+                checkpoint.write_checkpoint(self.checkpoint_dir / name, params, buffers, meta, order, ranks,
+                                            cohort=cohort)
                 checkpoint.prune_checkpoints(self.checkpoint_dir, self._keep)
                 self.last_save_s = time.monotonic() - t0
             elif kind == "flush":

@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from flodl_mpi.config import OUTERS
+
 __all__ = ["OUTERS", "OUTER_DEFAULTS", "OuterOptimizer"]
 
-#: The ``--outer`` choices.
-OUTERS = ("avg", "slowmo", "nesterov")
 #: ``(lr, momentum)`` when not given: SlowMo's usual 1.0 and 0.9, DiLoCo's 0.7 and 0.9.
 OUTER_DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (1.0, 0.9), "nesterov": (0.7, 0.9)}
 

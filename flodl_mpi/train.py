@@ -47,6 +47,7 @@ from flodl_mpi.faults import InjectedFault, active_fault
 from flodl_mpi.launcher import clean_text, settle_threads, thread_request
 from flodl_mpi.metrics import MetricsWriter, WriterError
 from flodl_mpi.models import build_model, check_model_output, check_training_step, model_signature
+from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.progress import EpochProgress, stdout_is_terminal
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
@@ -102,9 +103,14 @@ def _smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str
 def _describe_policy(cfg: TrainConfig) -> str:
     """The header's words for when ranks average, e.g. ``policy window (4 batches per rank per round)``."""
     if cfg.policy == "sync":
-        return "policy sync (a round after every batch)"
-    per = f"{cfg.window} batch{'es' if cfg.window != 1 else ''}"
-    return f"policy {cfg.policy} ({per} per rank per round)"
+        text = "policy sync (a round after every batch)"
+    else:
+        per = f"{cfg.window} batch{'es' if cfg.window != 1 else ''}"
+        text = f"policy {cfg.policy} ({per} per rank per round)"
+    if cfg.outer != "avg":
+        outer = OuterOptimizer(cfg.outer, 0, cfg.outer_lr, cfg.outer_momentum)
+        text += f", outer {cfg.outer} (lr {outer.lr:g}, momentum {outer.momentum:g})"
+    return text
 
 
 def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
@@ -151,7 +157,7 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
 #: model, the data order, the windows and the optimizer state's meaning. The world
 #: size may change (see `Trainer.resume` for how per-rank state is remapped).
 RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "drop_last", "seed",
-                     "policy", "window", "gamma", "optimizer")
+                     "policy", "window", "gamma", "optimizer", "outer")
 
 
 def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog):
@@ -187,7 +193,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     # Every rank reads the file itself (run directories live on a shared
     # filesystem), and of the per-rank state only the one it takes over.
     ckpt = agree(comm, "resume", lambda: read_checkpoint(latest, ranks=[]), watchdog)
-    saved = ckpt.meta["config"]
+    # An option a checkpoint's config lacks was added since it was written: that run had its default.
+    saved = {**TrainConfig().to_dict(), **ckpt.meta["config"]}
     differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {saved.get(k)!r})"
               for k in RESUME_MUST_MATCH if saved.get(k) != getattr(cfg, k)]
     if differ:
@@ -362,6 +369,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         [tuple(b.shape) for b in replica.float_buffers],
         gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, anchor=cfg.window,
         threaded=world.threaded_bridge, watchdog=watchdog, fault=bridge_fault, on_non_finite=cfg.on_non_finite,
+        outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr, cfg.outer_momentum),
     )
     replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
     replica.snapshot(bridge)

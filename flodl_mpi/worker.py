@@ -22,7 +22,7 @@ from torch import nn
 from flodl_mpi import rank_state
 from flodl_mpi.bridge import Bridge, RoundUpdate
 from flodl_mpi.cadence import fixed_quotas, plan_window
-from flodl_mpi.checkpoint import Checkpoint, checkpoint_name, write_checkpoint
+from flodl_mpi.checkpoint import Checkpoint, checkpoint_name, read_cohort_state, write_checkpoint
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.faults import Fault, InjectedFault
@@ -368,6 +368,8 @@ class Trainer:
                 group["momentum"] = self.cfg.momentum
         self.bridge.version = int(meta["round"])
         self.bridge.guard.load_state_dict(meta["guard"])
+        if self.bridge.outer is not None and self.bridge.outer.kind != "avg":
+            self.bridge.outer.load_state_dict(*read_cohort_state(ckpt.path))
         self.start_epoch, self.start_cursor = int(meta["epoch"]), int(meta["cursor"])
         self.bridge.resume_clock(float(meta["elapsed_s"]))
         if self.start_cursor:  # the epoch goes on: its report so far, re-evaluated at its end
@@ -492,6 +494,10 @@ class Trainer:
                 # The step that went non-finite most likely left NaN in the optimizer's
                 # state too (momentum, Adam moments): start it afresh on the consensus.
                 self.optimizer.state.clear()
+        if update.outer_stepped and self.cfg.outer_reset_inner:
+            # DiLoCo-style: every rank restarts its inner optimizer from the new global
+            # parameters (SPEC §7); decided from the round's outcome, the same on every rank.
+            self.optimizer.state.clear()
         # Subtract, don't zero: steps taken while a round runs count toward the
         # next window (SPEC §2 step 8).
         self.steps -= update.steps_at_snapshot
@@ -550,19 +556,20 @@ class Trainer:
         if self.writer is None:
             return
         s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
-        _name, params, buffers, meta, order, ranks = self._contents(
+        _name, params, buffers, meta, order, ranks, cohort = self._contents(
             s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))] * self.world_size)
         path = Path(directory) / f"save-check.h5.tmp-{os.getpid()}"
         try:
-            write_checkpoint(path, params, buffers, meta, order, ranks)
+            write_checkpoint(path, params, buffers, meta, order, ranks, cohort=cohort)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"the model's state cannot be saved in a checkpoint: {exc}") from None
         finally:
             path.unlink(missing_ok=True)
 
     def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> tuple:
-        """``(name, params, buffers, meta, order, ranks)`` of a checkpoint, from the gathered
-        ``(arrays, attrs, epoch report or None)`` of every rank."""
+        """``(name, params, buffers, meta, order, ranks, cohort)`` of a checkpoint, from the
+        gathered ``(arrays, attrs, epoch report or None)`` of every rank; ``cohort`` is the
+        outer optimizer's state (the same on every rank), or None."""
         params, buffers, order = state_arrays(self.replica.model)
         meta = {
             "epoch": s.epoch + 1 if cursor == 0 else s.epoch,
@@ -586,8 +593,10 @@ class Trainer:
         }
         if cursor:  # stopped mid-epoch: the resumed run finishes this epoch's report
             meta["epoch_reports"] = [report for _, _, report in ranks]
+        outer = self.bridge.outer
+        cohort = outer.state_dict() if outer is not None and outer.kind != "avg" else None
         return (checkpoint_name(s.epoch + 1, self.bridge.version), params, buffers, meta, order,
-                [(arrays, attrs) for arrays, attrs, _ in ranks])
+                [(arrays, attrs) for arrays, attrs, _ in ranks], cohort)
 
     def _fault_hook(self, kind: str) -> None:
         f = self.fault

@@ -38,6 +38,7 @@ def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, .
             "pack_ms": np.full((R, W), 10.0), "allreduce_ms": np.full((R, W), 30.0), "unpack_ms": np.full((R, W), 10.0),
             "bytes": np.full(R, 1000, np.int64), "window": np.ones((R, W), np.int64), "anchor": np.ones(R, np.int64),
             "guard": np.where(r == 3, 1, 0).astype(np.int8), "quarantined": np.zeros((R, W), bool),
+            "outer_ms": np.zeros((R, W)),
         },
         "epochs": {
             "epoch": np.arange(E), "time_s": (R * 0.5) * (np.arange(E) + 1) / E, "rounds": (np.arange(E) + 1) * R // E,

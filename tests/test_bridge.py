@@ -370,3 +370,70 @@ def test_agree_turns_one_rank_failure_into_an_error_everywhere():
     with pytest.raises(InputError, match="^--data 'x.h5': no such file$"):  # every rank alike: no prefix
         agree(comm, "data", missing_everywhere)
     assert agree(comm, "ok", lambda: comm.rank * 2) == comm.rank * 2
+
+
+# ---------------------------------------------------------------- outer optimizer (SPEC §7)
+
+
+@pytest.mark.parametrize("kind", ["slowmo", "nesterov"])
+def test_outer_step_on_the_consensus_matches_a_float64_reference(kind):
+    """Three rounds with unequal steps, an all-idle round between: every rank ends with the
+    outer step of the float64 mass-weighted consensus, and the idle round does not step."""
+    from flodl_mpi.outer import OuterOptimizer
+
+    comm = MPI.COMM_WORLD
+    rank = comm.rank
+    replica = make_replica()
+    n = sum(p.numel() for p in replica.params)
+    lr, mu = 0.5, 0.9
+    bridge = make_bridge(replica, chunk_elems=100, outer=OuterOptimizer(kind, n, lr, mu))
+    prev = v = None
+    for r, steps in enumerate([rank + 1, 0, 2 * rank + 1, rank + 2]):
+        if steps:
+            local_steps(replica, rank + 10 * r, steps)
+        all_params = comm.allgather(flat(replica.params))
+        all_steps = np.array(comm.allgather(steps), dtype=float)
+        replica.snapshot(bridge)
+        update = bridge.round(steps=steps, window=steps)
+        replica.adopt(bridge)
+        if all_steps.sum() == 0:  # no rank moved: no consensus, no outer step
+            assert not update.adopted and not update.outer_stepped and bridge.outer.steps == (r > 0) + (r > 1)
+            np.testing.assert_array_equal(flat(replica.params), all_params[rank])
+            continue
+        consensus = sum(m * p for m, p in zip(all_steps, all_params)) / all_steps.sum()
+        if prev is None:  # the first realized round: a zero step
+            new, v = consensus, np.zeros_like(consensus)
+        else:
+            g = prev - consensus
+            v = mu * v + g
+            new = prev - lr * ((mu * v + g) if kind == "nesterov" else v)
+        prev = new
+        got = flat(replica.params)
+        assert update.outer_stepped
+        assert np.max(np.abs(got - new)) <= 1e-5 * max(1.0, np.max(np.abs(new)))
+        # identical on every rank, bit for bit
+        digest = hashlib.sha256(got.tobytes()).hexdigest()
+        assert len(set(comm.allgather(digest))) == 1
+    bridge.close()
+    assert bridge.outer.steps == 3
+
+
+def test_outer_state_is_identical_on_every_rank_and_round_trips():
+    from flodl_mpi.outer import OuterOptimizer
+
+    comm = MPI.COMM_WORLD
+    replica = make_replica()
+    n = sum(p.numel() for p in replica.params)
+    bridge = make_bridge(replica, outer=OuterOptimizer("nesterov", n))
+    for r in range(3):
+        local_steps(replica, comm.rank + 10 * r, 1 + comm.rank)
+        replica.snapshot(bridge)
+        if bridge.round(steps=1 + comm.rank, window=1).adopted:
+            replica.adopt(bridge)
+    bridge.close()
+    arrays, attrs = bridge.outer.state_dict()
+    digests = comm.allgather(hashlib.sha256(arrays["prev"].tobytes() + arrays["velocity"].tobytes()).hexdigest())
+    assert len(set(digests)) == 1 and attrs["steps"] == 3
+    again = OuterOptimizer("nesterov", n)
+    again.load_state_dict(arrays, attrs)
+    assert np.array_equal(again.prev, bridge.outer.prev) and np.array_equal(again.velocity, bridge.outer.velocity)

@@ -35,7 +35,7 @@ def round_rows(start, k):
             "steps": per_rank.astype(np.int64), "mass": per_rank, "quarantined": per_rank % 3 == 0,
             "divergence": per_rank / 7,
             "pre_norm": per_rank + 1, "post_norm": i * 3.0, "pack_ms": per_rank, "allreduce_ms": per_rank,
-            "unpack_ms": per_rank, "bytes": i * 4096, "window": per_rank.astype(np.int64) + 1,
+            "unpack_ms": per_rank, "outer_ms": per_rank / 2, "bytes": i * 4096, "window": per_rank.astype(np.int64) + 1,
             "anchor": np.full(k, 3), "guard": (i % 3).astype(np.int8)}
 
 
@@ -55,7 +55,8 @@ def test_schema_shapes():
     assert schema["batches"]["rank"] == (np.dtype(np.int32), ())
     assert h5py.check_enum_dtype(schema["rounds"]["guard"][0]) == GUARD_VERDICTS
     assert schema["rounds"]["quarantined"] == (np.dtype(np.bool_), (4,))
-    assert len(schema["rounds"]) == 17 and len(schema["epochs"]) == 16 and len(schema["batches"]) == 8
+    assert schema["rounds"]["outer_ms"] == (np.dtype(np.float64), (4,))
+    assert len(schema["rounds"]) == 18 and len(schema["epochs"]) == 16 and len(schema["batches"]) == 8
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         table_schema(0)
 
