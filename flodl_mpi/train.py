@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -160,7 +161,7 @@ RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", 
                      "policy", "window", "gamma", "optimizer", "outer")
 
 
-def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog):
+def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, data_n: int):
     """The checkpoint to resume from and the metrics rows to keep (``--resume``).
 
     Rank 0 surveys the checkpoints once: every dataset of the newest one is read
@@ -168,14 +169,18 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     warning and the next newest tried. Each rank then reads the per-rank state
     it takes over: old rank ``rank mod W_old``'s (`Trainer.resume`).
 
+    Args:
+        data_n: training samples (a checkpoint of an older batch plan is checked against it).
+
     Returns:
         ``(checkpoint or None, keep_rows or None)``: no checkpoint in a run dir
         that holds a ``metrics.h5`` restarts the run and cuts every table to 0
         rows; an empty run dir starts a new run.
 
     Raises:
-        InputError: the checkpoint is unreadable on some rank, or was written by a
-            run with other options in ``RESUME_MUST_MATCH``.
+        InputError: the checkpoint is unreadable on some rank, was written by a
+            run with other options in ``RESUME_MUST_MATCH`` (an option its config
+            lacks counts as its default), or by a flodl-mpi whose batch plan differs.
     """
     comm = world.comm
 
@@ -193,8 +198,15 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     # Every rank reads the file itself (run directories live on a shared
     # filesystem), and of the per-rank state only the one it takes over.
     ckpt = agree(comm, "resume", lambda: read_checkpoint(latest, ranks=[]), watchdog)
-    # An option a checkpoint's config lacks was added since it was written: that run had its default.
-    saved = {**TrainConfig().to_dict(), **ckpt.meta["config"]}
+    saved = ckpt.meta["config"]
+    if "drop_last" not in saved and data_n % cfg.batch_size == 1 and data_n > 1:
+        # Written before a lone left-over sample was folded into the batch before it:
+        # that run's epochs had one batch more, so its data cursor means other batches.
+        raise InputError(f"--resume: {latest} was written by an older flodl-mpi whose batch plan differs at "
+                         f"--batch-size {cfg.batch_size} ({data_n} samples leave one over); it cannot be resumed "
+                         "exactly: start a new run (its weights load with flodl_mpi.checkpoint.load_state_dict)")
+    # An option the saved config lacks was added since: that run had its default.
+    saved = {**TrainConfig().to_dict(), **saved}
     differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {saved.get(k)!r})"
               for k in RESUME_MUST_MATCH if saved.get(k) != getattr(cfg, k)]
     if differ:
@@ -331,7 +343,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
     _setup_logging(run_dir, world.rank)
     log.info(threads_line)
-    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog) if cfg.resume else (None, None)
+    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n) if cfg.resume else (None, None)
     if ckpt is not None:  # the consensus, on every rank alike
         agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
     try:
@@ -363,46 +375,59 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
                                keep_rows=keep_rows)
     agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog,
           name_ranks=False)
-    bridge = Bridge(
-        comm.Dup(),
-        [tuple(p.shape) for p in replica.params],
-        [tuple(b.shape) for b in replica.float_buffers],
-        gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, anchor=cfg.window,
-        threaded=world.threaded_bridge, watchdog=watchdog, fault=bridge_fault, on_non_finite=cfg.on_non_finite,
-        outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr, cfg.outer_momentum),
-    )
-    replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
-    replica.snapshot(bridge)
-    bridge.broadcast(root=0)
-    replica.adopt(bridge)
-    # Per-rank randomness (dropout and the like) differs by rank, reproducibly.
-    torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
+    try:
+        bridge = Bridge(
+            comm.Dup(),
+            [tuple(p.shape) for p in replica.params],
+            [tuple(b.shape) for b in replica.float_buffers],
+            gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, anchor=cfg.window,
+            threaded=world.threaded_bridge, watchdog=watchdog, fault=bridge_fault, on_non_finite=cfg.on_non_finite,
+            outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr,
+                                 cfg.outer_momentum),
+        )
+        replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
+        replica.snapshot(bridge)
+        bridge.broadcast(root=0)
+        replica.adopt(bridge)
+        # Per-rank randomness (dropout and the like) differs by rank, reproducibly.
+        torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
 
-    ranks = f"{world.size} rank{'s' if world.size > 1 else ''}"
-    log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
-             f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
-             f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
-    n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
-    if n_batches < world.size:
-        log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
-                 f"rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
+        ranks = f"{world.size} rank{'s' if world.size > 1 else ''}"
+        log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
+                 f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
+                 f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
+        n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
+        if n_batches < world.size:
+            log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
+                     f"rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
 
-    if writer is not None:
-        for line in writer.recovered:
-            log.info(f"warning: {line}")
-    trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop,
-                      progress=progress, log_detail=log.debug)
-    # Anything that would fail at save time fails now, before an epoch of work.
-    agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
-          name_ranks=False)
-    if ckpt is not None:
-        agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
-        log.info(f"resuming from {ckpt.path.name}: {trainer.start_epoch} epoch(s) done, "
-                 f"{trainer.start_cursor} batch(es) into the next, round {bridge.version}")
-        if trainer.remapped:
-            log.info(trainer.remapped)
-    elif keep_rows is not None:
-        log.info(f"nothing to resume in {run_dir}: no complete checkpoint; starting the run again")
+        if writer is not None:
+            for line in writer.recovered:
+                log.info(f"warning: {line}")
+        trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop,
+                          progress=progress, log_detail=log.debug)
+        # Anything that would fail at save time fails now, before an epoch of work.
+        agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
+              name_ranks=False)
+        if ckpt is not None:
+            agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
+            log.info(f"resuming from {ckpt.path.name}: {trainer.start_epoch} epoch(s) done, "
+                     f"{trainer.start_cursor} batch(es) into the next, round {bridge.version}")
+            if trainer.remapped:
+                log.info(trainer.remapped)
+        elif keep_rows is not None:
+            log.info(f"nothing to resume in {run_dir}: no complete checkpoint; starting the run again")
+    except BaseException as exc:
+        # Setup failed after the outputs were opened: close metrics.h5 (no "open for
+        # write" flag left), and for a new run whose input turned out bad (a state the
+        # checkpoint format cannot hold) remove what this run created, so nothing is
+        # left on disk and the same command can simply be run again.
+        if writer is not None:
+            with contextlib.suppress(WriterError):
+                writer.close(timeout=10.0)
+            if isinstance(exc, InputError) and keep_rows is None and ckpt is None:
+                shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
     # -- train
     trainer.made_progress = watchdog.progress  # each batch trained is progress for the stall watchdog
