@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 import traceback
 
 from flodl_mpi import __version__
@@ -184,6 +185,23 @@ def _say_once(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+#: Seconds a silent rank waits before it exits on a refusal made before MPI starts.
+SPEAKER_GRACE_S = 2.0
+
+
+def _refuse(text: str) -> int:
+    """Refuse before MPI starts: the launcher's rank 0 says ``text``; every rank returns 2.
+
+    The other ranks wait a moment first: Open MPI's launcher tears the job down at the
+    first non-zero exit, which could kill rank 0 before its line is out (no collective
+    orders the exits here, MPI is not running).
+    """
+    _say_once(text)
+    if launcher_rank() != 0:
+        time.sleep(SPEAKER_GRACE_S)
+    return EXIT_INPUT
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``flodl-mpi``; returns the exit status (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -201,15 +219,13 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     try:
         args = build_parser().parse_args(argv)
     except _UsageError as exc:
-        _say_once(str(exc))
-        return EXIT_INPUT
+        return _refuse(str(exc))
     # Before MPI starts: a launcher of another MPI makes MPI's own start-up abort
     # (or start N worlds of 1), so it is recognised from its environment first.
     library = mpi_library()
     refusal = foreign_launcher(launch_env(), library)
     if refusal:
-        _say_once(f"flodl-mpi: error: {refusal}")
-        return EXIT_INPUT
+        return _refuse(f"flodl-mpi: error: {refusal}")
     mixed = mixed_install()
     if mixed:
         _say_once(f"flodl-mpi: warning: {mixed}")
@@ -220,8 +236,7 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     stop.install()  # again, in case the MPI library set handlers of its own while starting
     refusal = check_world_size(MPI.COMM_WORLD.size, library)
     if refusal:  # every process is rank 0 of its own world: the launcher's rank 0 says it
-        _say_once(f"flodl-mpi: error: {refusal}")
-        return EXIT_INPUT
+        return _refuse(f"flodl-mpi: error: {refusal}")
     from flodl_mpi.world import Watchdog, abort, install_excepthooks, start_world
 
     world = start_world()
