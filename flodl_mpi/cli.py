@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 import traceback
@@ -31,7 +32,15 @@ import traceback
 from flodl_mpi import __version__
 from flodl_mpi.config import DEVICES, ON_NON_FINITE, OPTIMIZERS, OUTERS, POLICIES, TrainConfig, read_config_file
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
-from flodl_mpi.launcher import check_world_size, foreign_launcher, launch_env, launcher_rank, mixed_install, mpi_library
+from flodl_mpi.launcher import (
+    check_world_size,
+    foreign_launcher,
+    launch_env,
+    launcher_rank,
+    library_family,
+    mixed_install,
+    mpi_library,
+)
 from flodl_mpi.signals import StopRequest
 
 __all__ = ["main", "build_parser"]
@@ -202,6 +211,24 @@ def _refuse(text: str) -> int:
     return EXIT_INPUT
 
 
+def _clear_stale_shm() -> None:
+    """Under ``srun``, remove MPICH shared memory a dead earlier step left under this step's name.
+
+    Else MPI_Init would start on it and fail (see :mod:`flodl_mpi.stale_shm`). The rank
+    that removed a slab says so; one it cannot remove is reported by the node's first task.
+    """
+    from flodl_mpi.stale_shm import clear_stale_segments
+
+    for seg in clear_stale_segments():
+        if seg.removed:
+            print(f"flodl-mpi: removed {seg.path}: MPICH shared memory left by an earlier Slurm step "
+                  f"with this step's name (MPI_Init would have failed on it)", file=sys.stderr, flush=True)
+        elif os.environ.get("SLURM_LOCALID", "0") == "0":
+            print(f"flodl-mpi: warning: cannot remove {seg.path} ({seg.error}; owner uid {seg.uid}): MPICH "
+                  f"shared memory left by an earlier Slurm step with this step's name; MPI_Init will likely "
+                  f"fail on it: remove it (rm {seg.path}) or ask the administrators", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``flodl-mpi``; returns the exit status (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -229,6 +256,8 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     mixed = mixed_install()
     if mixed:
         _say_once(f"flodl-mpi: warning: {mixed}")
+    if library_family(library) == "mpich":
+        _clear_stale_shm()
     from mpi4py import MPI
 
     if not MPI.Is_initialized():  # `python -m mpi4py` started it already
