@@ -6,13 +6,15 @@
 # Needs root and Debian's `slurmctld slurmd slurm-client munge` (install.sh).
 # Nothing outside DIR is written: our own munge key and socket, a slurm.conf
 # generated from `slurmd -C` (the node as slurmd sees it: memory, no GPUs; at
-# least 2 CPUs declared), free TCP ports, and the spool and state directories. Client commands
-# find the cluster through SLURM_CONF, which cluster_up exports.
+# least FLODL_SLURM_MIN_CPUS CPUs declared, default 2), free TCP ports, and the
+# spool and state directories. Client commands find the cluster through
+# SLURM_CONF, which cluster_up exports.
 #
 # Choices a container forces: proctrack/linuxproc and task/none (no cgroup v2
 # delegation to confine or track jobs with), accounting_storage/none (no
 # slurmdbd; jobs are read back with `scontrol show job`, which keeps a job for
-# MinJobAge seconds after it ends, and jobcomp/filetxt records every attempt).
+# MinJobAge seconds after it ends, and jobcomp/filetxt records every attempt,
+# which `sacct -c` reads: Slurm 22.05's sacct still has --completion).
 
 # A free TCP port on 127.0.0.1 (the kernel picks it; nothing holds it afterwards).
 _free_port() {
@@ -40,13 +42,13 @@ cluster_up() {
     # `slurmd -C` prints the node line as this machine really is, e.g.
     # NodeName=vm CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=24105
     node=$(slurmd -C | head -n 1)
-    # The checks run 2-rank jobs: declare at least 2 CPUs
-    # (config_overrides lets slurmd accept more than it counts).
+    # The checks run 2-rank jobs side by side: declare at least FLODL_SLURM_MIN_CPUS
+    # CPUs, default 2 (config_overrides lets slurmd accept more than it counts).
     local name cpus mem
     name=$(sed -n 's/^NodeName=\([^ ]*\).*/\1/p' <<<"$node")
     cpus=$(sed -n 's/.* CPUs=\([0-9]*\).*/\1/p' <<<"$node")
     mem=$(sed -n 's/.* RealMemory=\([0-9]*\).*/\1/p' <<<"$node")
-    (( cpus >= 2 )) || cpus=2
+    (( cpus >= ${FLODL_SLURM_MIN_CPUS:-2} )) || cpus=${FLODL_SLURM_MIN_CPUS:-2}
     ctld_port=$(_free_port)
     slurmd_port=$(_free_port)
     cat > "$dir/slurm.conf" <<EOF
