@@ -10,7 +10,7 @@
 #
 #   slurm-one-node     started over a stale MPICH slab under its own KVS name (left by
 #                      a job whose ranks were killed; flodl_mpi/stale_shm.py): completes
-#   slurm-multi-node   completes (on one node)
+#   slurm-multi-node   completes (on one node; --exclusive=user, so that it runs beside them)
 #   preemptible, four times, each with the paced model (paced_model.py):
 #     natural          Slurm's own --signal=B:USR1@60 before a --time=2 limit
 #     scancel --batch  `scancel --batch --signal=USR1` once epoch 1 is done
@@ -215,7 +215,9 @@ killer=$(submit "${cpu_only[*]} killer.sbatch")
 # Held until the killer's slab is planted under its own KVS name.
 declare -A job_of
 job_of[slurm-one-node]=$(submit "${cpu_only[*]} --hold jobs/slurm-one-node.sbatch --epochs 1")
-job_of[slurm-multi-node]=$(submit "${cpu_only[*]} --nodes=1 jobs/slurm-multi-node.sbatch --epochs 1")
+# --exclusive=user: the script asks for whole nodes, which would hold it (and, as the
+# oldest pending job, every job after it) until all other test jobs are done.
+job_of[slurm-multi-node]=$(submit "${cpu_only[*]} --nodes=1 --exclusive=user jobs/slurm-multi-node.sbatch --epochs 1")
 # Slurm checks time limits every 30 s, so with --time=2 and @60, USR1 comes 30 to 60 s
 # after the start, within the paced run's first epochs. The harness raises the time
 # limit once the job has been requeued $cycles time(s), so that it finishes.
