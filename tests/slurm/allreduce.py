@@ -14,8 +14,8 @@ if "--no-clean" not in sys.argv:
 
     _clear_stale_shm()
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import numpy as np
+from mpi4py import MPI
 
 comm = MPI.COMM_WORLD
 total = np.zeros(1)
