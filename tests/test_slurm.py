@@ -76,6 +76,7 @@ def test_job_scripts_under_slurm():
         out, err = proc.communicate(timeout=120)
         pytest.fail(f"check.sh did not end within 780 s\n{out}{err}")
     report = out + err
+    print(report)  # shown with -s (tests/slurm/ci_stage.sh), and on failure
     passed = {line[5:].split(":", 1)[0] for line in out.splitlines() if line.startswith("PASS ")}
     missing = [name for name in EXPECTED if name not in passed]
     assert proc.returncode == 0 and not missing, f"check.sh exit {proc.returncode}; not passed: {missing}\n{report}"

@@ -210,6 +210,16 @@ paced=(--model paced_model.py:paced_mlp --keep-checkpoints 100)
 natural_epochs=$((8 * cycles))
 manual_epochs=3
 startup_epochs=2
+# Slurm checks time limits every 30 s, so with --time=2 and @60, USR1 comes 30 to 60 s
+# after the start, within the paced run's first epochs. The harness raises the time
+# limit once the job has been requeued $cycles time(s), so that it finishes.
+natural=$(submit "${cpu_only[*]} --export=ALL,FLODL_PACED_ATTEMPTS=$cycles --time=2 --signal=B:USR1@60 jobs/slurm-preemptible.sbatch ${paced[*]} --epochs $natural_epochs")
+# A head start: the other jobs are submitted once its ranks are training (or after
+# 60 s), so that their start-up does not slow its own and the signal lands in training.
+for _ in $(seq 120); do
+    grep -q "flodl-mpi .*: $ranks ranks" "$(log_of "$natural")" 2>/dev/null && break
+    sleep 0.5
+done
 # A job whose ranks start MPI and are killed: its slab stays in /dev/shm.
 killer=$(submit "${cpu_only[*]} killer.sbatch")
 # Held until the killer's slab is planted under its own KVS name.
@@ -218,10 +228,6 @@ job_of[slurm-one-node]=$(submit "${cpu_only[*]} --hold jobs/slurm-one-node.sbatc
 # --exclusive=user: the script asks for whole nodes, which would hold it (and, as the
 # oldest pending job, every job after it) until all other test jobs are done.
 job_of[slurm-multi-node]=$(submit "${cpu_only[*]} --nodes=1 --exclusive=user jobs/slurm-multi-node.sbatch --epochs 1")
-# Slurm checks time limits every 30 s, so with --time=2 and @60, USR1 comes 30 to 60 s
-# after the start, within the paced run's first epochs. The harness raises the time
-# limit once the job has been requeued $cycles time(s), so that it finishes.
-natural=$(submit "${cpu_only[*]} --export=ALL,FLODL_PACED_ATTEMPTS=$cycles --time=2 --signal=B:USR1@60 jobs/slurm-preemptible.sbatch ${paced[*]} --epochs $natural_epochs")
 manual=$(submit "${cpu_only[*]} --time=10 jobs/slurm-preemptible.sbatch ${paced[*]} --epochs $manual_epochs")
 startup=$(submit "${cpu_only[*]} --time=10 jobs/slurm-preemptible.sbatch ${paced[*]} --epochs $startup_epochs")
 badinput=$(submit "${cpu_only[*]} --time=10 jobs/slurm-preemptible.sbatch --data missing.h5 --epochs 1")
@@ -235,7 +241,7 @@ manual_done=0     # scancel --batch sent
 startup_done=0    # scancel (no --batch) sent to the starting ranks
 startup_note=""
 t0=$(date +%s)
-while (( $(date +%s) - t0 < 420 )); do
+while (( $(date +%s) - t0 < 300 + 150 * cycles )); do
     if [ -z "$planted" ] && final_state "$(job_field "$killer" JobState)"; then
         seed=/dev/shm/$(slab_name "$killer.0")
         one=${job_of[slurm-one-node]}

@@ -15,10 +15,11 @@ start=$SECONDS
 status=0
 bash tests/slurm/install.sh || status=$?
 case $status in
-    0) echo ".ci/run: Slurm installed in $((SECONDS - start)) s ($(sinfo -V))" ;;
+    0) echo ".ci/run: Slurm installed in $((SECONDS - start)) s (slurmd $(dpkg-query -W -f='${Version}' slurmd))" ;;
     3) skip "Slurm cannot be installed here (see the line above)" ;;
     *) echo ".ci/run: installing Slurm failed (exit $status)" >&2; exit "$status" ;;
 esac
 start=$SECONDS
-FLODL_TEST_SLURM=require python -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm.py
+# -s: check.sh's report (one line per check) is printed, passed or not.
+FLODL_TEST_SLURM=require python -m pytest -q -s -p no:cacheprovider -m slurm tests/test_slurm.py
 echo ".ci/run: Slurm test took $((SECONDS - start)) s"
