@@ -252,3 +252,66 @@ def test_scripts_resource_block(script):
         assert f"#SBATCH {option}=" in block, option
         assert f"#SBATCH {option}=" not in text.replace(block, ""), option
     assert "sbatch --gpus-per-task=0 " in text and f"jobs/{script}" in text
+
+
+# ---- .ci/run's Slurm stage and install.sh, with stub apt-get / apt-cache / id ------------------
+
+def _stub_commands(tmp_path: Path, **scripts: str) -> dict:
+    stub_bin = tmp_path / "bin"
+    stub_bin.mkdir()
+    for name, text in scripts.items():
+        (stub_bin / name.replace("_", "-")).write_text("#!/usr/bin/env bash\n" + text)
+        (stub_bin / name.replace("_", "-")).chmod(0o755)
+    return {"PATH": f"{stub_bin}:/usr/bin:/bin", "HOME": str(tmp_path), "STUB_LOG": str(tmp_path / "stub.log")}
+
+
+#: What apt-get update prints, exiting 0, when the mirror cannot be reached.
+UPDATE_OFFLINE = ("echo \"W: Failed to fetch http://deb.debian.org/debian/dists/bookworm/InRelease  "
+                  "Temporary failure resolving 'deb.debian.org'\"")
+APT_CACHE = 'echo "$1 $2:"; echo "  Installed: (none)"; echo "  Candidate: ${STUB_CANDIDATE-1.0}"\n'
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="install.sh checks for root first")
+@pytest.mark.parametrize("update, install, candidate, status, message", [
+    ('echo "$@" >> "$STUB_LOG"', 'echo "$@" >> "$STUB_LOG"', "1.0", 0, ""),
+    # apt-get update warns and exits 0 when the mirror cannot be reached
+    (UPDATE_OFFLINE, "exit 9", "1.0", 3, "the package mirror is unreachable"),
+    ("exit 100", "exit 9", "1.0", 3, "apt-get update failed"),
+    ("true", "exit 9", "(none)", 3, "package slurmd is not available from the configured mirror"),
+    ("true", 'echo "E: Failed to fetch http://deb.debian.org/x.deb  Could not connect to deb.debian.org"; exit 100',
+     "1.0", 3, "the package mirror is unreachable"),
+    ("true", 'echo "E: Unable to correct problems, you have held broken packages."; exit 100', "1.0", 1,
+     "apt-get install failed"),
+])
+def test_install_sh(tmp_path, update, install, candidate, status, message):
+    apt_get = f'case $1 in update) {update} ;; *) {install} ;; esac\n'
+    env = _stub_commands(tmp_path, apt_get=apt_get, apt_cache=APT_CACHE)
+    env["STUB_CANDIDATE"] = candidate
+    r = subprocess.run(["bash", str(SLURM_DIR / "install.sh")], env=env, capture_output=True, text=True, timeout=30,
+                       check=False)
+    assert r.returncode == status, r.stderr
+    assert message in r.stderr
+    if status == 0:
+        log = Path(env["STUB_LOG"]).read_text().splitlines()
+        assert log == ["update -qq", "install -y -qq --no-install-recommends slurmd slurmctld slurm-client munge acl"]
+
+
+def test_ci_stage_skips_when_not_root(tmp_path):
+    env = _stub_commands(tmp_path, id='echo 1000\n', apt_get='echo "$@" >> "$STUB_LOG"\n')
+    r = subprocess.run(["bash", str(SLURM_DIR / "ci_stage.sh")], env=env, capture_output=True, text=True, timeout=30,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == (".ci/run: Slurm stage skipped: not root (a local Slurm needs root to start slurmd and "
+                                "run jobs as a test user)")
+    assert not Path(env["STUB_LOG"]).exists()  # nothing installed
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="the stage checks for root first")
+def test_ci_stage_skips_when_slurm_cannot_be_installed(tmp_path):
+    env = _stub_commands(tmp_path, apt_get="exit 100\n", apt_cache=APT_CACHE)
+    env["VIRTUAL_ENV"] = sys.prefix
+    r = subprocess.run(["bash", str(SLURM_DIR / "ci_stage.sh")], env=env, capture_output=True, text=True, timeout=30,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert "install.sh: apt-get update failed, the package mirror is unreachable" in r.stderr
+    assert ".ci/run: Slurm stage skipped: Slurm cannot be installed here (see the line above)" in r.stdout
