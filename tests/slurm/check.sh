@@ -197,6 +197,7 @@ init_failed() {  # init_failed JOB: a rank failed inside MPI_Init (the others ma
 ranks_catching_usr1() {
     local pid mask
     for pid in $(pgrep -u "$user" -f "flodl-mpi train" || true); do
+        [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = srun ] && continue   # srun's own command line
         tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$1" || continue
         tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx "SLURM_STEP_ID=0" || continue
         mask=$(sed -n 's/^SigCgt:\s*//p' "/proc/$pid/status" 2>/dev/null)
@@ -358,9 +359,9 @@ check_resumed() {
 check_resumed "natural signal" "$natural" "$natural_epochs" "$cycles"
 check_resumed "scancel --batch" "$manual" "$manual_epochs" 1
 check_resumed "start-up signal" "$startup" "$startup_epochs" 1
-# The start-up stop came before any training: the first attempt stopped in epoch 1.
+# The start-up stop came before any training: the stop rode the very first round.
 check "start-up signal before training" "$(grep -m1 -E 'stopped on request|got SIG' "$(log_of "$startup")" || echo "no stop line")" \
-    grep -q "stopped on request in epoch 1 " "$(log_of "$startup")"
+    grep -q "stopped on request in epoch 1 at round 1;" "$(log_of "$startup")"
 
 state=$(wait_job "$badinput" 300)
 out=$(log_of "$badinput")
