@@ -32,15 +32,7 @@ import traceback
 from flodl_mpi import __version__
 from flodl_mpi.config import DEVICES, ON_NON_FINITE, OPTIMIZERS, OUTERS, POLICIES, TrainConfig, read_config_file
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
-from flodl_mpi.launcher import (
-    check_world_size,
-    foreign_launcher,
-    launch_env,
-    launcher_rank,
-    library_family,
-    mixed_install,
-    mpi_library,
-)
+from flodl_mpi.launcher import check_world_size, foreign_launcher, launch_env, launcher_rank, mixed_install, mpi_library
 from flodl_mpi.signals import StopRequest
 
 __all__ = ["main", "build_parser"]
@@ -211,14 +203,18 @@ def _refuse(text: str) -> int:
     return EXIT_INPUT
 
 
-def _clear_stale_shm() -> None:
+def _clear_stale_shm(library: str = "MPICH") -> None:
     """Under ``srun``, remove MPICH shared memory a dead earlier step left under this step's name.
 
-    Else MPI_Init would start on it and fail (see :mod:`flodl_mpi.stale_shm`). The rank
-    that removed a slab says so; one it cannot remove is reported by the node's first task.
+    Else MPI_Init would start on it and fail (see :mod:`flodl_mpi.stale_shm`). Only for
+    an MPICH ``library`` (:func:`flodl_mpi.launcher.mpi_library`'s name). The rank that
+    removed a slab says so; one it cannot remove is reported by the node's first task.
     """
+    from flodl_mpi.launcher import library_family
     from flodl_mpi.stale_shm import clear_stale_segments
 
+    if library_family(library) != "mpich":
+        return
     for seg in clear_stale_segments():
         if seg.removed:
             print(f"flodl-mpi: removed {seg.path}: MPICH shared memory left by an earlier Slurm step "
@@ -256,8 +252,7 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     mixed = mixed_install()
     if mixed:
         _say_once(f"flodl-mpi: warning: {mixed}")
-    if library_family(library) == "mpich":
-        _clear_stale_shm()
+    _clear_stale_shm(library)
     from mpi4py import MPI
 
     if not MPI.Is_initialized():  # `python -m mpi4py` started it already

@@ -117,3 +117,16 @@ def test_cli_removes_and_says_so(tmp_path, monkeypatch, capsys):
     assert not stale.exists()
     assert f"flodl-mpi: removed {stale}: MPICH shared memory left by an earlier Slurm step" in err
     assert f"flodl-mpi: warning: cannot remove {blocked}" in err and f"rm {blocked}" in err
+
+
+def test_cli_leaves_other_mpis_alone(tmp_path, monkeypatch, capsys):
+    # The names are MPICH's: under Open MPI (srun --mpi=pmix) nothing is looked at.
+    stale = _slab(tmp_path, "mpich_shm_eb421bf2_0")
+    monkeypatch.setattr(stale_shm, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(stale_shm, "_step_start_time", _later)
+    for k, v in STEP.items():
+        monkeypatch.setenv(k, v)
+    cli._clear_stale_shm("Open MPI v5.0.11")
+    assert stale.exists() and capsys.readouterr().err == ""
+    cli._clear_stale_shm("MPICH Version: 5.0.2")
+    assert not stale.exists()
