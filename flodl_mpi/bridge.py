@@ -428,7 +428,8 @@ class Bridge:
         t_gathered = time.perf_counter()  # the round's own time (the balancer's overhead) starts here
         steps = int(head[ROUND_HEAD.index("steps")])
         # -- decide, from the gathered matrix only: every rank takes the same branch
-        verdict = self._take_acks(cols, batch_ms=cols["batch_ms"], window=cols["window"])
+        verdict = self._take_acks(cols, batch_ms=cols["batch_ms"], window=cols["window"],
+                                  anchor=int(np.nan_to_num(cols["anchor"]).max()))
         all_steps, flags = cols["steps"], cols["non_finite"].astype(np.int64)
         if flags.all() or (flags.any() and self.on_non_finite == "stop"):
             raise NonFiniteError(_non_finite_message(self.version, flags, self.on_non_finite))
@@ -490,7 +491,7 @@ class Bridge:
             round=round_index, version=self.version, time_s=self.elapsed, skipped=skipped,
             steps=all_steps.astype(np.int64), mass=np.asarray(masses.mass), quarantined=quarantined,
             window=cols["window"].astype(np.int64), quota=cols["quota"].astype(np.int64),
-            anchor=int(cols["anchor"].max()), batch_ms=cols["batch_ms"].copy(),
+            anchor=int(np.nan_to_num(cols["anchor"]).max()), batch_ms=cols["batch_ms"].copy(),
         )
         return RoundUpdate(
             version=self.version,
@@ -504,7 +505,8 @@ class Bridge:
             verdict=verdict,
         )
 
-    def _take_acks(self, cols: dict, batch_ms: np.ndarray, window: np.ndarray) -> Verdict | None:
+    def _take_acks(self, cols: dict, batch_ms: np.ndarray, window: np.ndarray, anchor: int = 0,
+                   closes_window: bool = True) -> Verdict | None:
         """Feed the policy the gathered facts (the previous round's acks and this window's
         speeds); rank 0's recorder completes the previous round's record. Returns the
         guard's verdict on the previous round (None: no round before this gather)."""
@@ -520,7 +522,8 @@ class Bridge:
         self._enter("policy")
         verdict = self.policy.observe(RoundFacts(batch_ms=np.asarray(batch_ms, dtype=np.float64),
                                                  window=np.asarray(window).astype(np.int64),
-                                                 round_ms=round_ms, max_divergence=max_div))
+                                                 round_ms=round_ms, max_divergence=max_div, anchor=anchor,
+                                                 closes_window=closes_window))
         if acked:
             self._recorder.acks(cols, verdict)
         self._ack = ACK.row()
@@ -534,7 +537,7 @@ class Bridge:
         gathered = control_gather(self.comm, row)
         cols = _EPOCH.read(gathered)
         nothing = np.full(self.world_size, np.nan)
-        self._take_acks(cols, batch_ms=nothing, window=np.zeros(self.world_size))
+        self._take_acks(cols, batch_ms=nothing, window=np.zeros(self.world_size), closes_window=False)
         start = _EPOCH.index(EPOCH_FIELDS[0])
         summary = aggregate_epoch(gathered[:, start : start + len(EPOCH_FIELDS)], epoch=epoch, rounds=self.version,
                                   allocation=self.policy.plan().quotas)

@@ -128,7 +128,7 @@ class ElChe:
         known = [(m, r) for r, m in enumerate(ms) if not math.isnan(m)]
         if not known:
             return
-        slow, self.anchor_rank = max(known)  # ties: the highest rank (any fixed rule does)
+        slow, self.anchor_rank = max(known, key=lambda t: (t[0], -t[1]))  # ties: the lowest rank
         ratios = [1.0 if math.isnan(m) else min(slow / m, self.max_ratio) for m in ms]
         moved = any(abs(new / old - 1.0) > self.dead_zone for new, old in zip(ratios, self.ratios))
         if moved or force:
@@ -141,25 +141,29 @@ class ElChe:
 
     # ---- the anchor ----------------------------------------------------------------
 
-    def propose(self, round_ms: float, window_ms: float) -> int | None:
+    def propose(self, round_ms: float, window_ms: float, window_anchor: int | None = None) -> int | None:
         """The anchor the round's overhead asks for, or None when no growth is due.
 
         Args:
             round_ms: the round's reduce time, ms (the slowest rank's).
             window_ms: the anchor rank's window time, ms (its batches × its ms per batch).
+            window_anchor: the anchor that window ran under (default: the current one).
+                The readings describe that window, so growth scales its anchor: a
+                reading taken before the last growth does not grow the anchor twice.
 
         Returns:
-            ``min(max_anchor, ceil(anchor · min(overhead / overhead_target, 2)))`` when
-            ``overhead = round_ms / window_ms`` exceeds ``overhead_target`` and that is
-            more than the anchor; None otherwise, or when either reading is not a
-            finite number > 0 (round_ms may be 0: no growth).
+            ``min(max_anchor, ceil(window_anchor · min(overhead / overhead_target, 2)))``
+            when ``overhead = round_ms / window_ms`` exceeds ``overhead_target`` and that
+            is more than the current anchor; None otherwise, or when either reading is
+            not a finite number (> 0 for ``window_ms``, >= 0 for ``round_ms``).
         """
         if not (math.isfinite(round_ms) and math.isfinite(window_ms) and window_ms > 0 and round_ms >= 0):
             return None
         overhead = round_ms / window_ms
         if overhead <= self.overhead_target:
             return None
-        grown = min(self.max_anchor, math.ceil(self.anchor * min(overhead / self.overhead_target, 2.0)))
+        base = self.anchor if window_anchor is None else int(window_anchor)
+        grown = min(self.max_anchor, math.ceil(base * min(overhead / self.overhead_target, 2.0)))
         return grown if grown > self.anchor else None
 
     def settle(self, proposal: int | None, verdict: Verdict, nudge_factor: float = 0.5) -> None:

@@ -48,12 +48,17 @@ class RoundFacts:
             the slowest rank's; NaN when there was no previous round.
         max_divergence: the previous round's largest divergence over the ranks that
             contributed mass (0.0 when none did); None when there was no previous round.
+        anchor: the anchor of the plan the window ran under (0: none, an epoch exchange).
+        closes_window: the facts come from a round that closed a window (False: an
+            epoch exchange, which carries the last round's acks and no window).
     """
 
     batch_ms: np.ndarray
     window: np.ndarray
     round_ms: float = math.nan
     max_divergence: float | None = None
+    anchor: int = 0
+    closes_window: bool = True
 
 
 def guard_threshold(easgd_alpha: float | None) -> float:
@@ -115,13 +120,16 @@ class FixedPolicy(Policy):
 class CadencePolicy(Policy):
     """``cadence`` (and ``async``'s plan): ElChe quotas, an anchor the guard gates (SPEC §3-§4).
 
-    Per round: the guard reads the previous round's divergence; the balancer takes the
-    window's speeds and rebalances; the previous round's overhead (its reduce time over
-    the anchor rank's window time) may propose a larger anchor, which the verdict
-    commits (``Stable``), drops and latches (``SuppressGrowth``), or which a
-    ``NudgeDown`` replaces by a smaller anchor. With ``act_on_guard=False``
-    (``--no-divergence-guard``) every verdict is still computed and recorded but read
-    as ``Stable``.
+    Per round: the guard reads the previous round's divergence as soon as its acks
+    arrive (at the next round, or at the epoch exchange); at the next round that closes
+    a window, that round's overhead (its reduce time over the anchor rank's window time)
+    may propose a larger anchor, which the verdict commits (``Stable``), drops and
+    latches (``SuppressGrowth``), or which a ``NudgeDown`` replaces by a smaller anchor;
+    then the balancer takes the window's speeds and rebalances. Acting only when a window
+    closes keeps the plans the same whether or not an epoch exchange (or a stop and a
+    resume, which adds one) came between two rounds: the verdict waits in the state.
+    With ``act_on_guard=False`` (``--no-divergence-guard``) every verdict is still
+    computed and recorded but read as ``Stable``.
 
     Args:
         world_size: ranks.
@@ -138,35 +146,50 @@ class CadencePolicy(Policy):
         self.act_on_guard = bool(act_on_guard)
         self.blocking = bool(blocking)
         self.name = "cadence" if blocking else "async"
-        #: The anchor rank's latest window time, ms: the denominator of the next overhead.
-        self._window_ms = math.nan
+        #: The anchor rank's latest window time, ms (the denominator of the next
+        #: overhead), and the anchor that window ran under.
+        self._window_ms, self._window_anchor = math.nan, 0
+        #: The last acked round's (verdict, round ms), waiting for the next window's close.
+        self._pending: tuple[int, float] | None = None
 
     def plan(self) -> Plan:
         return Plan(tuple(self.elche.quotas()), self.elche.anchor)
 
     def observe(self, facts: RoundFacts) -> Verdict | None:
         verdict = super().observe(facts)
-        # The previous round closed the window timed last time: its overhead is read
-        # against that window, before this window's speeds replace the anchor rank's.
-        proposal = self.elche.propose(float(facts.round_ms), self._window_ms)
         if verdict is not None:
-            acted = verdict if self.act_on_guard else Verdict.STABLE
-            self.elche.settle(proposal, acted, self.guard.nudge_factor)
+            self._pending = (int(verdict), float(facts.round_ms))
+        if not facts.closes_window:
+            return verdict
+        if self._pending is not None:
+            # The acked round closed the window timed last time: its overhead is read
+            # against that window, before this window's speeds replace the anchor rank's.
+            acked, round_ms = self._pending
+            self._pending = None
+            proposal = self.elche.propose(round_ms, self._window_ms, self._window_anchor or None)
+            self.elche.settle(proposal, Verdict(acked) if self.act_on_guard else Verdict.STABLE,
+                              self.guard.nudge_factor)
         ms = np.asarray(facts.batch_ms, dtype=np.float64)
         if np.isfinite(ms).any():
             self.elche.observe(ms)
             a = self.elche.anchor_rank
             self._window_ms = float(ms[a] * facts.window[a]) if facts.window[a] > 0 else math.nan
+            self._window_anchor = int(facts.anchor)
         return verdict
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "elche": self.elche.state_dict(), "window_ms": self._window_ms}
+        return {**super().state_dict(), "elche": self.elche.state_dict(), "window_ms": self._window_ms,
+                "window_anchor": self._window_anchor,
+                "pending": None if self._pending is None else list(self._pending)}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if "elche" in state:
             self.elche.load_state_dict(state["elche"])
             self._window_ms = float(state.get("window_ms", math.nan))
+            self._window_anchor = int(state.get("window_anchor", 0))
+            pending = state.get("pending")
+            self._pending = None if pending is None else (int(pending[0]), float(pending[1]))
 
 
 def make_policy(cfg, world_size: int) -> Policy:
