@@ -417,7 +417,7 @@ class Bridge:
         # (out of cache); this one is a plain read (measured: +4-5 ms at 16M params
         # on a loaded 2-core machine, nothing measurable at 1M), and no extra collective.
         self._enter("pre norm")
-        t0 = time.perf_counter()
+        t0 = t_start = time.perf_counter()
         pre_sq = p.sum_squares()
         if not math.isfinite(pre_sq + b.sum_squares()):
             head[ROUND_HEAD.index("non_finite")] = int(head[ROUND_HEAD.index("non_finite")]) | _TENSORS
@@ -484,7 +484,8 @@ class Bridge:
         divergence, post_norm, pre_norm = triple
         self._ack = ACK.row(divergence=divergence, pre_norm=pre_norm, post_norm=post_norm, pack_ms=stats.pack_ms,
                             allreduce_ms=stats.allreduce_ms, unpack_ms=stats.unpack_ms, outer_ms=outer_ms,
-                            bytes=stats.bytes, round_ms=1e3 * (time.perf_counter() - t_gathered), wait_ms=0.0)
+                            bytes=stats.bytes, round_ms=1e3 * (time.perf_counter() - t_gathered),
+                            bridge_ms=1e3 * (time.perf_counter() - t_start), wait_ms=0.0)
         quarantined = np.zeros(self.world_size, dtype=bool)
         quarantined[masses.quarantined] = True
         self._recorder.round(

@@ -80,6 +80,7 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             "anchor": (_I64, ()),  # the plan's anchor: the slowest rank's quota (fixed policies: the window)
             "batch_ms": (_F64, W),  # each rank's mean ms per batch in the window (the balancer's reading)
             "round_ms": (_F64, W),  # the round's time after its control gather (the balancer's overhead)
+            "bridge_ms": (_F64, W),  # the bridge thread's whole time in the round, its control gather's wait included
             "wait_ms": (_F64, W),  # ms the training thread was blocked waiting for this round's consensus
             "guard": (guard, ()),
         },
