@@ -13,7 +13,7 @@ epochs' wall time, evaluation excluded for flodl-mpi, included for DDP, which re
 only its total), rounds, bytes each rank put on the wire, the last epoch's test
 accuracy, and for async the share of the round time hidden behind compute::
 
-    python benchmarks/heterogeneous.py                       # everything (about 20 minutes on 2 cores)
+    python benchmarks/heterogeneous.py                       # everything (about 20 minutes on 2 busy cores)
     python benchmarks/heterogeneous.py --datasets digits --slowdowns 4 --epochs-digits 3
 
 Numbers depend on the machine and its load: compare ratios within one run.
@@ -84,9 +84,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--datasets", nargs="+", default=["digits", "mnist1d"], choices=("digits", "mnist1d"))
     p.add_argument("--slowdowns", nargs="+", type=float, default=[2.0, 4.0])
-    p.add_argument("--epochs-digits", type=int, default=10)
-    p.add_argument("--epochs-mnist1d", type=int, default=20)
-    p.add_argument("--slow-ms", type=float, default=4.0, help="ms a factor-1 forward sleeps (default 4)")
+    p.add_argument("--epochs-digits", type=int, default=5)
+    p.add_argument("--epochs-mnist1d", type=int, default=10)
+    p.add_argument("--slow-ms", type=float, default=10.0, help="ms a factor-1 forward sleeps (default 10)")
     p.add_argument("--out", help="JSON file for every number")
     args = p.parse_args()
 
