@@ -5,8 +5,11 @@ duplicated communicator; it owns the staging the training thread snapshots
 into and adopts from (for float32 CPU models the parameters themselves live
 there, see ``worker.Replica.bind``); it runs the control gather, the all-idle
 skip, the params and buffers reduces, the divergence triple and the version,
-the epoch exchange, and at checkpoints the gather of each rank's state; on
-rank 0 it turns the gathered values into ``metrics.h5`` records. Escape hatch: any error inside
+the epoch exchange, and at checkpoints the gather of each rank's state. It is
+the transport only: what the gathered values mean for the next window is the
+policy's (:mod:`flodl_mpi.policy`, fed here from the gathered matrix on every rank
+alike), and rank 0's ``metrics.h5`` rows are the recorder's
+(:mod:`flodl_mpi.recorder`). Escape hatch: any error inside
 a round is handed to the training thread as data (never printed and lost), and
 the watchdog is told to end the process if the rank does not abort by itself.
 """
@@ -26,21 +29,22 @@ from mpi4py import MPI
 from mpi4py.util import pkl5
 
 from flodl_mpi.config import ON_NON_FINITE
-from flodl_mpi.divergence import TrendGuard, triple_from_sums
+from flodl_mpi.control import ACK, NON_FINITE_LOSS, NON_FINITE_TENSORS, ROUND, ROUND_HEAD, Columns
+from flodl_mpi.divergence import TrendGuard, Verdict, triple_from_sums
 from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
 from flodl_mpi.outer import OuterOptimizer
+from flodl_mpi.policy import FixedPolicy, Plan, Policy, RoundFacts
 from flodl_mpi.realized_work import round_masses
+from flodl_mpi.recorder import recorder_for
 from flodl_mpi.reduce import MAX_COUNT, ReduceStats, control_gather, sumcount_reduce
-from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary, aggregate_epoch
+from flodl_mpi.reporting import BATCH_COLUMNS, EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares_pieces
 
 __all__ = ["RoundUpdate", "Bridge"]
 
-# The ack of a rank's last round rides its next control gather (SPEC §2 step 9).
-_ACK = ("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "outer_ms", "bytes")
-_ROUND_HEAD = ("steps", "window", "stop", "non_finite")
-# Bits of the non_finite column: what this rank found not finite before the round.
-_LOSS, _TENSORS = 1, 2
+_LOSS, _TENSORS = NON_FINITE_LOSS, NON_FINITE_TENSORS
+#: The epoch exchange's row: the last round's ack, the batch records' count, the report.
+_EPOCH = ACK + Columns("records") + Columns(*EPOCH_FIELDS)
 
 
 @dataclass
@@ -72,6 +76,10 @@ class RoundUpdate:
     #: The outer optimizer stepped on this round's consensus (SPEC §7): some rank
     #: that contributed mass had trained since the last consensus.
     outer_stepped: bool = False
+    #: The policy's plan after this round (the same on every rank): the next window's.
+    plan: Plan | None = None
+    #: The guard's verdict on the round before this one (None: there was none).
+    verdict: Verdict | None = None
 
 
 @dataclass
@@ -96,8 +104,9 @@ class Bridge:
             in order (integer buffers keep their local values and never travel).
         gamma: the params mass exponent (SPEC §1).
         chunk_elems: elements per Allreduce piece, in ``[1, 2**31 - 1]``.
-        writer: rank 0's metrics writer (``append(table, rows)``), else None.
-        anchor: the window length recorded in the round metrics.
+        writer: rank 0's metrics writer (``append(table, rows)``), else None;
+            rank 0 then records rounds and epochs (:mod:`flodl_mpi.recorder`).
+        anchor: the fixed window of the default policy (when ``policy`` is None).
         threaded: False runs each round inline on the caller's thread (MPI
             without THREAD_SERIALIZED support).
         watchdog: object with ``round_started()``, ``round_finished()`` and
@@ -113,6 +122,10 @@ class Bridge:
             (or kind ``avg``) adopts the consensus as it is (SPEC §7). The
             bridge thread owns it while rounds run; read or load its state
             between rounds only.
+        policy: the :class:`~flodl_mpi.policy.Policy` the bridge feeds the gathered
+            facts of every round (and owns while rounds run: read :attr:`policy`
+            between rounds, or the plan each :class:`RoundUpdate` carries); None:
+            a fixed window of ``anchor`` batches with the default guard.
 
     Non-finite values: each rank checks its own tensors (the pre-round sum of
     squares, a pass before the control gather) and is told whether its loss
@@ -157,6 +170,7 @@ class Bridge:
         fault: Callable[[int, str], None] | None = None,
         on_non_finite: str = "quarantine",
         outer: OuterOptimizer | None = None,
+        policy: Policy | None = None,
     ) -> None:
         if on_non_finite not in ON_NON_FINITE:
             raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
@@ -179,15 +193,16 @@ class Bridge:
         self.param_tensors = self._p.tensors
         #: torch views of the floating-buffer staging, in ``buffer_shapes`` order.
         self.buffer_tensors = self._b.tensors
-        self._writer = writer if self.rank == 0 else None
+        self._recorder = recorder_for(self.rank, writer)
         self._watchdog = watchdog
         self._fault = fault
         self._threaded = threaded
         self.version = 0
-        self.guard = TrendGuard()
+        self.policy = policy if policy is not None else FixedPolicy(self.world_size, max(1, int(anchor)), TrendGuard())
         self._stage = "idle"
-        self._ack = np.full(len(_ACK), np.nan)
-        self._pending: dict | None = None  # rank 0: the round record awaiting acks
+        self._ack = ACK.row()
+        self._inflight = False  # a submitted round whose reply was not taken yet
+        self._reply = None  # unthreaded: the reply of the round run at submit()
         # Ranks whose divergence the guard reads in the acks of the last round:
         # those that contributed mass (not idle, not quarantined); same on every rank.
         self._contributed = np.zeros(self.world_size, dtype=bool)
@@ -197,6 +212,11 @@ class Bridge:
         self._replies: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._serve_forever, name="flodl-bridge", daemon=True)
         self._pkl5 = pkl5.Intracomm(comm)
+
+    @property
+    def guard(self) -> TrendGuard:
+        """The policy's divergence guard (its state goes into checkpoints)."""
+        return self.policy.guard
 
     # ---- training-thread side -------------------------------------------------
 
@@ -216,7 +236,8 @@ class Bridge:
         for plane in (self._p, self._b):
             self.comm.Bcast([plane.staging, MPI.FLOAT], root=root)
 
-    def round(self, steps: int, window: int, stop: bool = False, loss_finite: bool = True) -> RoundUpdate:
+    def round(self, steps: int, window: int, stop: bool = False, loss_finite: bool = True, *,
+              batch_ms: float = math.nan, quota: int = 0, anchor: int = 0) -> RoundUpdate:
         """One averaging round; blocks until the consensus is in the staging.
 
         Collective: every rank calls it, the same number of times, idle ranks
@@ -229,6 +250,9 @@ class Bridge:
             stop: this rank asks the cohort to stop after this round.
             loss_finite: every loss of this rank's window was finite; False
                 quarantines the rank for this round (see ``on_non_finite``).
+            batch_ms: this rank's mean ms per batch in the window (data wait and
+                compute only; NaN for none): the balancer's speed reading.
+            quota, anchor: the plan the window ran under (recorded).
 
         Raises:
             NonFiniteError: raised identically on every rank: no rank was
@@ -237,7 +261,48 @@ class Bridge:
             CohortError: raised identically on every rank.
             RoundError: the round failed on this rank.
         """
-        return self._call(("round", int(steps), int(window), bool(stop), bool(loss_finite)))
+        self.submit(steps, window, stop, loss_finite, batch_ms=batch_ms, quota=quota, anchor=anchor)
+        return self.wait()
+
+    def submit(self, steps: int, window: int, stop: bool = False, loss_finite: bool = True, *,
+               batch_ms: float = math.nan, quota: int = 0, anchor: int = 0) -> None:
+        """Start a round (arguments as :meth:`round`) and return at once; :meth:`wait` takes its update.
+
+        For the ``async`` policy: the training thread trains on while the bridge
+        runs the round, so the staging must not alias the live parameters (do not
+        :meth:`~flodl_mpi.worker.Replica.bind`). At most one round is in flight;
+        unthreaded, the round runs here and :meth:`wait` returns its update.
+
+        Raises:
+            RuntimeError: a round is in flight already.
+            RoundError: the bridge failed before.
+        """
+        if self._inflight:
+            raise RuntimeError("submit(): a round is in flight already; wait() for it first")
+        row = ROUND_HEAD.row(steps=int(steps), window=int(window), stop=float(bool(stop)),
+                             non_finite=0 if loss_finite else _LOSS, batch_ms=batch_ms, quota=quota, anchor=anchor)
+        self._send(("round", row))
+
+    def wait(self) -> RoundUpdate:
+        """The update of the round in flight; blocks until it is done.
+
+        Raises:
+            RuntimeError: no round is in flight.
+            NonFiniteError, CohortError, RoundError: as :meth:`round`.
+        """
+        if not self._inflight:
+            raise RuntimeError("wait(): no round is in flight")
+        t0 = time.perf_counter()
+        update = self._receive()
+        # The training thread's blocked time rides this round's ack (the bridge thread
+        # reads the ack only at the next request, after this write).
+        self._ack[ACK.index("wait_ms")] = 1e3 * (time.perf_counter() - t0)
+        return update
+
+    @property
+    def in_flight(self) -> bool:
+        """A round was submitted and its update not taken yet."""
+        return self._inflight
 
     def epoch_end(self, report: EpochReport, batch_rows: np.ndarray, epoch: int) -> EpochSummary:
         """Exchange the epoch's reports; every rank gets the same :class:`EpochSummary`.
@@ -276,13 +341,23 @@ class Bridge:
             self.comm.Free()
 
     def _call(self, request):
+        if self._inflight:
+            raise RuntimeError(f"{request[0]}: a round is in flight; wait() for it first")
+        self._send(request)
+        return self._receive()
+
+    def _send(self, request) -> None:
         if self._failed is not None:
             raise RoundError(f"rank {self.rank}: the bridge already failed in round {self._failed.round}")
         if self._threaded:
             self._requests.put(request)
-            reply = self._replies.get()
         else:
-            reply = self._serve_one(request)
+            self._reply = self._serve_one(request)
+        self._inflight = True
+
+    def _receive(self):
+        reply = self._replies.get() if self._threaded else self._reply
+        self._inflight, self._reply = False, None
         if isinstance(reply, _Failure):
             self._failed = reply
             if isinstance(reply.error, CohortError):
@@ -331,7 +406,7 @@ class Bridge:
         if self._fault is not None:
             self._fault(self.version, stage)
 
-    def _round(self, steps: int, window: int, stop: bool, loss_finite: bool) -> RoundUpdate:
+    def _round(self, head: np.ndarray) -> RoundUpdate:
         p, b = self._p, self._b
         # -- this rank's own check, before the gather: a float64-safe sum of squares
         # (one pass) is finite exactly when the tensors hold no NaN or infinity.
@@ -342,16 +417,20 @@ class Bridge:
         # (out of cache); this one is a plain read (measured: +4-5 ms at 16M params
         # on a loaded 2-core machine, nothing measurable at 1M), and no extra collective.
         self._enter("pre norm")
-        t0 = time.perf_counter()
+        t0 = t_start = time.perf_counter()
         pre_sq = p.sum_squares()
-        flag = (0 if loss_finite else _LOSS) | (0 if math.isfinite(pre_sq + b.sum_squares()) else _TENSORS)
+        if not math.isfinite(pre_sq + b.sum_squares()):
+            head[ROUND_HEAD.index("non_finite")] = int(head[ROUND_HEAD.index("non_finite")]) | _TENSORS
         pre_ms = 1e3 * (time.perf_counter() - t0)  # counted as pack time: it was fused there before
         self._enter("control gather")
-        row = np.concatenate([[steps, window, float(stop), flag], self._ack])
-        gathered = control_gather(self.comm, row)
-        self._take_acks(gathered[:, len(_ROUND_HEAD) :])
+        gathered = control_gather(self.comm, np.concatenate([head, self._ack]))
+        cols = ROUND.read(gathered)
+        t_gathered = time.perf_counter()  # the round's own time (the balancer's overhead) starts here
+        steps = int(head[ROUND_HEAD.index("steps")])
         # -- decide, from the gathered matrix only: every rank takes the same branch
-        all_steps, flags = gathered[:, 0], gathered[:, 3].astype(np.int64)
+        verdict = self._take_acks(cols, batch_ms=cols["batch_ms"], window=cols["window"],
+                                  anchor=int(np.nan_to_num(cols["anchor"]).max()))
+        all_steps, flags = cols["steps"], cols["non_finite"].astype(np.int64)
         if flags.all() or (flags.any() and self.on_non_finite == "stop"):
             raise NonFiniteError(_non_finite_message(self.version, flags, self.on_non_finite))
         masses = round_masses(all_steps, flags == 0, self.gamma)
@@ -403,48 +482,53 @@ class Bridge:
         self.version += 1
         self._contributed = np.asarray(masses.wire) > 0
         divergence, post_norm, pre_norm = triple
-        self._ack = np.array([divergence, pre_norm, post_norm, stats.pack_ms, stats.allreduce_ms,
-                              stats.unpack_ms, outer_ms, stats.bytes])
-        if self._writer is not None:
-            quarantined = np.zeros(self.world_size, dtype=bool)
-            quarantined[masses.quarantined] = True
-            self._pending = {
-                "round": round_index, "version": self.version,
-                "time_s": self.elapsed, "skipped": skipped,
-                "steps": all_steps.astype(np.int64), "mass": np.asarray(masses.mass),
-                "quarantined": quarantined,
-                "window": gathered[:, 1].astype(np.int64), "anchor": self.anchor,
-            }
+        self._ack = ACK.row(divergence=divergence, pre_norm=pre_norm, post_norm=post_norm, pack_ms=stats.pack_ms,
+                            allreduce_ms=stats.allreduce_ms, unpack_ms=stats.unpack_ms, outer_ms=outer_ms,
+                            bytes=stats.bytes, round_ms=1e3 * (time.perf_counter() - t_gathered),
+                            bridge_ms=1e3 * (time.perf_counter() - t_start), wait_ms=0.0)
+        quarantined = np.zeros(self.world_size, dtype=bool)
+        quarantined[masses.quarantined] = True
+        self._recorder.round(
+            round=round_index, version=self.version, time_s=self.elapsed, skipped=skipped,
+            steps=all_steps.astype(np.int64), mass=np.asarray(masses.mass), quarantined=quarantined,
+            window=cols["window"].astype(np.int64), quota=cols["quota"].astype(np.int64),
+            anchor=int(np.nan_to_num(cols["anchor"]).max()), batch_ms=cols["batch_ms"].copy(),
+        )
         return RoundUpdate(
             version=self.version,
             adopted=stats.realized,
             steps_at_snapshot=steps,
-            stop=bool(gathered[:, 2].any()),
+            stop=bool(cols["stop"].any()),
             divergence=divergence, post_norm=post_norm, pre_norm=pre_norm,
             quarantined=tuple(masses.quarantined),
             outer_stepped=outer_stepped,
+            plan=self.policy.plan(),
+            verdict=verdict,
         )
 
-    def _take_acks(self, acks: np.ndarray) -> None:
-        """Feed the guard the previous round's divergences; rank 0 writes its record."""
-        if np.isnan(acks[:, 0]).all():  # no round before this gather
-            return
-        # The guard reads the ranks that contributed mass: an idle rank's or a
-        # quarantined rank's divergence (NaN for the latter) says nothing of the
-        # cohort's drift. A round where none did (skipped) reads as 0.
-        contributed = acks[self._contributed, 0]
-        verdict = self.guard.observe(float(np.max(contributed)) if contributed.size else 0.0)
-        if self._pending is not None:
-            a = {name: acks[:, i] for i, name in enumerate(_ACK)}
-            rec = dict(self._pending)
-            rec.update(
-                divergence=a["divergence"], pre_norm=a["pre_norm"], post_norm=float(a["post_norm"][0]),
-                pack_ms=a["pack_ms"], allreduce_ms=a["allreduce_ms"], unpack_ms=a["unpack_ms"],
-                outer_ms=a["outer_ms"], bytes=int(a["bytes"][0]), guard=int(verdict),
-            )
-            self._writer.append("rounds", {k: np.asarray([v]) for k, v in rec.items()})
-            self._pending = None
-        self._ack = np.full(len(_ACK), np.nan)
+    def _take_acks(self, cols: dict, batch_ms: np.ndarray, window: np.ndarray, anchor: int = 0,
+                   closes_window: bool = True) -> Verdict | None:
+        """Feed the policy the gathered facts (the previous round's acks and this window's
+        speeds); rank 0's recorder completes the previous round's record. Returns the
+        guard's verdict on the previous round (None: no round before this gather)."""
+        acked = not np.isnan(cols["divergence"]).all()
+        max_div, round_ms = None, math.nan
+        if acked:
+            # The guard reads the ranks that contributed mass: an idle rank's or a
+            # quarantined rank's divergence (NaN for the latter) says nothing of the
+            # cohort's drift. A round where none did (skipped) reads as 0.
+            contributed = cols["divergence"][self._contributed]
+            max_div = float(np.max(contributed)) if contributed.size else 0.0
+            round_ms = float(np.nanmax(cols["round_ms"])) if np.isfinite(cols["round_ms"]).any() else math.nan
+        self._enter("policy")
+        verdict = self.policy.observe(RoundFacts(batch_ms=np.asarray(batch_ms, dtype=np.float64),
+                                                 window=np.asarray(window).astype(np.int64),
+                                                 round_ms=round_ms, max_divergence=max_div, anchor=anchor,
+                                                 closes_window=closes_window))
+        if acked:
+            self._recorder.acks(cols, verdict)
+        self._ack = ACK.row()
+        return verdict
 
     def _epoch(self, report: EpochReport, batch_rows: np.ndarray, epoch: int) -> EpochSummary:
         self._enter("epoch gather")
@@ -452,9 +536,13 @@ class Bridge:
         # covers batches whose records were written before the stop.
         row = np.concatenate([self._ack, [batch_rows.shape[0]], report.to_row()])
         gathered = control_gather(self.comm, row)
-        self._take_acks(gathered[:, : len(_ACK)])
-        summary = aggregate_epoch(gathered[:, len(_ACK) + 1 :], epoch=epoch, rounds=self.version)
-        records = gathered[:, len(_ACK)].astype(np.int64)
+        cols = _EPOCH.read(gathered)
+        nothing = np.full(self.world_size, np.nan)
+        self._take_acks(cols, batch_ms=nothing, window=np.zeros(self.world_size), closes_window=False)
+        start = _EPOCH.index(EPOCH_FIELDS[0])
+        summary = aggregate_epoch(gathered[:, start : start + len(EPOCH_FIELDS)], epoch=epoch, rounds=self.version,
+                                  allocation=self.policy.plan().quotas)
+        records = cols["records"].astype(np.int64)
         summary.batch_records = int(records.sum())
         self._enter("batch records gather")
         counts = [int(c) * len(BATCH_COLUMNS) for c in records]
@@ -463,15 +551,8 @@ class Bridge:
             recvbuf = np.empty(sum(counts), dtype=np.float64)
             recv = [recvbuf, counts, np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist(), MPI.DOUBLE]
         self.comm.Gatherv([batch_rows, MPI.DOUBLE], recv, root=0)
-        if self._writer is not None:
-            table = recv[0].reshape(-1, len(BATCH_COLUMNS))
-            if len(table):
-                cols = {name: table[:, i] for i, name in enumerate(BATCH_COLUMNS)}
-                for name in ("rank", "epoch", "step"):
-                    cols[name] = cols[name].astype(np.int64)
-                cols["rank"] = cols["rank"].astype(np.int32)
-                self._writer.append("batches", cols)
-            self._writer.append("epochs", _epoch_row(summary, self.elapsed))
+        self._recorder.epoch(summary, None if recv is None else recv[0].reshape(-1, len(BATCH_COLUMNS)),
+                             self.elapsed)
         return summary
 
 
@@ -501,15 +582,3 @@ def _non_finite_message(round_: int, flags: np.ndarray, on_non_finite: str) -> s
             "so the job stops (training diverged? lower --lr) and saves nothing from this round; "
             "checkpoints saved before stay")
 
-
-def _epoch_row(s: EpochSummary, time_s: float) -> dict[str, np.ndarray]:
-    row = {
-        # epoch counted from 1, as in the log and the checkpoint names
-        "epoch": s.epoch + 1, "time_s": time_s, "rounds": s.rounds, "avg_loss": s.avg_loss,
-        "epoch_ms": s.epoch_ms, "batches": s.batches, "per_rank_loss": s.per_rank_loss,
-        "per_rank_batches": s.per_rank_batches, "per_rank_samples": s.per_rank_samples,
-        "per_rank_throughput": s.per_rank_throughput, "per_rank_batch_share": s.per_rank_batch_share,
-        "per_rank_epoch_ms": s.per_rank_epoch_ms, "per_rank_compute_ms": s.per_rank_compute_ms,
-        "per_rank_data_ms": s.per_rank_data_ms, "test_loss": s.test_loss, "test_accuracy": s.test_accuracy,
-    }
-    return {k: np.asarray([v]) for k, v in row.items()}

@@ -94,10 +94,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help=f"seed of the data order and the model's initial values (default {d.seed})")
     g = t.add_argument_group("averaging")
     g.add_argument("--policy", choices=POLICIES,
-                   help="when ranks average: sync after every batch, window after every --window batches "
+                   help="when ranks average: sync after every batch, window after every --window batches, cadence "
+                        "after per-rank quotas that make uneven ranks arrive together (the ElChe balancer), async "
+                        "as cadence while training goes on during the round (EASGD blend on adoption) "
                         f"(default {d.policy})")
     g.add_argument("--window", type=int,
                    help="batches each rank trains between rounds; above 1 it implies --policy window")
+    g.add_argument("--anchor", type=int,
+                   help="cadence/async: batches of the slowest rank in the first window; faster ranks run "
+                        "proportionally more, and the anchor grows with the round overhead (default 10)")
+    g.add_argument("--max-anchor", type=int, help="cadence/async: the anchor never grows past this (default 1000)")
+    g.add_argument("--overhead-target", type=float,
+                   help="cadence/async: the anchor grows while a round takes more than this fraction of the "
+                        "slowest rank's window time (default 0.05)")
+    g.add_argument("--no-divergence-guard", dest="divergence_guard", action="store_false", default=None,
+                   help="cadence/async: let the anchor grow whatever the divergence guard says (its verdicts are "
+                        "still recorded)")
+    g.add_argument("--easgd-alpha", type=float,
+                   help="async: adopt each consensus as theta + alpha * (consensus - theta), alpha in (0, 1]; 1.0 "
+                        "overwrites (default 0.5)")
     g.add_argument("--gamma", type=float,
                    help=f"mass exponent: a rank's weight in the average is its steps**gamma (default {d.gamma:g})")
     g.add_argument("--chunk-elems", type=int,

@@ -19,9 +19,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["POLICIES", "OPTIMIZERS", "DEVICES", "ON_NON_FINITE", "OUTERS", "TrainConfig", "ConfigError", "read_config_file"]
+__all__ = ["BALANCED_POLICIES", "DEVICES", "ON_NON_FINITE", "OPTIMIZERS", "OUTERS", "POLICIES", "ConfigError",
+           "TrainConfig", "read_config_file"]
 
-POLICIES = ("sync", "window")
+POLICIES = ("sync", "window", "cadence", "async")
+#: Policies whose quotas the ElChe balancer sets (SPEC §4).
+BALANCED_POLICIES = ("cadence", "async")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 #: What a round does with a rank whose loss or parameters are NaN/Inf (``--on-non-finite``).
@@ -57,6 +60,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     policy: str = "sync"              # one of POLICIES
     window: int = 1                   # batches per rank between rounds (policy window)
+    anchor: int | None = None         # cadence/async: the slowest rank's first window, batches; None = 10
+    max_anchor: int | None = None     # cadence/async: the anchor's ceiling, batches; None = 1000
+    overhead_target: float | None = None  # cadence/async: round time / anchor window time to grow past; None = 0.05
+    divergence_guard: bool = True     # cadence/async: the divergence guard gates anchor growth (SPEC §3)
+    easgd_alpha: float | None = None  # async: adopt theta += alpha (consensus - theta), in (0, 1]; None = 0.5
     gamma: float = 1.0                # params mass exponent (SPEC §1)
     seed: int = 0                     # data order and model init
     checkpoint_every: int = 1         # epochs between checkpoints (0 = only the last)
@@ -115,10 +123,64 @@ class TrainConfig:
         if self.policy == "sync" and self.window != 1:
             raise ConfigError(f"--window {self.window} contradicts --policy sync (a round after every batch); "
                               "use --policy window")
+        self._check_balancer(need)
         need(isinstance(self.resume, bool), "resume", self.resume, "true or false")
         need(isinstance(self.drop_last, bool), "drop_last", self.drop_last, "true or false")
         if self.resume and self.run_dir is None:
             raise ConfigError("--resume needs --run-dir: the run directory to continue")
+
+    def _check_balancer(self, need) -> None:
+        """The cadence/async options: valid values, and only with a policy they act in."""
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        need(self.anchor is None or (integer(self.anchor) and self.anchor >= 1), "anchor", self.anchor,
+             "an integer >= 1")
+        need(self.max_anchor is None or (integer(self.max_anchor) and self.max_anchor >= self.anchor_value),
+             "max_anchor", self.max_anchor, f"an integer >= the anchor ({self.anchor_value})")
+        need(self.overhead_target is None or (number(self.overhead_target) and self.overhead_target > 0),
+             "overhead_target", self.overhead_target, "a finite number > 0")
+        need(isinstance(self.divergence_guard, bool), "divergence_guard", self.divergence_guard, "true or false")
+        need(self.easgd_alpha is None or (number(self.easgd_alpha) and 0 < self.easgd_alpha <= 1), "easgd_alpha",
+             self.easgd_alpha, "a number in (0, 1] (1 overwrites)")
+        if self.policy not in BALANCED_POLICIES:
+            given = [f"--{n.replace('_', '-')}" for n in ("anchor", "max_anchor", "overhead_target")
+                     if getattr(self, n) is not None] + ([] if self.divergence_guard else ["--no-divergence-guard"])
+            if given:
+                raise ConfigError(f"{', '.join(given)} take(s) effect with --policy cadence or async (the balancer); "
+                                  f"--policy {self.policy} runs a fixed window")
+        elif self.window != 1:
+            raise ConfigError(f"--window {self.window} contradicts --policy {self.policy}: the balancer sets each "
+                              "rank's window (start it with --anchor)")
+        if self.easgd_alpha is not None and self.policy != "async":
+            raise ConfigError(f"--easgd-alpha takes effect with --policy async; --policy {self.policy} adopts the "
+                              "consensus as it is")
+        if self.policy == "async" and self.outer != "avg":
+            raise ConfigError(f"--outer {self.outer} needs a blocking policy (sync, window or cadence): --policy async "
+                              "blends the consensus into parameters that trained on")
+
+    @property
+    def anchor_value(self) -> int:
+        """The initial anchor, batches (``--anchor``, default 10)."""
+        return 10 if self.anchor is None else int(self.anchor)
+
+    @property
+    def max_anchor_value(self) -> int:
+        """The anchor's ceiling, batches (``--max-anchor``, default 1000, at least the anchor)."""
+        return max(1000, self.anchor_value) if self.max_anchor is None else int(self.max_anchor)
+
+    @property
+    def overhead_target_value(self) -> float:
+        """The round overhead past which the anchor grows (``--overhead-target``, default 0.05)."""
+        return 0.05 if self.overhead_target is None else float(self.overhead_target)
+
+    @property
+    def easgd_alpha_value(self) -> float:
+        """Async's blend on adoption (``--easgd-alpha``, default 0.5; 1.0 overwrites)."""
+        return 0.5 if self.easgd_alpha is None else float(self.easgd_alpha)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON-able values (saved as ``config.json`` and in checkpoints)."""

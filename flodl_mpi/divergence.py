@@ -93,29 +93,44 @@ class TrendGuard:
 
     Keeps the last ``history`` values; answers ``SUPPRESS_GROWTH`` when the last
     three are strictly rising and the latest exceeds ``threshold``, otherwise
-    ``STABLE``. It is deterministic in the gathered divergences, so every rank
-    that feeds it the same values reaches the same verdict.
+    ``STABLE``. With ``nudge_above`` set it is also rate-based: a latest value
+    above ``nudge_above`` answers ``NUDGE_DOWN`` (shrink the anchor by
+    ``nudge_factor``). It is deterministic in the gathered divergences, so every
+    rank that feeds it the same values reaches the same verdict.
 
     Args:
         threshold: divergence above which a rising trend suppresses anchor
             growth; default 0.05 (0.3 is the SPEC's value when EASGD blends).
         history: ring length, default 5 (must be >= 3).
+        nudge_above: divergence above which the guard answers ``NUDGE_DOWN``,
+            > ``threshold``; None (default): never.
+        nudge_factor: the anchor's shrink factor of a ``NUDGE_DOWN``, in (0, 1).
 
     Raises:
-        ValueError: ``threshold`` is negative or not finite, or ``history < 3``.
+        ValueError: ``threshold`` is negative or not finite, ``history < 3``,
+            ``nudge_above <= threshold`` or ``nudge_factor`` outside (0, 1).
     """
 
-    def __init__(self, threshold: float = 0.05, history: int = 5) -> None:
+    def __init__(self, threshold: float = 0.05, history: int = 5, nudge_above: float | None = None,
+                 nudge_factor: float = 0.5) -> None:
         if not (math.isfinite(threshold) and threshold >= 0):
             raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
         if history < 3:
             raise ValueError(f"history must be >= 3 (the trend needs three points), got {history!r}")
+        if nudge_above is not None and not (math.isfinite(nudge_above) and nudge_above > threshold):
+            raise ValueError(f"nudge_above must be a finite number > threshold ({threshold}), got {nudge_above!r}")
+        if not 0 < nudge_factor < 1:
+            raise ValueError(f"nudge_factor must be in (0, 1), got {nudge_factor!r}")
         self.threshold = float(threshold)
+        self.nudge_above = None if nudge_above is None else float(nudge_above)
+        self.nudge_factor = float(nudge_factor)
         self._ring: deque[float] = deque(maxlen=int(history))
 
     def observe(self, max_divergence: float) -> Verdict:
         """Record one round's max divergence over ranks and return the verdict."""
         self._ring.append(float(max_divergence))
+        if self.nudge_above is not None and self._ring[-1] > self.nudge_above:
+            return Verdict.NUDGE_DOWN
         if len(self._ring) >= 3:
             a, b, c = list(self._ring)[-3:]
             if a < b < c and c > self.threshold:

@@ -76,7 +76,13 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             "outer_ms": (_F64, W),  # the outer optimizer's step on the consensus (0: none, or --outer avg)
             "bytes": (_I64, ()),   # bytes one rank put on the wire this round
             "window": (_I64, W),   # batches each rank ran in the window
-            "anchor": (_I64, ()), "guard": (guard, ()),
+            "quota": (_I64, W),    # batches the policy's plan gave each rank for the window (before an epoch's end)
+            "anchor": (_I64, ()),  # the plan's anchor: the slowest rank's quota (fixed policies: the window)
+            "batch_ms": (_F64, W),  # each rank's mean ms per batch in the window (the balancer's reading)
+            "round_ms": (_F64, W),  # the round's time after its control gather (the balancer's overhead)
+            "bridge_ms": (_F64, W),  # the bridge thread's whole time in the round, its control gather's wait included
+            "wait_ms": (_F64, W),  # ms the training thread was blocked waiting for this round's consensus
+            "guard": (guard, ()),
         },
         "epochs": {
             "epoch": (_I64, ()), "time_s": (_F64, ()), "rounds": (_I64, ()),
@@ -86,6 +92,7 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             "per_rank_throughput": (_F64, W),  # samples / s of compute + data wait
             "per_rank_batch_share": (_F64, W), "per_rank_epoch_ms": (_F64, W),
             "per_rank_compute_ms": (_F64, W), "per_rank_data_ms": (_F64, W),
+            "per_rank_share_complete_ms": (_F64, W),  # compute + data wait (SPEC §5)
             "test_loss": (_F64, ()), "test_accuracy": (_F64, ()),
         },
         "batches": {

@@ -52,7 +52,11 @@ def summarize(run: Run) -> dict[str, Any]:
         verdict name -> rounds (non-stable verdicts only); ``quarantined``: rank ->
         rounds it was quarantined in, from a ``rounds/quarantined`` column when the
         file has one (ranks never quarantined left out); ``stops``: "stopped on
-        request" lines in train.log; ``resumes``; ``last_log``: train.log's last line.
+        request" lines in train.log; ``resumes``; ``last_log``: train.log's last line;
+        ``anchor``: (first, last, largest) of ``rounds/anchor``, or None;
+        ``overlap``: ``1 - Σ wait_ms / Σ bridge_ms`` over every rank and round, the
+        fraction of the bridge's round time the training thread did not wait for
+        (async hides it behind compute), or None without those columns.
     """
     ep, W = run.tables.get("epochs", {}), run.world_size
     acc = run.column("epochs", "test_accuracy")
@@ -70,7 +74,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "bytes_per_rank": int(np.sum(_or_zero(run.column("rounds", "bytes")))),
         "averaging_pct": None, "throughput": None, "batch_share": None,
-        "guard": {}, "quarantined": {}, "resumes": run.resumes,
+        "guard": {}, "quarantined": {}, "resumes": run.resumes, "anchor": None, "overlap": None,
         "stops": sum("stopped on request" in line for line in run.log_lines),
         "last_log": run.log_lines[-1] if run.log_lines else "",
     }
@@ -95,6 +99,14 @@ def summarize(run: Run) -> dict[str, Any]:
     quarantined = run.column("rounds", "quarantined")
     if quarantined is not None and quarantined.ndim == 2:
         s["quarantined"] = {r: int(n) for r, n in enumerate(np.sum(quarantined != 0, axis=0)) if n}
+    anchor = run.column("rounds", "anchor")
+    if anchor is not None and len(anchor):
+        s["anchor"] = (int(anchor[0]), int(anchor[-1]), int(anchor.max()))
+    wait, bridge = run.column("rounds", "wait_ms"), run.column("rounds", "bridge_ms")
+    if wait is not None and bridge is not None:
+        ok = np.isfinite(wait) & np.isfinite(bridge)
+        if ok.any() and bridge[ok].sum() > 0:
+            s["overlap"] = float(1.0 - wait[ok].sum() / bridge[ok].sum())
     if W and s["throughput"] is not None and len(s["throughput"]) != W:
         s["throughput"] = None  # a file whose per-rank width disagrees with world_size: say nothing
     return s
@@ -139,6 +151,11 @@ def format_summary(run: Run) -> str:
         f"  stops {s['stops']}, resumes {s['resumes']}; guard "
         + (", ".join(f"{k} {v}" for k, v in s["guard"].items()) or "stable in every round"),
     ]
+    if s["anchor"] is not None:
+        first, last, top = s["anchor"]
+        lines.append(f"  anchor        {first} first, {last} last, {top} largest"
+                     + (f"; {100 * s['overlap']:.0f} % of the round time hidden behind compute"
+                        if s["overlap"] is not None else ""))
     if s["quarantined"]:
         lines.append("  quarantined   " + ", ".join(f"rank {r} in {n} round(s)" for r, n in s["quarantined"].items()))
     if s["last_log"]:

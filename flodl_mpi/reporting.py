@@ -51,8 +51,9 @@ class EpochSummary:
     """The cohort's epoch, identical on every rank (SPEC §5 table).
 
     Per-rank arrays have shape ``(W,)``. ``per_rank_throughput`` is samples per
-    second of compute plus data wait; ``per_rank_batch_share`` is each rank's
-    fraction of the epoch's batches (the allocation it was given);
+    second of compute plus data wait (``per_rank_share_complete_ms``, SPEC §5);
+    ``per_rank_batch_share`` is the policy's latest allocation, normalized (the
+    balancer's quotas; for a fixed window ``1 / W`` each);
     ``test_accuracy`` is correct / count over the whole test set.
     """
 
@@ -69,6 +70,7 @@ class EpochSummary:
     per_rank_epoch_ms: np.ndarray
     per_rank_compute_ms: np.ndarray
     per_rank_data_ms: np.ndarray
+    per_rank_share_complete_ms: np.ndarray
     test_loss: float
     test_accuracy: float
     test_count: int
@@ -76,13 +78,15 @@ class EpochSummary:
     batch_records: int = 0
 
 
-def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int) -> EpochSummary:
+def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None) -> EpochSummary:
     """Aggregate the gathered epoch reports.
 
     Args:
         matrix: float64 ``(W, len(EPOCH_FIELDS))``, row r = rank r's report.
         epoch: the epoch index (0-based).
         rounds: rounds completed so far in the run.
+        allocation: the policy's latest quotas ``(W,)`` (the balancer's allocation);
+            None: each rank's share of the epoch's batches.
 
     Returns:
         :class:`EpochSummary`: ``avg_loss = Σ loss_sum / Σ batches``; ``epoch_ms``
@@ -97,6 +101,11 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int) -> EpochSummary
         busy_s = (col["compute_ms"] + col["data_ms"]) / 1e3
         throughput = np.where(busy_s > 0, col["samples"] / np.where(busy_s > 0, busy_s, 1.0), 0.0)
     test_count = int(col["test_count"].sum())
+    if allocation is not None:
+        alloc = np.asarray(allocation, dtype=np.float64)
+        share = alloc / alloc.sum()
+    else:
+        share = batches / total if total else np.zeros_like(col["batches"])
     return EpochSummary(
         epoch=int(epoch),
         rounds=int(rounds),
@@ -107,10 +116,11 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int) -> EpochSummary
         per_rank_batches=batches,
         per_rank_samples=col["samples"].astype(np.int64),
         per_rank_throughput=throughput,
-        per_rank_batch_share=batches / total if total else np.zeros_like(col["batches"]),
+        per_rank_batch_share=share,
         per_rank_epoch_ms=col["epoch_ms"].copy(),
         per_rank_compute_ms=col["compute_ms"].copy(),
         per_rank_data_ms=col["data_ms"].copy(),
+        per_rank_share_complete_ms=col["compute_ms"] + col["data_ms"],
         test_loss=float(col["test_loss_sum"].sum() / test_count) if test_count else float("nan"),
         test_accuracy=float(col["test_correct"].sum() / test_count) if test_count else float("nan"),
         test_count=test_count,

@@ -49,6 +49,7 @@ from flodl_mpi.launcher import clean_text, settle_threads, thread_request
 from flodl_mpi.metrics import MetricsWriter, WriterError
 from flodl_mpi.models import build_model, check_model_output, check_training_step, model_signature
 from flodl_mpi.outer import OuterOptimizer
+from flodl_mpi.policy import make_policy
 from flodl_mpi.progress import EpochProgress, stdout_is_terminal
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
@@ -105,6 +106,10 @@ def _describe_policy(cfg: TrainConfig) -> str:
     """The header's words for when ranks average, e.g. ``policy window (4 batches per rank per round)``."""
     if cfg.policy == "sync":
         text = "policy sync (a round after every batch)"
+    elif cfg.policy in ("cadence", "async"):
+        text = (f"policy {cfg.policy} (ElChe quotas, anchor {cfg.anchor_value} to {cfg.max_anchor_value}, overhead "
+                f"target {cfg.overhead_target_value:g}, divergence guard {'on' if cfg.divergence_guard else 'off'}"
+                + (f", EASGD alpha {cfg.easgd_alpha_value:g})" if cfg.policy == "async" else ")"))
     else:
         per = f"{cfg.window} batch{'es' if cfg.window != 1 else ''}"
         text = f"policy {cfg.policy} ({per} per rank per round)"
@@ -380,12 +385,13 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
             comm.Dup(),
             [tuple(p.shape) for p in replica.params],
             [tuple(b.shape) for b in replica.float_buffers],
-            gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, anchor=cfg.window,
+            gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, policy=make_policy(cfg, world.size),
             threaded=world.threaded_bridge, watchdog=watchdog, fault=bridge_fault, on_non_finite=cfg.on_non_finite,
             outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr,
                                  cfg.outer_momentum),
         )
-        replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
+        if bridge.policy.blocking:  # async trains on while a round runs: its staging must stay apart
+            replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
         replica.snapshot(bridge)
         bridge.broadcast(root=0)
         replica.adopt(bridge)

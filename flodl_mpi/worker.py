@@ -21,7 +21,7 @@ from torch import nn
 
 from flodl_mpi import rank_state
 from flodl_mpi.bridge import Bridge, RoundUpdate
-from flodl_mpi.cadence import fixed_quotas, plan_window
+from flodl_mpi.cadence import plan_window
 from flodl_mpi.checkpoint import Checkpoint, checkpoint_name, read_cohort_state, write_checkpoint
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
@@ -212,13 +212,26 @@ class Replica:
         self._live = (params, buffers)
 
     @torch.no_grad()
-    def adopt(self, bridge: Bridge) -> None:
+    def adopt(self, bridge: Bridge, alpha: float = 1.0) -> None:
         """Overwrite the live params and floating buffers with the consensus in the staging.
 
         Writes into the tensors the last :meth:`snapshot` found (the training
-        thread does not touch the model while a round runs); without one, it
-        resolves them by name now.
+        thread does not touch the model while a blocking round runs); without
+        one, it resolves them by name now.
+
+        Args:
+            alpha: the EASGD blend of the ``async`` policy (SPEC §2 step 8): each
+                param becomes ``theta + alpha * (consensus - theta)``, in place; 1.0
+                (default) overwrites. Buffers are always overwritten. Bound params
+                (which *are* the staging) take only 1.0.
+
+        Raises:
+            ValueError: ``alpha`` outside (0, 1], or ``alpha != 1`` with bound params.
         """
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        if alpha != 1.0 and self.bound:
+            raise ValueError("a blended adoption needs params apart from the staging; this replica is bound")
         if self._live is None:  # no snapshot since the last adoption: bind what changed
             params, buffers, changed = self._resolve_changes()
             for i in changed if self.bound else ():
@@ -227,7 +240,10 @@ class Replica:
         else:
             params, buffers = self._live
         self._live = None
-        if not self.bound:
+        if alpha != 1.0:
+            for dst, src in zip(params, bridge.param_tensors):
+                dst.lerp_(src.to(dst.device, dst.dtype), alpha)
+        elif not self.bound:
             for dst, src in zip(params, bridge.param_tensors):
                 dst.copy_(src)
         for dst, src in zip(buffers, bridge.buffer_tensors):
@@ -312,7 +328,8 @@ class Trainer:
         self.progress = progress if progress is not None else EpochProgress(enabled=False)
         self.log_detail = log_detail if log_detail is not None else (lambda line: None)
         self.optimizer = make_optimizer(cfg, replica.model)
-        self.quotas = fixed_quotas(world_size, cfg.window)
+        #: The next window's plan (quotas, anchor): the policy's, the same on every rank.
+        self.plan = bridge.policy.plan()
         self.steps = 0            # n_r: optimizer steps since the consensus last adopted
         self.loss_finite = True   # every loss of the current window was finite
         self.global_step = 0      # this rank's optimizer steps in the run
@@ -367,7 +384,11 @@ class Trainer:
             if "momentum" in group:
                 group["momentum"] = self.cfg.momentum
         self.bridge.version = int(meta["round"])
-        self.bridge.guard.load_state_dict(meta["guard"])
+        if "policy" in meta and meta["policy"].get("name") == self.bridge.policy.name:
+            self.bridge.policy.load_state_dict(meta["policy"])  # the balancer and the guard
+        else:  # written before the policies kept state: the guard's only
+            self.bridge.guard.load_state_dict(meta["guard"])
+        self.plan = self.bridge.policy.plan()
         if self.bridge.outer is not None and self.bridge.outer.kind != "avg":
             self.bridge.outer.load_state_dict(*read_cohort_state(ckpt.path))
         self.start_epoch, self.start_cursor = int(meta["epoch"]), int(meta["cursor"])
@@ -417,27 +438,43 @@ class Trainer:
         self.progress.start(f"epoch {epoch + 1}/{cfg.epochs}", n_batches, cursor, self.bridge.version)
         while cursor < n_batches:
             # -- plan: the same on every rank, no communication (SPEC §4)
-            window = plan_window(self.quotas, cursor, n_batches)
+            plan = self.plan
+            window = plan_window(plan.quotas, cursor, n_batches)
             first = window.starts[self.rank]
             mine = range(first, first + window.counts[self.rank])
-            # -- train this rank's batches of the window
+            # -- train this rank's batches of the window; time them for the balancer
+            busy_ms = 0.0
             for b in mine:
-                rows.append(self._train_batch(perm, b, epoch, report))
+                row = self._train_batch(perm, b, epoch, report)
+                busy_ms += row[3]  # batch_ms: data wait + compute, nothing else
+                rows.append(row)
                 self.made_progress(f"batch {b + 1} of epoch {epoch + 1}")
             cursor = window.end
             # -- snapshot, round, adopt (SPEC §2)
             self._fault_hook("nan")
             self._fault_hook("disk")
-            self.replica.snapshot(self.bridge)
-            update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested, loss_finite=self.loss_finite)
-            self.loss_finite = True
-            self._adopt(update)
+            facts = dict(batch_ms=busy_ms / len(mine) if len(mine) else math.nan, quota=plan.quotas[self.rank],
+                         anchor=plan.anchor)
+            if self.bridge.policy.blocking:
+                self.replica.snapshot(self.bridge)
+                update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested,
+                                           loss_finite=self.loss_finite, **facts)
+                self.loss_finite = True
+                self._adopt(update)
+            else:
+                update = self._async_round(len(mine), facts)
             self.progress.update(cursor, report.loss_sum / max(report.batches, 1), self.bridge.version)
             if self.writer is not None:
                 self.writer.check()  # a disk error on rank 0 ends the job now, not at the epoch's end
-            if update.stop:
+            if update is not None and update.stop:
                 stopped = True
                 break
+        if self.bridge.in_flight:
+            # -- async: the epoch's last round. Nothing trained since its snapshot, so
+            # the consensus is adopted as it is: every rank evaluates and saves the same model.
+            update = self.bridge.wait()
+            self._adopt(update)
+            stopped = stopped or update.stop
         # -- evaluate the consensus on this rank's slice of the test set
         self.progress.close()
         t_eval = time.perf_counter()
@@ -446,6 +483,7 @@ class Trainer:
         report.epoch_ms += 1e3 * (t_eval - t_epoch)
         # -- epoch exchange: every rank gets the same summary; rank 0 writes metrics
         summary = self.bridge.epoch_end(report, np.array(rows, dtype=np.float64), epoch)
+        self.plan = self.bridge.policy.plan()  # the guard's verdict at the exchange may have moved the anchor
         self.epoch_rows += 1
         self.batch_rows += summary.batch_records
         self.latest = summary
@@ -483,9 +521,30 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         return (self.rank, epoch + 1, self.global_step, 1e3 * (t2 - t0), 1e3 * (t1 - t0), loss_value, lr, norm)
 
-    def _adopt(self, update: RoundUpdate) -> None:
+    def _async_round(self, window: int, facts: dict) -> RoundUpdate | None:
+        """Async (SPEC §4): adopt the round in flight, if any, then start this window's.
+
+        The round in flight was snapshotted a window ago; this rank trained on since,
+        so its consensus is blended in (EASGD, ``--easgd-alpha``) and the steps it
+        covered are subtracted. At most one round is in flight. The plan of the next
+        window is the adopted round's, one round older than a blocking policy's: the
+        data each rank reads is still decided before the window, from gathered values.
+        """
+        update = None
+        if self.bridge.in_flight:
+            update = self.bridge.wait()
+            self._adopt(update, alpha=self.cfg.easgd_alpha_value)
+        self.replica.snapshot(self.bridge)
+        self.bridge.submit(self.steps, window, stop=self.stop.requested, loss_finite=self.loss_finite, **facts)
+        self.loss_finite = True
+        return update
+
+    def _adopt(self, update: RoundUpdate, alpha: float = 1.0) -> None:
+        if update.plan is not None:
+            self.plan = update.plan
         if update.adopted:
-            self.replica.adopt(self.bridge)
+            # A quarantined rank's own values are not finite: it takes the consensus whole.
+            self.replica.adopt(self.bridge, 1.0 if self.rank in update.quarantined else alpha)
         if update.quarantined:
             if self.writer is not None:
                 self.log(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
@@ -589,6 +648,7 @@ class Trainer:
             "test_count": s.test_count,
             "config": self.cfg.to_dict(),
             "guard": self.bridge.guard.state_dict(),
+            "policy": self.bridge.policy.state_dict(),  # the balancer (anchor, speeds, latch) and the guard
             "time_unix": time.time(),
         }
         if cursor:  # stopped mid-epoch: the resumed run finishes this epoch's report

@@ -38,7 +38,9 @@ def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, .
             "pack_ms": np.full((R, W), 10.0), "allreduce_ms": np.full((R, W), 30.0), "unpack_ms": np.full((R, W), 10.0),
             "bytes": np.full(R, 1000, np.int64), "window": np.ones((R, W), np.int64), "anchor": np.ones(R, np.int64),
             "guard": np.where(r == 3, 1, 0).astype(np.int8), "quarantined": np.zeros((R, W), bool),
-            "outer_ms": np.zeros((R, W)),
+            "outer_ms": np.zeros((R, W)), "quota": np.ones((R, W), np.int64), "batch_ms": np.full((R, W), 20.0),
+            "round_ms": np.full((R, W), 50.0), "wait_ms": np.full((R, W), 50.0),
+            "bridge_ms": np.full((R, W), 60.0),
         },
         "epochs": {
             "epoch": np.arange(E), "time_s": (R * 0.5) * (np.arange(E) + 1) / E, "rounds": (np.arange(E) + 1) * R // E,
@@ -48,6 +50,7 @@ def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, .
             "per_rank_throughput": np.tile(100.0 * (np.arange(W) + 1), (E, 1)),
             "per_rank_batch_share": np.full((E, W), 1.0 / W), "per_rank_epoch_ms": np.full((E, W), 1000.0),
             "per_rank_compute_ms": np.full((E, W), 600.0), "per_rank_data_ms": np.full((E, W), 50.0),
+            "per_rank_share_complete_ms": np.full((E, W), 650.0),
             "test_loss": 2.0 / (np.arange(E) + 2),
             "test_accuracy": np.array([0.5, 0.9, 0.8][:E] + [0.85] * max(0, E - 3)),
         },

@@ -10,6 +10,13 @@ Hooks (each patches the package in this process only):
   --scale-bounded-waits F
                         every ``Thread.join(timeout)`` waits timeout / F: a bound
                         of 30 s becomes 30 / F, so a test can outlast it quickly.
+  --script-speeds A,B,...
+                        the balancer reads rank r's ms per batch as 10 * SPEED[r]
+                        (a rank that ran no batch: none), whatever the clock says:
+                        timing-driven quotas become a function of the round.
+  --script-round-ms X   ... and each round's overhead time as X ms.
+  --record-indices DIR  each rank writes DIR/rank<r>.npz at exit: per epoch, the
+                        training sample indices it read (``e<epoch>``), in order.
 """
 
 from __future__ import annotations
@@ -32,17 +39,68 @@ def main() -> int:
     p.add_argument("--stop-at-round", type=int)
     p.add_argument("--save-delay", type=float, default=0.0)
     p.add_argument("--scale-bounded-waits", type=float, default=1.0)
+    p.add_argument("--script-speeds")
+    p.add_argument("--script-round-ms", type=float)
+    p.add_argument("--record-indices")
     opts, rest = p.parse_known_args()
     if rest[:1] == ["--"]:
         rest = rest[1:]
 
     if opts.stop_at_round is not None:
-        plain_round = bridge.Bridge.round
+        plain_submit = bridge.Bridge.submit  # round() submits too
 
-        def round_(self, steps, window, stop=False, **kwargs):
-            return plain_round(self, steps, window, stop=stop or self.version + 1 == opts.stop_at_round, **kwargs)
+        def submit(self, steps, window, stop=False, *args, **kwargs):
+            return plain_submit(self, steps, window, stop or self.version + 1 == opts.stop_at_round, *args, **kwargs)
 
-        bridge.Bridge.round = round_
+        bridge.Bridge.submit = submit
+
+    if opts.script_speeds is not None or opts.script_round_ms is not None:
+        import dataclasses
+
+        import numpy as np
+
+        from flodl_mpi import policy
+
+        speeds = None if opts.script_speeds is None else np.array([float(v) for v in opts.script_speeds.split(",")])
+        plain_observe = policy.CadencePolicy.observe
+
+        def observe(self, facts):
+            changes = {}
+            if speeds is not None:
+                changes["batch_ms"] = np.where(np.isfinite(facts.batch_ms), 10.0 * speeds[: len(facts.batch_ms)],
+                                               np.nan)
+            if opts.script_round_ms is not None and np.isfinite(facts.round_ms):
+                changes["round_ms"] = opts.script_round_ms
+            return plain_observe(self, dataclasses.replace(facts, **changes))
+
+        policy.CadencePolicy.observe = observe
+
+    if opts.record_indices is not None:
+        import atexit
+        from pathlib import Path
+
+        import numpy as np
+
+        from flodl_mpi.data import batch_indices
+
+        read: dict[str, list] = {}
+        plain_batch = worker.Trainer._train_batch
+
+        def train_batch(self, perm, b, epoch, report):
+            idx = batch_indices(perm, self.cfg.batch_size, b, self.cfg.drop_last)
+            read.setdefault(f"e{epoch}", []).append(np.asarray(idx))
+            read["rank"] = [np.array([self.rank])]
+            return plain_batch(self, perm, b, epoch, report)
+
+        worker.Trainer._train_batch = train_batch
+
+        def dump():
+            if "rank" in read:  # a rank that read nothing writes nothing
+                out = Path(opts.record_indices)
+                out.mkdir(parents=True, exist_ok=True)
+                np.savez(out / f"rank{int(read['rank'][0][0])}.npz", **{k: np.concatenate(v) for k, v in read.items()})
+
+        atexit.register(dump)
 
     if opts.save_delay:
         plain_write = checkpoint.write_checkpoint

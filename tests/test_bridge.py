@@ -437,3 +437,49 @@ def test_outer_state_is_identical_on_every_rank_and_round_trips():
     again = OuterOptimizer("nesterov", n)
     again.load_state_dict(arrays, attrs)
     assert np.array_equal(again.prev, bridge.outer.prev) and np.array_equal(again.velocity, bridge.outer.velocity)
+
+
+def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def test_async_snapshot_never_aliases_the_live_parameters_and_the_blend_matches_easgd():
+    """Async: the round runs on the snapshot while training goes on; adoption blends theta + a (avg - theta)."""
+    comm = MPI.COMM_WORLD
+    rank = comm.rank
+    replica = make_replica()
+    bridge = make_bridge(replica, chunk_elems=50)  # not bound: the async staging
+    local_steps(replica, rank, rank + 1)
+    for p in replica.params:
+        for v in bridge.param_tensors:
+            assert not _ranges_overlap(p, v)
+    steps = rank + 1
+    snapshots = comm.allgather(flat(replica.params))
+    all_steps = comm.allgather(steps)
+    replica.snapshot(bridge)
+    bridge.submit(steps=steps, window=steps)
+    assert bridge.in_flight
+    local_steps(replica, rank + 10, 3)  # training goes on while the round runs
+    with torch.no_grad():
+        replica.params[0].add_(1000.0)  # and a write the round must never see
+    live = flat(replica.params)
+    update = bridge.wait()
+    ref = sum(n * s for n, s in zip(all_steps, snapshots)) / sum(all_steps)
+    got = flat(bridge.param_tensors)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= 1e-6  # the consensus of the snapshots only
+    replica.adopt(bridge, alpha=0.5)
+    np.testing.assert_allclose(flat(replica.params), live + 0.5 * (ref - live), rtol=1e-5, atol=1e-5)
+    assert update.steps_at_snapshot == steps and update.plan.quotas == (1,) * comm.size
+    with pytest.raises(RuntimeError, match="no round is in flight"):
+        bridge.wait()
+    bridge.close()
+
+
+def test_a_bound_replica_refuses_a_blend():
+    replica = make_replica()
+    bridge = make_bridge(replica)
+    assert replica.bind(bridge)
+    with pytest.raises(ValueError, match="blended adoption needs params apart from the staging"):
+        replica.adopt(bridge, alpha=0.5)
+    bridge.close()

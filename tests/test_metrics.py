@@ -36,7 +36,9 @@ def round_rows(start, k):
             "divergence": per_rank / 7,
             "pre_norm": per_rank + 1, "post_norm": i * 3.0, "pack_ms": per_rank, "allreduce_ms": per_rank,
             "unpack_ms": per_rank, "outer_ms": per_rank / 2, "bytes": i * 4096, "window": per_rank.astype(np.int64) + 1,
-            "anchor": np.full(k, 3), "guard": (i % 3).astype(np.int8)}
+            "anchor": np.full(k, 3), "guard": (i % 3).astype(np.int8), "quota": per_rank.astype(np.int64) + 2,
+            "batch_ms": per_rank / 3, "round_ms": per_rank * 2, "wait_ms": per_rank / 5,
+            "bridge_ms": per_rank * 3}
 
 
 def expected(rows_list):
@@ -56,7 +58,8 @@ def test_schema_shapes():
     assert h5py.check_enum_dtype(schema["rounds"]["guard"][0]) == GUARD_VERDICTS
     assert schema["rounds"]["quarantined"] == (np.dtype(np.bool_), (4,))
     assert schema["rounds"]["outer_ms"] == (np.dtype(np.float64), (4,))
-    assert len(schema["rounds"]) == 18 and len(schema["epochs"]) == 16 and len(schema["batches"]) == 8
+    assert schema["rounds"]["quota"] == (np.dtype(np.int64), (4,))
+    assert len(schema["rounds"]) == 23 and len(schema["epochs"]) == 17 and len(schema["batches"]) == 8
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         table_schema(0)
 

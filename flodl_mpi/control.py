@@ -1,0 +1,88 @@
+"""The control row: the named float64 columns every rank sends in a round's control gather (SPEC §2 step 2).
+
+Invariant: a column is read and written by its name only, through one :class:`Columns`
+layout, so the bridge, the policy and the recorder agree on what each slot holds without
+sharing indices; every rank builds the same layouts, so the gathered ``(W, k)`` matrix
+means the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+__all__ = ["ACK", "NON_FINITE_LOSS", "NON_FINITE_TENSORS", "ROUND", "ROUND_HEAD", "Columns"]
+
+
+class Columns:
+    """A fixed, named layout of one float64 row.
+
+    Args:
+        names: the column names, in row order; unique.
+
+    Raises:
+        ValueError: a repeated name.
+
+    Example::
+
+        ROW = Columns("steps", "window")
+        row = ROW.row(steps=3, window=4)          # float64 (2,)
+        cols = ROW.read(comm_gathered_matrix)     # name -> float64 (W,) view
+    """
+
+    def __init__(self, *names: str) -> None:
+        if len(set(names)) != len(names):
+            raise ValueError(f"column names must be unique, got {names!r}")
+        self.names = tuple(names)
+        self._index = {n: i for i, n in enumerate(self.names)}
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __add__(self, other: Columns) -> Columns:
+        return Columns(*self.names, *other.names)
+
+    def index(self, name: str) -> int:
+        """The slot of ``name`` (KeyError for an unknown one)."""
+        return self._index[name]
+
+    def row(self, values: Mapping[str, float] | None = None, **kw: float) -> np.ndarray:
+        """A float64 row ``(len(self),)``; a column not given is NaN ("no value").
+
+        Raises:
+            KeyError: an unknown column name.
+        """
+        out = np.full(len(self.names), np.nan)
+        for name, v in {**(values or {}), **kw}.items():
+            out[self._index[name]] = v
+        return out
+
+    def read(self, matrix: np.ndarray, offset: int = 0) -> dict[str, np.ndarray]:
+        """Columns of a gathered float64 ``(W, >= offset + len(self))`` matrix by name (views)."""
+        return {n: matrix[:, offset + i] for i, n in enumerate(self.names)}
+
+
+#: What a rank says about the window it just trained (the round's own facts).
+#: ``batch_ms``: mean wall ms per batch of the window (data wait + compute; NaN for no
+#: batch), the balancer's speed reading — user epoch callbacks and evaluation are
+#: outside every batch, so they never read as slowness (SPEC §5). ``quota`` and
+#: ``anchor``: the plan this window ran under.
+ROUND_HEAD = Columns("steps", "window", "stop", "non_finite", "batch_ms", "quota", "anchor")
+
+#: The ack of a rank's previous round (SPEC §2 step 9); it rides the next gather.
+#: ``round_ms``: wall ms of the round after its control gather (reduces, divergence,
+#: outer step): the balancer's overhead reading, free of the wait for the slowest rank.
+#: ``bridge_ms``: the bridge thread's whole time in the round (pre-round check, control
+#: gather with its wait for the slowest rank, reduces). ``wait_ms``: how long the training
+#: thread was blocked waiting for that round's consensus (blocking policies: about
+#: ``bridge_ms``; async: the part compute did not hide, so ``1 - wait_ms / bridge_ms`` is
+#: the overlap).
+ACK = Columns("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "outer_ms", "bytes",
+              "round_ms", "bridge_ms", "wait_ms")
+
+#: The whole row of a round's control gather.
+ROUND = ROUND_HEAD + ACK
+
+#: Bits of the ``non_finite`` column: what this rank found not finite before the round.
+NON_FINITE_LOSS, NON_FINITE_TENSORS = 1, 2

@@ -1,0 +1,79 @@
+"""The cadence and async policies end to end: exact coverage at uneven speeds, exact resume, async accuracy.
+
+Speeds are scripted (``tests/hooked_flodl.py --script-speeds``): the balancer reads the
+ms per batch the test says, so quotas are a function of the round, never of the clock.
+"""
+
+import numpy as np
+import pytest
+
+from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+from flodl_mpi.metrics import read_table
+from tests.conftest import run_flodl
+from tests.test_resume import STOPPED, run_hooked
+
+pytestmark = pytest.mark.slow
+
+N_TRAIN = 1437  # the digits' training samples: 45 batches of 32 (the last one 29)
+
+
+def test_cadence_at_speeds_1_to_3_reads_every_sample_exactly_once_per_epoch(tmp_path):
+    run_dir, seen = tmp_path / "run", tmp_path / "seen"
+    proc = run_hooked(2, "--script-speeds", "1,3", "--script-round-ms", "0", "--record-indices", str(seen), "--",
+                      "train", "--policy", "cadence", "--anchor", "4", "--epochs", "2", "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reads = [np.load(seen / f"rank{r}.npz") for r in (0, 1)]
+    for epoch in (0, 1):
+        both = np.concatenate([reads[0][f"e{epoch}"], reads[1][f"e{epoch}"]])
+        np.testing.assert_array_equal(np.sort(both), np.arange(N_TRAIN))  # every sample once, none twice
+    # Hand-worked plan: the first window has no speeds yet (4, 4); rank 1 at 30 ms a batch, rank 0 at 10 ms:
+    # quotas (12, 4). Epoch 1: 8 + 16 + 16 = 40 batches, 5 left -> (4, 1) (largest remainder of 3.75, 1.25).
+    # Epoch 2: 16 + 16, 13 left -> (10, 3) (9.75, 3.25). Round overhead 0: the anchor stays 4.
+    rounds = read_table(run_dir / "metrics.h5", "rounds")
+    np.testing.assert_array_equal(rounds["window"], [[4, 4], [12, 4], [12, 4], [4, 1], [12, 4], [12, 4], [10, 3]])
+    np.testing.assert_array_equal(rounds["quota"], [[4, 4]] + [[12, 4]] * 6)
+    np.testing.assert_array_equal(rounds["anchor"], [4] * 7)
+    epochs = read_table(run_dir / "metrics.h5", "epochs")
+    np.testing.assert_allclose(epochs["per_rank_batch_share"], [[0.75, 0.25]] * 2)  # the allocation, normalized
+    np.testing.assert_array_equal(epochs["per_rank_batches"], [[32, 13], [34, 11]])
+    np.testing.assert_array_equal(epochs["per_rank_share_complete_ms"] > 0, True)
+
+
+def test_a_stopped_and_resumed_cadence_run_equals_the_uninterrupted_one(tmp_path):
+    """The anchor grows (scripted overhead 40 ms), quotas are scaled at epoch ends, the guard acts: bit-equal."""
+    hooks = ("--script-speeds", "1,3", "--script-round-ms", "40")
+    common = ("train", "--policy", "cadence", "--anchor", "4", "--epochs", "3", "--batch-size", "16")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run_hooked(2, *hooks, "--", *common, "--run-dir", str(straight)).returncode == 0
+    first = run_hooked(2, *hooks, "--stop-at-round", "9", "--", *common, "--run-dir", str(stopped))
+    assert first.returncode in STOPPED, first.stderr[-3000:]
+    ckpt = read_checkpoint(latest_checkpoint(stopped / "checkpoints"))
+    assert ckpt.meta["round"] == 9 and ckpt.meta["cursor"] > 0  # stopped mid-epoch, balancer state saved
+    assert ckpt.meta["policy"]["name"] == "cadence" and ckpt.meta["policy"]["elche"]["anchor"] > 4
+    second = run_hooked(2, *hooks, "--", *common, "--run-dir", str(stopped), "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    a = read_checkpoint(latest_checkpoint(straight / "checkpoints"))
+    b = read_checkpoint(latest_checkpoint(stopped / "checkpoints"))
+    for name in a.params:
+        np.testing.assert_array_equal(a.params[name], b.params[name], err_msg=name)
+    for name in a.buffers:
+        np.testing.assert_array_equal(a.buffers[name], b.buffers[name], err_msg=name)
+    assert a.meta["policy"] == b.meta["policy"]
+    ra, rb = (read_table(d / "metrics.h5", "rounds") for d in (straight, stopped))
+    for col in ("round", "window", "quota", "anchor", "steps", "guard"):
+        np.testing.assert_array_equal(ra[col], rb[col], err_msg=col)
+    assert len(set(ra["anchor"].tolist())) > 2  # the anchor did grow, more than once
+
+
+def test_async_on_digits_at_two_ranks_reaches_093(tmp_path):
+    run_dir = tmp_path / "async"
+    proc = run_flodl(2, "train", "--policy", "async", "--epochs", "10", "--run-dir", str(run_dir), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert ckpt.meta["test_accuracy"] >= 0.93
+    assert ckpt.meta["test_count"] == 1797 - N_TRAIN  # the whole test set
+    rounds = read_table(run_dir / "metrics.h5", "rounds")
+    epochs = read_table(run_dir / "metrics.h5", "epochs")
+    # Every sample once per epoch, whatever each rank's share of each window
+    np.testing.assert_array_equal(epochs["per_rank_batches"].sum(axis=1), [45] * 10)
+    assert np.all(rounds["wait_ms"] >= 0) and np.all(np.isfinite(rounds["round_ms"]))
