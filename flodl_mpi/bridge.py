@@ -30,14 +30,16 @@ from flodl_mpi.divergence import TrendGuard, triple_from_sums
 from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
 from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.realized_work import round_masses
-from flodl_mpi.reduce import MAX_COUNT, ReduceStats, control_gather, sumcount_reduce
+from flodl_mpi.reduce import MAX_COUNT, Reducer, ReduceStats, WireOptions, control_gather
+from flodl_mpi.round_profile import RunProfile
 from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares_pieces
 
 __all__ = ["RoundUpdate", "Bridge"]
 
 # The ack of a rank's last round rides its next control gather (SPEC §2 step 9).
-_ACK = ("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "outer_ms", "bytes")
+_ACK = ("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "outer_ms", "bytes",
+        "control_ms", "round_ms", "handoff_ms")
 _ROUND_HEAD = ("steps", "window", "stop", "non_finite")
 # Bits of the non_finite column: what this rank found not finite before the round.
 _LOSS, _TENSORS = 1, 2
@@ -113,6 +115,9 @@ class Bridge:
             (or kind ``avg``) adopts the consensus as it is (SPEC §7). The
             bridge thread owns it while rounds run; read or load its state
             between rounds only.
+        wire: how the frames travel (:class:`~flodl_mpi.reduce.WireOptions`:
+            node reduce, hierarchical, bf16); None for the defaults. The same
+            on every rank.
 
     Non-finite values: each rank checks its own tensors (the pre-round sum of
     squares, a pass before the control gather) and is told whether its loss
@@ -157,6 +162,7 @@ class Bridge:
         fault: Callable[[int, str], None] | None = None,
         on_non_finite: str = "quarantine",
         outer: OuterOptimizer | None = None,
+        wire: WireOptions | None = None,
     ) -> None:
         if on_non_finite not in ON_NON_FINITE:
             raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
@@ -171,10 +177,10 @@ class Bridge:
         self.on_non_finite = on_non_finite
         self.outer = outer
         # Plan once (STYLE 21): layouts, staging, frames and scratch persist.
-        self._p = _Plane(WireLayout(param_shapes, chunk_elems))
+        self._p = _Plane(WireLayout(param_shapes, chunk_elems), comm, wire)
         if outer is not None and outer.n != self._p.layout.n:
             raise ValueError(f"outer is over {outer.n} elements, the params over {self._p.layout.n}")
-        self._b = _Plane(WireLayout(buffer_shapes, chunk_elems))
+        self._b = _Plane(WireLayout(buffer_shapes, chunk_elems), comm, wire)
         #: torch views of the params staging, in ``param_shapes`` order.
         self.param_tensors = self._p.tensors
         #: torch views of the floating-buffer staging, in ``buffer_shapes`` order.
@@ -192,6 +198,9 @@ class Bridge:
         # those that contributed mass (not idle, not quarantined); same on every rank.
         self._contributed = np.zeros(self.world_size, dtype=bool)
         self._t0 = time.monotonic()
+        #: Every rank's averaging profile, summed from the acks (the end-of-run lines).
+        self.profile = RunProfile(self.world_size)
+        self._round_ms = self._handoff_ms = math.nan  # this rank's last round, for its next ack
         self._failed: _Failure | None = None
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
@@ -273,16 +282,21 @@ class Bridge:
             self._requests.put(_Close())
             self._thread.join()
         if self._failed is None and self.comm != MPI.COMM_NULL:
+            for plane in (self._p, self._b):
+                plane.reducer.free()
             self.comm.Free()
 
     def _call(self, request):
         if self._failed is not None:
             raise RoundError(f"rank {self.rank}: the bridge already failed in round {self._failed.round}")
+        t0 = time.perf_counter()
         if self._threaded:
             self._requests.put(request)
             reply = self._replies.get()
         else:
             reply = self._serve_one(request)
+        if isinstance(reply, RoundUpdate):  # the wait beyond the bridge's own round: the hand-off
+            self._handoff_ms = max(0.0, 1e3 * (time.perf_counter() - t0) - self._round_ms)
         if isinstance(reply, _Failure):
             self._failed = reply
             if isinstance(reply.error, CohortError):
@@ -342,13 +356,15 @@ class Bridge:
         # (out of cache); this one is a plain read (measured: +4-5 ms at 16M params
         # on a loaded 2-core machine, nothing measurable at 1M), and no extra collective.
         self._enter("pre norm")
-        t0 = time.perf_counter()
+        t0 = t_round = time.perf_counter()
         pre_sq = p.sum_squares()
         flag = (0 if loss_finite else _LOSS) | (0 if math.isfinite(pre_sq + b.sum_squares()) else _TENSORS)
         pre_ms = 1e3 * (time.perf_counter() - t0)  # counted as pack time: it was fused there before
         self._enter("control gather")
-        row = np.concatenate([[steps, window, float(stop), flag], self._ack])
+        t_gather = time.perf_counter()
+        row = np.concatenate([[steps, window, float(stop), flag], self._ack_row()])
         gathered = control_gather(self.comm, row)
+        control_ms = 1e3 * (time.perf_counter() - t_gather)
         self._take_acks(gathered[:, len(_ROUND_HEAD) :])
         # -- decide, from the gathered matrix only: every rank takes the same branch
         all_steps, flags = gathered[:, 0], gathered[:, 3].astype(np.int64)
@@ -361,7 +377,7 @@ class Bridge:
             stats = ReduceStats()
         else:
             self._enter("params reduce")
-            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, masses.wire[self.rank], p.scratch)
+            stats = p.reducer.reduce(p.staging, masses.wire[self.rank])
         stats.pre_sq = pre_sq
         stats.pack_ms += pre_ms
         self._enter("divergence")
@@ -376,7 +392,7 @@ class Bridge:
             triple = triple_from_sums(stats.diff_sq, stats.post_sq, stats.pre_sq)
         if b.layout.n and stats.realized:
             self._enter("buffers reduce")
-            bstats = sumcount_reduce(self.comm, b.layout, b.staging, b.frame, masses.buffers[self.rank], b.scratch)
+            bstats = b.reducer.reduce(b.staging, masses.buffers[self.rank])
             if not bstats.post_finite:
                 raise NonFiniteError(
                     f"non-finite buffers consensus in round {self.version}: every rank's buffers were finite but "
@@ -403,8 +419,9 @@ class Bridge:
         self.version += 1
         self._contributed = np.asarray(masses.wire) > 0
         divergence, post_norm, pre_norm = triple
+        self._round_ms = 1e3 * (time.perf_counter() - t_round)
         self._ack = np.array([divergence, pre_norm, post_norm, stats.pack_ms, stats.allreduce_ms,
-                              stats.unpack_ms, outer_ms, stats.bytes])
+                              stats.unpack_ms, outer_ms, stats.bytes, control_ms, self._round_ms, math.nan])
         if self._writer is not None:
             quarantined = np.zeros(self.world_size, dtype=bool)
             quarantined[masses.quarantined] = True
@@ -425,10 +442,16 @@ class Bridge:
             outer_stepped=outer_stepped,
         )
 
+    def _ack_row(self) -> np.ndarray:
+        """The ack of this rank's last round, with its hand-off (known once the training thread had it)."""
+        self._ack[_ACK.index("handoff_ms")] = self._handoff_ms if not np.isnan(self._ack[0]) else math.nan
+        return self._ack
+
     def _take_acks(self, acks: np.ndarray) -> None:
         """Feed the guard the previous round's divergences; rank 0 writes its record."""
         if np.isnan(acks[:, 0]).all():  # no round before this gather
             return
+        self.profile.add({name: acks[:, i] for i, name in enumerate(_ACK)})
         # The guard reads the ranks that contributed mass: an idle rank's or a
         # quarantined rank's divergence (NaN for the latter) says nothing of the
         # cohort's drift. A round where none did (skipped) reads as 0.
@@ -441,6 +464,7 @@ class Bridge:
                 divergence=a["divergence"], pre_norm=a["pre_norm"], post_norm=float(a["post_norm"][0]),
                 pack_ms=a["pack_ms"], allreduce_ms=a["allreduce_ms"], unpack_ms=a["unpack_ms"],
                 outer_ms=a["outer_ms"], bytes=int(a["bytes"][0]), guard=int(verdict),
+                control_ms=a["control_ms"], round_ms=a["round_ms"], handoff_ms=a["handoff_ms"],
             )
             self._writer.append("rounds", {k: np.asarray([v]) for k, v in rec.items()})
             self._pending = None
@@ -450,7 +474,7 @@ class Bridge:
         self._enter("epoch gather")
         # The row count travels on its own: after a resume mid-epoch the report also
         # covers batches whose records were written before the stop.
-        row = np.concatenate([self._ack, [batch_rows.shape[0]], report.to_row()])
+        row = np.concatenate([self._ack_row(), [batch_rows.shape[0]], report.to_row()])
         gathered = control_gather(self.comm, row)
         self._take_acks(gathered[:, : len(_ACK)])
         summary = aggregate_epoch(gathered[:, len(_ACK) + 1 :], epoch=epoch, rounds=self.version)
@@ -478,11 +502,10 @@ class Bridge:
 class _Plane:
     """Staging, wire frame and scratch of one layout (params or float buffers)."""
 
-    def __init__(self, layout: WireLayout) -> None:
+    def __init__(self, layout: WireLayout, comm: MPI.Comm, wire: WireOptions | None) -> None:
         self.layout = layout
         self.staging = layout.new_staging()
-        self.frame = layout.new_frame()
-        self.scratch = layout.new_scratch()
+        self.reducer = Reducer(comm, layout, wire)  # collective: both planes, same order on every rank
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
 
     def sum_squares(self) -> float:
