@@ -31,8 +31,8 @@ from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
 from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.realized_work import round_masses
 from flodl_mpi.reduce import MAX_COUNT, Reducer, ReduceStats, WireOptions, control_gather
-from flodl_mpi.round_profile import RunProfile
 from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary, aggregate_epoch
+from flodl_mpi.round_profile import RunProfile
 from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares_pieces
 
 __all__ = ["RoundUpdate", "Bridge"]

@@ -92,7 +92,8 @@ def test_consensus_equals_float64_reference(comm, path, chunk):
     flats = [rank_flat(r) for r in range(W)]
     total = sum(masses)
     if path[2]:  # bf16: what travels is bf16(W·m·θ); sums and the divide in float32
-        ref = sum(bf16_round(np.float32(W * m) * f).astype(np.float64) for m, f in zip(masses, flats) if m) / (W * total)
+        sent = [bf16_round(np.float32(W * m) * f).astype(np.float64) for m, f in zip(masses, flats) if m]
+        ref = sum(sent) / (W * total)
         exact = sum(m * f.astype(np.float64) for m, f in zip(masses, flats)) / total
         # bf16 keeps 8 significant bits: the consensus is within 2**-8 of the exact one
         assert np.linalg.norm(staging - exact) / np.linalg.norm(exact) <= 2**-8
