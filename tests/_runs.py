@@ -39,6 +39,7 @@ def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, .
             "bytes": np.full(R, 1000, np.int64), "window": np.ones((R, W), np.int64), "anchor": np.ones(R, np.int64),
             "guard": np.where(r == 3, 1, 0).astype(np.int8), "quarantined": np.zeros((R, W), bool),
             "outer_ms": np.zeros((R, W)),
+            "control_ms": np.full((R, W), 2.0), "round_ms": np.full((R, W), 55.0), "handoff_ms": np.full((R, W), 1.0),
         },
         "epochs": {
             "epoch": np.arange(E), "time_s": (R * 0.5) * (np.arange(E) + 1) / E, "rounds": (np.arange(E) + 1) * R // E,
