@@ -33,7 +33,7 @@ from flodl_mpi.realized_work import round_masses
 from flodl_mpi.reduce import MAX_COUNT, Reducer, ReduceStats, WireOptions, control_gather
 from flodl_mpi.reporting import BATCH_COLUMNS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.round_profile import RunProfile
-from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares_pieces
+from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout
 
 __all__ = ["RoundUpdate", "Bridge"]
 
@@ -357,8 +357,8 @@ class Bridge:
         # on a loaded 2-core machine, nothing measurable at 1M), and no extra collective.
         self._enter("pre norm")
         t0 = t_round = time.perf_counter()
-        pre_sq = p.sum_squares()
-        flag = (0 if loss_finite else _LOSS) | (0 if math.isfinite(pre_sq + b.sum_squares()) else _TENSORS)
+        pre_sq = p.reducer.prepare(p.staging)
+        flag = (0 if loss_finite else _LOSS) | (0 if math.isfinite(pre_sq + b.reducer.prepare(b.staging)) else _TENSORS)
         pre_ms = 1e3 * (time.perf_counter() - t0)  # counted as pack time: it was fused there before
         self._enter("control gather")
         t_gather = time.perf_counter()
@@ -377,7 +377,7 @@ class Bridge:
             stats = ReduceStats()
         else:
             self._enter("params reduce")
-            stats = p.reducer.reduce(p.staging, masses.wire[self.rank])
+            stats = p.reducer.reduce(p.staging, masses.wire[self.rank], masses.wire)
         stats.pre_sq = pre_sq
         stats.pack_ms += pre_ms
         self._enter("divergence")
@@ -392,7 +392,7 @@ class Bridge:
             triple = triple_from_sums(stats.diff_sq, stats.post_sq, stats.pre_sq)
         if b.layout.n and stats.realized:
             self._enter("buffers reduce")
-            bstats = b.reducer.reduce(b.staging, masses.buffers[self.rank])
+            bstats = b.reducer.reduce(b.staging, masses.buffers[self.rank], masses.buffers)
             if not bstats.post_finite:
                 raise NonFiniteError(
                     f"non-finite buffers consensus in round {self.version}: every rank's buffers were finite but "
@@ -507,9 +507,6 @@ class _Plane:
         self.staging = layout.new_staging()
         self.reducer = Reducer(comm, layout, wire)  # collective: both planes, same order on every rank
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
-
-    def sum_squares(self) -> float:
-        return sum_squares_pieces(self.staging, self.layout)
 
 
 def _non_finite_message(round_: int, flags: np.ndarray, on_non_finite: str) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from flodl_mpi.realized_work import is_realized
-from flodl_mpi.wire import WireLayout, from_bf16, pack_piece, to_bf16, unpack_piece
+from flodl_mpi.wire import WireLayout, from_bf16, pack_piece, sum_squares, to_bf16, unpack_piece
 
 __all__ = ["NodeMpiReduce", "ShmReduce", "slices"]
 
@@ -102,6 +102,9 @@ class ShmReduce:
             self.frames = [s[: 4 * size].view(np.float32) for s in segs]
             self.result = self.frames[0]  # the sum lands in the leader's frame, in place
             self.own = self.frames[node.rank]
+        #: the world ranks of this node, in node order (their masses scale the segments)
+        self.members = node.allgather(comm.rank)
+        self._prepared = False
         piece = min(layout.chunk_elems, size)
         self._post = np.empty(piece, dtype=np.float32)
         self._diff = np.empty(piece, dtype=np.float32)
@@ -124,9 +127,50 @@ class ShmReduce:
 
     # ---- the round -----------------------------------------------------------
 
+    def prepare(self, staging: np.ndarray) -> float:
+        """Copy ``staging`` into this rank's segment unscaled; return its sum of squares (float64).
+
+        The snapshot and the pre-round norm in one pass (issue 9, "cut the
+        passes"): each piece is copied (or rounded to bf16) and its squares
+        summed while it is in cache. The masses, known only after the control
+        gather, scale the segments in :meth:`reduce_prepared`'s sum. Collective
+        over the node (one barrier: nobody still reads last round's result).
+        """
+        n = self.layout.n
+        self._sync()
+        pre_sq = 0.0
+        me = self.node.rank
+        for lo, hi in self.layout.chunks:
+            hi = min(hi, n)
+            if hi <= lo:
+                continue
+            if self.bf16:
+                to_bf16(staging[lo:hi], self.frames16[me][lo:hi])
+                pre_sq += sum_squares(staging[lo:hi])
+            else:
+                np.copyto(self.own[lo:hi], staging[lo:hi])
+                pre_sq += sum_squares(self.own[lo:hi])
+        self._prepared = True
+        return pre_sq
+
+    def reduce_prepared(self, staging: np.ndarray, masses, stats) -> None:
+        """The reduce after :meth:`prepare`: ``masses`` holds every world rank's mass (the gathered ones).
+
+        A rank of mass 0 (idle, quarantined) is skipped in the sum: true zeros,
+        whatever its segment holds (SPEC §1).
+        """
+        if not self._prepared:
+            raise RuntimeError("reduce_prepared() without prepare() this round")
+        self._prepared = False
+        scales = [np.float32(float(self.world_size) * float(masses[r])) for r in self.members]
+        clock = _Clock()
+        self._sync()  # every segment of the node is written
+        self._sum_slice(scales)
+        self._finish(staging, stats, clock)
+
     def reduce(self, staging: np.ndarray, mass: float, stats) -> None:
         """Fill ``stats`` (a ``reduce.ReduceStats``); the consensus lands in ``staging`` when realized."""
-        layout, chunks = self.layout, self.layout.chunks
+        chunks = self.layout.chunks
         scale = float(self.world_size) * float(mass)
         clock = _Clock()
         self._sync()  # nobody still reads last round's result from a segment we overwrite
@@ -139,13 +183,19 @@ class ShmReduce:
         stats.pack_ms += clock.lap()
         self._sync()
         self._sum_slice()
+        stats.allreduce_ms += wait
+        self._finish(staging, stats, clock)
+
+    def _finish(self, staging: np.ndarray, stats, clock: _Clock) -> None:
+        """Across nodes if hierarchical, then the one divide: every rank unpacks the whole result."""
+        layout, chunks = self.layout, self.layout.chunks
         if self.leaders is not None:
             self._sync()
             if self.leaders != MPI.COMM_NULL:
                 for lo, hi in chunks:
                     self.leaders.Allreduce(MPI.IN_PLACE, [self.result[lo:hi], MPI.FLOAT], op=MPI.SUM)
         self._sync()
-        stats.allreduce_ms += wait + clock.lap()
+        stats.allreduce_ms += clock.lap()
         stats.bytes += (2 if self.bf16 else 4) * layout.n + 4
         total = self.result[layout.n]  # np.float32: the divisor, the same bits on every rank
         stats.total_mass = float(total)
@@ -175,12 +225,19 @@ class ShmReduce:
                 np.multiply(staging[lo:hi], np.float32(scale), out=tmp[: hi - lo])
                 to_bf16(tmp[: hi - lo], out[lo:hi])
 
-    def _sum_slice(self) -> None:
-        """This rank's slice of the node sum, in rank order, float32, into the result."""
+    def _sum_slice(self, scales=None) -> None:
+        """This rank's slice of the node sum, in rank order, float32, into the result.
+
+        ``scales``: None when the segments hold ``W·m·θ`` already (:meth:`reduce`);
+        else each segment's ``W·m`` (float32), applied here (:meth:`prepare`).
+        """
         a, b = self.slice
         step = self.layout.chunk_elems
         n = self.layout.n
         res = self.result
+        if scales is not None:
+            self._sum_scaled(a, b, step, n, res, scales)
+            return
         if self.bf16:
             tmp = self._diff
             for lo in range(a, min(b, n), step):
@@ -199,6 +256,33 @@ class ShmReduce:
             for f in self.frames[1:]:
                 np.add(res[lo:hi], f[lo:hi], out=res[lo:hi])
 
+
+    def _sum_scaled(self, a: int, b: int, step: int, n: int, res: np.ndarray, scales) -> None:
+        tmp = self._diff
+        for lo in range(a, min(b, n), step):
+            hi = min(lo + step, b, n)
+            k = hi - lo
+            first = True
+            for r, s in enumerate(scales):
+                if s == 0.0:
+                    continue  # true zeros: a NaN in an idle rank's segment must not survive
+                if self.bf16:
+                    x = from_bf16(self.frames16[r][lo:hi], tmp[:k])
+                    np.multiply(x, s, out=x)
+                else:
+                    x = np.multiply(self.frames[r][lo:hi], s, out=tmp[:k])
+                if first:
+                    np.copyto(res[lo:hi], x)
+                    first = False
+                else:
+                    np.add(res[lo:hi], x, out=res[lo:hi])
+            if first:
+                res[lo:hi] = 0.0
+        if a <= n < b:  # the mass slot: the float32 sum of the node's W·m, in rank order
+            total = np.float32(0.0)
+            for s in scales:
+                total = np.float32(total + s)
+            res[n] = total
 
 class NodeMpiReduce:
     """Per-node partial sums with MPI calls only (``--hierarchical on --node-reduce mpi``).
@@ -250,3 +334,4 @@ class NodeMpiReduce:
             if not math.isfinite(p):
                 stats.post_finite = False
                 return
+

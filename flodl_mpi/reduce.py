@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from flodl_mpi.config import HIERARCHICAL, NODE_REDUCES
 from flodl_mpi.realized_work import is_realized
-from flodl_mpi.wire import WireLayout, from_bf16, pack_piece, to_bf16, unpack_piece
+from flodl_mpi.wire import WireLayout, from_bf16, pack_piece, sum_squares_pieces, to_bf16, unpack_piece
 
 __all__ = [
     "HIERARCHICAL",
@@ -322,13 +322,32 @@ class Reducer:
                 self.path = "allreduce"
                 self.extra_bytes = self._frame.nbytes + self._scratch.nbytes
 
-    def reduce(self, staging: np.ndarray, mass: float) -> ReduceStats:
+    def prepare(self, staging: np.ndarray) -> float:
+        """The pre-round pass: ``sum(staging ** 2)`` in float64 (not finite iff a NaN/Inf is there).
+
+        Call it before the control gather (its finiteness rides the gather).
+        On the shared-memory path the same pass also copies the staging into
+        this rank's segment (the snapshot), so :meth:`reduce` given ``masses``
+        skips its pack; elsewhere it is a read-only pass
+        (:func:`~flodl_mpi.wire.sum_squares_pieces`). Collective over the node
+        on the shared-memory path: every rank calls it before each reduce.
+        """
+        with np.errstate(invalid="ignore", over="ignore"):
+            if self._impl is not None and hasattr(self._impl, "prepare"):
+                return self._impl.prepare(staging)
+            return sum_squares_pieces(staging, self.layout)
+
+    def reduce(self, staging: np.ndarray, mass: float, masses=None) -> ReduceStats:
         """``Σ m_r·T_r / Σ m_r`` into ``staging`` (float32 ``(layout.n,)``); see :func:`sumcount_reduce`.
 
         Args:
             staging: this rank's tensors; the consensus on return when realized,
                 untouched when not (every contribution idle).
             mass: this rank's mass ``m_r`` (>= 0; 0 sends true zeros).
+            masses: every rank's mass (index = rank; ``masses[rank] == mass``),
+                after :meth:`prepare` this round: the shared-memory path then
+                scales the segments :meth:`prepare` filled instead of packing
+                again. None: pack from ``staging`` now.
 
         Returns:
             :class:`ReduceStats`; on every path a non-finite reduced piece stops
@@ -336,7 +355,9 @@ class Reducer:
         """
         stats = ReduceStats()
         with np.errstate(invalid="ignore", over="ignore"):
-            if self._impl is not None:
+            if masses is not None and getattr(self._impl, "_prepared", False):
+                self._impl.reduce_prepared(staging, masses, stats)
+            elif self._impl is not None:
                 self._impl.reduce(staging, mass, stats)
             elif self.path == "allgather-bf16":
                 _reduce_bf16_allgather(self.comm, self.layout, staging, mass, self._bufs, stats)

@@ -51,6 +51,17 @@ def make(comm, path, chunk):
     return layout, Reducer(comm, layout, WireOptions(node_reduce, hier, bf16), node_comm=node)
 
 
+def reduce(red, staging, mass, masses, prepared):
+    """One round as the bridge runs it (``prepared``: the pre-round pass, then the reduce given every mass)."""
+    if not prepared:
+        return red.reduce(staging, mass)
+    pre_sq = red.prepare(staging)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = float(np.sum(staging.astype(np.float64) ** 2))
+    assert pre_sq == pytest.approx(want, rel=1e-5, nan_ok=True)
+    return red.reduce(staging, mass, masses)
+
+
 def rank_flat(r: int) -> np.ndarray:
     rng = np.random.default_rng(1000 + r)
     return np.concatenate([rng.standard_normal(s).astype(np.float32).ravel() for s in SHAPES])
@@ -73,9 +84,10 @@ def test_slices_cover_the_frame_on_aligned_bounds():
         assert all(a % 16 == 0 for a, _ in s if a < size)
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["packed", "prepared"])
 @pytest.mark.parametrize("chunk", [3, 64, 1 << 18])
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
-def test_consensus_equals_float64_reference(comm, path, chunk):
+def test_consensus_equals_float64_reference(comm, path, chunk, prepared):
     # Unequal masses (gamma 0.5 of unequal steps); with 3+ ranks the last rank is idle.
     W = comm.size
     steps = [3 + 2 * r for r in range(W)]
@@ -86,13 +98,17 @@ def test_consensus_equals_float64_reference(comm, path, chunk):
     try:
         staging = rank_flat(comm.rank)
         pre = staging.astype(np.float64)
-        stats = red.reduce(staging, masses[comm.rank])
+        stats = reduce(red, staging, masses[comm.rank], masses, prepared)
+        scaled_after = prepared and red.path.startswith("shm")  # the segments hold θ; the sum scales them
     finally:
         red.free()
     flats = [rank_flat(r) for r in range(W)]
     total = sum(masses)
     if path[2]:  # bf16: what travels is bf16(W·m·θ); sums and the divide in float32
-        sent = [bf16_round(np.float32(W * m) * f).astype(np.float64) for m, f in zip(masses, flats) if m]
+        if scaled_after:
+            sent = [np.float32(W * m) * bf16_round(f).astype(np.float64) for m, f in zip(masses, flats) if m]
+        else:
+            sent = [bf16_round(np.float32(W * m) * f).astype(np.float64) for m, f in zip(masses, flats) if m]
         ref = sum(sent) / (W * total)
         exact = sum(m * f.astype(np.float64) for m, f in zip(masses, flats)) / total
         # bf16 keeps 8 significant bits: the consensus is within 2**-8 of the exact one
@@ -109,15 +125,17 @@ def test_consensus_equals_float64_reference(comm, path, chunk):
     assert len(set(comm.allgather(digest(staging)))) == 1  # identical bits on every rank
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["packed", "prepared"])
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
-def test_idle_rank_with_nan_sends_true_zeros(comm, path):
+def test_idle_rank_with_nan_sends_true_zeros(comm, path, prepared):
     layout, red = make(comm, path, 50)
     idle = comm.size - 1
     staging = np.full(layout.n, 1.0 + comm.rank, dtype=np.float32)
     if comm.rank == idle:
         staging[:] = np.nan
     try:
-        stats = red.reduce(staging, 0.0 if comm.rank == idle else 1.0)
+        masses = [0.0 if r == idle else 1.0 for r in range(comm.size)]
+        stats = reduce(red, staging, masses[comm.rank], masses, prepared)
     finally:
         red.free()
     movers = [1.0 + r for r in range(comm.size) if r != idle]
@@ -125,24 +143,26 @@ def test_idle_rank_with_nan_sends_true_zeros(comm, path):
     assert stats.realized and stats.post_finite
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["packed", "prepared"])
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
-def test_all_idle_keeps_local_tensors_over_several_rounds(comm, path):
+def test_all_idle_keeps_local_tensors_over_several_rounds(comm, path, prepared):
     layout, red = make(comm, path, 16)
     try:
         for round_ in range(3):  # the window's segments are reused round after round
             staging = np.full(layout.n, comm.rank + 0.5 + round_, dtype=np.float32)
-            stats = red.reduce(staging, 0.0)
+            stats = reduce(red, staging, 0.0, [0.0] * comm.size, prepared)
             assert not stats.realized and stats.total_mass == 0.0
             assert np.all(staging == comm.rank + 0.5 + round_)
             staging[:] = 2.0 * comm.rank + round_
-            stats = red.reduce(staging, 1.0)  # and a realized round in between
+            stats = reduce(red, staging, 1.0, [1.0] * comm.size, prepared)  # and a realized round in between
             np.testing.assert_allclose(staging, np.mean([2.0 * r + round_ for r in range(comm.size)]), rtol=1e-6)
     finally:
         red.free()
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["packed", "prepared"])
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
-def test_a_non_finite_reduced_piece_is_never_unpacked(comm, path):
+def test_a_non_finite_reduced_piece_is_never_unpacked(comm, path, prepared):
     # Rank 0 (mass > 0) sends an inf in the first piece: every rank stops before
     # unpacking it; the pieces unpacked before it (last to first) hold the consensus.
     layout, red = make(comm, path, 16)
@@ -151,7 +171,7 @@ def test_a_non_finite_reduced_piece_is_never_unpacked(comm, path):
         staging[3] = np.inf
     before = staging.copy()
     try:
-        stats = red.reduce(staging, 1.0)
+        stats = reduce(red, staging, 1.0, [1.0] * comm.size, prepared)
     finally:
         red.free()
     assert stats.realized and not stats.post_finite
