@@ -146,8 +146,8 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
         for p, src in zip(params, copies.param_tensors):
             p.detach().copy_(src)  # the adoption
 
-    add("ours: Bridge.round + copies", ours_copies, lambda: np.concatenate([p.detach().numpy().ravel() for p in params]),
-        4 * P + reducer_bytes(copies))
+    flat_of_params = lambda: np.concatenate([p.detach().numpy().ravel() for p in params])  # noqa: E731
+    add("ours: Bridge.round + copies", ours_copies, flat_of_params, 4 * P + reducer_bytes(copies))
 
     wires = [(nr, bf) for nr in args.node_reduce for bf in ((False, True) if args.bf16 else (False,))]
     for nr, bf in wires:
@@ -192,7 +192,6 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
             for t, avg in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                 t.copy_(avg)
 
-    flat_of_params = lambda: np.concatenate([p.detach().numpy().ravel() for p in params])  # noqa: E731
     add("peer: gloo all_reduce, flatten/unflatten", gloo_flat, flat_of_params)
     add(PEER, lambda: averager.average_parameters(params), flat_of_params)
     for b in bridges.values():
@@ -219,7 +218,8 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
             ok = np.allclose(got, want, rtol=1e-5, atol=1e-6)
         if not comm.allreduce(bool(ok), op=MPI.LAND):
             bad.append(name)
-    say(f"\ncorrectness vs float64 mean (rtol 1e-5; bf16 rows 2**-8): {'all ok' if not bad else 'FAILED: ' + ', '.join(bad)}")
+    verdict = "all ok" if not bad else "FAILED: " + ", ".join(bad)
+    say(f"\ncorrectness vs float64 mean (rtol 1e-5; bf16 rows 2**-8): {verdict}")
 
     # ---- timing ----------------------------------------------------------------
     for _, fn in methods:
@@ -251,7 +251,7 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
 
     say(f"\nwhere the time goes (rank 0, mean ms per round from Bridge.profile; GB/s of the model's 4P bytes "
         f"through the phase; a plain copy of them: {gbs:.1f} GB/s)")
-    say(f"{'bridge row':<{width}}  " + "  ".join(f"{p:>13}" for p in PHASES) + f"  {'extra mem':>14}")
+    say(f"{'bridge row':<{width}}  " + "  ".join(f"{p:>14}" for p in PHASES) + f"  {'extra mem':>14}")
     for name, b in bridges.items():
         n0, ms0 = before[name]
         n = b.profile.rounds[0] - n0
@@ -259,10 +259,9 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
         for p in PHASES:
             ms = (b.profile.ms[p][0] - ms0[p]) / max(n, 1)
             rate = 4 * P / (ms / 1e3) / 1e9 if ms > 0 and p in ("pack", "allreduce", "unpack") else None
-            cells.append(f"{ms:6.2f}" + (f" {rate:5.1f}G" if rate is not None else "       "))
+            cells.append(f"{ms:7.2f}" + (f" {rate:5.1f}G" if rate is not None else "       "))
         mem = extra[name]
         say(f"{name:<{width}}  " + "  ".join(cells) + f"  {mem / 2**20:7.1f}M {mem / (4 * P):4.2f}x")
-    mem = extra[[n for n in extra if "Reducer" in n][0]]
 
     for b in bridges.values():
         b.close()
