@@ -118,6 +118,8 @@ class Bridge:
         wire: how the frames travel (:class:`~flodl_mpi.reduce.WireOptions`:
             node reduce, hierarchical, bf16); None for the defaults. The same
             on every rank.
+        pin_staging: allocate the staging in pinned host memory when CUDA
+            is available (a rank whose model is on a GPU: asynchronous copies).
 
     Non-finite values: each rank checks its own tensors (the pre-round sum of
     squares, a pass before the control gather) and is told whether its loss
@@ -163,6 +165,7 @@ class Bridge:
         on_non_finite: str = "quarantine",
         outer: OuterOptimizer | None = None,
         wire: WireOptions | None = None,
+        pin_staging: bool = False,
     ) -> None:
         if on_non_finite not in ON_NON_FINITE:
             raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
@@ -177,10 +180,10 @@ class Bridge:
         self.on_non_finite = on_non_finite
         self.outer = outer
         # Plan once (STYLE 21): layouts, staging, frames and scratch persist.
-        self._p = _Plane(WireLayout(param_shapes, chunk_elems), comm, wire)
+        self._p = _Plane(WireLayout(param_shapes, chunk_elems), comm, wire, pin_staging)
         if outer is not None and outer.n != self._p.layout.n:
             raise ValueError(f"outer is over {outer.n} elements, the params over {self._p.layout.n}")
-        self._b = _Plane(WireLayout(buffer_shapes, chunk_elems), comm, wire)
+        self._b = _Plane(WireLayout(buffer_shapes, chunk_elems), comm, wire, pin_staging)
         #: torch views of the params staging, in ``param_shapes`` order.
         self.param_tensors = self._p.tensors
         #: torch views of the floating-buffer staging, in ``buffer_shapes`` order.
@@ -502,9 +505,9 @@ class Bridge:
 class _Plane:
     """Staging, wire frame and scratch of one layout (params or float buffers)."""
 
-    def __init__(self, layout: WireLayout, comm: MPI.Comm, wire: WireOptions | None) -> None:
+    def __init__(self, layout: WireLayout, comm: MPI.Comm, wire: WireOptions | None, pinned: bool = False) -> None:
         self.layout = layout
-        self.staging = layout.new_staging()
+        self.staging = layout.new_staging(pinned)
         self.reducer = Reducer(comm, layout, wire)  # collective: both planes, same order on every rank
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
 

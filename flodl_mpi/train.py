@@ -386,6 +386,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
             outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr,
                                  cfg.outer_momentum),
             wire=WireOptions(cfg.node_reduce, cfg.hierarchical, cfg.bf16_wire),
+            pin_staging=replica.device.type == "cuda",
         )
         replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
         replica.snapshot(bridge)

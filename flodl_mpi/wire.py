@@ -70,8 +70,17 @@ class WireLayout:
         self.chunk_elems = int(chunk_elems)
         self.chunks = [(lo, min(lo + self.chunk_elems, self.size)) for lo in range(0, self.size, self.chunk_elems)]
 
-    def new_staging(self) -> np.ndarray:
-        """A zeroed float32 array of ``n`` elements: the tensors, no mass slot."""
+    def new_staging(self, pinned: bool = False) -> np.ndarray:
+        """A zeroed float32 array of ``n`` elements: the tensors, no mass slot.
+
+        ``pinned``: in page-locked host memory when CUDA is available, so the
+        device-to-host snapshot and the upload of the consensus can run
+        asynchronously (``copy_(..., non_blocking=True)``); pageable memory
+        otherwise (a CPU-only torch cannot pin). The array keeps its torch
+        storage alive (``ndarray.base``).
+        """
+        if pinned and torch.cuda.is_available():
+            return torch.zeros(self.n, dtype=torch.float32, pin_memory=True).numpy()
         return np.zeros(self.n, dtype=np.float32)
 
     def new_scratch(self) -> np.ndarray:
