@@ -196,3 +196,23 @@ def test_bf16_rounding_is_nearest_even_and_keeps_nan():
     got = bf16_round(x)
     want = np.array([1.0, 1.0, 1.0 + 4 * 2**-8, 1.0 + 2 * 2**-8, np.nan, -np.inf, np.inf], dtype=np.float32)
     np.testing.assert_array_equal(got, want)
+
+
+def test_auto_resolves_the_same_on_every_rank_and_shm_is_refused_without_room(comm, monkeypatch):
+    import flodl_mpi.reduce as reduce_mod
+
+    layout = WireLayout(SHAPES)
+    red = Reducer(comm, layout, WireOptions("auto"))
+    try:
+        assert red.node_reduce == "shm" and len(set(comm.allgather(red.path))) == 1
+    finally:
+        red.free()
+    # /dev/shm too small on one rank's node: auto falls back to mpi everywhere, shm is refused everywhere
+    monkeypatch.setattr(reduce_mod, "_shm_free", lambda: 1024 if comm.rank == comm.size - 1 else None)
+    red = Reducer(comm, layout, WireOptions("auto"))
+    try:
+        assert red.node_reduce == "mpi" and red.path == "allreduce"
+    finally:
+        red.free()
+    with pytest.raises(ValueError, match=r"node_reduce 'shm' needs about \d+ MiB of shared memory \(/dev/shm\)"):
+        Reducer(comm, layout, WireOptions("shm"))
