@@ -150,6 +150,7 @@ class ShmReduce:
             else:
                 np.copyto(self.own[lo:hi], staging[lo:hi])
                 pre_sq += sum_squares(self.own[lo:hi])
+        self.win.Sync()  # our stores are out; the collective that brings the masses orders them
         self._prepared = True
         return pre_sq
 
@@ -158,13 +159,19 @@ class ShmReduce:
 
         A rank of mass 0 (idle, quarantined) is skipped in the sum: true zeros,
         whatever its segment holds (SPEC §1).
+
+        Ordering: the masses must come from a collective over ``comm`` that
+        every rank entered after its :meth:`prepare` (the control gather): a
+        rank leaves it only once every rank of the node has written its
+        segment, so no barrier is spent here (``Win.Sync`` on both sides makes
+        the stores visible, MPI-4 §12.7).
         """
         if not self._prepared:
             raise RuntimeError("reduce_prepared() without prepare() this round")
         self._prepared = False
         scales = [np.float32(float(self.world_size) * float(masses[r])) for r in self.members]
         clock = _Clock()
-        self._sync()  # every segment of the node is written
+        self.win.Sync()  # see the segments the node wrote before the gather
         self._sum_slice(scales)
         self._finish(staging, stats, clock)
 

@@ -383,9 +383,11 @@ class Reducer:
                 untouched when not (every contribution idle).
             mass: this rank's mass ``m_r`` (>= 0; 0 sends true zeros).
             masses: every rank's mass (index = rank; ``masses[rank] == mass``),
-                after :meth:`prepare` this round: the shared-memory path then
-                scales the segments :meth:`prepare` filled instead of packing
-                again. None: pack from ``staging`` now.
+                after :meth:`prepare` this round, gathered by a collective over
+                ``comm`` that every rank entered after its :meth:`prepare` (the
+                control gather; it orders the segments' writes before the sum):
+                the shared-memory path then scales the segments :meth:`prepare`
+                filled instead of packing again. None: pack from ``staging`` now.
 
         Returns:
             :class:`ReduceStats`; on every path a non-finite reduced piece stops

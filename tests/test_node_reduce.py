@@ -59,7 +59,9 @@ def reduce(red, staging, mass, masses, prepared):
     with np.errstate(invalid="ignore", over="ignore"):
         want = float(np.sum(staging.astype(np.float64) ** 2))
     assert pre_sq == pytest.approx(want, rel=1e-5, nan_ok=True)
-    return red.reduce(staging, mass, masses)
+    gathered = red.comm.allgather(mass)  # the control gather: every rank prepared before anyone sums
+    assert gathered == list(masses)
+    return red.reduce(staging, mass, gathered)
 
 
 def rank_flat(r: int) -> np.ndarray:
