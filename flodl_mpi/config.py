@@ -113,7 +113,7 @@ class TrainConfig:
         need(self.hierarchical in HIERARCHICAL, "hierarchical", self.hierarchical,
              f"one of {', '.join(HIERARCHICAL)}")
         need(isinstance(self.bf16_wire, bool), "bf16_wire", self.bf16_wire, "true or false")
-        if self.bf16_wire and self.node_reduce != "shm" and self.hierarchical == "on":
+        if self.bf16_wire and self.node_reduce == "mpi" and self.hierarchical == "on":
             raise ConfigError(f"--bf16-wire with --node-reduce {self.node_reduce} --hierarchical on is not "
                               "implemented; use --node-reduce shm (or --hierarchical off)")
         need(self.outer_lr is None or (isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)

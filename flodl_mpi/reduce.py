@@ -248,7 +248,7 @@ class WireOptions:
             raise ValueError(f"hierarchical must be one of {', '.join(HIERARCHICAL)}, got {self.hierarchical!r}")
         if not isinstance(self.bf16, bool):
             raise TypeError(f"bf16 must be True or False, got {self.bf16!r}")
-        if self.bf16 and self.node_reduce != "shm" and self.hierarchical == "on":
+        if self.bf16 and self.node_reduce == "mpi" and self.hierarchical == "on":
             raise ValueError(f"bf16 with node_reduce {self.node_reduce!r} and hierarchical 'on' is not implemented; "
                              "use node_reduce 'shm' (or hierarchical 'off')")
 
