@@ -358,6 +358,8 @@ class Bridge:
         # ranks' pre-round values are gone. Deferring the unpack costs a pass too
         # (out of cache); this one is a plain read (measured: +4-5 ms at 16M params
         # on a loaded 2-core machine, nothing measurable at 1M), and no extra collective.
+        # On the shared-memory path the same pass is the pack: it copies the staging
+        # into the rank's segment (Reducer.prepare), and the masses scale it in the sum.
         self._enter("pre norm")
         t0 = t_round = time.perf_counter()
         pre_sq = p.reducer.prepare(p.staging)

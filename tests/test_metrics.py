@@ -56,7 +56,9 @@ def test_schema_shapes():
     assert h5py.check_enum_dtype(schema["rounds"]["guard"][0]) == GUARD_VERDICTS
     assert schema["rounds"]["quarantined"] == (np.dtype(np.bool_), (4,))
     assert schema["rounds"]["outer_ms"] == (np.dtype(np.float64), (4,))
-    assert len(schema["rounds"]) == 18 and len(schema["epochs"]) == 16 and len(schema["batches"]) == 8
+    for name in ("control_ms", "round_ms", "handoff_ms"):  # where the round's time went (issue 9)
+        assert schema["rounds"][name] == (np.dtype(np.float64), (4,))
+    assert len(schema["rounds"]) == 21 and len(schema["epochs"]) == 16 and len(schema["batches"]) == 8
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         table_schema(0)
 
