@@ -36,7 +36,8 @@ def round_rows(start, k):
             "divergence": per_rank / 7,
             "pre_norm": per_rank + 1, "post_norm": i * 3.0, "pack_ms": per_rank, "allreduce_ms": per_rank,
             "unpack_ms": per_rank, "outer_ms": per_rank / 2, "bytes": i * 4096, "window": per_rank.astype(np.int64) + 1,
-            "anchor": np.full(k, 3), "guard": (i % 3).astype(np.int8)}
+            "anchor": np.full(k, 3), "guard": (i % 3).astype(np.int8),
+            "control_ms": per_rank / 3, "round_ms": per_rank * 4, "handoff_ms": per_rank / 5}
 
 
 def expected(rows_list):
