@@ -75,11 +75,15 @@ class ShmReduce:
     result at the leader), i.e. about 1x the model's float32 bytes per rank,
     plus two pieces of scratch per rank.
 
-    Collective contract: construction and every :meth:`reduce` are collective
-    over ``comm`` (``node`` and ``leaders`` are parts of it): every rank calls,
-    in the same order. Three node barriers per reduce (before the pack, so no
-    rank overwrites a segment another still reads; after the pack; after the
-    sum), plus the leaders' Allreduce when hierarchical.
+    Collective contract: construction, :meth:`prepare`, :meth:`reduce_prepared`,
+    :meth:`reduce` and :meth:`free` are collective over ``comm`` (``node`` and
+    ``leaders`` are parts of it): every rank calls, in the same order. Node
+    barriers: before a rank writes its segment (no rank still reads the last
+    result), after the sum (every slice is summed before anyone unpacks), and,
+    for :meth:`reduce` only, after the pack (:meth:`reduce_prepared` relies on
+    the control gather between it and :meth:`prepare`); plus the leaders'
+    Allreduce when hierarchical. If one rank fails inside, the others wait in a
+    barrier: the watchdog ends the job (as for any collective).
     """
 
     def __init__(self, comm: MPI.Comm, layout: WireLayout, node: MPI.Comm, leaders: MPI.Comm | None = None,
