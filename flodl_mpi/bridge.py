@@ -36,9 +36,10 @@ from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.policy import FixedPolicy, Plan, Policy, RoundFacts
 from flodl_mpi.realized_work import round_masses
 from flodl_mpi.recorder import recorder_for
-from flodl_mpi.reduce import MAX_COUNT, ReduceStats, control_gather, sumcount_reduce
+from flodl_mpi.reduce import MAX_COUNT, Reducer, ReduceStats, WireOptions, control_gather
 from flodl_mpi.reporting import BATCH_COLUMNS, EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
-from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares_pieces
+from flodl_mpi.round_profile import RunProfile
+from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout
 
 __all__ = ["RoundUpdate", "Bridge"]
 
@@ -126,6 +127,11 @@ class Bridge:
             facts of every round (and owns while rounds run: read :attr:`policy`
             between rounds, or the plan each :class:`RoundUpdate` carries); None:
             a fixed window of ``anchor`` batches with the default guard.
+        wire: how the frames travel (:class:`~flodl_mpi.reduce.WireOptions`:
+            node reduce, hierarchical, bf16); None for the defaults. The same
+            on every rank.
+        pin_staging: allocate the staging in pinned host memory when CUDA
+            is available (a rank whose model is on a GPU: asynchronous copies).
 
     Non-finite values: each rank checks its own tensors (the pre-round sum of
     squares, a pass before the control gather) and is told whether its loss
@@ -171,6 +177,8 @@ class Bridge:
         on_non_finite: str = "quarantine",
         outer: OuterOptimizer | None = None,
         policy: Policy | None = None,
+        wire: WireOptions | None = None,
+        pin_staging: bool = False,
     ) -> None:
         if on_non_finite not in ON_NON_FINITE:
             raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
@@ -185,10 +193,10 @@ class Bridge:
         self.on_non_finite = on_non_finite
         self.outer = outer
         # Plan once (STYLE 21): layouts, staging, frames and scratch persist.
-        self._p = _Plane(WireLayout(param_shapes, chunk_elems))
+        self._p = _Plane(WireLayout(param_shapes, chunk_elems), comm, wire, pin_staging)
         if outer is not None and outer.n != self._p.layout.n:
             raise ValueError(f"outer is over {outer.n} elements, the params over {self._p.layout.n}")
-        self._b = _Plane(WireLayout(buffer_shapes, chunk_elems))
+        self._b = _Plane(WireLayout(buffer_shapes, chunk_elems), comm, wire, pin_staging)
         #: torch views of the params staging, in ``param_shapes`` order.
         self.param_tensors = self._p.tensors
         #: torch views of the floating-buffer staging, in ``buffer_shapes`` order.
@@ -211,6 +219,9 @@ class Bridge:
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._serve_forever, name="flodl-bridge", daemon=True)
+        self._torch_threads = torch.get_num_threads()  # the rank's budget, set by the caller's thread
+        #: Every rank's averaging profile, summed from the acks (the end-of-run lines).
+        self.profile = RunProfile(self.world_size)
         self._pkl5 = pkl5.Intracomm(comm)
 
     @property
@@ -338,6 +349,8 @@ class Bridge:
             self._requests.put(_Close())
             self._thread.join()
         if self._failed is None and self.comm != MPI.COMM_NULL:
+            for plane in (self._p, self._b):
+                plane.reducer.free()
             self.comm.Free()
 
     def _call(self, request):
@@ -371,6 +384,11 @@ class Bridge:
     # ---- bridge-thread side ---------------------------------------------------
 
     def _serve_forever(self) -> None:
+        # torch's thread count does not carry over to a new thread: without this the
+        # bridge's dots run on every core's worth of BLAS/OpenMP threads, fighting the
+        # other ranks (measured: 20-40 ms instead of 5 us for a 28k-element dot on
+        # the loaded 2-core machine; issue 9, "small models pay a small fixed cost").
+        torch.set_num_threads(self._torch_threads)
         while True:
             request = self._requests.get()
             if isinstance(request, _Close):
@@ -416,16 +434,20 @@ class Bridge:
         # ranks' pre-round values are gone. Deferring the unpack costs a pass too
         # (out of cache); this one is a plain read (measured: +4-5 ms at 16M params
         # on a loaded 2-core machine, nothing measurable at 1M), and no extra collective.
+        # On the shared-memory path the same pass is the pack: it copies the staging
+        # into the rank's segment (Reducer.prepare), and the masses scale it in the sum.
         self._enter("pre norm")
         t0 = t_start = time.perf_counter()
-        pre_sq = p.sum_squares()
-        if not math.isfinite(pre_sq + b.sum_squares()):
+        pre_sq = p.reducer.prepare(p.staging)
+        if not math.isfinite(pre_sq + b.reducer.prepare(b.staging)):
             head[ROUND_HEAD.index("non_finite")] = int(head[ROUND_HEAD.index("non_finite")]) | _TENSORS
         pre_ms = 1e3 * (time.perf_counter() - t0)  # counted as pack time: it was fused there before
         self._enter("control gather")
+        t_gather = time.perf_counter()
         gathered = control_gather(self.comm, np.concatenate([head, self._ack]))
         cols = ROUND.read(gathered)
         t_gathered = time.perf_counter()  # the round's own time (the balancer's overhead) starts here
+        control_ms = 1e3 * (t_gathered - t_gather)
         steps = int(head[ROUND_HEAD.index("steps")])
         # -- decide, from the gathered matrix only: every rank takes the same branch
         verdict = self._take_acks(cols, batch_ms=cols["batch_ms"], window=cols["window"],
@@ -440,7 +462,7 @@ class Bridge:
             stats = ReduceStats()
         else:
             self._enter("params reduce")
-            stats = sumcount_reduce(self.comm, p.layout, p.staging, p.frame, masses.wire[self.rank], p.scratch)
+            stats = p.reducer.reduce(p.staging, masses.wire[self.rank], masses.wire)
         stats.pre_sq = pre_sq
         stats.pack_ms += pre_ms
         self._enter("divergence")
@@ -455,7 +477,7 @@ class Bridge:
             triple = triple_from_sums(stats.diff_sq, stats.post_sq, stats.pre_sq)
         if b.layout.n and stats.realized:
             self._enter("buffers reduce")
-            bstats = sumcount_reduce(self.comm, b.layout, b.staging, b.frame, masses.buffers[self.rank], b.scratch)
+            bstats = b.reducer.reduce(b.staging, masses.buffers[self.rank], masses.buffers)
             if not bstats.post_finite:
                 raise NonFiniteError(
                     f"non-finite buffers consensus in round {self.version}: every rank's buffers were finite but "
@@ -484,7 +506,8 @@ class Bridge:
         divergence, post_norm, pre_norm = triple
         self._ack = ACK.row(divergence=divergence, pre_norm=pre_norm, post_norm=post_norm, pack_ms=stats.pack_ms,
                             allreduce_ms=stats.allreduce_ms, unpack_ms=stats.unpack_ms, outer_ms=outer_ms,
-                            bytes=stats.bytes, round_ms=1e3 * (time.perf_counter() - t_gathered),
+                            bytes=stats.bytes, control_ms=control_ms,
+                            round_ms=1e3 * (time.perf_counter() - t_gathered),
                             bridge_ms=1e3 * (time.perf_counter() - t_start), wait_ms=0.0)
         quarantined = np.zeros(self.world_size, dtype=bool)
         quarantined[masses.quarantined] = True
@@ -526,6 +549,7 @@ class Bridge:
                                                  round_ms=round_ms, max_divergence=max_div, anchor=anchor,
                                                  closes_window=closes_window))
         if acked:
+            self.profile.add(cols)
             self._recorder.acks(cols, verdict)
         self._ack = ACK.row()
         return verdict
@@ -559,15 +583,11 @@ class Bridge:
 class _Plane:
     """Staging, wire frame and scratch of one layout (params or float buffers)."""
 
-    def __init__(self, layout: WireLayout) -> None:
+    def __init__(self, layout: WireLayout, comm: MPI.Comm, wire: WireOptions | None, pinned: bool = False) -> None:
         self.layout = layout
-        self.staging = layout.new_staging()
-        self.frame = layout.new_frame()
-        self.scratch = layout.new_scratch()
+        self.staging = layout.new_staging(pinned)
+        self.reducer = Reducer(comm, layout, wire)  # collective: both planes, same order on every rank
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
-
-    def sum_squares(self) -> float:
-        return sum_squares_pieces(self.staging, self.layout)
 
 
 def _non_finite_message(round_: int, flags: np.ndarray, on_non_finite: str) -> str:

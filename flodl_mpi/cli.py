@@ -31,6 +31,7 @@ import traceback
 
 from flodl_mpi import __version__
 from flodl_mpi.config import DEVICES, ON_NON_FINITE, OPTIMIZERS, OUTERS, POLICIES, TrainConfig, read_config_file
+from flodl_mpi.config import HIERARCHICAL, NODE_REDUCES
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
 from flodl_mpi.launcher import check_world_size, foreign_launcher, launch_env, launcher_rank, mixed_install, mpi_library
 from flodl_mpi.signals import StopRequest
@@ -117,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"mass exponent: a rank's weight in the average is its steps**gamma (default {d.gamma:g})")
     g.add_argument("--chunk-elems", type=int,
                    help=f"float32 elements per Allreduce piece; a tuning knob (default {d.chunk_elems})")
+    g.add_argument("--node-reduce", choices=NODE_REDUCES,
+                   help="how the ranks of one node sum their parameters: shm through one shared-memory window, "
+                        "mpi (Allreduce), auto: shm when /dev/shm has room for it (and the world is on one node "
+                        f"or --hierarchical allows), else mpi (default {d.node_reduce})")
+    g.add_argument("--hierarchical", choices=HIERARCHICAL,
+                   help="sum within each node first, then across the node leaders; auto: when the world spans "
+                        f"several nodes and --node-reduce is shm (default {d.hierarchical})")
+    g.add_argument("--bf16-wire", action="store_true", default=None,
+                   help="parameters and float buffers travel as bfloat16 (sums and the divide in float32, "
+                        "checkpoints float32); all ranks alike")
     g.add_argument("--on-non-finite", choices=ON_NON_FINITE,
                    help="a rank whose loss or parameters are NaN/Inf: quarantine it for the round (mass 0, it "
                         "adopts the others' consensus; the job stops only when no rank is finite), or stop the "

@@ -19,8 +19,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["BALANCED_POLICIES", "DEVICES", "ON_NON_FINITE", "OPTIMIZERS", "OUTERS", "POLICIES", "ConfigError",
-           "TrainConfig", "read_config_file"]
+__all__ = ["BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES", "ON_NON_FINITE", "OPTIMIZERS", "OUTERS",
+           "POLICIES", "ConfigError", "TrainConfig", "read_config_file"]
 
 POLICIES = ("sync", "window", "cadence", "async")
 #: Policies whose quotas the ElChe balancer sets (SPEC §4).
@@ -31,6 +31,10 @@ DEVICES = ("auto", "cpu", "cuda")
 ON_NON_FINITE = ("quarantine", "stop")
 #: The ``--outer`` choices (flodl_mpi.outer; kept here so the config needs no numpy).
 OUTERS = ("avg", "slowmo", "nesterov")
+#: ``--node-reduce``: how the ranks of one node sum their frames (flodl_mpi.reduce.WireOptions).
+NODE_REDUCES = ("auto", "shm", "mpi")
+#: ``--hierarchical``: node sums first, then the node leaders across nodes.
+HIERARCHICAL = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -74,6 +78,9 @@ class TrainConfig:
     device: str = "auto"              # one of DEVICES
     stall_timeout: float = 600.0      # seconds without progress on any rank before the watchdog aborts (exit 3)
     chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
+    node_reduce: str = "auto"         # one of NODE_REDUCES: shm (shared-memory node reduce) when it fits, else mpi
+    hierarchical: str = "auto"        # one of HIERARCHICAL: per-node partial sums across nodes
+    bf16_wire: bool = False           # params and float buffers travel as bfloat16 (SPEC §7)
     on_non_finite: str = "quarantine"  # one of ON_NON_FINITE: a rank with NaN/Inf loss or params
     outer: str = "avg"                # one of OUTERS: the outer optimizer on the consensus (SPEC §7)
     outer_lr: float | None = None     # outer learning rate; None = the outer's usual (slowmo 1.0, nesterov 0.7)
@@ -109,6 +116,13 @@ class TrainConfig:
         need(self.on_non_finite in ON_NON_FINITE, "on_non_finite", self.on_non_finite,
              f"one of {', '.join(ON_NON_FINITE)}")
         need(self.outer in OUTERS, "outer", self.outer, f"one of {', '.join(OUTERS)}")
+        need(self.node_reduce in NODE_REDUCES, "node_reduce", self.node_reduce, f"one of {', '.join(NODE_REDUCES)}")
+        need(self.hierarchical in HIERARCHICAL, "hierarchical", self.hierarchical,
+             f"one of {', '.join(HIERARCHICAL)}")
+        need(isinstance(self.bf16_wire, bool), "bf16_wire", self.bf16_wire, "true or false")
+        if self.bf16_wire and self.node_reduce == "mpi" and self.hierarchical == "on":
+            raise ConfigError(f"--bf16-wire with --node-reduce {self.node_reduce} --hierarchical on is not "
+                              "implemented; use --node-reduce shm (or --hierarchical off)")
         need(self.outer_lr is None or (isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)
                                        and math.isfinite(self.outer_lr) and self.outer_lr > 0),
              "outer_lr", self.outer_lr, "a finite number > 0")

@@ -71,6 +71,7 @@ class Columns:
 ROUND_HEAD = Columns("steps", "window", "stop", "non_finite", "batch_ms", "quota", "anchor")
 
 #: The ack of a rank's previous round (SPEC §2 step 9); it rides the next gather.
+#: ``control_ms``: the control gather, its wait for the slowest rank included.
 #: ``round_ms``: wall ms of the round after its control gather (reduces, divergence,
 #: outer step): the balancer's overhead reading, free of the wait for the slowest rank.
 #: ``bridge_ms``: the bridge thread's whole time in the round (pre-round check, control
@@ -79,7 +80,7 @@ ROUND_HEAD = Columns("steps", "window", "stop", "non_finite", "batch_ms", "quota
 #: ``bridge_ms``; async: the part compute did not hide, so ``1 - wait_ms / bridge_ms`` is
 #: the overlap).
 ACK = Columns("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "outer_ms", "bytes",
-              "round_ms", "bridge_ms", "wait_ms")
+              "control_ms", "round_ms", "bridge_ms", "wait_ms")
 
 #: The whole row of a round's control gather.
 ROUND = ROUND_HEAD + ACK

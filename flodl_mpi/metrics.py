@@ -74,6 +74,9 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             "divergence": (_F64, W), "pre_norm": (_F64, W), "post_norm": (_F64, ()),
             "pack_ms": (_F64, W), "allreduce_ms": (_F64, W), "unpack_ms": (_F64, W),
             "outer_ms": (_F64, W),  # the outer optimizer's step on the consensus (0: none, or --outer avg)
+            # where the round's time went (issue 9; the end-of-run profile sums these with
+            # the timings below): the control gather, its wait for the slowest rank included
+            "control_ms": (_F64, W),
             "bytes": (_I64, ()),   # bytes one rank put on the wire this round
             "window": (_I64, W),   # batches each rank ran in the window
             "quota": (_I64, W),    # batches the policy's plan gave each rank for the window (before an epoch's end)

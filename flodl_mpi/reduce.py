@@ -9,16 +9,28 @@ Only the bridge thread calls these during training.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
+from flodl_mpi.config import HIERARCHICAL, NODE_REDUCES
 from flodl_mpi.realized_work import is_realized
-from flodl_mpi.wire import WireLayout, pack_chunk, unpack_chunk
+from flodl_mpi.wire import WireLayout, from_bf16, pack_piece, sum_squares_pieces, to_bf16, unpack_piece
 
-__all__ = ["MAX_COUNT", "control_gather", "ReduceStats", "sumcount_reduce"]
+__all__ = [
+    "HIERARCHICAL",
+    "MAX_COUNT",
+    "NODE_REDUCES",
+    "ReduceStats",
+    "Reducer",
+    "WireOptions",
+    "control_gather",
+    "sumcount_reduce",
+]
+
 
 #: Largest element count one MPI call takes (a C ``int``).
 MAX_COUNT = 2**31 - 1
@@ -93,7 +105,9 @@ def sumcount_reduce(
         layout: the frame plan (same on every rank).
         staging: float32 ``(layout.n,)``: this rank's tensors; the consensus on
             return when realized, untouched otherwise.
-        frame: float32 ``(layout.size,)`` persistent wire buffer (scratch).
+        frame: float32 persistent wire buffer (scratch) of at least one piece
+            (``layout.new_scratch()``); a whole frame (``layout.new_frame()``)
+            works too.
         mass: this rank's mass ``m_r`` (>= 0; 0 for an idle rank, which then
             sends true zeros but still joins every call).
         scratch: float32 scratch of one piece (``layout.new_scratch()``).
@@ -111,26 +125,29 @@ def sumcount_reduce(
         return _reduce(comm, layout, staging, frame, mass, scratch)
 
 
-def _reduce(comm, layout, staging, frame, mass, scratch) -> ReduceStats:
-    stats = ReduceStats()
+def _reduce(comm, layout, staging, frame, mass, scratch, stats=None) -> ReduceStats:
+    # ``frame`` may be a whole frame or one piece: piece i is packed into its first
+    # hi - lo elements, reduced and unpacked before the next one is packed.
+    stats = ReduceStats() if stats is None else stats
     scale = float(comm.size) * float(mass)
     clock = time.perf_counter
     for i, (lo, hi) in enumerate(reversed(layout.chunks)):
         t0 = clock()
-        pack_chunk(staging, frame, lo, hi, scale)
+        f = frame[: hi - lo]
+        pack_piece(staging, lo, hi, f, scale)
         t1 = clock()
-        comm.Allreduce(MPI.IN_PLACE, [frame[lo:hi], MPI.FLOAT], op=MPI.SUM)
+        comm.Allreduce(MPI.IN_PLACE, [f, MPI.FLOAT], op=MPI.SUM)
         t2 = clock()
         stats.bytes += 4 * (hi - lo)
         stats.pack_ms += 1e3 * (t1 - t0)
         stats.allreduce_ms += 1e3 * (t2 - t1)
         if i == 0:
-            total = frame[layout.n]  # np.float32: the divisor, exactly as summed
+            total = f[layout.n - lo]  # np.float32: the divisor, exactly as summed
             stats.total_mass = float(total)
             stats.realized = is_realized(stats.total_mass)
             if not stats.realized:
                 return stats  # no rank reduces further pieces
-        d, p = unpack_chunk(frame, staging, lo, hi, total, scratch)
+        d, p = unpack_piece(f, staging, lo, hi, total, f, scratch)
         stats.diff_sq += d
         stats.post_sq += p
         stats.unpack_ms += 1e3 * (clock() - t2)
@@ -140,3 +157,256 @@ def _reduce(comm, layout, staging, frame, mass, scratch) -> ReduceStats:
             stats.post_finite = False
             return stats
     return stats
+
+
+def _reduce_bf16_allgather(comm, layout, staging, mass, bufs, stats) -> None:
+    """The flat bf16 wire (SPEC §7): pieces travel as bfloat16 and are summed in float32.
+
+    MPI has no bfloat16 SUM, and a user-defined op would add in bfloat16 (or
+    re-round each partial sum), so every rank Allgathers the pieces' bf16 bits
+    and sums the W contributions itself, in rank order and in float32: the
+    same bits on every rank. Each piece carries the rank's ``W·m`` as float32
+    bits in two extra uint16 slots, so the mass stays exact. A rank receives
+    ``(W - 1)`` half-size pieces: fewer bytes than a float32 Allreduce at
+    ``W <= 3``, more beyond (measured in ``benchmarks/bench_round.py``).
+    """
+    send, recv, acc, tmp, diff = bufs
+    W, n = comm.size, layout.n
+    scale = float(W) * float(mass)
+    mass_bits = np.array([scale], dtype=np.float32).view(np.uint16)
+    clock = time.perf_counter
+    total = None
+    for i, (lo, hi) in enumerate(reversed(layout.chunks)):
+        t0 = clock()
+        t_hi = min(hi, n)
+        k = t_hi - lo  # tensor elements in this piece
+        if scale == 0.0 or k <= 0:
+            send[: max(k, 0)] = 0
+        else:
+            np.multiply(staging[lo:t_hi], np.float32(scale), out=tmp[:k])
+            to_bf16(tmp[:k], send[:k])
+        k = max(k, 0)
+        send[k : k + 2] = mass_bits
+        t1 = clock()
+        comm.Allgather([send[: k + 2], MPI.UINT16_T], [recv[: W * (k + 2)], MPI.UINT16_T])
+        parts = recv[: W * (k + 2)].reshape(W, k + 2)
+        from_bf16(parts[0, :k], acc[:k])
+        for r in range(1, W):
+            np.add(acc[:k], from_bf16(parts[r, :k], tmp[:k]), out=acc[:k])
+        t2 = clock()
+        stats.bytes += 2 * (k + 2)
+        stats.pack_ms += 1e3 * (t1 - t0)
+        stats.allreduce_ms += 1e3 * (t2 - t1)
+        if i == 0:
+            masses = np.ascontiguousarray(parts[:, k : k + 2]).view(np.float32).ravel()
+            total = np.float32(0.0)
+            for m in masses:  # float32, rank order, as the tensors
+                total = np.float32(total + m)
+            stats.total_mass = float(total)
+            stats.realized = is_realized(stats.total_mass)
+            if not stats.realized:
+                return
+        d, p = unpack_piece(acc, staging, lo, hi, total, acc, diff)
+        stats.diff_sq += d
+        stats.post_sq += p
+        stats.unpack_ms += 1e3 * (clock() - t2)
+        if not math.isfinite(p):
+            stats.post_finite = False
+            return
+
+
+@dataclass(frozen=True)
+class WireOptions:
+    """How a round's frames travel (``--node-reduce``, ``--hierarchical``, ``--bf16-wire``).
+
+    Attributes:
+        node_reduce: ``"shm"``: the ranks of a node sum through one shared-memory
+            window (:class:`~flodl_mpi.node_reduce.ShmReduce`); ``"mpi"``: MPI
+            calls only; ``"auto"``: ``shm`` when every node's ``/dev/shm`` has
+            room for the window (and the world is on one node, or hierarchical
+            is not ``off``), else ``mpi``. Measured faster than the chunked
+            Allreduce on one node (``benchmarks/README.md``).
+        hierarchical: ``"on"``: node sums first, then the node leaders Allreduce
+            them; ``"off"``: one flat reduce over the world (``shm`` then needs
+            the whole world on one node); ``"auto"``: on when the world spans
+            more than one node and ``node_reduce`` is ``shm``.
+        bf16: params and float buffers travel as bfloat16; sums and the divide
+            in float32; the mass exact (SPEC §7).
+
+    Raises:
+        ValueError: an unknown choice.
+    """
+
+    node_reduce: str = "auto"
+    hierarchical: str = "auto"
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        if self.node_reduce not in NODE_REDUCES:
+            raise ValueError(f"node_reduce must be one of {', '.join(NODE_REDUCES)}, got {self.node_reduce!r}")
+        if self.hierarchical not in HIERARCHICAL:
+            raise ValueError(f"hierarchical must be one of {', '.join(HIERARCHICAL)}, got {self.hierarchical!r}")
+        if not isinstance(self.bf16, bool):
+            raise TypeError(f"bf16 must be True or False, got {self.bf16!r}")
+        if self.bf16 and self.node_reduce == "mpi" and self.hierarchical == "on":
+            raise ValueError(f"bf16 with node_reduce {self.node_reduce!r} and hierarchical 'on' is not implemented; "
+                             "use node_reduce 'shm' (or hierarchical 'off')")
+
+
+def _window_bytes(layout: WireLayout, ranks: int, bf16: bool) -> int:
+    """Bytes of one node's shared window (:class:`~flodl_mpi.node_reduce.ShmReduce`), about."""
+    return ranks * (2 if bf16 else 4) * layout.size + (4 * layout.size if bf16 else 0)
+
+
+def _shm_free() -> int | None:
+    """Free bytes of ``/dev/shm`` (where MPICH and Open MPI back shared windows), None if unknown.
+
+    A window larger than that would fail at its first touch (SIGBUS), not at
+    allocation, so the room is checked first.
+    """
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class Reducer:
+    """One plane's sum-and-count reduce (params or float buffers), planned once (STYLE 21).
+
+    Picks the path from :class:`WireOptions` and the world's shape, allocates
+    its buffers once, and runs the same mass algebra on every path (SPEC §1):
+    pack ``W·m·θ`` with the mass slot ``W·m``, sum, one divide by the summed
+    mass; the consensus lands in the caller's staging.
+
+    Paths (``path`` attribute): ``"allreduce"`` (chunked float32 Allreduce,
+    :func:`sumcount_reduce` with a one-piece frame), ``"allgather-bf16"``
+    (:func:`_reduce_bf16_allgather`), ``"shm"`` / ``"shm+leaders"`` (one
+    node's shared window, then the node leaders across nodes),
+    ``"node-mpi+leaders"`` (MPI Reduce within the node, leaders' Allreduce, Bcast).
+
+    Args:
+        comm: the bridge's communicator; the reducer splits its own node and
+            leader communicators from it and frees them in :meth:`free`.
+        layout: the frame plan, the same on every rank.
+        options: :class:`WireOptions`.
+        node_comm: the ranks that share memory with this one; None (the
+            default) takes ``comm.Split_type(COMM_TYPE_SHARED)``. Tests pass a
+            split of it to simulate several nodes on one machine. It must be a
+            subset of one shared-memory node; the reducer frees it.
+
+    Raises:
+        ValueError: identically on every rank (the node count is reduced
+            first): ``node_reduce 'shm'`` with ``hierarchical 'off'`` on a world
+            of more than one node, or with too little free ``/dev/shm`` on a node.
+
+    Collective contract: construction, :meth:`reduce` and :meth:`free` are
+    collective over ``comm``: all ranks, the same order, the same options.
+    """
+
+    def __init__(self, comm: MPI.Comm, layout: WireLayout, options: WireOptions | None = None,
+                 node_comm: MPI.Comm | None = None) -> None:
+        from flodl_mpi.node_reduce import NodeMpiReduce, ShmReduce  # one concept per module
+
+        options = options or WireOptions()
+        self.comm, self.layout, self.options = comm, layout, options
+        node = node_comm if node_comm is not None else comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        nodes = comm.allreduce(int(node.rank == 0), op=MPI.SUM)
+        self.nodes = nodes
+        kind = options.node_reduce
+        if kind != "mpi":
+            need = _window_bytes(layout, node.size, options.bf16)
+            free = _shm_free()
+            room = comm.allreduce(free is None or free >= need + (64 << 20), op=MPI.LAND)  # every node alike
+            if not room and kind == "shm":
+                node.Free()
+                raise ValueError(f"node_reduce 'shm' needs about {need / 2**20:.0f} MiB of shared memory (/dev/shm) "
+                                 f"per node and some node has less free; use node_reduce 'mpi' (or 'auto')")
+            if kind == "auto":
+                kind = "shm" if room and (nodes == 1 or options.hierarchical != "off") else "mpi"
+        #: the node reduce in use: ``"shm"`` or ``"mpi"`` (``"auto"`` resolved, the same on every rank)
+        self.node_reduce = kind
+        hier = options.hierarchical == "on" or (options.hierarchical == "auto" and nodes > 1 and kind == "shm")
+        if options.bf16 and hier and kind == "mpi":
+            node.Free()
+            raise ValueError("bf16 with a hierarchical MPI node reduce is not implemented; use node_reduce 'shm' "
+                             "(with room in /dev/shm) or hierarchical 'off'")
+        if kind == "shm" and not hier and nodes > 1:
+            node.Free()
+            raise ValueError(f"node_reduce 'shm' with hierarchical 'off' needs the world on one node, it spans "
+                             f"{nodes}; use hierarchical 'auto' or 'on', or node_reduce 'mpi'")
+        self._impl = None
+        piece = min(layout.chunk_elems, layout.size)
+        if kind == "shm":
+            leaders = comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, key=comm.rank) if nodes > 1 else None
+            self._impl = ShmReduce(comm, layout, node, leaders, bf16=options.bf16)
+            self.path = "shm+leaders" if nodes > 1 else "shm"
+            self.extra_bytes = self._impl.extra_bytes
+        elif hier:
+            leaders = comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, key=comm.rank)
+            self._impl = NodeMpiReduce(comm, layout, node, leaders)
+            self.path = "node-mpi+leaders"
+            self.extra_bytes = self._impl.extra_bytes
+        else:
+            node.Free()
+            if options.bf16:
+                W = comm.size
+                self._bufs = (np.empty(piece + 2, np.uint16), np.empty(W * (piece + 2), np.uint16),
+                              np.empty(piece, np.float32), np.empty(piece, np.float32), np.empty(piece, np.float32))
+                self.path = "allgather-bf16"
+                self.extra_bytes = sum(b.nbytes for b in self._bufs)
+            else:
+                self._frame, self._scratch = np.empty(piece, np.float32), np.empty(piece, np.float32)
+                self.path = "allreduce"
+                self.extra_bytes = self._frame.nbytes + self._scratch.nbytes
+
+    def prepare(self, staging: np.ndarray) -> float:
+        """The pre-round pass: ``sum(staging ** 2)`` in float64 (not finite iff a NaN/Inf is there).
+
+        Call it before the control gather (its finiteness rides the gather).
+        On the shared-memory path the same pass also copies the staging into
+        this rank's segment (the snapshot), so :meth:`reduce` given ``masses``
+        skips its pack; elsewhere it is a read-only pass
+        (:func:`~flodl_mpi.wire.sum_squares_pieces`). Collective over the node
+        on the shared-memory path: every rank calls it before each reduce.
+        """
+        with np.errstate(invalid="ignore", over="ignore"):
+            if self._impl is not None and hasattr(self._impl, "prepare"):
+                return self._impl.prepare(staging)
+            return sum_squares_pieces(staging, self.layout)
+
+    def reduce(self, staging: np.ndarray, mass: float, masses=None) -> ReduceStats:
+        """``Σ m_r·T_r / Σ m_r`` into ``staging`` (float32 ``(layout.n,)``); see :func:`sumcount_reduce`.
+
+        Args:
+            staging: this rank's tensors; the consensus on return when realized,
+                untouched when not (every contribution idle).
+            mass: this rank's mass ``m_r`` (>= 0; 0 sends true zeros).
+            masses: every rank's mass (index = rank; ``masses[rank] == mass``),
+                after :meth:`prepare` this round, gathered by a collective over
+                ``comm`` that every rank entered after its :meth:`prepare` (the
+                control gather; it orders the segments' writes before the sum):
+                the shared-memory path then scales the segments :meth:`prepare`
+                filled instead of packing again. None: pack from ``staging`` now.
+
+        Returns:
+            :class:`ReduceStats`; on every path a non-finite reduced piece stops
+            the unpack on every rank alike (``post_finite`` False).
+        """
+        stats = ReduceStats()
+        with np.errstate(invalid="ignore", over="ignore"):
+            if masses is not None and getattr(self._impl, "_prepared", False):
+                self._impl.reduce_prepared(staging, masses, stats)
+            elif self._impl is not None:
+                self._impl.reduce(staging, mass, stats)
+            elif self.path == "allgather-bf16":
+                _reduce_bf16_allgather(self.comm, self.layout, staging, mass, self._bufs, stats)
+            else:
+                _reduce(self.comm, self.layout, staging, self._frame, mass, self._scratch, stats)
+        return stats
+
+    def free(self) -> None:
+        """Free the reducer's window and communicators (collective)."""
+        if self._impl is not None:
+            self._impl.free()
+            self._impl = None

@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from flodl_mpi import __version__
 from flodl_mpi.bridge import Bridge
+from flodl_mpi.reduce import WireOptions
 from flodl_mpi.checkpoint import (
     Checkpoint,
     load_state_dict,
@@ -389,6 +390,8 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
             threaded=world.threaded_bridge, watchdog=watchdog, fault=bridge_fault, on_non_finite=cfg.on_non_finite,
             outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr,
                                  cfg.outer_momentum),
+            wire=WireOptions(cfg.node_reduce, cfg.hierarchical, cfg.bf16_wire),
+            pin_staging=replica.device.type == "cuda",
         )
         if bridge.policy.blocking:  # async trains on while a round runs: its staging must stay apart
             replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
@@ -449,6 +452,8 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
                 writer.close(timeout=10.0)
         raise
     bridge.close()
+    for line in bridge.profile.lines():  # every rank's, from the acks (rank 0 logs them)
+        log.info(line)
     if writer is not None:
         log.info(f"finishing: writing the last checkpoint and closing {run_dir / 'metrics.h5'}")
         # No time cap on the last save (a big model on a slow file system may take

@@ -21,7 +21,18 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["DEFAULT_CHUNK_ELEMS", "WireLayout", "pack_chunk", "unpack_chunk", "sum_squares", "sum_squares_pieces"]
+__all__ = [
+    "DEFAULT_CHUNK_ELEMS",
+    "WireLayout",
+    "from_bf16",
+    "pack_chunk",
+    "pack_piece",
+    "sum_squares",
+    "sum_squares_pieces",
+    "to_bf16",
+    "unpack_chunk",
+    "unpack_piece",
+]
 
 #: Elements per piece: 1 MiB of float32. Cache-sized pieces reduce faster than one
 #: big Allreduce on the machines we measured (DESIGN, "Where the time goes").
@@ -59,8 +70,17 @@ class WireLayout:
         self.chunk_elems = int(chunk_elems)
         self.chunks = [(lo, min(lo + self.chunk_elems, self.size)) for lo in range(0, self.size, self.chunk_elems)]
 
-    def new_staging(self) -> np.ndarray:
-        """A zeroed float32 array of ``n`` elements: the tensors, no mass slot."""
+    def new_staging(self, pinned: bool = False) -> np.ndarray:
+        """A zeroed float32 array of ``n`` elements: the tensors, no mass slot.
+
+        ``pinned``: in page-locked host memory when CUDA is available, so the
+        device-to-host snapshot and the upload of the consensus can run
+        asynchronously (``copy_(..., non_blocking=True)``); pageable memory
+        otherwise (a CPU-only torch cannot pin). The array keeps its torch
+        storage alive (``ndarray.base``).
+        """
+        if pinned and torch.cuda.is_available():
+            return torch.zeros(self.n, dtype=torch.float32, pin_memory=True).numpy()
         return np.zeros(self.n, dtype=np.float32)
 
     def new_scratch(self) -> np.ndarray:
@@ -158,3 +178,78 @@ def unpack_chunk(
     if math.isfinite(post_sq):  # a non-finite consensus piece never reaches the staging
         np.copyto(pre, post)
     return diff_sq, post_sq
+
+
+def pack_piece(staging: np.ndarray, lo: int, hi: int, out: np.ndarray, scale: float) -> None:
+    """Pack frame piece ``[lo, hi)`` into ``out`` (float32, ``hi - lo`` elements, any buffer).
+
+    ``out[i - lo] = scale · staging[i]`` for tensor elements, ``scale`` at the
+    mass slot (element ``staging.size``); an idle rank (``scale == 0``) writes
+    true zeros, never ``0 · θ`` (SPEC §1). The same arithmetic as
+    :func:`pack_chunk`, into a piece-sized buffer: the wire needs one piece of
+    memory, not a frame (the pieces are reduced one after another).
+    """
+    n = staging.size
+    t_hi = min(hi, n)
+    if scale == 0.0:
+        out[: hi - lo] = 0.0
+        return
+    if t_hi > lo:
+        np.multiply(staging[lo:t_hi], np.float32(scale), out=out[: t_hi - lo])
+    if hi > n:
+        out[n - lo] = scale
+
+
+def unpack_piece(
+    summed: np.ndarray,
+    staging: np.ndarray,
+    lo: int,
+    hi: int,
+    total_mass: np.float32,
+    post: np.ndarray,
+    diff: np.ndarray,
+) -> tuple[float, float]:
+    """Unpack frame piece ``[lo, hi)`` from ``summed`` (its ``hi - lo`` summed elements).
+
+    The one divide (``post = summed / total_mass``, into ``post``, which may be
+    ``summed`` itself when that buffer is private), ``diff = pre - post`` into
+    ``diff`` (float32 scratch of one piece), the two float64 sums of squares of
+    the divergence triple, then ``staging[lo:hi] = post``; a non-finite
+    consensus piece never reaches the staging (as :func:`unpack_chunk`).
+
+    Returns:
+        ``(sum((pre - post) ** 2), sum(post ** 2))`` for this piece, float64.
+    """
+    t_hi = min(hi, staging.size)
+    if t_hi <= lo:
+        return 0.0, 0.0
+    k = t_hi - lo
+    p = np.divide(summed[:k], total_mass, out=post[:k])
+    pre = staging[lo:t_hi]
+    diff_sq = sum_squares(np.subtract(pre, p, out=diff[:k]))
+    post_sq = sum_squares(p)
+    if math.isfinite(post_sq):
+        np.copyto(pre, p)
+    return diff_sq, post_sq
+
+
+def _bf16_tensor(u16: np.ndarray) -> torch.Tensor:
+    """A torch bfloat16 view of a uint16 numpy array (no copy)."""
+    return torch.from_numpy(u16.view(np.int16)).view(torch.bfloat16)
+
+
+def to_bf16(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Round float32 ``x`` to bfloat16 bits in ``out`` (uint16, same length): round to nearest even.
+
+    torch's float32 -> bfloat16 conversion is round-to-nearest-even and keeps a
+    NaN a NaN (SPEC §7); numpy has no bfloat16, so the bits live in uint16.
+    A finite value beyond bfloat16's largest (about 3.39e38) becomes an infinity.
+    """
+    _bf16_tensor(out).copy_(torch.from_numpy(x))
+    return out
+
+
+def from_bf16(u16: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """bfloat16 bits ``u16`` (uint16) widened exactly to float32 in ``out``."""
+    torch.from_numpy(out).copy_(_bf16_tensor(u16))
+    return out

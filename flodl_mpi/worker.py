@@ -53,6 +53,17 @@ class ReplacedTensorError(ValueError):
     """
 
 
+def _wait_for_device(*groups) -> None:
+    """Wait for the copies queued from CUDA tensors in ``groups`` (no-op for CPU tensors).
+
+    A non-blocking device-to-host copy returns before the bytes land; the
+    staging must hold them before the bridge thread reads it.
+    """
+    devices = {t.device for g in groups for t in g if t.device.type == "cuda"}
+    for d in devices:
+        torch.cuda.current_stream(d).synchronize()
+
+
 class Replica:
     """A rank's model and the tensors that travel: params, then floating buffers.
 
@@ -205,10 +216,14 @@ class Replica:
                     p.data = view
                     self._param_seen[i] = (p, p.data_ptr())
         else:
+            # Device to host: queued without waiting (into pinned staging they run
+            # asynchronously), then one wait for the stream: the bridge reads the
+            # staging on another thread as soon as the round starts.
             for dst, src in zip(bridge.param_tensors, params):
-                dst.copy_(src.detach())
+                dst.copy_(src.detach(), non_blocking=True)
         for dst, src in zip(bridge.buffer_tensors, buffers):
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=True)
+        _wait_for_device(params, buffers)
         self._live = (params, buffers)
 
     @torch.no_grad()
@@ -240,14 +255,17 @@ class Replica:
         else:
             params, buffers = self._live
         self._live = None
+        # Host to device: asynchronous from pinned staging; the training step that
+        # follows runs on the same stream, after the copies, and the bridge writes the
+        # staging again only in the next round, after the next snapshot's wait.
         if alpha != 1.0:
             for dst, src in zip(params, bridge.param_tensors):
-                dst.lerp_(src.to(dst.device, dst.dtype), alpha)
+                dst.lerp_(src.to(dst.device, dst.dtype, non_blocking=True), alpha)
         elif not self.bound:
             for dst, src in zip(params, bridge.param_tensors):
-                dst.copy_(src)
+                dst.copy_(src, non_blocking=True)
         for dst, src in zip(buffers, bridge.buffer_tensors):
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=True)
 
     @torch.no_grad()
     def param_norm(self) -> float:

@@ -39,8 +39,8 @@ def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, .
             "bytes": np.full(R, 1000, np.int64), "window": np.ones((R, W), np.int64), "anchor": np.ones(R, np.int64),
             "guard": np.where(r == 3, 1, 0).astype(np.int8), "quarantined": np.zeros((R, W), bool),
             "outer_ms": np.zeros((R, W)), "quota": np.ones((R, W), np.int64), "batch_ms": np.full((R, W), 20.0),
-            "round_ms": np.full((R, W), 50.0), "wait_ms": np.full((R, W), 50.0),
-            "bridge_ms": np.full((R, W), 60.0),
+            "round_ms": np.full((R, W), 50.0), "wait_ms": np.full((R, W), 61.0),
+            "bridge_ms": np.full((R, W), 60.0), "control_ms": np.full((R, W), 2.0),
         },
         "epochs": {
             "epoch": np.arange(E), "time_s": (R * 0.5) * (np.arange(E) + 1) / E, "rounds": (np.arange(E) + 1) * R // E,

@@ -105,3 +105,15 @@ def test_unpack_of_a_non_finite_piece_keeps_the_staging():
     _, post_sq = unpack_chunk(summed, staging, 2, 4, summed[-1], layout.new_scratch())
     assert post_sq == pytest.approx(9.0 + 16.0)
     np.testing.assert_array_equal(staging, [1.0, 2.0, 3.0, 4.0])  # consensus piece equals pre here
+
+
+def test_pinned_staging_is_a_zeroed_float32_array_and_falls_back_without_cuda():
+    import torch
+
+    layout = WireLayout([(3, 4), (5,)])
+    staging = layout.new_staging(pinned=True)
+    assert staging.dtype == np.float32 and staging.shape == (17,) and not staging.any()
+    staging[:] = 2.0  # writable, and the views the bridge hands out share it
+    assert all(np.all(v == 2.0) for v in layout.views(staging))
+    if torch.cuda.is_available():
+        assert torch.from_numpy(staging).is_pinned()

@@ -1,0 +1,220 @@
+"""Every reduce path of :class:`flodl_mpi.reduce.Reducer` against a float64 numpy reference (issue 9).
+
+Paths: the chunked float32 Allreduce, the shared-memory node reduce, both
+hierarchical forms (simulated nodes: COMM_WORLD split into groups of ranks on
+this machine), and the bf16 wire (flat Allgather and shared memory). Run at 2, 3
+and 4 ranks under ``mpiexec ... --with-mpi``.
+"""
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from flodl_mpi.node_reduce import slices
+from flodl_mpi.realized_work import gamma_mass
+from flodl_mpi.reduce import Reducer, WireOptions
+from flodl_mpi.wire import WireLayout
+
+pytestmark = pytest.mark.mpi
+
+SHAPES = [(17, 5), (5,), (3, 3, 3), (1,), (40,), (33,)]
+
+# (node_reduce, hierarchical, bf16, simulated node size or None for the machine's)
+PATHS = [
+    ("mpi", "off", False, None),
+    ("shm", "off", False, None),
+    ("shm", "auto", False, None),
+    ("shm", "on", False, 2),
+    ("shm", "on", False, 1),
+    ("mpi", "on", False, 2),
+    ("mpi", "off", True, None),
+    ("shm", "off", True, None),
+    ("shm", "on", True, 2),
+]
+IDS = [f"{a}-{b}{'-bf16' if c else ''}{f'-nodes-of-{d}' if d else ''}" for a, b, c, d in PATHS]
+
+
+@pytest.fixture
+def comm():
+    c = MPI.COMM_WORLD.Dup()
+    yield c
+    c.Free()
+
+
+def make(comm, path, chunk):
+    node_reduce, hier, bf16, node_size = path
+    layout = WireLayout(SHAPES, chunk_elems=chunk)
+    node = comm.Split(comm.rank // node_size, key=comm.rank) if node_size else None
+    return layout, Reducer(comm, layout, WireOptions(node_reduce, hier, bf16), node_comm=node)
+
+
+def reduce(red, staging, mass, masses, prepared):
+    """One round as the bridge runs it (``prepared``: the pre-round pass, then the reduce given every mass)."""
+    if not prepared:
+        return red.reduce(staging, mass)
+    pre_sq = red.prepare(staging)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = float(np.sum(staging.astype(np.float64) ** 2))
+    assert pre_sq == pytest.approx(want, rel=1e-5, nan_ok=True)
+    gathered = red.comm.allgather(mass)  # the control gather: every rank prepared before anyone sums
+    assert gathered == list(masses)
+    return red.reduce(staging, mass, gathered)
+
+
+def rank_flat(r: int) -> np.ndarray:
+    rng = np.random.default_rng(1000 + r)
+    return np.concatenate([rng.standard_normal(s).astype(np.float32).ravel() for s in SHAPES])
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 -> float32, round to nearest even (torch's conversion, checked below)."""
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def test_slices_cover_the_frame_on_aligned_bounds():
+    for size, parts in [(1, 1), (1, 4), (100, 3), (1 << 20, 7), (33, 2)]:
+        s = slices(size, parts)
+        assert len(s) == parts and s[0][0] == 0 and s[-1][1] == size
+        assert all(a == b_prev for (a, _), (_, b_prev) in zip(s[1:], s[:-1]))
+        assert all(a % 16 == 0 for a, _ in s if a < size)
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["packed", "prepared"])
+@pytest.mark.parametrize("chunk", [3, 64, 1 << 18])
+@pytest.mark.parametrize("path", PATHS, ids=IDS)
+def test_consensus_equals_float64_reference(comm, path, chunk, prepared):
+    # Unequal masses (gamma 0.5 of unequal steps); with 3+ ranks the last rank is idle.
+    W = comm.size
+    steps = [3 + 2 * r for r in range(W)]
+    if W >= 3:
+        steps[-1] = 0
+    masses = [gamma_mass(n, 0.5) for n in steps]
+    layout, red = make(comm, path, chunk)
+    try:
+        staging = rank_flat(comm.rank)
+        pre = staging.astype(np.float64)
+        stats = reduce(red, staging, masses[comm.rank], masses, prepared)
+        scaled_after = prepared and red.path.startswith("shm")  # the segments hold θ; the sum scales them
+    finally:
+        red.free()
+    flats = [rank_flat(r) for r in range(W)]
+    total = sum(masses)
+    if path[2]:  # bf16: what travels is bf16(W·m·θ); sums and the divide in float32
+        if scaled_after:
+            sent = [np.float32(W * m) * bf16_round(f).astype(np.float64) for m, f in zip(masses, flats) if m]
+        else:
+            sent = [bf16_round(np.float32(W * m) * f).astype(np.float64) for m, f in zip(masses, flats) if m]
+        ref = sum(sent) / (W * total)
+        exact = sum(m * f.astype(np.float64) for m, f in zip(masses, flats)) / total
+        # bf16 keeps 8 significant bits: the consensus is within 2**-8 of the exact one
+        assert np.linalg.norm(staging - exact) / np.linalg.norm(exact) <= 2**-8
+        tol = 1e-6
+    else:
+        ref = sum(m * f.astype(np.float64) for m, f in zip(masses, flats)) / total
+        tol = 1e-6
+    assert stats.realized and stats.post_finite
+    assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= tol
+    assert stats.total_mass == pytest.approx(W * total, rel=1e-6)
+    assert stats.post_sq == pytest.approx(float(np.sum(ref**2)), rel=1e-5)
+    assert stats.diff_sq == pytest.approx(float(np.sum((pre - ref) ** 2)), rel=1e-3)
+    assert len(set(comm.allgather(digest(staging)))) == 1  # identical bits on every rank
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["packed", "prepared"])
+@pytest.mark.parametrize("path", PATHS, ids=IDS)
+def test_idle_rank_with_nan_sends_true_zeros(comm, path, prepared):
+    layout, red = make(comm, path, 50)
+    idle = comm.size - 1
+    staging = np.full(layout.n, 1.0 + comm.rank, dtype=np.float32)
+    if comm.rank == idle:
+        staging[:] = np.nan
+    try:
+        masses = [0.0 if r == idle else 1.0 for r in range(comm.size)]
+        stats = reduce(red, staging, masses[comm.rank], masses, prepared)
+    finally:
+        red.free()
+    movers = [1.0 + r for r in range(comm.size) if r != idle]
+    np.testing.assert_allclose(staging, np.mean(movers), rtol=1e-7)
+    assert stats.realized and stats.post_finite
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["packed", "prepared"])
+@pytest.mark.parametrize("path", PATHS, ids=IDS)
+def test_all_idle_keeps_local_tensors_over_several_rounds(comm, path, prepared):
+    layout, red = make(comm, path, 16)
+    try:
+        for round_ in range(3):  # the window's segments are reused round after round
+            staging = np.full(layout.n, comm.rank + 0.5 + round_, dtype=np.float32)
+            stats = reduce(red, staging, 0.0, [0.0] * comm.size, prepared)
+            assert not stats.realized and stats.total_mass == 0.0
+            assert np.all(staging == comm.rank + 0.5 + round_)
+            staging[:] = 2.0 * comm.rank + round_
+            stats = reduce(red, staging, 1.0, [1.0] * comm.size, prepared)  # and a realized round in between
+            np.testing.assert_allclose(staging, np.mean([2.0 * r + round_ for r in range(comm.size)]), rtol=1e-6)
+    finally:
+        red.free()
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["packed", "prepared"])
+@pytest.mark.parametrize("path", PATHS, ids=IDS)
+def test_a_non_finite_reduced_piece_is_never_unpacked(comm, path, prepared):
+    # Rank 0 (mass > 0) sends an inf in the first piece: every rank stops before
+    # unpacking it; the pieces unpacked before it (last to first) hold the consensus.
+    layout, red = make(comm, path, 16)
+    staging = np.full(layout.n, 1.0 + comm.rank, dtype=np.float32)
+    if comm.rank == 0:
+        staging[3] = np.inf
+    before = staging.copy()
+    try:
+        stats = reduce(red, staging, 1.0, [1.0] * comm.size, prepared)
+    finally:
+        red.free()
+    assert stats.realized and not stats.post_finite
+    lo = layout.chunks[0][1]
+    np.testing.assert_array_equal(staging[:lo], before[:lo])
+    np.testing.assert_allclose(staging[lo:], np.mean([1.0 + r for r in range(comm.size)]), rtol=1e-6)
+
+
+def test_shm_without_hierarchy_across_nodes_is_refused_on_every_rank(comm):
+    if comm.size < 2:
+        pytest.skip("needs two simulated nodes")
+    layout = WireLayout(SHAPES)
+    node = comm.Split(comm.rank, key=comm.rank)  # every rank its own node
+    with pytest.raises(ValueError, match="needs the world on one node, it spans"):
+        Reducer(comm, layout, WireOptions("shm", "off"), node_comm=node)
+
+
+def test_bf16_rounding_is_nearest_even_and_keeps_nan():
+    # The torch conversion the wire uses, checked bit by bit against the rule.
+    x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20, np.nan, -np.inf, 3.4e38],
+                 dtype=np.float32)
+    got = bf16_round(x)
+    want = np.array([1.0, 1.0, 1.0 + 4 * 2**-8, 1.0 + 2 * 2**-8, np.nan, -np.inf, np.inf], dtype=np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_auto_resolves_the_same_on_every_rank_and_shm_is_refused_without_room(comm, monkeypatch):
+    import flodl_mpi.reduce as reduce_mod
+
+    layout = WireLayout(SHAPES)
+    red = Reducer(comm, layout, WireOptions("auto"))
+    try:
+        assert red.node_reduce == "shm" and len(set(comm.allgather(red.path))) == 1
+    finally:
+        red.free()
+    # /dev/shm too small on one rank's node: auto falls back to mpi everywhere, shm is refused everywhere
+    monkeypatch.setattr(reduce_mod, "_shm_free", lambda: 1024 if comm.rank == comm.size - 1 else None)
+    red = Reducer(comm, layout, WireOptions("auto"))
+    try:
+        assert red.node_reduce == "mpi" and red.path == "allreduce"
+    finally:
+        red.free()
+    with pytest.raises(ValueError, match=r"node_reduce 'shm' needs about \d+ MiB of shared memory \(/dev/shm\)"):
+        Reducer(comm, layout, WireOptions("shm"))
