@@ -19,7 +19,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["POLICIES", "OPTIMIZERS", "DEVICES", "ON_NON_FINITE", "OUTERS", "TrainConfig", "ConfigError", "read_config_file"]
+__all__ = ["POLICIES", "OPTIMIZERS", "DEVICES", "ON_NON_FINITE", "OUTERS", "AVERAGE_OPTIMIZER_STATE", "TrainConfig",
+           "ConfigError", "read_config_file"]
 
 POLICIES = ("sync", "window")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -28,6 +29,8 @@ DEVICES = ("auto", "cpu", "cuda")
 ON_NON_FINITE = ("quarantine", "stop")
 #: The ``--outer`` choices (flodl_mpi.outer; kept here so the config needs no numpy).
 OUTERS = ("avg", "slowmo", "nesterov")
+#: The ``--average-optimizer-state`` choices (flodl_mpi.optimizer_state).
+AVERAGE_OPTIMIZER_STATE = ("auto", "off", "mean", "corrected")
 
 
 class ConfigError(ValueError):
@@ -71,6 +74,7 @@ class TrainConfig:
     outer_lr: float | None = None     # outer learning rate; None = the outer's usual (slowmo 1.0, nesterov 0.7)
     outer_momentum: float | None = None  # outer momentum in [0, 1); None = 0.9
     outer_reset_inner: bool = False   # clear each rank's optimizer state after each outer step
+    average_optimizer_state: str = "auto"  # one of AVERAGE_OPTIMIZER_STATE (flodl_mpi.optimizer_state)
     eval_batch_size: int = 1024       # samples per evaluation batch
     threads: int | None = None        # torch threads per rank; None = the rule in flodl_mpi.launcher
 
@@ -101,6 +105,8 @@ class TrainConfig:
         need(self.on_non_finite in ON_NON_FINITE, "on_non_finite", self.on_non_finite,
              f"one of {', '.join(ON_NON_FINITE)}")
         need(self.outer in OUTERS, "outer", self.outer, f"one of {', '.join(OUTERS)}")
+        need(self.average_optimizer_state in AVERAGE_OPTIMIZER_STATE, "average_optimizer_state",
+             self.average_optimizer_state, f"one of {', '.join(AVERAGE_OPTIMIZER_STATE)}")
         need(self.outer_lr is None or (isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)
                                        and math.isfinite(self.outer_lr) and self.outer_lr > 0),
              "outer_lr", self.outer_lr, "a finite number > 0")

@@ -158,7 +158,7 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
 #: model, the data order, the windows and the optimizer state's meaning. The world
 #: size may change (see `Trainer.resume` for how per-rank state is remapped).
 RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "drop_last", "seed",
-                     "policy", "window", "gamma", "optimizer", "outer")
+                     "policy", "window", "gamma", "optimizer", "outer", "average_optimizer_state")
 
 
 def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, data_n: int):
@@ -206,7 +206,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
                          f"--batch-size {cfg.batch_size} ({data_n} samples leave one over); it cannot be resumed "
                          "exactly: start a new run (its weights load with flodl_mpi.checkpoint.load_state_dict)")
     # An option the saved config lacks was added since: that run had its default.
-    saved = {**TrainConfig().to_dict(), **saved}
+    # (Runs from before --average-optimizer-state kept each rank's own state.)
+    saved = {**TrainConfig().to_dict(), "average_optimizer_state": "off", **saved}
     differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {saved.get(k)!r})"
               for k in RESUME_MUST_MATCH if saved.get(k) != getattr(cfg, k)]
     if differ:
