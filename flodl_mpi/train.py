@@ -407,6 +407,10 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
                 log.info(f"warning: {line}")
         trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop,
                           progress=progress, log_detail=log.debug)
+        if trainer.state_average is not None:
+            averaged = trainer.state_average
+            log.info(f"optimizer state averaged ({averaged.mode}): {len(averaged.plan.wire)} state tensors, "
+                     f"{averaged.plan.wire_bytes} more bytes per round and rank")
         # Anything that would fail at save time fails now, before an epoch of work.
         agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
               name_ranks=False)
