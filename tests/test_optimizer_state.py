@@ -153,3 +153,24 @@ def test_mean_mode_averages_every_state_tensor_and_missing_state_enters_as_zeros
     for a, v in zip(avgs, views):
         a.adopt(v)
     assert opts[1].state == {}  # nothing is made up for a rank that holds no state
+
+
+def test_a_resumed_averager_starts_from_the_loaded_state_and_a_reset_from_zeros():
+    """What makes a resume exact: (m_prev, v_prev) are the saved state, which is the last consensus."""
+    net = model()
+    opt = torch.optim.Adam(net.parameters())
+    averager = OptimizerStateAverager(opt, "corrected")
+    assert not averager.m_prev.any() and not averager.v_prev.any()  # before any step: Adam's zeros
+    net(torch.ones(2, 5)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    fresh_net = model()
+    fresh = torch.optim.Adam(fresh_net.parameters())
+    fresh.load_state_dict(saved)
+    resumed = OptimizerStateAverager(fresh, "corrected")  # as Trainer.resume: restore, then start()
+    ps = list(fresh_net.parameters())
+    np.testing.assert_array_equal(resumed.m_prev, torch.cat([fresh.state[p]["exp_avg"].ravel() for p in ps]))
+    np.testing.assert_array_equal(resumed.v_prev, torch.cat([fresh.state[p]["exp_avg_sq"].ravel() for p in ps]))
+    assert resumed.v_prev.any()
+    resumed.reset()  # the cohort cleared its state (--outer-reset-inner)
+    assert not resumed.m_prev.any() and not resumed.v_prev.any()
