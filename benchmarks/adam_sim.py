@@ -192,7 +192,7 @@ def run(cfg: dict, data, model_spec: str = DEFAULT_MODEL) -> dict:
     extra_bytes_total = 0
     oracle = variant == "oracle_v"
     averagers = None
-    if variant == "corrected":
+    if variant in ("corrected", "blend"):
         from flodl_mpi.optimizer_state import OptimizerStateAverager
         from flodl_mpi.wire import WireLayout
 
@@ -230,11 +230,23 @@ def run(cfg: dict, data, model_spec: str = DEFAULT_MODEL) -> dict:
                     averagers[r].fill(s_views[r])
                 tot = sum(masses)
                 mean = sum(masses[r] * s_flat[r].astype(np.float64) for r in range(W) if masses[r] > 0) / tot
+                if variant == "blend":  # the ranks' mean v, before it is overwritten
+                    v_bar = [sum(masses[r] * ts[r].double() for r in range(W) if masses[r] > 0) / tot
+                             for ts in zip(*(param_shaped_state(o, m, {"exp_avg_sq"}) for o, m in zip(opts, models)))]
                 for r in range(W):
                     s_flat[r][:] = mean
                     averagers[r].finish(s_flat[r], s_layout.offsets, masses, [float(c) for c in win.counts])
                     averagers[r].adopt(s_views[r])
                 extra_bytes_total += 4 * s_layout.n
+                if variant == "blend":
+                    # Keep DDP's within-window noise: v = v_rebuilt + c (v_bar - v_rebuilt), c = (k-1)/(W k - 1)
+                    # (i.i.d. gradients; 0 under sync, where v_rebuilt is exact).
+                    k = max(win.counts)
+                    c = (k - 1) / (W * k - 1)
+                    extra_bytes_total += 4 * s_layout.n
+                    for r in range(W):
+                        for t, vb in zip(param_shaped_state(opts[r], models[r], {"exp_avg_sq"}), v_bar):
+                            t.copy_(t.double() + c * (vb - t.double()))
             if oracle:
                 tot = sum(masses)
                 movers = [r for r in range(W) if masses[r] > 0]
@@ -328,6 +340,10 @@ def grid(name: str) -> list[dict]:
             g += [base("adam", 3, v, s, window=8) for v in ("corrected", "params", "state")]
             g += [base("sgd", 2, v, s) for v in ("corrected", "params", "ddp")]
             g += [base("adam", W, "params", s, lr_scale="sqrt") for W in (3, 2)]
+    elif name == "c3":  # window 8: the rebuilt v plus the within-window noise DDP's v holds (+200% bytes)
+        g += [base("adam", 3, "blend", s, window=8) for s in S2]
+    elif name == "c2":  # a third seed where the study has DDP for it
+        g += [base("adam", W, "corrected", 2) for W in (3, 2)]
     elif name == "validate":  # SGD: averaging == DDP; does averaging momentum change anything?
         for s in S2:
             g += [base("sgd", 2, "ddp", s), base("sgd", 2, "params", s), base("sgd", 2, "state", s)]
@@ -378,7 +394,7 @@ def main() -> None:
     r.add_argument("--opt", default="adam", choices=("sgd", "adam", "adamw"))
     r.add_argument("--world", type=int, default=2)
     r.add_argument("--window", type=int, default=1)
-    r.add_argument("--variant", default="params", choices=("ddp", "params", "state", "oracle_v", "corrected"))
+    r.add_argument("--variant", default="params", choices=("ddp", "params", "state", "oracle_v", "corrected", "blend"))
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--epochs", type=int, default=40)
     r.add_argument("--state-every", type=int, default=1)
