@@ -27,6 +27,8 @@ Variants (``--variant``):
               (the product's code): every floating state tensor shaped like its
               parameter is averaged, except an Adam-family second moment, which is
               rebuilt from the averaged first moment as DDP's optimizer would hold it.
+  blend       (diagnosis; windows) as ``corrected``, then each v moves toward the ranks'
+              mean v by (k-1)/(W k - 1): the within-window noise DDP's v would hold.
 ``--lr-scale`` (1, sqrt, linear) multiplies the learning rate of the replicas by
 1, sqrt(W) or W (not of ddp).
 
