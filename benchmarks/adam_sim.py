@@ -23,6 +23,12 @@ Variants (``--variant``):
   oracle_v    (diagnosis only; Adam/AdamW, sync) as ``state``, then exp_avg_sq is
               overwritten by DDP's second moment: beta2*v_prev + (1-beta2)*gbar**2,
               gbar the mass-weighted mean of the ranks' gradients.
+  corrected   average the state with flodl_mpi.optimizer_state.OptimizerStateAverager
+              (the product's code): every floating state tensor shaped like its
+              parameter is averaged, except an Adam-family second moment, which is
+              rebuilt from the averaged first moment as DDP's optimizer would hold it.
+  blend       (diagnosis; windows) as ``corrected``, then each v moves toward the ranks'
+              mean v by (k-1)/(W k - 1): the within-window noise DDP's v would hold.
 ``--lr-scale`` (1, sqrt, linear) multiplies the learning rate of the replicas by
 1, sqrt(W) or W (not of ddp).
 
@@ -187,6 +193,15 @@ def run(cfg: dict, data, model_spec: str = DEFAULT_MODEL) -> dict:
     rounds = 0
     extra_bytes_total = 0
     oracle = variant == "oracle_v"
+    averagers = None
+    if variant in ("corrected", "blend"):
+        from flodl_mpi.optimizer_state import OptimizerStateAverager
+        from flodl_mpi.wire import WireLayout
+
+        averagers = [OptimizerStateAverager(o, "corrected") for o in opts]
+        s_layout = WireLayout(averagers[0].wire_shapes)
+        s_flat = [s_layout.new_staging() for _ in range(W)]
+        s_views = [[torch.from_numpy(v) for v in s_layout.views(f)] for f in s_flat]
     if oracle and (window != 1 or opt_name not in ("adam", "adamw")):
         raise ValueError("oracle_v is defined for Adam/AdamW under sync only")
     beta2 = 0.999
@@ -212,6 +227,28 @@ def run(cfg: dict, data, model_spec: str = DEFAULT_MODEL) -> dict:
                 st = [param_shaped_state(o, m, keys) for o, m in zip(opts, models)]
                 extra_bytes_total += 4 * sum(t.numel() for t in st[0])
                 weighted_mean_into(st, masses)
+            if averagers is not None:
+                for r in range(W):
+                    averagers[r].fill(s_views[r])
+                tot = sum(masses)
+                mean = sum(masses[r] * s_flat[r].astype(np.float64) for r in range(W) if masses[r] > 0) / tot
+                if variant == "blend":  # the ranks' mean v, before it is overwritten
+                    v_bar = [sum(masses[r] * ts[r].double() for r in range(W) if masses[r] > 0) / tot
+                             for ts in zip(*(param_shaped_state(o, m, {"exp_avg_sq"}) for o, m in zip(opts, models)))]
+                for r in range(W):
+                    s_flat[r][:] = mean
+                    averagers[r].finish(s_flat[r], s_layout.offsets, masses, [float(c) for c in win.counts])
+                    averagers[r].adopt(s_views[r])
+                extra_bytes_total += 4 * s_layout.n
+                if variant == "blend":
+                    # Keep DDP's within-window noise: v = v_rebuilt + c (v_bar - v_rebuilt), c = (k-1)/(W k - 1)
+                    # (i.i.d. gradients; 0 under sync, where v_rebuilt is exact).
+                    k = max(win.counts)
+                    c = (k - 1) / (W * k - 1)
+                    extra_bytes_total += 4 * s_layout.n
+                    for r in range(W):
+                        for t, vb in zip(param_shaped_state(opts[r], models[r], {"exp_avg_sq"}), v_bar):
+                            t.copy_(t.double() + c * (vb - t.double()))
             if oracle:
                 tot = sum(masses)
                 movers = [r for r in range(W) if masses[r] > 0]
@@ -296,6 +333,19 @@ def grid(name: str) -> list[dict]:
               base("adam", 2, "params", 0, lr_scale="sqrt"), base("adam", 2, "params", 1, lr_scale="sqrt"),
               base("adam", 3, "oracle_v", 2), base("adam", 2, "params", 2, lr_scale="sqrt"),
               base("adam", 2, "state", 2, lr_scale="sqrt"), base("adam", 2, "oracle_v", 2)]
+    elif name == "c0":  # issue 12: the rebuilt second moment (the product's code) beside DDP and plain averaging
+        for s in S2:
+            for W in (3, 2):
+                g += [base(o, W, v, s) for o in ("adam", "adamw") for v in ("corrected", "ddp", "params")]
+    elif name == "c1":  # window 8, SGD unchanged, and lr x sqrt(W) for comparison
+        for s in S2:
+            g += [base("adam", 3, v, s, window=8) for v in ("corrected", "params", "state")]
+            g += [base("sgd", 2, v, s) for v in ("corrected", "params", "ddp")]
+            g += [base("adam", W, "params", s, lr_scale="sqrt") for W in (3, 2)]
+    elif name == "c3":  # window 8: the rebuilt v plus the within-window noise DDP's v holds (+200% bytes)
+        g += [base("adam", 3, "blend", s, window=8) for s in S2]
+    elif name == "c2":  # a third seed where the study has DDP for it
+        g += [base("adam", W, "corrected", 2) for W in (3, 2)]
     elif name == "validate":  # SGD: averaging == DDP; does averaging momentum change anything?
         for s in S2:
             g += [base("sgd", 2, "ddp", s), base("sgd", 2, "params", s), base("sgd", 2, "state", s)]
@@ -346,7 +396,7 @@ def main() -> None:
     r.add_argument("--opt", default="adam", choices=("sgd", "adam", "adamw"))
     r.add_argument("--world", type=int, default=2)
     r.add_argument("--window", type=int, default=1)
-    r.add_argument("--variant", default="params", choices=("ddp", "params", "state", "oracle_v"))
+    r.add_argument("--variant", default="params", choices=("ddp", "params", "state", "oracle_v", "corrected", "blend"))
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--epochs", type=int, default=40)
     r.add_argument("--state-every", type=int, default=1)

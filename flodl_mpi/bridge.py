@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from flodl_mpi.config import ON_NON_FINITE
 from flodl_mpi.control import ACK, NON_FINITE_LOSS, NON_FINITE_TENSORS, ROUND, ROUND_HEAD, Columns
 from flodl_mpi.divergence import TrendGuard, Verdict, triple_from_sums
 from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
+from flodl_mpi.optimizer_state import OptimizerStateAverager
 from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.policy import FixedPolicy, Plan, Policy, RoundFacts
 from flodl_mpi.realized_work import round_masses
@@ -197,6 +198,14 @@ class Bridge:
         if outer is not None and outer.n != self._p.layout.n:
             raise ValueError(f"outer is over {outer.n} elements, the params over {self._p.layout.n}")
         self._b = _Plane(WireLayout(buffer_shapes, chunk_elems), comm, wire, pin_staging)
+        self._chunk_elems, self._pin_staging = int(chunk_elems), bool(pin_staging)
+        # The optimizer state travels float32 whatever --bf16-wire says (its second
+        # moment feeds a square root: flodl_mpi.optimizer_state).
+        self._state_wire = replace(wire or WireOptions(), bf16=False)
+        self.optimizer_state: OptimizerStateAverager | None = None
+        self._s = _Plane(WireLayout((), chunk_elems), comm, self._state_wire)
+        #: torch views of the optimizer-state staging (:meth:`attach_optimizer_state`).
+        self.state_tensors = self._s.tensors
         #: torch views of the params staging, in ``param_shapes`` order.
         self.param_tensors = self._p.tensors
         #: torch views of the floating-buffer staging, in ``buffer_shapes`` order.
@@ -235,6 +244,24 @@ class Bridge:
         """Start the bridge thread (a no-op when not threaded)."""
         if self._threaded:
             self._thread.start()
+
+    def attach_optimizer_state(self, averager: OptimizerStateAverager) -> None:
+        """Average the optimizer state too (``--average-optimizer-state``), in a third frame.
+
+        Call before :meth:`start`, on every rank alike (the layout comes from the
+        optimizer's structure; planning the frame is collective). Each realized
+        round then reduces the state the training thread put into
+        :attr:`state_tensors` with the parameters' masses, after the buffers, and
+        ``averager.finish`` runs on the consensus before anyone adopts it
+        (flodl_mpi.optimizer_state).
+        """
+        if self._thread.is_alive():
+            raise RuntimeError("attach_optimizer_state() is for setup, before start()")
+        self.optimizer_state = averager
+        self._s.reducer.free()
+        self._s = _Plane(WireLayout(averager.wire_shapes, self._chunk_elems), self.comm, self._state_wire,
+                         self._pin_staging)
+        self.state_tensors = self._s.tensors
 
     def broadcast(self, root: int = 0) -> None:
         """Overwrite every rank's staging with ``root``'s (call before :meth:`start`).
@@ -349,7 +376,7 @@ class Bridge:
             self._requests.put(_Close())
             self._thread.join()
         if self._failed is None and self.comm != MPI.COMM_NULL:
-            for plane in (self._p, self._b):
+            for plane in (self._p, self._b, self._s):
                 plane.reducer.free()
             self.comm.Free()
 
@@ -486,6 +513,18 @@ class Bridge:
             stats.pack_ms += bstats.pack_ms
             stats.allreduce_ms += bstats.allreduce_ms
             stats.unpack_ms += bstats.unpack_ms
+        if self._s.layout.n and stats.realized:
+            # The optimizer state, with the params' masses (flodl_mpi.optimizer_state).
+            self._enter("optimizer state reduce")
+            s = self._s
+            sstats = s.reducer.reduce(s.staging, masses.wire[self.rank])
+            if not sstats.post_finite:
+                raise NonFiniteError(
+                    f"non-finite optimizer state consensus in round {self.version}: every rank's parameters were "
+                    "finite but their optimizer state's sum was not; the job stops and saves nothing from this round")
+            self.optimizer_state.finish(s.staging, s.layout.offsets, masses.wire, all_steps)
+            for name in ("bytes", "pack_ms", "allreduce_ms", "unpack_ms"):
+                setattr(stats, name, getattr(stats, name) + getattr(sstats, name))
         # -- outer step (SPEC §7): on the params consensus, identically on every rank
         # (the same consensus, the same outer state), before anyone adopts it. Only a
         # round in which a contributing rank trained steps: a round that realized no

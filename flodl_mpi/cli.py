@@ -30,8 +30,18 @@ import time
 import traceback
 
 from flodl_mpi import __version__
-from flodl_mpi.config import DEVICES, ON_NON_FINITE, OPTIMIZERS, OUTERS, POLICIES, TrainConfig, read_config_file
-from flodl_mpi.config import HIERARCHICAL, NODE_REDUCES
+from flodl_mpi.config import (
+    AVERAGE_OPTIMIZER_STATE,
+    DEVICES,
+    HIERARCHICAL,
+    NODE_REDUCES,
+    ON_NON_FINITE,
+    OPTIMIZERS,
+    OUTERS,
+    POLICIES,
+    TrainConfig,
+    read_config_file,
+)
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
 from flodl_mpi.launcher import check_world_size, foreign_launcher, launch_env, launcher_rank, mixed_install, mpi_library
 from flodl_mpi.signals import StopRequest
@@ -140,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--outer-momentum", type=float, help="the outer optimizer's momentum, in [0, 1) (default 0.9)")
     g.add_argument("--outer-reset-inner", action="store_true", default=None,
                    help="clear each rank's optimizer state after each outer step (DiLoCo-style restarts)")
+    g.add_argument("--average-optimizer-state", choices=AVERAGE_OPTIMIZER_STATE,
+                   help="average the optimizer's state with the parameters, with the same masses: off (each rank "
+                        "keeps its own); mean (every floating state tensor shaped like its parameter); corrected "
+                        "(as mean, but Adam's second moment is rebuilt from the mean gradient, as under "
+                        "DistributedDataParallel, and does not travel); auto: corrected for Adam-family optimizers, "
+                        f"off otherwise (default {d.average_optimizer_state})")
     g.add_argument("--stall-timeout", type=float,
                    help="seconds without progress on any rank (or without the ranks' heartbeats) before the "
                         "watchdog ends the job with exit 3; a rank waiting for a slower one that still trains is "

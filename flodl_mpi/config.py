@@ -19,8 +19,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES", "ON_NON_FINITE", "OPTIMIZERS", "OUTERS",
-           "POLICIES", "ConfigError", "TrainConfig", "read_config_file"]
+__all__ = ["AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES", "ON_NON_FINITE",
+           "OPTIMIZERS", "OUTERS", "POLICIES", "ConfigError", "TrainConfig", "read_config_file"]
 
 POLICIES = ("sync", "window", "cadence", "async")
 #: Policies whose quotas the ElChe balancer sets (SPEC §4).
@@ -35,6 +35,8 @@ OUTERS = ("avg", "slowmo", "nesterov")
 NODE_REDUCES = ("auto", "shm", "mpi")
 #: ``--hierarchical``: node sums first, then the node leaders across nodes.
 HIERARCHICAL = ("auto", "on", "off")
+#: The ``--average-optimizer-state`` choices (flodl_mpi.optimizer_state).
+AVERAGE_OPTIMIZER_STATE = ("auto", "off", "mean", "corrected")
 
 
 class ConfigError(ValueError):
@@ -86,6 +88,7 @@ class TrainConfig:
     outer_lr: float | None = None     # outer learning rate; None = the outer's usual (slowmo 1.0, nesterov 0.7)
     outer_momentum: float | None = None  # outer momentum in [0, 1); None = 0.9
     outer_reset_inner: bool = False   # clear each rank's optimizer state after each outer step
+    average_optimizer_state: str = "auto"  # one of AVERAGE_OPTIMIZER_STATE (flodl_mpi.optimizer_state)
     eval_batch_size: int = 1024       # samples per evaluation batch
     threads: int | None = None        # torch threads per rank; None = the rule in flodl_mpi.launcher
 
@@ -123,6 +126,14 @@ class TrainConfig:
         if self.bf16_wire and self.node_reduce == "mpi" and self.hierarchical == "on":
             raise ConfigError(f"--bf16-wire with --node-reduce {self.node_reduce} --hierarchical on is not "
                               "implemented; use --node-reduce shm (or --hierarchical off)")
+        need(self.average_optimizer_state in AVERAGE_OPTIMIZER_STATE, "average_optimizer_state",
+             self.average_optimizer_state, f"one of {', '.join(AVERAGE_OPTIMIZER_STATE)}")
+        if self.policy == "async" and self.average_optimizer_state in ("mean", "corrected"):
+            # The state a round averages was snapshotted a window ago; the rank's optimizer
+            # has moved on since, and blending moment estimates has no measured meaning.
+            raise ConfigError(f"--average-optimizer-state {self.average_optimizer_state} is not supported with "
+                              "--policy async (each rank keeps its own optimizer state there); use a blocking "
+                              "policy (sync, window, cadence) or --average-optimizer-state off")
         need(self.outer_lr is None or (isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)
                                        and math.isfinite(self.outer_lr) and self.outer_lr > 0),
              "outer_lr", self.outer_lr, "a finite number > 0")

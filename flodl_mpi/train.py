@@ -164,7 +164,7 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
 #: model, the data order, the windows and the optimizer state's meaning. The world
 #: size may change (see `Trainer.resume` for how per-rank state is remapped).
 RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "drop_last", "seed",
-                     "policy", "window", "gamma", "optimizer", "outer")
+                     "policy", "window", "gamma", "optimizer", "outer", "average_optimizer_state")
 
 
 def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, data_n: int):
@@ -212,7 +212,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
                          f"--batch-size {cfg.batch_size} ({data_n} samples leave one over); it cannot be resumed "
                          "exactly: start a new run (its weights load with flodl_mpi.checkpoint.load_state_dict)")
     # An option the saved config lacks was added since: that run had its default.
-    saved = {**TrainConfig().to_dict(), **saved}
+    # (Runs from before --average-optimizer-state kept each rank's own state.)
+    saved = {**TrainConfig().to_dict(), "average_optimizer_state": "off", **saved}
     differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {saved.get(k)!r})"
               for k in RESUME_MUST_MATCH if saved.get(k) != getattr(cfg, k)]
     if differ:
@@ -415,6 +416,10 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
                 log.info(f"warning: {line}")
         trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop,
                           progress=progress, log_detail=log.debug)
+        if trainer.state_average is not None:
+            averaged = trainer.state_average
+            log.info(f"optimizer state averaged ({averaged.mode}): {len(averaged.plan.wire)} state tensors, "
+                     f"{averaged.plan.wire_bytes} more bytes per round and rank")
         # Anything that would fail at save time fails now, before an epoch of work.
         agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
               name_ranks=False)

@@ -26,6 +26,7 @@ from flodl_mpi.checkpoint import Checkpoint, checkpoint_name, read_cohort_state,
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.faults import Fault, InjectedFault
+from flodl_mpi.optimizer_state import OptimizerStateAverager, resolve_mode
 from flodl_mpi.progress import EpochProgress
 from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.signals import StopRequest
@@ -348,6 +349,13 @@ class Trainer:
         self.optimizer = make_optimizer(cfg, replica.model)
         #: The next window's plan (quotas, anchor): the policy's, the same on every rank.
         self.plan = bridge.policy.plan()
+        #: Averages the optimizer state with the params (``--average-optimizer-state``), or None.
+        #: Blocking policies only (``auto`` is ``off`` under ``async``; the config refuses the rest).
+        self.state_average: OptimizerStateAverager | None = None
+        mode = resolve_mode(cfg.average_optimizer_state, self.optimizer) if bridge.policy.blocking else "off"
+        if mode != "off":
+            self.state_average = OptimizerStateAverager(self.optimizer, mode)
+            bridge.attach_optimizer_state(self.state_average)
         self.steps = 0            # n_r: optimizer steps since the consensus last adopted
         self.loss_finite = True   # every loss of the current window was finite
         self.global_step = 0      # this rank's optimizer steps in the run
@@ -392,6 +400,8 @@ class Trainer:
         arrays, attrs = ckpt.ranks[source]
         same = old_size == self.world_size
         self.global_step = rank_state.restore(self.optimizer, arrays, attrs, rng=same)
+        if self.state_average is not None:
+            self.state_average.start()  # the saved state is the last round's consensus
         rank_state.restore_integer_buffers(self.replica.model, arrays)
         if not same:
             seed = np.random.SeedSequence([self.cfg.seed, self.rank, int(meta["round"])]).generate_state(1)[0]
@@ -475,6 +485,8 @@ class Trainer:
                          anchor=plan.anchor)
             if self.bridge.policy.blocking:
                 self.replica.snapshot(self.bridge)
+                if self.state_average is not None:
+                    self.state_average.fill(self.bridge.state_tensors)
                 update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested,
                                            loss_finite=self.loss_finite, **facts)
                 self.loss_finite = True
@@ -563,18 +575,23 @@ class Trainer:
         if update.adopted:
             # A quarantined rank's own values are not finite: it takes the consensus whole.
             self.replica.adopt(self.bridge, 1.0 if self.rank in update.quarantined else alpha)
+            if self.state_average is not None:
+                self.state_average.adopt(self.bridge.state_tensors)
         if update.quarantined:
             if self.writer is not None:
                 self.log(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
                          "non-finite loss or NaN/Inf parameters: quarantined (mass 0), adopted the consensus")
-            if self.rank in update.quarantined:
+            if self.rank in update.quarantined and self.state_average is None:
                 # The step that went non-finite most likely left NaN in the optimizer's
                 # state too (momentum, Adam moments): start it afresh on the consensus.
+                # (An averaged state was just overwritten with the consensus state.)
                 self.optimizer.state.clear()
         if update.outer_stepped and self.cfg.outer_reset_inner:
             # DiLoCo-style: every rank restarts its inner optimizer from the new global
             # parameters (SPEC §7); decided from the round's outcome, the same on every rank.
             self.optimizer.state.clear()
+            if self.state_average is not None:
+                self.state_average.reset()
         # Subtract, don't zero: steps taken while a round runs count toward the
         # next window (SPEC §2 step 8).
         self.steps -= update.steps_at_snapshot
