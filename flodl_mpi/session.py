@@ -12,6 +12,7 @@ instead of leaving the other ranks waiting in a round.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ def open_session(comm=None, stall_timeout: float = 600.0) -> Session:
     world = start_world(MPI.COMM_WORLD if comm is None else comm)
     if not _hooks_installed:
         install_excepthooks(MPI.COMM_WORLD.rank)
+        sys.excepthook = _cohort_hook(sys.excepthook, MPI.COMM_WORLD.rank)
         _hooks_installed = True
     watchdog = Watchdog(world.comm, stall_timeout=float(stall_timeout), thread_level=world.thread_level)
     watchdog.start()
@@ -115,6 +117,28 @@ def open_session(comm=None, stall_timeout: float = 600.0) -> Session:
     with _lock:
         _open.append(session)
     return session
+
+
+def _cohort_hook(plain, rank: int):
+    """An uncaught :class:`CohortError` (raised on every rank alike) ends the script as the CLI does:
+    one line from rank 0, exit status ``exc.exit_code`` (2 for bad input) on every rank, no
+    abort and no traceback. Anything else goes to ``plain`` (world's hook: print, abort, 1)."""
+
+    def hook(exc_type, exc, tb) -> None:
+        if not issubclass(exc_type, CohortError):
+            plain(exc_type, exc, tb)
+            return
+        if rank == 0:
+            print(f"flodl-mpi: error: {exc}", file=sys.stderr, flush=True)
+        _close_open_sessions()
+        from mpi4py import MPI
+
+        sys.stdout.flush()
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()  # every rank raised the same error at the same point: they leave together
+        os._exit(exc.exit_code)
+
+    return hook
 
 
 @atexit.register
