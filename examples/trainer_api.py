@@ -33,7 +33,7 @@ def train_step(model, batch):
     return loss
 
 
-run = flodl_mpi.train(make_model, lambda params: torch.optim.Adam(params, lr=1e-3), train_step=train_step,
+run = flodl_mpi.fit(make_model, lambda params: torch.optim.Adam(params, lr=1e-3), train_step=train_step,
                       epochs=args.epochs, batch_size=32, scale_lr=True, warmup_steps=45, clip_grad_norm=5.0,
                       run_dir=args.run_dir)
 for epoch in run:  # the same numbers on every rank

@@ -9,21 +9,22 @@ Two ways in from Python, both the same under ``python script.py`` (a world of 1)
 and ``mpiexec -n N python script.py``:
 
 - :class:`Averager`: keep your own loop, call ``averager.step()`` after each optimizer step.
-- :func:`train`: give a model factory, an optimizer factory, a train step and the
+- :func:`fit`: give a model factory, an optimizer factory, a train step and the
   data; iterate the returned :class:`Run` for the cohort's epoch metrics.
 
 Importing the package starts neither MPI nor torch; the names below load on first use.
+(The API's entry point is ``fit``, not ``train``: ``flodl_mpi.train`` is the CLI's module.)
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["Averager", "EpochResult", "Run", "record_scalar", "request", "train", "__version__"]
+__all__ = ["Averager", "EpochResult", "Run", "__version__", "fit", "record_scalar", "request"]
 
 _WHERE = {
     "Averager": "flodl_mpi.averager",
     "EpochResult": "flodl_mpi.averager",
     "Run": "flodl_mpi.api",
-    "train": "flodl_mpi.api",
+    "fit": "flodl_mpi.api",
     "record_scalar": "flodl_mpi.scalars",
     "request": "flodl_mpi.scalars",
 }

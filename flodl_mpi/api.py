@@ -1,6 +1,6 @@
 """The trainer API: your model, optimizer, train step and data; flodl_mpi's loop, averaging and outputs.
 
-Invariant: :func:`train` builds the same objects ``flodl-mpi train`` does — a
+Invariant: :func:`fit` builds the same objects ``flodl-mpi train`` does — a
 ``worker.Replica``, a ``bridge.Bridge``, rank 0's ``metrics.MetricsWriter`` and a
 ``worker.Trainer`` — and injects the user's callables through a
 :class:`flodl_mpi.task.UserTask`; every decision at an epoch boundary (evaluate?
@@ -31,7 +31,7 @@ from flodl_mpi.averager import EpochResult
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.task import UserTask
 
-__all__ = ["Run", "train"]
+__all__ = ["Run", "fit"]
 
 log = logging.getLogger("flodl_mpi")
 
@@ -81,7 +81,7 @@ class _Boundary:
     def end_epoch(self, trainer, epoch: int, report) -> tuple[float, int, int]:
         # -- one allgather: every rank's scalars, batches and intents (decides the rest alike)
         b = _scalars.exchange(trainer.bridge.allgather, self.book, report.batches)
-        scheduled = self.eval_every > 0 and ((epoch + 1) % self.eval_every == 0 or epoch + 1 == self.epochs)
+        scheduled = epoch + 1 == self.epochs or (self.eval_every > 0 and (epoch + 1) % self.eval_every == 0)
         metrics, counts = {}, {}
         if scheduled or "eval" in b.intents:
             sums = self._evaluate(trainer)
@@ -144,7 +144,7 @@ def _check_eval(out) -> dict[str, tuple[float, float]]:
 # ---------------------------------------------------------------- the handle
 
 class Run:
-    """A training run of :func:`train`: iterate it for the epochs, or :meth:`wait` for all of them.
+    """A training run of :func:`fit`: iterate it for the epochs, or :meth:`wait` for all of them.
 
     Each epoch trains when the iteration asks for it; every rank gets the same
     :class:`flodl_mpi.EpochResult` (cohort-wide metrics: ``summary.avg_loss``,
@@ -286,7 +286,7 @@ def _load(data, names):
                     f"got {type(data).__name__}")
 
 
-def train(model: Callable[..., nn.Module] | nn.Module | None = None,
+def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
           optimizer: Callable[..., torch.optim.Optimizer] | str | None = None, *,
           train_step: Callable | None = None, eval_fn: Callable | None = None, data=None,
           names: Mapping[str, str] | None = None, batch_size: int = 32, epochs: int = 10, lr: float = 1e-3,

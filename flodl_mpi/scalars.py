@@ -106,11 +106,11 @@ def record_scalar(name: str, value) -> None:
             is called, a sync point on a GPU).
 
     Raises:
-        RuntimeError: no :func:`flodl_mpi.train` run or :class:`flodl_mpi.Averager` is active.
+        RuntimeError: no :func:`flodl_mpi.fit` run or :class:`flodl_mpi.Averager` is active.
         TypeError, ValueError: see :meth:`ScalarBook.record`.
     """
     if not _active:
-        raise RuntimeError("record_scalar needs an active flodl_mpi.train(...) run or an open flodl_mpi.Averager")
+        raise RuntimeError("record_scalar needs an active flodl_mpi.fit(...) run or an open flodl_mpi.Averager")
     _active[0].record(name, value)
 
 
@@ -123,7 +123,7 @@ def request(intent: str) -> None:
         RuntimeError: nothing is active. ValueError: an unknown intent.
     """
     if not _active:
-        raise RuntimeError("request needs an active flodl_mpi.train(...) run or an open flodl_mpi.Averager")
+        raise RuntimeError("request needs an active flodl_mpi.fit(...) run or an open flodl_mpi.Averager")
     _active[0].request(intent)
 
 

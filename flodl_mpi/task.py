@@ -74,7 +74,7 @@ def learning_rate_factor(cohort_step: int, world_size: int, scale_lr: bool, warm
 
 
 class UserTask(ClassificationTask):
-    """The Python API's task, from the user's callables (see :func:`flodl_mpi.train`).
+    """The Python API's task, from the user's callables (see :func:`flodl_mpi.fit`).
 
     Args:
         train_step: ``(model, batch) -> loss`` or ``-> (loss, {name: value})``;
