@@ -17,7 +17,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -395,11 +394,6 @@ def _setup(session, a: dict) -> Run:
                 raise ValueError(f"{name} must be callable, got {type(a[name]).__name__}")
         if not (isinstance(a["eval_every"], int) and a["eval_every"] >= 0):
             raise ValueError(f"eval_every must be an int >= 0, got {a['eval_every']!r}")
-        if not (isinstance(a["warmup_steps"], int) and a["warmup_steps"] >= 0):
-            raise ValueError(f"warmup_steps must be an int >= 0, got {a['warmup_steps']!r}")
-        clip = a["clip_grad_norm"]
-        if clip is not None and not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
-            raise ValueError(f"clip_grad_norm must be a finite number > 0 or None, got {clip!r}")
         if opt is not None and not callable(opt) and opt not in ("sgd", "adam", "adamw"):
             raise ValueError(f"optimizer must be a factory or one of sgd, adam, adamw, got {opt!r}")
         return TrainConfig(
@@ -411,7 +405,8 @@ def _setup(session, a: dict) -> Run:
             keep_checkpoints=a["keep_checkpoints"], run_dir=None if a["run_dir"] is None else str(a["run_dir"]),
             resume=a["resume"], device=a["device"], stall_timeout=float(a["stall_timeout"]),
             chunk_elems=a["chunk_elems"], on_non_finite=a["on_non_finite"], eval_batch_size=a["eval_batch_size"],
-            threads=a["threads"],
+            threads=a["threads"], scale_lr=a["scale_lr"], warmup_steps=a["warmup_steps"],
+            clip_grad_norm=a["clip_grad_norm"],
         )
 
     cfg = agree(comm, "config", config, watchdog)
@@ -433,9 +428,8 @@ def _setup(session, a: dict) -> Run:
     boundary = _Boundary(book, a["eval_fn"] or default_eval(step_fn), a["eval_every"], cfg.epochs,
                          cfg.eval_batch_size)
     opt = a["optimizer"]
-    task = UserTask(step_fn, opt if callable(opt) else None, boundary, book.record, world.size,
-                    schedule=a["lr_schedule"], scale_lr=bool(a["scale_lr"]), warmup_steps=a["warmup_steps"],
-                    clip_grad_norm=a["clip_grad_norm"])
+    task = UserTask(step_fn, opt if callable(opt) else None, boundary, book.record, cfg, world.size,
+                    schedule=a["lr_schedule"])
 
     # -- the model: same structure everywhere, one training step on the smallest batch (undone)
     torch.manual_seed(cfg.seed)

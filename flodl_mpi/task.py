@@ -19,21 +19,46 @@ __all__ = ["ClassificationTask", "UserTask", "learning_rate_factor"]
 
 
 class ClassificationTask:
-    """``flodl-mpi train``'s task: cross-entropy on class labels, test loss and accuracy, the config's optimizer."""
+    """``flodl-mpi train``'s task: cross-entropy on class labels, test loss and accuracy, the config's optimizer.
+
+    Args:
+        cfg: the run's ``TrainConfig`` (``scale_lr``, ``warmup_steps``, ``clip_grad_norm``); None: none of them.
+        world_size: ranks in the run (the linear scaling rule's factor).
+        schedule: ``cohort_step -> factor`` on the initial learning rate, or None.
+    """
 
     #: The cohort asked for a checkpoint at this epoch's boundary (never, from the CLI).
     checkpoint_now = False
 
+    def __init__(self, cfg=None, world_size: int = 1, schedule: Callable[[int], float] | None = None) -> None:
+        self.world_size, self.schedule = world_size, schedule
+        self.scale_lr = bool(getattr(cfg, "scale_lr", False))
+        self.warmup_steps = int(getattr(cfg, "warmup_steps", 0))
+        self.clip_grad_norm = getattr(cfg, "clip_grad_norm", None)
+
     def make_optimizer(self, cfg, model: nn.Module) -> torch.optim.Optimizer:
         from flodl_mpi.worker import make_optimizer
 
-        return make_optimizer(cfg, model)
+        return self._keep_initial_lr(make_optimizer(cfg, model))
+
+    @staticmethod
+    def _keep_initial_lr(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        for group in opt.param_groups:  # what the factor multiplies (as torch's LR schedulers keep it)
+            group.setdefault("initial_lr", group["lr"])
+        return opt
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], cohort_step: int) -> torch.Tensor:
         x, y = batch
         return nn.functional.cross_entropy(model(x), y)
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, cohort_step: int) -> None:
+        """The learning rate of this cohort step, clipping, then ``optimizer.step()``."""
+        if self.schedule is not None or (self.scale_lr and self.world_size > 1):
+            f = learning_rate_factor(cohort_step, self.world_size, self.scale_lr, self.warmup_steps, self.schedule)
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * f
+        if self.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
         optimizer.step()
 
     def end_epoch(self, trainer, epoch: int, report) -> tuple[float, int, int]:
@@ -79,21 +104,18 @@ class UserTask(ClassificationTask):
     Args:
         train_step: ``(model, batch) -> loss`` or ``-> (loss, {name: value})``;
             ``batch`` is ``(x, y)`` on the device. Extra values are recorded as scalars.
-        eval_fn: ``(model, batch) -> {name: (sum, count)}``.
         optimizer_factory: ``parameters -> Optimizer``, or None for the config's.
         boundary: ``(trainer, epoch, report) -> (loss_sum, correct, count)`` and
             ``after_epoch(trainer, summary)``: the API's epoch boundary.
         record: ``(name, value)`` for the train step's extra scalars.
-        schedule, scale_lr, warmup_steps: see :func:`learning_rate_factor`.
-        clip_grad_norm: max L2 norm of this rank's gradients before each step (None: no clipping).
+        cfg, world_size, schedule: as :class:`ClassificationTask`.
     """
 
-    def __init__(self, train_step, optimizer_factory, boundary, record, world_size: int, schedule=None,
-                 scale_lr: bool = False, warmup_steps: int = 0, clip_grad_norm: float | None = None) -> None:
+    def __init__(self, train_step, optimizer_factory, boundary, record, cfg, world_size: int,
+                 schedule=None) -> None:
+        super().__init__(cfg, world_size, schedule)
         self.train_step, self.optimizer_factory, self.boundary, self.record = (train_step, optimizer_factory,
                                                                                  boundary, record)
-        self.world_size, self.schedule = world_size, schedule
-        self.scale_lr, self.warmup_steps, self.clip_grad_norm = scale_lr, warmup_steps, clip_grad_norm
 
     @property
     def checkpoint_now(self) -> bool:
@@ -104,9 +126,7 @@ class UserTask(ClassificationTask):
             else self.optimizer_factory(model.parameters())
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
-        for group in opt.param_groups:
-            group.setdefault("initial_lr", group["lr"])
-        return opt
+        return self._keep_initial_lr(opt)
 
     def loss(self, model, batch, cohort_step):
         out = self.train_step(model, batch)
@@ -119,15 +139,6 @@ class UserTask(ClassificationTask):
             raise TypeError(f"train_step must return the batch's loss as a one-element tensor that requires grad "
                             f"(or (loss, {{name: value}})), got {got}")
         return out.reshape(())
-
-    def step(self, model, optimizer, cohort_step):
-        if self.schedule is not None or self.scale_lr:
-            f = learning_rate_factor(cohort_step, self.world_size, self.scale_lr, self.warmup_steps, self.schedule)
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * f
-        if self.clip_grad_norm is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
-        optimizer.step()
 
     def end_epoch(self, trainer, epoch, report):
         return self.boundary.end_epoch(trainer, epoch, report)

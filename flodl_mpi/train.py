@@ -54,7 +54,7 @@ from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree
 
-__all__ = ["run_train", "pick_device"]
+__all__ = ["run_train", "pick_device", "effective_batch_line"]
 
 log = logging.getLogger("flodl_mpi")
 
@@ -111,6 +111,25 @@ def _describe_policy(cfg: TrainConfig) -> str:
     if cfg.outer != "avg":
         outer = OuterOptimizer(cfg.outer, 0, cfg.outer_lr, cfg.outer_momentum)
         text += f", outer {cfg.outer} (lr {outer.lr:g}, momentum {outer.momentum:g})"
+    return text
+
+
+def effective_batch_line(cfg: TrainConfig, world_size: int) -> str:
+    """The header's line on the effective batch and the learning rate (what a user must know at W > 1).
+
+    Each round averages one window of every rank, so per epoch every replica takes
+    about 1/W of the steps one process would, each on ``batch_size`` samples; at
+    equal ``--lr`` the cohort moves like one process with a W times larger batch.
+    """
+    eff = cfg.batch_size * world_size
+    text = (f"batch {cfg.batch_size} per rank: effective batch {cfg.batch_size} x {world_size} rank"
+            f"{'s' if world_size != 1 else ''} = {eff} samples per step of the averaged model")
+    if cfg.scale_lr and world_size > 1:
+        ramp = f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""
+        return f"{text}; --scale-lr: lr {cfg.lr:g} x {world_size} = {cfg.lr * world_size:g}{ramp}"
+    if world_size > 1:
+        return (f"{text}; lr {cfg.lr:g} as given (one process at batch {cfg.batch_size} would take {world_size}x "
+                f"the steps per epoch: to match it, raise --lr toward {cfg.lr * world_size:g} or add --scale-lr)")
     return text
 
 
@@ -396,6 +415,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
                  f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
                  f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
+        log.info(effective_batch_line(cfg, world.size))
         n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
         if n_batches < world.size:
             log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "

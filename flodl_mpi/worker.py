@@ -315,7 +315,7 @@ class Trainer:
         self.fault, self.log = fault, log
         self.progress = progress if progress is not None else EpochProgress(enabled=False)
         self.log_detail = log_detail if log_detail is not None else (lambda line: None)
-        self.task = task if task is not None else ClassificationTask()
+        self.task = task if task is not None else ClassificationTask(cfg, world_size)
         self.optimizer = self.task.make_optimizer(cfg, replica.model)
         self.quotas = fixed_quotas(world_size, cfg.window)
         self.steps = 0            # n_r: optimizer steps since the consensus last adopted

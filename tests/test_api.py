@@ -11,7 +11,14 @@ from torch import nn
 
 import flodl_mpi
 from flodl_mpi.cadence import fixed_quotas, plan_window
-from flodl_mpi.data import batch_indices, default_digits_path, ensure_digits, epoch_permutation, load_dataset, num_batches
+from flodl_mpi.data import (
+    batch_indices,
+    default_digits_path,
+    ensure_digits,
+    epoch_permutation,
+    load_dataset,
+    num_batches,
+)
 from flodl_mpi.metrics import read_table
 from flodl_mpi.models import digits_mlp
 
@@ -131,3 +138,31 @@ def test_an_intent_of_one_rank_acts_on_every_rank_at_the_same_epoch():
     if rank == 0:
         names = sorted(p.name[:12] for p in (run_dir / "i" / "checkpoints").glob("ckpt-*.h5"))
         assert names == ["ckpt-e000002", "ckpt-e000003"]  # the asked one, and the last
+
+
+def test_scale_lr_and_a_schedule_follow_the_cohort_step():
+    """The lr of every batch record: lr0 x (linear scaling with warm-up) x schedule, at the batch's cohort step."""
+    from mpi4py import MPI
+
+    from flodl_mpi.task import learning_rate_factor
+
+    comm = MPI.COMM_WORLD
+    W = comm.size
+    run_dir = shared_dir(comm)
+    gen = np.random.default_rng(1)
+    x, y = gen.normal(size=(40, 3)).astype(np.float32), gen.normal(size=(40, 2)).astype(np.float32)
+    run = flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_shape[0], target_shape[0]),
+                        lambda p: torch.optim.SGD(p, lr=0.01), data=((x, y), (x, y)), batch_size=4, epochs=2,
+                        scale_lr=True, warmup_steps=6, lr_schedule=lambda s: 1.0 / (1 + s), clip_grad_norm=0.5,
+                        run_dir=run_dir / "lr")
+    run.wait()
+    if comm.rank == 0:
+        b = read_table(run_dir / "lr" / "metrics.h5", "batches")
+        # sync: in each epoch rank r trains global batches r, r + W, ... (10 per epoch); its k-th is r + kW
+        for rank in range(W):
+            mine = b["rank"] == rank
+            per_epoch = len(range(rank, 10, W))
+            k = np.arange(mine.sum())
+            cohort = (k // per_epoch) * 10 + rank + (k % per_epoch) * W
+            expected = [0.01 * learning_rate_factor(int(c), W, True, 6, lambda s: 1.0 / (1 + s)) for c in cohort]
+            np.testing.assert_allclose(b["lr"][mine], expected, rtol=1e-12)

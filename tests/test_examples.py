@@ -33,7 +33,7 @@ def test_trainer_api_example(tmp_path, ranks):
     epochs = read_table(tmp_path / "run" / "metrics.h5", "epochs")
     np.testing.assert_allclose(epochs["test_accuracy"], acc, atol=5e-5)  # the printed numbers are the file's
     assert epochs["per_rank_samples"].shape[1] == ranks
-    assert sorted(p.name[:12] for p in (tmp_path / "run" / "checkpoints").glob("ckpt-*.h5"))[-1] == "ckpt-e000005"
+    assert max(p.name[:12] for p in (tmp_path / "run" / "checkpoints").glob("ckpt-*.h5")) == "ckpt-e000005"
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
