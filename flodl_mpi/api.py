@@ -18,6 +18,7 @@ import inspect
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -409,7 +410,15 @@ def _setup(session, a: dict) -> Run:
             clip_grad_norm=a["clip_grad_norm"],
         )
 
-    cfg = agree(comm, "config", config, watchdog)
+    def api_config() -> TrainConfig:
+        from flodl_mpi.config import ConfigError
+
+        try:
+            return config()
+        except ConfigError as exc:  # name the keyword as fit() spells it, not the CLI's flag
+            raise ConfigError(re.sub(r"--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), str(exc))) from None
+
+    cfg = agree(comm, "config", api_config, watchdog)
     watchdog.stall_timeout = cfg.stall_timeout
     threads, threads_line = settle_threads(comm, world.host, agree(comm, "threads", lambda: thread_request(
         cfg.threads), watchdog))
