@@ -263,6 +263,21 @@ def _call_factory(factory: Callable, offered: dict) -> nn.Module:
     return factory(**{k: v for k, v in offered.items() if k in names})
 
 
+def _scalar_rows_before(path: Path, epochs_done: int) -> int:
+    """Rows of the ``scalars`` table that a resume keeps: those of the epochs the checkpoint completed.
+
+    Rows are appended epoch by epoch, so they are a prefix; the checkpoint's
+    ``metrics_rows`` (written by ``worker.Trainer``) does not count this table.
+    """
+    from flodl_mpi.metrics import read_table
+
+    try:
+        epochs = read_table(path, "scalars")["epoch"]
+    except (KeyError, OSError):  # no file, or one from before the table existed
+        return 0
+    return int((epochs <= epochs_done).sum())
+
+
 def _describe(obj) -> str | None:
     if obj is None:
         return None
@@ -491,6 +506,8 @@ def _setup(session, a: dict) -> Run:
             log.setLevel(min(log.level or logging.INFO, logging.INFO))
         if cfg.resume:
             ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n)
+            if ckpt is not None and world.rank == 0:
+                keep_rows = {**keep_rows, "scalars": _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))}
             if ckpt is not None:
                 from flodl_mpi.checkpoint import load_state_dict
 

@@ -166,3 +166,27 @@ def test_scale_lr_and_a_schedule_follow_the_cohort_step():
             cohort = (k // per_epoch) * 10 + rank + (k % per_epoch) * W
             expected = [0.01 * learning_rate_factor(int(c), W, True, 6, lambda s: 1.0 / (1 + s)) for c in cohort]
             np.testing.assert_allclose(b["lr"][mine], expected, rtol=1e-12)
+
+
+def test_resume_continues_the_run_and_keeps_the_scalars_of_the_epochs_done():
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    run_dir = shared_dir(comm) / "resume"
+
+    def step(model, batch):
+        flodl_mpi.record_scalar("one", 1.0)
+        return ce_step(model, batch)
+
+    def make(input_shape, num_classes):
+        return nn.Linear(input_shape[0], num_classes)
+
+    first = flodl_mpi.fit(make, train_step=step, epochs=2, batch_size=128, run_dir=run_dir).wait()
+    assert [h.epoch for h in first] == [1, 2]
+    again = flodl_mpi.fit(make, train_step=step, epochs=4, batch_size=128, run_dir=run_dir, resume=True).wait()
+    assert [h.epoch for h in again] == [3, 4]
+    if comm.rank == 0:
+        rows = read_table(run_dir / "metrics.h5", "scalars")
+        ones = rows["name"] == b"one"
+        np.testing.assert_array_equal(rows["epoch"][ones], [1, 2, 3, 4])  # epochs 1-2 kept, 3-4 added
+        np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "epochs")["epoch"], [1, 2, 3, 4])
