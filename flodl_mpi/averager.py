@@ -98,6 +98,11 @@ class Averager:
             sends mass 0 for the round and adopts the others' consensus) or ``"stop"``.
         chunk_elems: float32 elements per Allreduce piece.
         broadcast: start every rank from rank 0's parameters and buffers (default True).
+        resume: continue the run in ``run_dir`` from its newest checkpoint: the
+            consensus, this rank's optimizer state, step count and integer buffers,
+            the round count and :attr:`epoch` (the epochs done: start your loop
+            there); metrics.h5 keeps the rows the checkpoint had seen. Without a
+            checkpoint the run starts afresh. Needs ``run_dir``.
 
     Raises:
         TypeError, ValueError: a bad argument (the message names it).
@@ -129,7 +134,8 @@ class Averager:
     def __init__(self, model: nn.Module, comm=None, *, optimizer: torch.optim.Optimizer | None = None,
                  policy: str = "sync", window: int = 1, gamma: float = 1.0, run_dir: str | os.PathLike | None = None,
                  checkpoint_every: int = 1, keep_checkpoints: int = 3, stall_timeout: float = 600.0,
-                 on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True) -> None:
+                 on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True,
+                 resume: bool = False) -> None:
         # -- validate every argument before MPI starts (STYLE 13)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -158,11 +164,13 @@ class Averager:
             raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
         if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
             raise TypeError(f"run_dir must be a path or None, got {type(run_dir).__name__}")
+        if resume and run_dir is None:
+            raise ValueError("resume=True needs run_dir: the run directory to continue")
         self.cfg = TrainConfig(model=_model_name(model), data="(your training loop)", policy=policy, window=window,
                                gamma=float(gamma), run_dir=None if run_dir is None else str(run_dir),
                                checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                                stall_timeout=float(stall_timeout), on_non_finite=on_non_finite,
-                               chunk_elems=chunk_elems, optimizer="adam")
+                               chunk_elems=chunk_elems, optimizer="adam", resume=bool(resume))
         self.model, self.optimizer = model, optimizer
         self._closed = True  # until setup is complete
 
@@ -188,7 +196,7 @@ class Averager:
     def _setup(self, broadcast: bool) -> None:
         from flodl_mpi.bridge import Bridge
         from flodl_mpi.metrics import MetricsWriter
-        from flodl_mpi.train import _check_same_model, _make_run_dir, _run_attrs
+        from flodl_mpi.train import _check_same_model, _find_resume, _make_run_dir, _run_attrs
         from flodl_mpi.worker import Replica
         from flodl_mpi.world import agree
 
@@ -202,6 +210,10 @@ class Averager:
         self._loss_finite = True
         self.epoch = 0            # epochs ended (end_epoch calls)
         self._saved_version = 0
+        #: Rows metrics.h5 holds per table (a checkpoint records them for a resume).
+        self._metrics_rows = {"epochs": 0, "batches": 0, "scalars": 0}
+        ckpt = None
+        self._round_pending = False
         self.world = world
         #: This rank and the world size (1 under plain ``python``).
         self.rank, self.world_size = world.rank, world.size
@@ -211,14 +223,23 @@ class Averager:
         self._writer = None
         if self.cfg.run_dir is not None:
             self.run_dir = _make_run_dir(self.cfg, comm, watchdog)
+            keep_rows = None
+            if self.cfg.resume:
+                ckpt, keep_rows = _find_resume(self.cfg, self.run_dir, world, watchdog, 0)
+                if ckpt is not None:
+                    from flodl_mpi.checkpoint import load_state_dict
+
+                    agree(comm, "resume", lambda: self.model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
             if world.rank == 0:
                 import json
 
-                (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+                name = "config.json" if keep_rows is None else \
+                    f"config-resume-r{int(ckpt.meta['round']) if ckpt is not None else 0:06d}.json"
+                (self.run_dir / name).write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
                 attrs = _run_attrs(self.cfg, world, self.device)
                 attrs["data_source"] = "(your training loop)"
                 self._writer = MetricsWriter(self.run_dir, world.size, attrs, self.run_dir / "checkpoints",
-                                             self.cfg.keep_checkpoints)
+                                             self.cfg.keep_checkpoints, keep_rows=keep_rows)
             else:
                 _run_attrs(self.cfg, world, self.device)  # collective: hosts and devices
             agree(comm, "metrics writer", lambda: self._writer.start() if self._writer is not None else None,
@@ -237,6 +258,8 @@ class Averager:
         self.replica.adopt(self.bridge)
         if self.run_dir is not None:  # what would fail at save time fails now
             agree(comm, "checkpoint check", self._check_saveable, watchdog, name_ranks=False)
+        if ckpt is not None:
+            agree(comm, "resume", lambda: self._resume(ckpt), watchdog)
         self._new_epoch()
         self._book = _scalars.ScalarBook()
         _scalars.activate(self._book)
@@ -245,6 +268,26 @@ class Averager:
             self._hook = self.optimizer.register_step_post_hook(self._count_step)
         watchdog.begin("training")
         self.bridge.start()
+
+    def _resume(self, ckpt) -> None:
+        """This rank's state from the checkpoint (the consensus is loaded already), as ``worker.Trainer.resume``."""
+        from flodl_mpi import rank_state
+
+        meta = ckpt.meta
+        old_size = int(meta["world_size"])
+        arrays, attrs = ckpt.ranks[self.rank % old_size]
+        same = old_size == self.world_size
+        if self.optimizer is not None and "optimizer_class" in attrs:
+            rank_state.restore(self.optimizer, arrays, attrs, rng=same)
+        elif same and "rng/torch" in arrays:
+            torch.set_rng_state(torch.from_numpy(np.array(arrays["rng/torch"])))
+        rank_state.restore_integer_buffers(self.model, arrays)
+        self.global_step = int(attrs.get("global_step", 0))
+        self.bridge.version = self._saved_version = int(meta["round"])
+        self.bridge.guard.load_state_dict(meta["guard"])
+        self.bridge.resume_clock(float(meta["elapsed_s"]))
+        self.epoch = int(meta["epoch"])
+        self._metrics_rows = {k: int(meta["metrics_rows"].get(k, 0)) for k in self._metrics_rows}
 
     def _count_step(self, optimizer, args, kwargs) -> None:
         self._hooked += 1
@@ -315,6 +358,7 @@ class Averager:
         self.replica.snapshot(self.bridge)
         update = self.bridge.round(self.steps, self._calls, stop=False, loss_finite=self._loss_finite)
         self._calls, self._loss_finite = 0, True
+        self._round_pending = True
         if update.adopted:
             self.replica.adopt(self.bridge)
         if self.rank in update.quarantined and self.optimizer is not None:
@@ -351,14 +395,16 @@ class Averager:
         _fill_test(report, sums)
         boundary = _scalars.exchange(self.bridge.allgather, self._book, self._batches, sums)
         summary = self.bridge.epoch_end(report, np.array(self._rows, dtype=np.float64), self.epoch)
+        self._round_pending = False
         self.epoch += 1
         path = None
-        if self._writer is not None:
-            rows = _scalars.scalar_rows(self.epoch, {**boundary.scalars, **boundary.eval_values},
-                                        {**boundary.counts, **boundary.eval_counts}, boundary.per_rank,
-                                        self.world_size)
-            if rows is not None:
-                self._writer.append("scalars", rows)
+        rows = _scalars.scalar_rows(self.epoch, {**boundary.scalars, **boundary.eval_values},
+                                    {**boundary.counts, **boundary.eval_counts}, boundary.per_rank, self.world_size)
+        self._metrics_rows["epochs"] += 1
+        self._metrics_rows["batches"] += summary.batch_records
+        self._metrics_rows["scalars"] += 0 if rows is None else len(rows["epoch"])
+        if self._writer is not None and rows is not None:
+            self._writer.append("scalars", rows)
         due = self.cfg.checkpoint_every and self.epoch % self.cfg.checkpoint_every == 0
         if self.run_dir is not None and (due or "checkpoint" in boundary.intents):
             path = self._save(summary, "checkpoint")
@@ -393,6 +439,9 @@ class Averager:
             "test_accuracy": getattr(summary, "test_accuracy", math.nan),
             "test_loss": getattr(summary, "test_loss", math.nan), "test_count": getattr(summary, "test_count", 0),
             "api": "Averager", "time_unix": time.time(),
+            # A round's row is written when its acks ride the next gather: the last one is
+            # still pending when no epoch exchange came after it.
+            "metrics_rows": {"rounds": self.bridge.version - int(self._round_pending), **self._metrics_rows},
         }
         return checkpoint_name(max(self.epoch, 1), self.bridge.version), params, buffers, meta, order, ranks
 

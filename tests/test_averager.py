@@ -142,3 +142,46 @@ def test_world_of_one_error_propagates_as_is(tmp_path):
                           env=launch_env(), check=False)
     assert proc.returncode == 0, proc.stderr
     assert "caught: boom in the user's loop" in proc.stdout and "closed: True" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_resume_continues_the_epochs_and_the_metrics():
+    import tempfile
+    from pathlib import Path
+
+    from mpi4py import MPI
+
+    from flodl_mpi.metrics import read_table
+
+    comm = MPI.COMM_WORLD
+    run_dir = Path(comm.bcast(tempfile.mkdtemp(prefix="flodl-avg-") if comm.rank == 0 else None, root=0)) / "r"
+    gen = torch.Generator().manual_seed(comm.rank)
+
+    def train(avg, model, opt, epochs):
+        for _ in range(avg.epoch, epochs):
+            for _ in range(5):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(torch.randn(16, 8, generator=gen)),
+                                            torch.randint(0, 3, (16,), generator=gen)).backward()
+                opt.step()
+                avg.step()
+            flodl_mpi.record_scalar("x", 1.0)
+            avg.end_epoch()
+
+    model = small_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with flodl_mpi.Averager(model, optimizer=opt, run_dir=run_dir) as avg:
+        train(avg, model, opt, 2)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model2 = small_model()  # fresh values: the checkpoint must bring the consensus back
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    with flodl_mpi.Averager(model2, optimizer=opt2, run_dir=run_dir, resume=True) as avg:
+        assert avg.epoch == 2 and avg.global_step == 10
+        for k, v in model2.state_dict().items():
+            torch.testing.assert_close(v, saved[k], msg=k)
+        assert len(opt2.state) == len(opt.state)  # Adam's moments came back
+        train(avg, model2, opt2, 3)
+    if comm.rank == 0:
+        np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "epochs")["epoch"], [1, 2, 3])
+        np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "rounds")["round"], np.arange(15))
+        np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "scalars")["epoch"], [1, 2, 3])
