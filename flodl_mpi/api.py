@@ -204,6 +204,14 @@ class Run:
         """Save a checkpoint at the next epoch boundary, for the whole cohort (any rank may ask)."""
         self._boundary.book.request("checkpoint")
 
+    @property
+    def last_eval(self) -> tuple[int, dict[str, float]] | None:
+        """``(epoch, {name: value})`` of the latest cohort evaluation (the same on every rank), or None yet."""
+        for result in reversed(self.history):
+            if result.metrics:
+                return result.epoch, dict(result.metrics)
+        return None
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict (the consensus once the run is finished)."""
         return self.model.state_dict()

@@ -135,6 +135,7 @@ def test_an_intent_of_one_rank_acts_on_every_rank_at_the_same_epoch():
     seen = comm.allgather([(h.epoch, h.intents, sorted(h.metrics)) for h in run.history])
     assert all(s == seen[0] for s in seen)  # every rank saw the same
     assert seen[0] == [(1, (), []), (2, ("eval", "checkpoint"), ["accuracy", "loss"]), (3, (), ["accuracy", "loss"])]
+    assert run.last_eval[0] == 3 and set(run.last_eval[1]) == {"accuracy", "loss"}
     if rank == 0:
         names = sorted(p.name[:12] for p in (run_dir / "i" / "checkpoints").glob("ckpt-*.h5"))
         assert names == ["ckpt-e000002", "ckpt-e000003"]  # the asked one, and the last

@@ -185,3 +185,24 @@ def test_resume_continues_the_epochs_and_the_metrics():
         np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "epochs")["epoch"], [1, 2, 3])
         np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "rounds")["round"], np.arange(15))
         np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "scalars")["epoch"], [1, 2, 3])
+
+
+@pytest.mark.mpi
+def test_a_step_the_amp_scaler_skips_carries_no_mass():
+    """GradScaler skips optimizer.step() on inf gradients: the post-step hook counts none, so mass 0."""
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2) as avg:
+        steps = []
+        for call in range(2):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(torch.randn(8, 8)), torch.randint(0, 3, (8,)))
+            if call == 1:
+                loss = loss * float("inf")  # inf gradients: the scaler skips this step
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            steps.append(avg.step())
+        assert steps[0] is None and steps[1].steps_at_snapshot == 1  # two calls, one realized step
+        assert avg.global_step == 1
