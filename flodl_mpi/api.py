@@ -104,6 +104,8 @@ class _Boundary:
         was_training = model.training
         model.eval()
         total: dict[str, list[float]] = {}
+        # The default eval calls the train step: what it records is not training's (dropped).
+        _scalars.activate(_scalars.ScalarBook())
         try:
             for start in range(lo, hi, self.eval_batch_size):
                 end = min(start + self.eval_batch_size, hi)
@@ -114,6 +116,7 @@ class _Boundary:
                     acc[1] += pair[1]
         finally:
             model.train(was_training)
+            _scalars.activate(self.book)
         return {k: (s, c) for k, (s, c) in total.items()}
 
     def after_epoch(self, trainer, summary) -> None:

@@ -105,8 +105,8 @@ def test_record_scalar_is_batch_weighted_across_ranks():
 
     run_dir = shared_dir(comm)
     run = flodl_mpi.fit(lambda input_shape: nn.Linear(input_shape[0], 3), train_step=step,
-                          data={"train": (x, y), "test": (x, y)}, batch_size=8, epochs=1, run_dir=run_dir / "r")
-    result = run.wait()[-1]
+                          data={"train": (x, y), "test": (x, y)}, batch_size=8, epochs=2, run_dir=run_dir / "r")
+    result = run.wait()[-1]  # epoch 2: the default eval of epoch 1 (it calls the step) records nothing
     batches = [sum(plan_window(fixed_quotas(W, 1), c, 3).counts[r] for c in range(0, 3, W)) for r in range(W)]
     expected = sum(b * (10.0 * r + 1.0) for r, b in enumerate(batches)) / sum(batches)
     if W == 2:
@@ -114,7 +114,8 @@ def test_record_scalar_is_batch_weighted_across_ranks():
     assert result.scalars["s"] == pytest.approx(expected, rel=1e-12)
     if rank == 0:
         rows = read_table(run_dir / "r" / "metrics.h5", "scalars")
-        row = rows["name"].tolist().index(b"s")
+        row = len(rows["name"]) - 1 - rows["name"].tolist()[::-1].index(b"s")  # epoch 2's row
+        assert rows["epoch"][row] == 2
         assert rows["value"][row] == pytest.approx(expected, rel=1e-12)
         assert rows["count"][row] == sum(b * (r + 1) for r, b in enumerate(batches))
         np.testing.assert_allclose(rows["per_rank_mean"][row], [10.0 * r + 1.0 for r in range(W)])
