@@ -548,6 +548,10 @@ def _setup(session, a: dict) -> Run:
                   name_ranks=False)
         if ckpt is not None:
             agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
+            if callable(opt):  # resume set the config's lr and weight decay: the factory's are the run's
+                fresh = task.make_optimizer(cfg, model)  # a new optimizer over the same params, no state
+                for group, new in zip(trainer.optimizer.param_groups, fresh.param_groups):
+                    group.update({k: v for k, v in new.items() if k != "params"})
     except BaseException:
         if writer is not None:
             with contextlib.suppress(Exception):

@@ -183,9 +183,16 @@ def test_resume_continues_the_run_and_keeps_the_scalars_of_the_epochs_done():
     def make(input_shape, num_classes):
         return nn.Linear(input_shape[0], num_classes)
 
-    first = flodl_mpi.fit(make, train_step=step, epochs=2, batch_size=128, run_dir=run_dir).wait()
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.05, momentum=0.5)
+
+    first = flodl_mpi.fit(make, sgd, train_step=step, epochs=2, batch_size=128, run_dir=run_dir).wait()
     assert [h.epoch for h in first] == [1, 2]
-    again = flodl_mpi.fit(make, train_step=step, epochs=4, batch_size=128, run_dir=run_dir, resume=True).wait()
+    run = flodl_mpi.fit(make, sgd, train_step=step, epochs=4, batch_size=128, run_dir=run_dir, resume=True)
+    group = run.optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"]) == (0.05, 0.5)  # the factory's, not the config's defaults
+    assert run.optimizer.state  # the momentum buffers came back
+    again = run.wait()
     assert [h.epoch for h in again] == [3, 4]
     if comm.rank == 0:
         rows = read_table(run_dir / "metrics.h5", "scalars")
