@@ -122,7 +122,7 @@ def effective_batch_line(cfg: TrainConfig, world_size: int) -> str:
     equal ``--lr`` the cohort moves like one process with a W times larger batch.
     """
     eff = cfg.batch_size * world_size
-    text = (f"batch {cfg.batch_size} per rank: effective batch {cfg.batch_size} x {world_size} rank"
+    text = (f"batch {cfg.batch_size} per rank, effective batch {cfg.batch_size} x {world_size} rank"
             f"{'s' if world_size != 1 else ''} = {eff} samples per step of the averaged model")
     if cfg.scale_lr and world_size > 1:
         ramp = f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""
