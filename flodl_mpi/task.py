@@ -55,8 +55,8 @@ class ClassificationTask:
         """The learning rate of this cohort step, clipping, then ``optimizer.step()``."""
         if self.schedule is not None or (self.scale_lr and self.world_size > 1):
             f = learning_rate_factor(cohort_step, self.world_size, self.scale_lr, self.warmup_steps, self.schedule)
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * f
+            for group in optimizer.param_groups:  # (a checkpoint from before may lack initial_lr)
+                group["lr"] = group.setdefault("initial_lr", group["lr"]) * f
         if self.clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
         optimizer.step()
