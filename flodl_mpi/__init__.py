@@ -4,6 +4,43 @@ Every rank trains its own replica; a background bridge thread per rank averages
 the parameters across ranks with MPI Allreduce, weighting each rank by the
 optimizer steps it actually took since the last round (SPEC §1-2), and rank 0
 writes metrics and checkpoints to HDF5.
+
+Two ways in from Python, both the same under ``python script.py`` (a world of 1)
+and ``mpiexec -n N python script.py``:
+
+- :class:`Averager`: keep your own loop, call ``averager.step()`` after each optimizer step.
+- :func:`fit`: give a model factory, an optimizer factory, a train step and the
+  data; iterate the returned :class:`Run` for the cohort's epoch metrics.
+
+Importing the package starts neither MPI nor torch; the names below load on first use.
+(The API's entry point is ``fit``, not ``train``: ``flodl_mpi.train`` is the CLI's module.)
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["Averager", "EpochResult", "Run", "__version__", "fit", "record_scalar", "request"]
+
+_WHERE = {
+    "Averager": "flodl_mpi.averager",
+    "EpochResult": "flodl_mpi.averager",
+    "Run": "flodl_mpi.api",
+    "fit": "flodl_mpi.api",
+    "record_scalar": "flodl_mpi.scalars",
+    "request": "flodl_mpi.scalars",
+}
+
+
+def __getattr__(name: str):
+    # Lazy (PEP 562): importing the package must not start MPI (the launcher checks
+    # come first, in flodl_mpi.session) nor load torch (the CLI's start-up order).
+    if name in _WHERE:
+        import importlib
+
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flodl_mpi' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_WHERE))

@@ -370,6 +370,14 @@ class Bridge:
         """
         return self._call(("gather", obj))
 
+    def allgather(self, obj) -> list:
+        """Gather one small object per rank to every rank (a list of W, the same everywhere).
+
+        Collective, like :meth:`round`; once per epoch at most (the Python API's
+        epoch boundary: recorded scalars, intents, evaluation sums), pickled in memory.
+        """
+        return self._call(("allgather", obj))
+
     def close(self) -> None:
         """Stop the bridge thread and free its communicator."""
         if self._threaded and self._thread.is_alive():
@@ -433,6 +441,9 @@ class Bridge:
                 reply = self._round(*request[1:])
             elif request[0] == "epoch":
                 reply = self._epoch(*request[1:])
+            elif request[0] == "allgather":
+                self._enter("allgather")
+                reply = self._pkl5.allgather(request[1])
             else:
                 self._enter("state gather")
                 # pickle protocol 5, buffers out of band: no copy of the arrays, and

@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"each rank's optimizer (default {d.optimizer})")
     g.add_argument("--momentum", type=float, help=f"momentum of --optimizer sgd (default {d.momentum})")
     g.add_argument("--weight-decay", type=float, help=f"the optimizer's weight decay (default {d.weight_decay:g})")
+    g.add_argument("--scale-lr", action="store_true", default=None,
+                   help="linear scaling rule: each rank's learning rate x the world size (a round averages one "
+                        "batch per rank, so the cohort takes one step per batch-size x world-size samples)")
+    g.add_argument("--warmup-steps", type=int,
+                   help="with --scale-lr: cohort steps (global batches) over which the factor rises linearly from "
+                        f"1 to the world size (default {d.warmup_steps})")
+    g.add_argument("--clip-grad-norm", type=float, metavar="NORM",
+                   help="clip each rank's gradient L2 norm to NORM before its optimizer step (default: off)")
     g.add_argument("--drop-last", action="store_true", default=None,
                    help="drop each epoch's incomplete last batch (as PyTorch's DataLoader) instead of training on it")
     g.add_argument("--seed", type=int, help=f"seed of the data order and the model's initial values (default {d.seed})")

@@ -89,6 +89,9 @@ class TrainConfig:
     outer_momentum: float | None = None  # outer momentum in [0, 1); None = 0.9
     outer_reset_inner: bool = False   # clear each rank's optimizer state after each outer step
     average_optimizer_state: str = "auto"  # one of AVERAGE_OPTIMIZER_STATE (flodl_mpi.optimizer_state)
+    scale_lr: bool = False            # linear scaling rule: lr x world size (Goyal et al. 2017)
+    warmup_steps: int = 0             # cohort steps (global batches) over which scale_lr ramps from 1x to Wx
+    clip_grad_norm: float | None = None  # max L2 norm of each rank's gradients before its step; None = off
     eval_batch_size: int = 1024       # samples per evaluation batch
     threads: int | None = None        # torch threads per rank; None = the rule in flodl_mpi.launcher
 
@@ -150,6 +153,13 @@ class TrainConfig:
                               "use --policy window")
         self._check_balancer(need)
         need(isinstance(self.resume, bool), "resume", self.resume, "true or false")
+        need(isinstance(self.scale_lr, bool), "scale_lr", self.scale_lr, "true or false")
+        need(isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool) and self.warmup_steps >= 0,
+             "warmup_steps", self.warmup_steps, "an integer >= 0")
+        need(self.clip_grad_norm is None or (isinstance(self.clip_grad_norm, (int, float))
+                                             and not isinstance(self.clip_grad_norm, bool)
+                                             and math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0),
+             "clip_grad_norm", self.clip_grad_norm, "a finite number > 0")
         need(isinstance(self.drop_last, bool), "drop_last", self.drop_last, "true or false")
         if self.resume and self.run_dir is None:
             raise ConfigError("--resume needs --run-dir: the run directory to continue")

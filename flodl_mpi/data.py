@@ -22,6 +22,7 @@ __all__ = [
     "Dataset",
     "Split",
     "batch_indices",
+    "dataset_from_arrays",
     "default_digits_path",
     "ensure_digits",
     "epoch_permutation",
@@ -131,7 +132,57 @@ def _labels(y: np.ndarray, name: str, file: str) -> np.ndarray:
     return np.ascontiguousarray(y, dtype=np.int64)
 
 
-def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAMES) -> Dataset:
+def _targets(y: np.ndarray, name: str, file: str) -> np.ndarray:
+    """Targets of any task: integer class labels as :func:`_labels`, or float targets of any shape."""
+    if y.dtype.kind in "iu" and y.ndim == 1:
+        return _labels(y, name, file)
+    if y.dtype.kind not in "biuf" or y.ndim < 1:
+        raise DataError(f"{name!r} in {file!r} must be numeric targets of shape (N, ...), got {y.dtype} {y.shape}")
+    if y.size == 0:
+        raise DataError(f"{name!r} in {file!r} is empty")
+    with np.errstate(over="ignore"):
+        y = np.ascontiguousarray(y, dtype=np.float32)
+    if not np.isfinite(y).all():
+        raise DataError(f"{name!r} in {file!r} holds non-finite values (NaN or Inf as float32)")
+    return y
+
+
+def dataset_from_arrays(train: tuple, test: tuple, source: str = "in-memory arrays") -> Dataset:
+    """A :class:`Dataset` from in-memory ``(x, y)`` pairs (numpy arrays or tensors), validated as a file is.
+
+    ``x``: numeric ``(N, *features)``; ``y``: 1-D integer class labels >= 0
+    (classification), or floating targets ``(N, ...)`` of any shape
+    (regression: ``num_classes`` is then 0).
+
+    Raises:
+        DataError: as :func:`load_dataset` (the message names ``train`` / ``test``).
+    """
+    splits = {}
+    for split, pair in (("train", train), ("test", test)):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise DataError(f"{split} must be an (x, y) pair of arrays, got {type(pair).__name__}")
+        x, y = (np.asarray(a.detach().cpu() if hasattr(a, "detach") else a) for a in pair)
+        x, y = _features(x, f"{split} x", source), _targets(y, f"{split} y", source)
+        if len(x) != len(y):
+            raise DataError(f"{split}: x has {len(x)} rows but y has {len(y)}")
+        splits[split] = Split(x=x, y=y)
+    return _dataset(splits, {"train_x": "train x", "test_x": "test x"}, source)
+
+
+def _dataset(splits: dict, names: Mapping[str, str], file: str) -> Dataset:
+    train, test = splits["train"], splits["test"]
+    if train.feature_shape != test.feature_shape:
+        raise DataError(f"{names['train_x']!r} has feature shape {train.feature_shape} but {names['test_x']!r} has "
+                        f"{test.feature_shape} in {file!r}")
+    if train.y.dtype.kind != test.y.dtype.kind or train.y.shape[1:] != test.y.shape[1:]:
+        raise DataError(f"train and test targets differ in kind or shape: {train.y.dtype} {train.y.shape[1:]} and "
+                        f"{test.y.dtype} {test.y.shape[1:]} in {file!r}")
+    classes = int(max(train.y.max(), test.y.max())) + 1 if train.y.dtype.kind == "i" else 0
+    return Dataset(train=train, test=test, num_classes=classes, source=file)
+
+
+def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAMES,
+                 targets: str = "class") -> Dataset:
     """Read and validate a train/test classification dataset from an HDF5 file.
 
     Args:
@@ -140,6 +191,8 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
             ``train_y``, ``test_x``, ``test_y``); keys not given keep the default.
             ``*_x``: numeric (N, *feature_shape), N >= 1, finite as float32.
             ``*_y``: 1-D integer (N,) labels >= 0. Train and test feature shapes match.
+        targets: ``"class"`` (the CLI's) or ``"any"``: also floating ``*_y`` of
+            shape ``(N, ...)`` (regression; ``num_classes`` 0), as :func:`dataset_from_arrays`.
 
     Returns:
         ``Dataset`` with x float32 C-contiguous, y int64, ``num_classes`` = max label + 1.
@@ -163,21 +216,14 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
     for split in ("train", "test"):
         xname, yname = names[f"{split}_x"], names[f"{split}_y"]
         x = _features(raw[f"{split}_x"], xname, file)
-        y = _labels(raw[f"{split}_y"], yname, file)
+        y = (_labels if targets == "class" else _targets)(raw[f"{split}_y"], yname, file)
         if len(x) != len(y):
             raise DataError(
                 f"{xname!r} has {len(x)} rows but {yname!r} has {len(y)} in {file!r}"
             )
         splits[split] = Split(x=x, y=y)
 
-    train, test = splits["train"], splits["test"]
-    if train.feature_shape != test.feature_shape:
-        raise DataError(
-            f"{names['train_x']!r} has feature shape {train.feature_shape} but "
-            f"{names['test_x']!r} has {test.feature_shape} in {file!r}"
-        )
-    num_classes = int(max(train.y.max(), test.y.max())) + 1
-    return Dataset(train=train, test=test, num_classes=num_classes, source=file)
+    return _dataset(splits, names, file)
 
 
 # --------------------------------------------------------------------------- built-in digits

@@ -49,6 +49,8 @@ GUARD_VERDICTS = {"stable": 0, "suppress_growth": 1, "nudge_down": 2}
 
 _I8, _I32, _I64 = np.dtype(np.int8), np.dtype(np.int32), np.dtype(np.int64)
 _F64, _BOOL = np.dtype(np.float64), np.dtype(np.bool_)
+#: A scalar's name in the ``scalars`` table: UTF-8, at most 64 bytes.
+_NAME = np.dtype("S64")
 _CHUNK_BYTES = 64 * 1024  # chunk size target: small appends, few chunk lookups
 
 
@@ -102,6 +104,14 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             "rank": (_I32, ()), "epoch": (_I64, ()), "step": (_I64, ()),
             "batch_ms": (_F64, ()), "data_ms": (_F64, ()), "loss": (_F64, ()),
             "lr": (_F64, ()), "param_norm": (_F64, ()),
+        },
+        # One row per epoch and name: the user's record_scalar values (batch-weighted
+        # mean of the ranks' means, SPEC §5) and the Python API's named evaluation
+        # metrics ("eval/<name>": sum over count). Long format, so names need not be
+        # known when the file is created (SWMR adds no datasets later).
+        "scalars": {
+            "epoch": (_I64, ()), "name": (_NAME, ()), "value": (_F64, ()), "count": (_I64, ()),
+            "per_rank_mean": (_F64, W), "per_rank_count": (_I64, W),
         },
     }
 
@@ -297,9 +307,10 @@ class MetricsFile:
             history = json.loads(f.attrs["world_size_history"]) if "world_size_history" in f.attrs \
                 else [[0, old_w]]
             width = int(f["rounds/steps"].shape[1])
+            present = set(f)
         out = {}
         for table, columns in self.live_schema.items():
-            rows = read_table(self.path, table)
+            rows = read_table(self.path, table) if table in present else {}  # a table this file predates: no rows
             keep, have = int(keep_rows.get(table, 0)), min((len(a) for a in rows.values()), default=0)
             if have < keep:
                 raise ValueError(f"{self.path}: table {table!r} has {have} rows, the checkpoint saw {keep}")

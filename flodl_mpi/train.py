@@ -56,7 +56,7 @@ from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree
 
-__all__ = ["run_train", "pick_device"]
+__all__ = ["run_train", "pick_device", "effective_batch_line"]
 
 log = logging.getLogger("flodl_mpi")
 
@@ -118,6 +118,49 @@ def _describe_policy(cfg: TrainConfig) -> str:
         outer = OuterOptimizer(cfg.outer, 0, cfg.outer_lr, cfg.outer_momentum)
         text += f", outer {cfg.outer} (lr {outer.lr:g}, momentum {outer.momentum:g})"
     return text
+
+
+def effective_batch_line(cfg: TrainConfig, world_size: int) -> str:
+    """The header's line on the effective batch and the learning rate (what a user must know at W > 1).
+
+    Each round averages one window of every rank, so per epoch every replica takes
+    about 1/W of the steps one process would, each on ``batch_size`` samples; at
+    equal ``--lr`` the cohort moves like one process with a W times larger batch.
+    """
+    eff = cfg.batch_size * world_size
+    text = (f"batch {cfg.batch_size} per rank, effective batch {cfg.batch_size} x {world_size} rank"
+            f"{'s' if world_size != 1 else ''} = {eff} samples per step of the averaged model")
+    if cfg.scale_lr and world_size > 1:
+        ramp = f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""
+        return f"{text}; --scale-lr: lr {cfg.lr:g} x {world_size} = {cfg.lr * world_size:g}{ramp}"
+    if world_size > 1:
+        return (f"{text}; lr {cfg.lr:g} as given (one process at batch {cfg.batch_size} would take {world_size}x "
+                f"the steps per epoch: to match it, raise --lr toward {cfg.lr * world_size:g} or add --scale-lr)")
+    return text
+
+
+def make_bridge(cfg: TrainConfig, world: World, replica: Replica, writer, watchdog: Watchdog,
+                fault=None) -> Bridge:
+    """The bridge ``cfg`` describes, over a duplicate of the world's communicator (collective).
+
+    One place for the CLI and the Python API (:func:`flodl_mpi.fit`): the policy
+    (``make_policy``), the outer optimizer, how the frames travel (``WireOptions``),
+    pinned staging for a model on CUDA. ``writer``: rank 0's metrics writer or None.
+
+    Raises:
+        ValueError: identically on every rank, from the reducers' planning (for
+            example ``--node-reduce shm`` without room in ``/dev/shm``).
+    """
+    return Bridge(
+        world.comm.Dup(),
+        [tuple(p.shape) for p in replica.params],
+        [tuple(b.shape) for b in replica.float_buffers],
+        gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, policy=make_policy(cfg, world.size),
+        threaded=world.threaded_bridge, watchdog=watchdog, fault=fault, on_non_finite=cfg.on_non_finite,
+        outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr, cfg.outer_momentum),
+        wire=WireOptions(cfg.node_reduce, cfg.hierarchical, cfg.bf16_wire),
+        pin_staging=replica.device.type == "cuda",
+    )
 
 
 def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
@@ -383,17 +426,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
     agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog,
           name_ranks=False)
     try:
-        bridge = Bridge(
-            comm.Dup(),
-            [tuple(p.shape) for p in replica.params],
-            [tuple(b.shape) for b in replica.float_buffers],
-            gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, policy=make_policy(cfg, world.size),
-            threaded=world.threaded_bridge, watchdog=watchdog, fault=bridge_fault, on_non_finite=cfg.on_non_finite,
-            outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr,
-                                 cfg.outer_momentum),
-            wire=WireOptions(cfg.node_reduce, cfg.hierarchical, cfg.bf16_wire),
-            pin_staging=replica.device.type == "cuda",
-        )
+        bridge = make_bridge(cfg, world, replica, writer, watchdog, fault=bridge_fault)
         if bridge.policy.blocking:  # async trains on while a round runs: its staging must stay apart
             replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
         replica.snapshot(bridge)
@@ -406,6 +439,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
                  f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
                  f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
+        log.info(effective_batch_line(cfg, world.size))
         n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
         if n_batches < world.size:
             log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "

@@ -30,6 +30,7 @@ from flodl_mpi.optimizer_state import OptimizerStateAverager, resolve_mode
 from flodl_mpi.progress import EpochProgress
 from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.signals import StopRequest
+from flodl_mpi.task import ClassificationTask
 
 __all__ = ["ReplacedTensorError", "Replica", "Trainer", "evaluate", "make_optimizer", "state_arrays"]
 
@@ -331,6 +332,9 @@ class Trainer:
         progress: rank 0's bar within an epoch (`EpochProgress`); disabled by default.
         log_detail: a callable taking one line: rank 0's per-rank detail of each
             epoch (``-v``); default: dropped.
+        task: what a step and an evaluation are (:mod:`flodl_mpi.task`): the
+            optimizer it builds, a batch's loss, the step (learning rate,
+            clipping), the epoch's end. Default: ``ClassificationTask``, the CLI's.
 
     Failure semantics: any exception leaves :meth:`fit`; the caller ends the
     job. Checkpoints already written stay; the one in progress is either
@@ -340,13 +344,14 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, data: Dataset, replica: Replica,
                  bridge: Bridge, writer=None, fault: Fault | None = None, log=print,
                  stop: StopRequest | None = None, progress: EpochProgress | None = None,
-                 log_detail=None) -> None:
+                 log_detail=None, task=None) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.data, self.replica, self.bridge, self.writer = data, replica, bridge, writer
         self.fault, self.log = fault, log
         self.progress = progress if progress is not None else EpochProgress(enabled=False)
         self.log_detail = log_detail if log_detail is not None else (lambda line: None)
-        self.optimizer = make_optimizer(cfg, replica.model)
+        self.task = task if task is not None else ClassificationTask(cfg, world_size)
+        self.optimizer = self.task.make_optimizer(cfg, replica.model)
         #: The next window's plan (quotas, anchor): the policy's, the same on every rank.
         self.plan = bridge.policy.plan()
         #: Averages the optimizer state with the params (``--average-optimizer-state``), or None.
@@ -442,14 +447,21 @@ class Trainer:
         Sets ``self.done``: every epoch is trained (also when a stop came in the
         last epoch's last window); False after a stop before that.
         """
+        for _ in self.iter_epochs():
+            pass
+        return self.history
+
+    def iter_epochs(self):
+        """:meth:`fit` one epoch at a time: yields each epoch's :class:`EpochSummary` (the same on every rank)."""
         self.done = True
         for epoch in range(self.start_epoch, self.cfg.epochs):
             stopped = self._epoch(epoch, self.start_cursor if epoch == self.start_epoch else 0)
             if stopped:
                 self.log(f"stopped on request in epoch {epoch + 1} at round {self.bridge.version}; checkpoint saved")
                 self.done = epoch == self.cfg.epochs - 1 and self._epoch_complete
+            yield self.latest
+            if stopped:
                 break
-        return self.history
 
     # ---- one epoch -------------------------------------------------------------
 
@@ -473,7 +485,7 @@ class Trainer:
             # -- train this rank's batches of the window; time them for the balancer
             busy_ms = 0.0
             for b in mine:
-                row = self._train_batch(perm, b, epoch, report)
+                row = self._train_batch(perm, b, epoch, report, epoch * n_batches + b)
                 busy_ms += row[3]  # batch_ms: data wait + compute, nothing else
                 rows.append(row)
                 self.made_progress(f"batch {b + 1} of epoch {epoch + 1}")
@@ -508,8 +520,7 @@ class Trainer:
         # -- evaluate the consensus on this rank's slice of the test set
         self.progress.close()
         t_eval = time.perf_counter()
-        report.test_loss_sum, report.test_correct, report.test_count = evaluate(
-            model, self.data.test, self.rank, self.world_size, self.replica.device, cfg.eval_batch_size)
+        report.test_loss_sum, report.test_correct, report.test_count = self.task.end_epoch(self, epoch, report)
         report.epoch_ms += 1e3 * (t_eval - t_epoch)
         # -- epoch exchange: every rank gets the same summary; rank 0 writes metrics
         summary = self.bridge.epoch_end(report, np.array(rows, dtype=np.float64), epoch)
@@ -519,10 +530,11 @@ class Trainer:
         self.latest = summary
         self.history.append(summary)
         self._epoch_complete = cursor >= n_batches
+        self.task.after_epoch(self, summary)
         self._report(summary, stopped, cursor, report)
         return stopped
 
-    def _train_batch(self, perm: np.ndarray, b: int, epoch: int, report: EpochReport) -> tuple:
+    def _train_batch(self, perm: np.ndarray, b: int, epoch: int, report: EpochReport, cohort_step: int = 0) -> tuple:
         cfg, dev = self.cfg, self.replica.device
         t0 = time.perf_counter()
         idx = batch_indices(perm, cfg.batch_size, b, cfg.drop_last)
@@ -532,11 +544,11 @@ class Trainer:
         self._fault_hook("step")
         self._fault_hook("hang")
         self.optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(self.replica.model(x), y)
+        loss = self.task.loss(self.replica.model, (x, y), cohort_step)
         if self.fault is not None and self.fault.fires("nanloss", self.rank, self.bridge.version):
             loss = loss * math.nan  # the injected fault: a non-finite loss, and so NaN gradients
         loss.backward()
-        self.optimizer.step()
+        self.task.step(self.replica.model, self.optimizer, cohort_step)
         loss_value = loss.item()  # sync point: the step is done on the device
         self.loss_finite = self.loss_finite and math.isfinite(loss_value)
         t2 = time.perf_counter()
@@ -613,7 +625,7 @@ class Trainer:
                 f"data wait {s.per_rank_data_ms[r] / 1e3:.2f} s" for r in range(self.world_size)))
         # Decided from the config and gathered values only: every rank agrees, and
         # every rank joins the state gather of the save.
-        due = cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0
+        due = (cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0) or self.task.checkpoint_now
         if due or last or stopped:
             # A stop in the epoch's last window ended the epoch anyway: save it complete.
             in_epoch = stopped and cursor < num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)

@@ -241,3 +241,26 @@ def test_the_fault_hook_is_read_from_the_environment_only():
     assert active_fault({"FLODL_MPI_FAULT": "nan@0:40"}) == Fault("nan", 0, 40)
     with pytest.raises(ValueError, match="FLODL_MPI_FAULT kind must be one of bridge, step, hang, nan, nanloss, disk"):
         active_fault({"FLODL_MPI_FAULT": "boom@0:1"})
+
+
+def test_learning_rate_options_parse_and_bad_values_name_the_option():
+    from flodl_mpi.cli import build_parser, config_from_args
+    from flodl_mpi.config import ConfigError
+
+    cfg = config_from_args(build_parser().parse_args(
+        ["train", "--scale-lr", "--warmup-steps", "12", "--clip-grad-norm", "2.5"]))
+    assert (cfg.scale_lr, cfg.warmup_steps, cfg.clip_grad_norm) == (True, 12, 2.5)
+    with pytest.raises(ConfigError, match=r"--clip-grad-norm 0\.0: must be a finite number > 0"):
+        config_from_args(build_parser().parse_args(["train", "--clip-grad-norm", "0"]))
+    with pytest.raises(ConfigError, match="--warmup-steps -1: must be an integer >= 0"):
+        config_from_args(build_parser().parse_args(["train", "--warmup-steps", "-1"]))
+
+
+def test_the_header_states_the_effective_batch_and_how_to_scale():
+    from flodl_mpi.config import TrainConfig
+    from flodl_mpi.train import effective_batch_line
+
+    line = effective_batch_line(TrainConfig(batch_size=32, lr=1e-3), 2)
+    assert "effective batch 32 x 2 ranks = 64 samples" in line and "raise --lr toward 0.002 or add --scale-lr" in line
+    line = effective_batch_line(TrainConfig(batch_size=32, lr=1e-3, scale_lr=True, warmup_steps=45), 3)
+    assert "--scale-lr: lr 0.001 x 3 = 0.003 after 45 warm-up steps" in line

@@ -1,0 +1,563 @@
+"""The trainer API: your model, optimizer, train step and data; flodl_mpi's loop, averaging and outputs.
+
+Invariant: :func:`fit` builds the same objects ``flodl-mpi train`` does — a
+``worker.Replica``, a ``bridge.Bridge``, rank 0's ``metrics.MetricsWriter`` and a
+``worker.Trainer`` — and injects the user's callables through a
+:class:`flodl_mpi.task.UserTask`; every decision at an epoch boundary (evaluate?
+checkpoint?) is taken from gathered values, so every rank acts alike.
+
+    python fit.py                   # a world of 1
+    mpiexec -n 4 python fit.py      # four ranks, averaged
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from flodl_mpi import scalars as _scalars
+from flodl_mpi.averager import EpochResult
+from flodl_mpi.config import TrainConfig
+from flodl_mpi.task import UserTask
+
+__all__ = ["Run", "fit"]
+
+log = logging.getLogger("flodl_mpi")
+
+
+# ---------------------------------------------------------------- defaults: the CLI's task, and regression
+
+def default_train_step(model: nn.Module, batch) -> torch.Tensor:
+    """Cross-entropy for integer class labels, mean squared error for float targets."""
+    x, y = batch
+    out = model(x)
+    if y.dtype in (torch.int64, torch.int32):
+        return nn.functional.cross_entropy(out, y)
+    return nn.functional.mse_loss(out.reshape(y.shape), y)
+
+
+def default_eval(train_step: Callable) -> Callable:
+    """The default evaluation: the train step's loss (batch-weighted), and accuracy for class labels."""
+
+    def eval_fn(model: nn.Module, batch) -> dict[str, tuple[float, int]]:
+        x, y = batch
+        n = int(x.shape[0])
+        loss = train_step(model, batch)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        out = {"loss": (float(loss) * n, n)}
+        if y.dtype == torch.int64 and y.ndim == 1:
+            logits = model(x)
+            if logits.ndim == 2:
+                out["accuracy"] = (float((logits.argmax(dim=1) == y).sum()), n)
+        return out
+
+    return eval_fn
+
+
+# ---------------------------------------------------------------- the epoch boundary of the API
+
+class _Boundary:
+    """Runs at each epoch's end on every rank: intents and scalars, evaluation, rows of metrics.h5."""
+
+    def __init__(self, book: _scalars.ScalarBook, eval_fn: Callable, eval_every: int, epochs: int,
+                 eval_batch_size: int) -> None:
+        self.book, self.eval_fn, self.eval_every, self.epochs = book, eval_fn, eval_every, epochs
+        self.eval_batch_size = eval_batch_size
+        self.checkpoint_now = False
+        self.latest: EpochResult | None = None
+        self._pending: tuple | None = None
+
+    def end_epoch(self, trainer, epoch: int, report) -> tuple[float, int, int]:
+        # -- one allgather: every rank's scalars, batches and intents (decides the rest alike)
+        b = _scalars.exchange(trainer.bridge.allgather, self.book, report.batches)
+        scheduled = epoch + 1 == self.epochs or (self.eval_every > 0 and (epoch + 1) % self.eval_every == 0)
+        metrics, counts = {}, {}
+        if scheduled or "eval" in b.intents:
+            sums = self._evaluate(trainer)
+            totals = _scalars.pool_metrics(trainer.bridge.allgather(sums))  # the same on every rank
+            metrics, counts = {k: v for k, (v, _) in totals.items()}, {k: c for k, (_, c) in totals.items()}
+        else:
+            sums = {}
+        self.checkpoint_now = "checkpoint" in b.intents
+        self._pending = (b, metrics, counts)
+        loss_sum, n = sums.get("loss", (0.0, 0))
+        correct = sums["accuracy"][0] if "accuracy" in sums and sums["accuracy"][1] == n else 0
+        return float(loss_sum), round(correct), int(n)
+
+    @torch.no_grad()
+    def _evaluate(self, trainer) -> dict[str, tuple[float, float]]:
+        """This rank's contiguous slice of the test set, in eval mode: ``{name: (sum, count)}``."""
+        split, rank, W, device = trainer.data.test, trainer.rank, trainer.world_size, trainer.replica.device
+        model = trainer.replica.model
+        lo, hi = (split.n * rank) // W, (split.n * (rank + 1)) // W
+        was_training = model.training
+        model.eval()
+        total: dict[str, list[float]] = {}
+        # The default eval calls the train step: what it records is not training's (dropped).
+        _scalars.activate(_scalars.ScalarBook())
+        try:
+            for start in range(lo, hi, self.eval_batch_size):
+                end = min(start + self.eval_batch_size, hi)
+                batch = (torch.from_numpy(split.x[start:end]).to(device), torch.from_numpy(split.y[start:end]).to(device))
+                for name, pair in _check_eval(self.eval_fn(model, batch)).items():
+                    acc = total.setdefault(name, [0.0, 0.0])
+                    acc[0] += pair[0]
+                    acc[1] += pair[1]
+        finally:
+            model.train(was_training)
+            _scalars.activate(self.book)
+        return {k: (s, c) for k, (s, c) in total.items()}
+
+    def after_epoch(self, trainer, summary) -> None:
+        b, metrics, counts = self._pending
+        epoch = summary.epoch + 1
+        if trainer.writer is not None:
+            rows = _scalars.scalar_rows(epoch, {**b.scalars, **{f"eval/{k}": v for k, v in metrics.items()}},
+                                        {**b.counts, **{f"eval/{k}": int(c) for k, c in counts.items()}},
+                                        b.per_rank, trainer.world_size)
+            if rows is not None:
+                trainer.writer.append("scalars", rows)
+        self.latest = EpochResult(epoch, summary, dict(b.scalars), metrics, b.intents)
+
+
+def _check_eval(out) -> dict[str, tuple[float, float]]:
+    if not isinstance(out, Mapping):
+        raise TypeError(f"eval_fn must return a dict {{name: (sum, count)}}, got {type(out).__name__}")
+    checked = {}
+    for name, pair in out.items():
+        try:
+            s, c = pair
+            checked[str(name)] = (float(s), float(c))
+        except (TypeError, ValueError):
+            raise TypeError(f"eval_fn: {name!r} must be a (sum, count) pair of numbers, got {pair!r}") from None
+    return checked
+
+
+# ---------------------------------------------------------------- the handle
+
+class Run:
+    """A training run of :func:`fit`: iterate it for the epochs, or :meth:`wait` for all of them.
+
+    Each epoch trains when the iteration asks for it; every rank gets the same
+    :class:`flodl_mpi.EpochResult` (cohort-wide metrics: ``summary.avg_loss``,
+    ``metrics`` of the evaluation, ``scalars`` of :func:`flodl_mpi.record_scalar`,
+    ``intents``), so a decision taken on it (an early stop: ``break``) is the
+    same on every rank. Leaving the iteration early, or reaching the end,
+    finishes the run: last checkpoint (with a ``run_dir``), files closed.
+
+    Collective contract: every rank iterates the same number of epochs (break on
+    cohort-wide values only) and calls :meth:`close` / :meth:`wait` alike.
+
+    Attributes:
+        model: the rank's model; after the last epoch, the cohort's consensus.
+        optimizer: this rank's optimizer.
+        history: the :class:`EpochResult` of every epoch trained so far.
+        run_dir: where ``metrics.h5`` and ``checkpoints/`` are written (None: no files).
+        rank, world_size: this rank's place (a world of 1 under plain ``python``).
+        done: every epoch was trained.
+    """
+
+    def __init__(self, session, trainer, boundary: _Boundary, writer, run_dir: Path | None) -> None:
+        self._session, self._trainer, self._boundary, self._writer = session, trainer, boundary, writer
+        self.model = trainer.replica.model
+        self.optimizer = trainer.optimizer
+        self.run_dir = run_dir
+        self.rank, self.world_size = trainer.rank, trainer.world_size
+        self.history: list[EpochResult] = []
+        self.done = False
+        self._epochs = trainer.iter_epochs()
+        self._closed = False
+
+    def __iter__(self) -> Iterator[EpochResult]:
+        try:
+            for _ in self._epochs:
+                result = self._boundary.latest
+                self.history.append(result)
+                yield result
+        except GeneratorExit:  # the caller left the loop (the same epoch on every rank)
+            self.close()
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self.close()
+
+    def wait(self) -> list[EpochResult]:
+        """Train the remaining epochs and finish; returns :attr:`history`. Collective."""
+        for _ in self:
+            pass
+        return self.history
+
+    def request_eval(self) -> None:
+        """Evaluate at the next epoch boundary, on every rank (this rank may be the only one asking)."""
+        self._boundary.book.request("eval")
+
+    def request_checkpoint(self) -> None:
+        """Save a checkpoint at the next epoch boundary, for the whole cohort (any rank may ask)."""
+        self._boundary.book.request("checkpoint")
+
+    @property
+    def last_eval(self) -> tuple[int, dict[str, float]] | None:
+        """``(epoch, {name: value})`` of the latest cohort evaluation (the same on every rank), or None yet."""
+        for result in reversed(self.history):
+            if result.metrics:
+                return result.epoch, dict(result.metrics)
+        return None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict (the consensus once the run is finished)."""
+        return self.model.state_dict()
+
+    def close(self) -> None:
+        """Finish: the last epoch's checkpoint was saved by the loop; stop the bridge, close the files.
+
+        Collective (every rank, once; idempotent). Leaving early saves no extra checkpoint.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.done = bool(getattr(self._trainer, "done", False)) and len(self.history) > 0 and \
+            self.history[-1].epoch == self._trainer.cfg.epochs
+        _scalars.activate(None)
+        self._trainer.bridge.close()
+        if self._writer is not None:
+            self._writer.close(timeout=None)
+        self._session.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        from flodl_mpi.errors import CohortError
+        from flodl_mpi.session import leave_on_error
+
+        self._closed = True
+        _scalars.activate(None)
+        if isinstance(exc, CohortError) or self.world_size == 1:
+            with contextlib.suppress(Exception):
+                self._trainer.bridge.close()
+            if self._writer is not None:
+                with contextlib.suppress(Exception):
+                    self._writer.close(timeout=10.0)
+        leave_on_error(self._session, exc)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            self.close()
+        elif not self._closed:
+            self._fail(exc)
+        return False
+
+
+# ---------------------------------------------------------------- train()
+
+def _call_factory(factory: Callable, offered: dict) -> nn.Module:
+    """``factory`` called with those of ``offered``'s keywords its signature accepts."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return factory(**offered)
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return factory(**offered)
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return factory(**{k: v for k, v in offered.items() if k in names})
+
+
+def _scalar_rows_before(path: Path, epochs_done: int) -> int:
+    """Rows of the ``scalars`` table that a resume keeps: those of the epochs the checkpoint completed.
+
+    Rows are appended epoch by epoch, so they are a prefix; the checkpoint's
+    ``metrics_rows`` (written by ``worker.Trainer``) does not count this table.
+    """
+    from flodl_mpi.metrics import read_table
+
+    try:
+        epochs = read_table(path, "scalars")["epoch"]
+    except (KeyError, OSError):  # no file, or one from before the table existed
+        return 0
+    return int((epochs <= epochs_done).sum())
+
+
+def _describe(obj) -> str | None:
+    if obj is None:
+        return None
+    if isinstance(obj, (str, os.PathLike)):
+        return str(obj)
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _load(data, names):
+    from flodl_mpi.data import DEFAULT_NAMES, DataError, dataset_from_arrays, load_dataset
+
+    if isinstance(data, (str, os.PathLike)):
+        return load_dataset(data, {**DEFAULT_NAMES, **(names or {})}, targets="any")
+    if isinstance(data, Mapping):
+        if set(data) != {"train", "test"}:
+            raise DataError(f"data as a dict needs exactly the keys 'train' and 'test', got {sorted(data)}")
+        return dataset_from_arrays(data["train"], data["test"])
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return dataset_from_arrays(data[0], data[1])
+    raise TypeError("data must be an HDF5 file path, {'train': (x, y), 'test': (x, y)} or ((x, y), (x, y)); "
+                    f"got {type(data).__name__}")
+
+
+def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
+          optimizer: Callable[..., torch.optim.Optimizer] | str | None = None, *,
+          train_step: Callable | None = None, eval_fn: Callable | None = None, data=None,
+          names: Mapping[str, str] | None = None, batch_size: int = 32, epochs: int = 10, lr: float = 1e-3,
+          policy: str = "sync", window: int = 1, gamma: float = 1.0, seed: int = 0, drop_last: bool = False,
+          lr_schedule: Callable[[int], float] | None = None, scale_lr: bool = False, warmup_steps: int = 0,
+          clip_grad_norm: float | None = None, eval_every: int = 1, eval_batch_size: int = 1024,
+          run_dir: str | os.PathLike | None = None, resume: bool = False, checkpoint_every: int = 1,
+          keep_checkpoints: int = 3, device: str = "auto", threads: int | None = None,
+          stall_timeout: float = 600.0, on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18,
+          verbose: bool = False, comm=None) -> Run:
+    """Train with flodl_mpi's loop and averaging on your model, optimizer, step and data; returns a :class:`Run`.
+
+    The same script runs under ``python`` (a world of 1) and ``mpiexec -n N``.
+    Each epoch's global batches (``batch_size`` samples each, **per rank**)
+    are shared among the ranks; each round averages the replicas weighted by
+    their steps (SPEC §1-2). The effective batch of a round is ``batch_size ×
+    world size``: to train like one process at ``lr``, raise the learning rate
+    (``scale_lr=True``: the linear scaling rule, with ``warmup_steps``).
+
+    Args:
+        model: a factory called with those of ``input_shape`` (one sample's
+            shape), ``num_classes`` (largest label + 1; 0 for float targets) and
+            ``target_shape`` (one target's shape) it accepts, or an ``nn.Module``;
+            None: the built-in MLP (classification). Every rank must build the
+            same structure (checked); rank 0's initial values are broadcast.
+        optimizer: ``parameters -> torch.optim.Optimizer`` (e.g.
+            ``lambda p: torch.optim.AdamW(p, lr=3e-4)``), or ``"sgd"``, ``"adam"``,
+            ``"adamw"`` at ``lr``; None: Adam at ``lr``.
+        train_step: ``(model, (x, y)) -> loss``, a one-element tensor (backward
+            and the optimizer step are done for you), or ``(loss, {name: value})``
+            to record extra scalars; default: cross-entropy for integer labels,
+            MSE for float targets. Call :func:`flodl_mpi.record_scalar` in it freely.
+        eval_fn: ``(model, (x, y)) -> {name: (sum, count)}`` over a test batch (eval
+            mode, no grad); the cohort's metric is ``Σ sum / Σ count``. Default: the
+            train step's loss, and ``accuracy`` for class labels.
+        data: an HDF5 file (datasets ``train/x``, ``train/y``, ``test/x``, ``test/y``,
+            renamed by ``names``), ``{"train": (x, y), "test": (x, y)}`` or
+            ``((x, y), (x, y))`` of arrays or tensors; ``x`` numeric ``(N, ...)``,
+            ``y`` 1-D integer labels or float targets of any shape ``(N, ...)``;
+            None: the built-in digits.
+        batch_size: samples per batch per rank, >= 1. epochs: >= 1. lr: > 0.
+        policy, window, gamma: as ``flodl-mpi train --policy/--window/--gamma``.
+        lr_schedule: ``cohort_step -> factor`` on each group's initial learning
+            rate; the cohort step counts the cohort's optimizer steps (global
+            batches), so the schedule is the one a single process would follow.
+        scale_lr, warmup_steps: the linear scaling rule (lr × world size, reached
+            linearly over ``warmup_steps`` cohort steps; Goyal et al. 2017).
+        clip_grad_norm: clip each rank's gradient L2 norm before each step (None: off).
+        eval_every: epochs between evaluations (the last epoch is always
+            evaluated; 0: only on request and at the end).
+        run_dir: a new or empty directory for ``config.json``, ``metrics.h5``,
+            ``checkpoints/`` (rank 0 writes, as the CLI); None: no files.
+        resume: continue the run in ``run_dir`` from its newest checkpoint.
+        checkpoint_every, keep_checkpoints, device, threads, stall_timeout,
+            on_non_finite, chunk_elems, seed, drop_last, eval_batch_size: as the CLI's options.
+        verbose: rank 0 prints the CLI's lines (one per epoch) on stdout.
+        comm: an mpi4py intracommunicator; None: the world.
+
+    Returns:
+        :class:`Run`; nothing is trained until it is iterated (or :meth:`Run.wait`).
+
+    Raises:
+        flodl_mpi.errors.InputError: bad input on any rank (every rank raises it;
+            exit status 2 when uncaught): a bad option, data, a model that fails
+            its first training step, a run dir in use.
+    """
+    from flodl_mpi.session import leave_on_error, open_session
+
+    session = open_session(comm, stall_timeout if isinstance(stall_timeout, (int, float)) and stall_timeout > 0
+                           else 600.0)
+    try:
+        return _setup(session, locals())
+    except BaseException as exc:
+        leave_on_error(session, exc)
+        raise
+
+
+def _setup(session, a: dict) -> Run:
+    from flodl_mpi.launcher import settle_threads, thread_request
+    from flodl_mpi.metrics import MetricsWriter
+    from flodl_mpi.models import _state_kept
+    from flodl_mpi.signals import StopRequest
+    from flodl_mpi.train import (
+        _check_same_model,
+        _find_resume,
+        _log_to_stdout,
+        _make_run_dir,
+        _run_attrs,
+        _setup_logging,
+        make_bridge,
+        pick_device,
+    )
+    from flodl_mpi.worker import Replica, Trainer
+    from flodl_mpi.world import agree
+
+    world, watchdog = session.world, session.watchdog
+    comm = world.comm
+    if a["verbose"]:
+        _log_to_stdout(world.rank, 0)  # rank 0 prints the CLI's lines (header, one per epoch)
+
+    # -- options: one validated config, the CLI's; the API's own options checked here
+    def config() -> TrainConfig:
+        opt = a["optimizer"]
+        for name in ("train_step", "eval_fn", "lr_schedule"):
+            if a[name] is not None and not callable(a[name]):
+                raise ValueError(f"{name} must be callable, got {type(a[name]).__name__}")
+        if not (isinstance(a["eval_every"], int) and a["eval_every"] >= 0):
+            raise ValueError(f"eval_every must be an int >= 0, got {a['eval_every']!r}")
+        if opt is not None and not callable(opt) and opt not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"optimizer must be a factory or one of sgd, adam, adamw, got {opt!r}")
+        return TrainConfig(
+            data=_describe(a["data"]) if a["data"] is not None and isinstance(a["data"], (str, os.PathLike))
+            else (None if a["data"] is None else "in-memory arrays"),
+            model=_describe(a["model"]), epochs=a["epochs"], batch_size=a["batch_size"], drop_last=a["drop_last"],
+            lr=a["lr"], optimizer=opt if isinstance(opt, str) else "adam", policy=a["policy"], window=a["window"],
+            gamma=a["gamma"], seed=a["seed"], checkpoint_every=a["checkpoint_every"],
+            keep_checkpoints=a["keep_checkpoints"], run_dir=None if a["run_dir"] is None else str(a["run_dir"]),
+            resume=a["resume"], device=a["device"], stall_timeout=float(a["stall_timeout"]),
+            chunk_elems=a["chunk_elems"], on_non_finite=a["on_non_finite"], eval_batch_size=a["eval_batch_size"],
+            threads=a["threads"], scale_lr=a["scale_lr"], warmup_steps=a["warmup_steps"],
+            clip_grad_norm=a["clip_grad_norm"],
+        )
+
+    def api_config() -> TrainConfig:
+        from flodl_mpi.config import ConfigError
+
+        try:
+            return config()
+        except ConfigError as exc:  # name the keyword as fit() spells it, not the CLI's flag
+            raise ConfigError(re.sub(r"--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), str(exc))) from None
+
+    cfg = agree(comm, "config", api_config, watchdog)
+    watchdog.stall_timeout = cfg.stall_timeout
+    threads, threads_line = settle_threads(comm, world.host, agree(comm, "threads", lambda: thread_request(
+        cfg.threads), watchdog))
+    torch.set_num_threads(threads)
+    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
+    if a["data"] is None:
+        from flodl_mpi.train import _load_data
+
+        data = _load_data(cfg, world, watchdog)
+    else:
+        data = agree(comm, "data", lambda: _load(a["data"], a["names"]), watchdog)
+
+    # -- the task: the user's callables, the cohort's epoch boundary
+    step_fn = a["train_step"] or default_train_step
+    book = _scalars.ScalarBook()
+    boundary = _Boundary(book, a["eval_fn"] or default_eval(step_fn), a["eval_every"], cfg.epochs,
+                         cfg.eval_batch_size)
+    opt = a["optimizer"]
+    task = UserTask(step_fn, opt if callable(opt) else None, boundary, book.record, cfg, world.size,
+                    schedule=a["lr_schedule"])
+
+    # -- the model: same structure everywhere, one training step on the smallest batch (undone)
+    torch.manual_seed(cfg.seed)
+
+    def make_model() -> nn.Module:
+        from flodl_mpi.data import smallest_batch
+
+        m = a["model"]
+        if m is None:
+            from flodl_mpi.models import digits_mlp
+
+            built = digits_mlp(data.input_shape, max(data.num_classes, 1))
+        elif isinstance(m, nn.Module):
+            built = m
+        else:
+            built = _call_factory(m, {"input_shape": data.input_shape, "num_classes": data.num_classes,
+                                      "target_shape": tuple(data.train.y.shape[1:])})
+        if not isinstance(built, nn.Module):
+            raise ValueError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
+        built = built.to(device)
+        k = max(smallest_batch(data.train.n, cfg.batch_size, cfg.drop_last), 1)
+        batch = (torch.from_numpy(data.train.x[:k]).to(device), torch.from_numpy(data.train.y[:k]).to(device))
+        _scalars.activate(_scalars.ScalarBook())  # the check's scalars are dropped
+        try:
+            with _state_kept(built, device):
+                built.train()
+                task.loss(built, batch, 0).backward()
+            with torch.no_grad():
+                built.eval()
+                _check_eval(boundary.eval_fn(built, (batch[0][:2], batch[1][:2])))
+                built.train()
+        except Exception as exc:  # user code: one line, the cause chained
+            raise ValueError(f"the train step or eval_fn fails on a batch of {k} sample(s): "
+                             f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            _scalars.activate(None)
+        return built
+
+    model = agree(comm, "model", make_model, watchdog)
+    _check_same_model(model, comm)
+    replica = Replica(model, device)
+
+    # -- outputs: the CLI's run dir, metrics.h5 and checkpoints (rank 0)
+    run_dir, writer, ckpt, keep_rows = None, None, None, None
+    if cfg.run_dir is not None:
+        run_dir = _make_run_dir(cfg, comm, watchdog)
+        cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+        if world.rank == 0:
+            _setup_logging(run_dir, world.rank)  # train.log, as the CLI's
+            log.setLevel(min(log.level or logging.INFO, logging.INFO))
+        if cfg.resume:
+            ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n)
+            if ckpt is not None and world.rank == 0:
+                keep_rows = {**keep_rows, "scalars": _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))}
+            if ckpt is not None:
+                from flodl_mpi.checkpoint import load_state_dict
+
+                agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+    attrs = _run_attrs(cfg, world, device)
+    attrs["data_source"] = data.source
+    if world.rank == 0 and run_dir is not None:
+        name = "config.json" if keep_rows is None else f"config-resume-r{int(ckpt.meta['round']) if ckpt else 0:06d}.json"
+        (run_dir / name).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints,
+                               keep_rows=keep_rows)
+    agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog, name_ranks=False)
+    try:
+        bridge = make_bridge(cfg, world, replica, writer, watchdog)
+        replica.bind(bridge)
+        replica.snapshot(bridge)
+        bridge.broadcast(root=0)
+        replica.adopt(bridge)
+        torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
+        trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, None, log=log.info,
+                          stop=StopRequest(), task=task)
+        if run_dir is not None:
+            agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
+                  name_ranks=False)
+        if ckpt is not None:
+            agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
+            if callable(opt):  # resume set the config's lr and weight decay: the factory's are the run's
+                fresh = task.make_optimizer(cfg, model)  # a new optimizer over the same params, no state
+                for group, new in zip(trainer.optimizer.param_groups, fresh.param_groups):
+                    group.update({k: v for k, v in new.items() if k != "params"})
+    except BaseException:
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close(timeout=10.0)
+        raise
+    if world.rank == 0 and writer is not None:
+        log.info(threads_line)
+    trainer.made_progress = watchdog.progress
+    watchdog.begin("training")
+    _scalars.activate(book)
+    bridge.start()
+    return Run(session, trainer, boundary, writer, run_dir)

@@ -1,0 +1,542 @@
+"""Work-weighted parameter averaging for a training loop you already have (the PostLocalSGD shape).
+
+Invariant: the averager only counts and averages. Your loop keeps its optimizer,
+schedule, AMP scaler and clipping; after each optimizer step it calls
+:meth:`Averager.step`, and every ``window`` calls a round runs in the bridge
+thread (SPEC §2) and the consensus is adopted before ``step`` returns. Every rank
+calls ``step`` the same number of times, so every rank enters the same rounds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from flodl_mpi import scalars as _scalars
+from flodl_mpi.config import ON_NON_FINITE, POLICIES, TrainConfig
+
+__all__ = ["Averager", "EpochResult"]
+
+
+@dataclass
+class EpochResult:
+    """The cohort's view of one epoch, identical on every rank.
+
+    Attributes:
+        epoch: counted from 1.
+        summary: :class:`flodl_mpi.reporting.EpochSummary` (``avg_loss``,
+            per-rank batches and throughput, ``test_loss`` / ``test_accuracy``
+            when evaluation sums named ``loss`` / ``accuracy`` were given, ...).
+        scalars: ``{name: value}``: :func:`flodl_mpi.record_scalar` values, the
+            batch-weighted mean of the ranks' means (SPEC §5).
+        metrics: ``{name: Σ sum / Σ count}`` of the evaluation sums every rank gave.
+        intents: the intents any rank raised (``"eval"``, ``"checkpoint"``).
+        checkpoint: path of the checkpoint saved at this boundary (rank 0), or None.
+    """
+
+    epoch: int
+    summary: object
+    scalars: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    intents: tuple[str, ...] = ()
+    checkpoint: str | None = None
+
+
+def _check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _model_name(model: nn.Module) -> str:
+    cls = type(model)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+class Averager:
+    """Average a model across ranks from your own loop: call :meth:`step` after each optimizer step.
+
+    Collective contract: every rank builds it with the same arguments (same
+    model structure: checked), calls :meth:`step` the same number of times
+    (a rank without a batch calls ``step(realized=False)``: it joins the round
+    with mass 0), and calls :meth:`end_epoch` and :meth:`close` at the same
+    points. Every ``window``-th call of :meth:`step` runs one round: each rank's
+    parameters weighted by its realized steps since its last consensus,
+    ``mass = steps ** gamma`` (SPEC §1), floating buffers averaged among ranks
+    that moved, integer buffers kept local. Under plain ``python`` the world is
+    one rank and the consensus is the model itself.
+
+    Args:
+        model: ``nn.Module`` with floating-point parameters, on its device. It is
+            set to rank 0's parameters and buffers at construction (``broadcast``).
+        comm: an ``mpi4py`` intracommunicator of the ranks that train together;
+            None: ``MPI.COMM_WORLD`` (a world of 1 without a launcher).
+        optimizer: your optimizer, optional. Given, the averager counts the
+            optimizer steps that really happened (a post-step hook: an AMP
+            ``GradScaler`` that skips a step on inf/NaN gradients makes no
+            mass), clears its state when this rank is quarantined, and saves it
+            in checkpoints. Without it each :meth:`step` call is one step.
+        policy: ``"sync"`` (a round after every step) or ``"window"`` (after every ``window`` steps).
+        window: calls of :meth:`step` per rank between rounds, >= 1 (1 with ``"sync"``).
+        gamma: mass exponent, finite (SPEC §1): 1 weights by work.
+        run_dir: directory for ``metrics.h5`` and ``checkpoints/`` (new or
+            empty), written by rank 0 as ``flodl-mpi train`` does; None: no files.
+        checkpoint_every: epochs (:meth:`end_epoch` calls) between checkpoints, >= 0
+            (0: only the one at :meth:`close`).
+        keep_checkpoints: newest checkpoints kept, >= 1.
+        stall_timeout: seconds, > 0, without progress on any rank before the job
+            ends with exit status 3 (a rank hung in its step, or gone).
+        on_non_finite: ``"quarantine"`` (a rank with a NaN/Inf loss or parameters
+            sends mass 0 for the round and adopts the others' consensus) or ``"stop"``.
+        chunk_elems: float32 elements per Allreduce piece.
+        broadcast: start every rank from rank 0's parameters and buffers (default True).
+        resume: continue the run in ``run_dir`` from its newest checkpoint: the
+            consensus, this rank's optimizer state, step count and integer buffers,
+            the round count and :attr:`epoch` (the epochs done: start your loop
+            there); metrics.h5 keeps the rows the checkpoint had seen. Without a
+            checkpoint the run starts afresh. Needs ``run_dir``.
+
+    Raises:
+        TypeError, ValueError: a bad argument (the message names it).
+        flodl_mpi.errors.InputError: the model differs across ranks, the run dir
+            is not new or empty, or the launcher is another MPI's (every rank raises it).
+
+    Failure semantics: an error on one rank of a larger world (in your loop or in
+    a round) ends the whole job within seconds with exit status 1 and the rank's
+    error printed (use the averager as a context manager, or let the exception
+    reach the top: flodl_mpi's exception hook aborts the job); a non-finite
+    consensus raises :class:`flodl_mpi.errors.NonFiniteError` on every rank alike.
+    Checkpoints already written stay.
+
+    Example::
+
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with flodl_mpi.Averager(model, optimizer=opt, run_dir="runs/a") as avg:
+            for epoch in range(epochs):
+                for x, y in my_batches(avg.rank, avg.world_size):
+                    opt.zero_grad()
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    avg.step(loss)          # counts the step; every window steps, a round
+                avg.end_epoch()             # metrics.h5 row, checkpoint (collective)
+    """
+
+    def __init__(self, model: nn.Module, comm=None, *, optimizer: torch.optim.Optimizer | None = None,
+                 policy: str = "sync", window: int = 1, gamma: float = 1.0, run_dir: str | os.PathLike | None = None,
+                 checkpoint_every: int = 1, keep_checkpoints: int = 3, stall_timeout: float = 600.0,
+                 on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True,
+                 resume: bool = False) -> None:
+        # -- validate every argument before MPI starts (STYLE 13)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        params = list(model.named_parameters())
+        if not params:
+            raise ValueError("model has no parameters: nothing to average")
+        bad = [n for n, p in params if not p.is_floating_point()]
+        if bad:
+            raise ValueError(f"model parameter {bad[0]!r} is not floating point; every parameter must be")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        _check_int(window, "window", 1)
+        if policy == "sync" and window != 1:
+            raise ValueError(f"window={window} contradicts policy='sync' (a round after every step); "
+                             "use policy='window'")
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma):
+            raise ValueError(f"gamma must be a finite number, got {gamma!r}")
+        _check_int(checkpoint_every, "checkpoint_every", 0)
+        _check_int(keep_checkpoints, "keep_checkpoints", 1)
+        _check_int(chunk_elems, "chunk_elems", 1)
+        if not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
+            raise ValueError(f"stall_timeout must be seconds > 0, got {stall_timeout!r}")
+        if on_non_finite not in ON_NON_FINITE:
+            raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
+        if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+            raise TypeError(f"run_dir must be a path or None, got {type(run_dir).__name__}")
+        if resume and run_dir is None:
+            raise ValueError("resume=True needs run_dir: the run directory to continue")
+        self.cfg = TrainConfig(model=_model_name(model), data="(your training loop)", policy=policy, window=window,
+                               gamma=float(gamma), run_dir=None if run_dir is None else str(run_dir),
+                               checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                               stall_timeout=float(stall_timeout), on_non_finite=on_non_finite,
+                               chunk_elems=chunk_elems, optimizer="adam", resume=bool(resume))
+        self.model, self.optimizer = model, optimizer
+        self._closed = True  # until setup is complete
+
+        # -- MPI, then everything that needs it (imported late: MPI starts in open_session)
+        from flodl_mpi.session import leave_on_error, open_session
+
+        self._session = open_session(comm, stall_timeout)
+        self._writer = None
+        try:
+            self._setup(broadcast)
+        except BaseException as exc:
+            if self._writer is not None:  # close metrics.h5: no "open for write" flag left
+                import contextlib
+
+                with contextlib.suppress(Exception):
+                    self._writer.close(timeout=10.0)
+            leave_on_error(self._session, exc)
+            raise
+        self._closed = False
+
+    # ---- setup -----------------------------------------------------------------------
+
+    def _setup(self, broadcast: bool) -> None:
+        from flodl_mpi.bridge import Bridge
+        from flodl_mpi.metrics import MetricsWriter
+        from flodl_mpi.train import _check_same_model, _find_resume, _make_run_dir, _run_attrs
+        from flodl_mpi.worker import Replica
+        from flodl_mpi.world import agree
+
+        world, watchdog = self._session.world, self._session.watchdog
+        comm = world.comm
+        # -- counters (SPEC §2: n_r, subtracted after each adoption)
+        self.steps = 0            # realized optimizer steps since the consensus last adopted
+        self.global_step = 0      # this rank's realized steps in the run
+        self._calls = 0           # step() calls in the current window
+        self._hooked = 0          # optimizer steps seen by the hook since the last step()
+        self._loss_finite = True
+        self.epoch = 0            # epochs ended (end_epoch calls)
+        self._saved_version = 0
+        #: Rows metrics.h5 holds per table (a checkpoint records them for a resume).
+        self._metrics_rows = {"epochs": 0, "batches": 0, "scalars": 0}
+        ckpt = None
+        self._round_pending = False
+        self.world = world
+        #: This rank and the world size (1 under plain ``python``).
+        self.rank, self.world_size = world.rank, world.size
+        self.device = next(self.model.parameters()).device
+        _check_same_model(self.model, comm)
+        self.run_dir = None
+        self._writer = None
+        if self.cfg.run_dir is not None:
+            self.run_dir = _make_run_dir(self.cfg, comm, watchdog)
+            keep_rows = None
+            if self.cfg.resume:
+                ckpt, keep_rows = _find_resume(self.cfg, self.run_dir, world, watchdog, 0)
+                if ckpt is not None:
+                    from flodl_mpi.checkpoint import load_state_dict
+
+                    agree(comm, "resume", lambda: self.model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+            if world.rank == 0:
+                import json
+
+                name = "config.json" if keep_rows is None else \
+                    f"config-resume-r{int(ckpt.meta['round']) if ckpt is not None else 0:06d}.json"
+                (self.run_dir / name).write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+                attrs = _run_attrs(self.cfg, world, self.device)
+                attrs["data_source"] = "(your training loop)"
+                self._writer = MetricsWriter(self.run_dir, world.size, attrs, self.run_dir / "checkpoints",
+                                             self.cfg.keep_checkpoints, keep_rows=keep_rows)
+            else:
+                _run_attrs(self.cfg, world, self.device)  # collective: hosts and devices
+            agree(comm, "metrics writer", lambda: self._writer.start() if self._writer is not None else None,
+                  watchdog, name_ranks=False)
+        self.replica = Replica(self.model, self.device)
+        self.bridge = Bridge(comm.Dup(), [tuple(p.shape) for p in self.replica.params],
+                             [tuple(b.shape) for b in self.replica.float_buffers], gamma=self.cfg.gamma,
+                             chunk_elems=self.cfg.chunk_elems, writer=self._writer, anchor=self.cfg.window,
+                             threaded=world.threaded_bridge, watchdog=watchdog, on_non_finite=self.cfg.on_non_finite)
+        # Bound params live in the staging: no copies per round. The Parameter objects
+        # stay the same, so an optimizer built before keeps working.
+        self.replica.bind(self.bridge)
+        self.replica.snapshot(self.bridge)
+        if broadcast:
+            self.bridge.broadcast(root=0)
+        self.replica.adopt(self.bridge)
+        if self.run_dir is not None:  # what would fail at save time fails now
+            agree(comm, "checkpoint check", self._check_saveable, watchdog, name_ranks=False)
+        if ckpt is not None:
+            agree(comm, "resume", lambda: self._resume(ckpt), watchdog)
+        self._new_epoch()
+        self._book = _scalars.ScalarBook()
+        _scalars.activate(self._book)
+        self._hook = None
+        if self.optimizer is not None:
+            self._hook = self.optimizer.register_step_post_hook(self._count_step)
+        watchdog.begin("training")
+        self.bridge.start()
+
+    def _resume(self, ckpt) -> None:
+        """This rank's state from the checkpoint (the consensus is loaded already), as ``worker.Trainer.resume``."""
+        from flodl_mpi import rank_state
+
+        meta = ckpt.meta
+        old_size = int(meta["world_size"])
+        arrays, attrs = ckpt.ranks[self.rank % old_size]
+        same = old_size == self.world_size
+        if self.optimizer is not None and "optimizer_class" in attrs:
+            rank_state.restore(self.optimizer, arrays, attrs, rng=same)
+        elif same and "rng/torch" in arrays:
+            torch.set_rng_state(torch.from_numpy(np.array(arrays["rng/torch"])))
+        rank_state.restore_integer_buffers(self.model, arrays)
+        self.global_step = int(attrs.get("global_step", 0))
+        self.bridge.version = self._saved_version = int(meta["round"])
+        self.bridge.guard.load_state_dict(meta["guard"])
+        self.bridge.resume_clock(float(meta["elapsed_s"]))
+        self.epoch = int(meta["epoch"])
+        self._metrics_rows = {k: int(meta["metrics_rows"].get(k, 0)) for k in self._metrics_rows}
+
+    def _count_step(self, optimizer, args, kwargs) -> None:
+        self._hooked += 1
+
+    def _new_epoch(self) -> None:
+        self._t_epoch = self._t_last = time.perf_counter()
+        self._loss_sum, self._batches, self._samples, self._compute_ms = 0.0, 0, 0, 0.0
+        self._rows: list[tuple] = []
+
+    # ---- the loop's side ----------------------------------------------------------------
+
+    def step(self, loss=None, *, realized: bool | None = None, samples: int | None = None):
+        """Count one step of this rank; every ``window`` calls, run a round and adopt its consensus.
+
+        Collective: every rank calls it the same number of times (a round is
+        entered on every ``window``-th call). Blocks for the round's duration.
+
+        Args:
+            loss: this step's loss (float or one-element tensor), optional: its
+                finiteness decides quarantine (SPEC §2) and it is the
+                ``avg_loss`` of ``metrics.h5``. A tensor costs a ``.item()`` (a sync point).
+            realized: whether an optimizer step happened. Default: with an
+                ``optimizer`` given, the steps its post-step hook counted since
+                the last call (0 when an AMP scaler skipped it); else True.
+                ``realized=False``: this rank had no batch; it joins the round with mass 0.
+            samples: samples in this step's batch, for the throughput columns (optional).
+
+        Returns:
+            The round's :class:`flodl_mpi.bridge.RoundUpdate` when a round ran, else None.
+
+        Raises:
+            RuntimeError: after :meth:`close`.
+            flodl_mpi.errors.NonFiniteError: the same on every rank (see ``on_non_finite``).
+            flodl_mpi.errors.RoundError: the round failed on this rank.
+        """
+        if self._closed:
+            raise RuntimeError("Averager.step() after close()")
+        if realized is None:
+            n = self._hooked if self.optimizer is not None else 1
+        else:
+            n = 1 if realized else 0
+        self._hooked = 0
+        now = time.perf_counter()
+        batch_ms = 1e3 * (now - self._t_last)
+        self._t_last = now
+        loss_value = math.nan
+        if loss is not None:
+            loss_value = float(loss.item() if hasattr(loss, "item") else loss)
+            self._loss_finite = self._loss_finite and math.isfinite(loss_value)
+        self.steps += n
+        self.global_step += n
+        self._calls += 1
+        if n:
+            self._batches += 1
+            self._loss_sum += 0.0 if loss is None else loss_value
+            self._samples += int(samples or 0)
+            self._compute_ms += batch_ms
+            if self.run_dir is not None:
+                lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else math.nan
+                self._rows.append((self.rank, self.epoch + 1, self.global_step, batch_ms, math.nan, loss_value,
+                                   float(lr), math.nan))
+        self._session.watchdog.progress(f"step {self.global_step}")
+        if self._calls < self.cfg.window:
+            return None
+        return self._round()
+
+    def _round(self):
+        self.replica.snapshot(self.bridge)
+        update = self.bridge.round(self.steps, self._calls, stop=False, loss_finite=self._loss_finite)
+        self._calls, self._loss_finite = 0, True
+        self._round_pending = True
+        if update.adopted:
+            self.replica.adopt(self.bridge)
+        if self.rank in update.quarantined and self.optimizer is not None:
+            self.optimizer.state.clear()  # the non-finite step most likely poisoned it
+        self.steps -= update.steps_at_snapshot  # subtract, don't zero (SPEC §2 step 8)
+        self._t_last = time.perf_counter()  # the round is not the next step's compute
+        return update
+
+    def end_epoch(self, metrics: dict | None = None) -> EpochResult:
+        """Close an epoch for the cohort: exchange reports, write ``metrics.h5`` rows, checkpoint when due.
+
+        Collective: every rank calls it at the same point (after the same number
+        of :meth:`step` calls). Steps of an unfinished window stay pending.
+
+        Args:
+            metrics: this rank's evaluation sums, ``{name: (sum, count)}`` (e.g.
+                over its slice of a test set); the cohort's value is
+                ``Σ sum / Σ count``. ``loss`` and ``accuracy`` also fill the
+                ``test_loss`` / ``test_accuracy`` columns.
+
+        Returns:
+            :class:`EpochResult`, identical on every rank.
+
+        Raises:
+            TypeError: ``metrics`` is not a dict of ``(sum, count)`` pairs.
+        """
+        from flodl_mpi.reporting import EpochReport
+
+        if self._closed:
+            raise RuntimeError("Averager.end_epoch() after close()")
+        sums = _check_metrics(metrics)
+        report = EpochReport(loss_sum=self._loss_sum, batches=self._batches, samples=self._samples,
+                             epoch_ms=1e3 * (time.perf_counter() - self._t_epoch), compute_ms=self._compute_ms)
+        _fill_test(report, sums)
+        boundary = _scalars.exchange(self.bridge.allgather, self._book, self._batches, sums)
+        summary = self.bridge.epoch_end(report, np.array(self._rows, dtype=np.float64), self.epoch)
+        self._round_pending = False
+        self.epoch += 1
+        path = None
+        rows = _scalars.scalar_rows(self.epoch, {**boundary.scalars, **boundary.eval_values},
+                                    {**boundary.counts, **boundary.eval_counts}, boundary.per_rank, self.world_size)
+        self._metrics_rows["epochs"] += 1
+        self._metrics_rows["batches"] += summary.batch_records
+        self._metrics_rows["scalars"] += 0 if rows is None else len(rows["epoch"])
+        if self._writer is not None and rows is not None:
+            self._writer.append("scalars", rows)
+        due = self.cfg.checkpoint_every and self.epoch % self.cfg.checkpoint_every == 0
+        if self.run_dir is not None and (due or "checkpoint" in boundary.intents):
+            path = self._save(summary, "checkpoint")
+        self._new_epoch()
+        return EpochResult(self.epoch, summary, dict(boundary.scalars), dict(boundary.metrics), boundary.intents,
+                           path)
+
+    def request(self, intent: str) -> None:
+        """Ask for ``"checkpoint"`` (saved at the next :meth:`end_epoch`, whoever asks) or ``"eval"``
+        (reported in the next :class:`EpochResult`'s ``intents`` on every rank)."""
+        self._book.request(intent)
+
+    # ---- checkpoints ----------------------------------------------------------------
+
+    def _rank_state(self):
+        from flodl_mpi import rank_state
+
+        if self.optimizer is not None:
+            return rank_state.capture(self.optimizer, self.global_step, self.model)
+        ints = {f"int_buffers/{k}": v for k, v in rank_state.integer_buffers(self.model).items()}
+        return ({"rng/torch": torch.get_rng_state().numpy().copy(), **ints}, {"global_step": int(self.global_step)})
+
+    def _contents(self, summary, reason: str, ranks: list) -> tuple:
+        from flodl_mpi.checkpoint import checkpoint_name
+        from flodl_mpi.worker import state_arrays
+
+        params, buffers, order = state_arrays(self.model)
+        meta = {
+            "epoch": self.epoch, "epoch_complete": True, "cursor": 0, "round": self.bridge.version,
+            "global_step": self.global_step, "reason": reason, "world_size": self.world_size,
+            "elapsed_s": self.bridge.elapsed, "config": self.cfg.to_dict(), "guard": self.bridge.guard.state_dict(),
+            "test_accuracy": getattr(summary, "test_accuracy", math.nan),
+            "test_loss": getattr(summary, "test_loss", math.nan), "test_count": getattr(summary, "test_count", 0),
+            "api": "Averager", "time_unix": time.time(),
+            # A round's row is written when its acks ride the next gather: the last one is
+            # still pending when no epoch exchange came after it.
+            "metrics_rows": {"rounds": self.bridge.version - int(self._round_pending), **self._metrics_rows},
+        }
+        return checkpoint_name(max(self.epoch, 1), self.bridge.version), params, buffers, meta, order, ranks
+
+    def _check_saveable(self) -> None:
+        from flodl_mpi.checkpoint import write_checkpoint
+
+        state = self._rank_state()
+        if self.rank != 0:
+            return
+        _, params, buffers, meta, order, ranks = self._contents(None, "checkpoint", [state] * self.world_size)
+        path = self.run_dir / "checkpoints" / f"save-check.h5.tmp-{os.getpid()}"
+        try:
+            write_checkpoint(path, params, buffers, meta, order, ranks)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"the model's state cannot be saved in a checkpoint: {exc}") from None
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _save(self, summary, reason: str) -> str | None:
+        """Collective: every rank's state is gathered to rank 0, whose writer thread saves."""
+        ranks = self.bridge.gather_to_root(self._rank_state())
+        self._saved_version = self.bridge.version
+        if self._writer is None:
+            return None
+        name, params, buffers, meta, order, ranks = self._contents(summary, reason, ranks)
+        self._writer.save_checkpoint(name, params, buffers, meta, order, ranks)
+        return str(self.run_dir / "checkpoints" / name)
+
+    # ---- the end ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Average any unfinished window, save the last checkpoint (with a run dir), stop the bridge.
+
+        Collective: every rank calls it (idempotent). Afterwards the model holds
+        the cohort's consensus on every rank.
+        """
+        if self._closed:
+            return
+        if self._calls:  # the same count on every rank: a last round for the pending steps
+            self._round()
+        if self.run_dir is not None and self.bridge.version != self._saved_version:
+            self._save(None, "checkpoint")
+        self._finish()
+        self._session.close()
+
+    def _finish(self) -> None:
+        """Local clean-up: bridge thread, writer, hook, scalar book."""
+        self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
+        _scalars.activate(None)
+        self.bridge.close()
+        if self._writer is not None:
+            self._writer.close(timeout=None)
+
+    def __enter__(self) -> Averager:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            self.close()
+            return False
+        from flodl_mpi.errors import CohortError
+        from flodl_mpi.session import leave_on_error
+
+        if isinstance(exc, CohortError) or self.world_size == 1:
+            import contextlib
+
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self._finish()
+        leave_on_error(self._session, exc)  # aborts the job unless the ranks can leave together
+        return False
+
+
+def _check_metrics(metrics) -> dict[str, tuple[float, float]]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError(f"metrics must be a dict {{name: (sum, count)}}, got {type(metrics).__name__}")
+    out = {}
+    for name, pair in metrics.items():
+        try:
+            s, c = pair
+            out[str(name)] = (float(s.item() if hasattr(s, "item") else s), float(c.item() if hasattr(c, "item")
+                                                                                   else c))
+        except (TypeError, ValueError):
+            raise TypeError(f"metrics[{name!r}] must be a (sum, count) pair of numbers, got {pair!r}") from None
+    return out
+
+
+def _fill_test(report, sums: dict[str, tuple[float, float]]) -> None:
+    """``loss`` / ``accuracy`` evaluation sums into the report's test columns (same count, or left out)."""
+    if "loss" in sums:
+        report.test_loss_sum, report.test_count = sums["loss"][0], int(sums["loss"][1])
+        if "accuracy" in sums and int(sums["accuracy"][1]) == report.test_count:
+            report.test_correct = round(sums["accuracy"][0])
+

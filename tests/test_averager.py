@@ -1,0 +1,208 @@
+"""flodl_mpi.Averager: argument checks (serial), the consensus against a float64 reference
+(multi-rank, in process), and a rank's error ending the job promptly (a launched script)."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import flodl_mpi
+from tests.conftest import launch_argv, launch_env
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+# ---- argument checks: before MPI starts, so serial ------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"policy": "cadence"}, ValueError, "policy must be one of sync, window, got 'cadence'"),
+    ({"policy": "sync", "window": 4}, ValueError, "window=4 contradicts policy='sync'"),
+    ({"policy": "window", "window": 0}, ValueError, "window must be >= 1, got 0"),
+    ({"window": 2.5}, TypeError, "window must be an int"),
+    ({"gamma": float("nan")}, ValueError, "gamma must be a finite number"),
+    ({"optimizer": "adam"}, TypeError, "optimizer must be a torch.optim.Optimizer"),
+    ({"stall_timeout": 0}, ValueError, "stall_timeout must be seconds > 0"),
+    ({"on_non_finite": "ignore"}, ValueError, "on_non_finite must be one of quarantine, stop"),
+])
+def test_bad_arguments_are_refused_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        flodl_mpi.Averager(small_model(), **kwargs)
+
+
+def test_model_must_be_a_module_with_float_params():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
+        flodl_mpi.Averager(small_model)
+    with pytest.raises(ValueError, match="model has no parameters"):
+        flodl_mpi.Averager(nn.ReLU())
+
+
+# ---- the consensus, against a float64 reference (every rank, in process) ----------------------
+
+def _steps(rank: int, round_: int) -> int:
+    """Realized steps of ``rank`` in window ``round_`` (3 calls each): uneven, one rank idle once."""
+    return [3, 2, 0, 1][(rank + round_) % 4]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+def test_window_consensus_matches_reference(gamma):
+    from mpi4py import MPI
+
+    from flodl_mpi.realized_work import gamma_mass
+
+    comm = MPI.COMM_WORLD
+    rank = comm.rank
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(10 + rank)
+    avg = flodl_mpi.Averager(model, optimizer=opt, policy="window", window=3, gamma=gamma)
+    try:
+        for r in range(4):
+            realized = _steps(rank, r)
+            for call in range(3):
+                if call < realized:
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(torch.randn(16, 8, generator=gen)),
+                                                torch.randint(0, 3, (16,), generator=gen)).backward()
+                    opt.step()
+                if call == 2:  # the window's last call runs the round: note what goes in
+                    pre = np.concatenate([p.detach().double().numpy().ravel() for p in model.parameters()])
+                # a call without an optimizer step: the hook counted none, so it carries no mass
+                update = avg.step()
+            assert update is not None and update.steps_at_snapshot == realized
+            all_pre, all_n = comm.allgather(pre), comm.allgather(realized)
+            masses = np.array([gamma_mass(n, gamma) for n in all_n])
+            ref = sum(m * p for m, p in zip(masses, all_pre)) / masses.sum()
+            got = np.concatenate([p.detach().double().numpy().ravel() for p in model.parameters()])
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+            assert update.adopted
+        states = comm.allgather({k: v.numpy().copy() for k, v in model.state_dict().items()
+                                 if v.is_floating_point()})
+        for k in states[0]:
+            np.testing.assert_array_equal(states[0][k], states[rank][k])
+    finally:
+        avg.close()
+
+
+FAILING_LOOP = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    import flodl_mpi
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with flodl_mpi.Averager(model, optimizer=opt) as avg:
+        for step in range(1000):
+            if avg.rank == 1 and step == 3:
+                raise RuntimeError("boom in the user's loop")
+            opt.zero_grad(); model(torch.randn(8, 4)).sum().backward(); opt.step()
+            avg.step()
+    print("not reached", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_ends_the_job_promptly(tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING_LOOP)
+    t0 = time.monotonic()
+    proc = subprocess.run(launch_argv(2, sys.executable, str(script)), capture_output=True, text=True, timeout=120,
+                          env=launch_env(), check=False)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "rank 1: error: RuntimeError: boom in the user's loop; aborting the job" in proc.stderr
+    assert "not reached" not in proc.stdout
+    assert elapsed < 60  # rank 0 waits in a round: the abort ends it, not the 600 s stall timeout
+
+
+def test_world_of_one_error_propagates_as_is(tmp_path):
+    """Under plain python (a world of 1) the loop's own exception reaches the caller, nothing aborts."""
+    script = tmp_path / "failing1.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        import flodl_mpi
+        model = nn.Linear(4, 2)
+        try:
+            with flodl_mpi.Averager(model) as avg:
+                avg.step()
+                raise RuntimeError("boom in the user's loop")
+        except RuntimeError as exc:
+            print("caught:", exc, flush=True)
+        print("closed:", avg._closed, flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=launch_env(), check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "caught: boom in the user's loop" in proc.stdout and "closed: True" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_resume_continues_the_epochs_and_the_metrics():
+    import tempfile
+    from pathlib import Path
+
+    from mpi4py import MPI
+
+    from flodl_mpi.metrics import read_table
+
+    comm = MPI.COMM_WORLD
+    run_dir = Path(comm.bcast(tempfile.mkdtemp(prefix="flodl-avg-") if comm.rank == 0 else None, root=0)) / "r"
+    gen = torch.Generator().manual_seed(comm.rank)
+
+    def train(avg, model, opt, epochs):
+        for _ in range(avg.epoch, epochs):
+            for _ in range(5):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(torch.randn(16, 8, generator=gen)),
+                                            torch.randint(0, 3, (16,), generator=gen)).backward()
+                opt.step()
+                avg.step()
+            flodl_mpi.record_scalar("x", 1.0)
+            avg.end_epoch()
+
+    model = small_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with flodl_mpi.Averager(model, optimizer=opt, run_dir=run_dir) as avg:
+        train(avg, model, opt, 2)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model2 = small_model()  # fresh values: the checkpoint must bring the consensus back
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    with flodl_mpi.Averager(model2, optimizer=opt2, run_dir=run_dir, resume=True) as avg:
+        assert avg.epoch == 2 and avg.global_step == 10
+        for k, v in model2.state_dict().items():
+            torch.testing.assert_close(v, saved[k], msg=k)
+        assert len(opt2.state) == len(opt.state)  # Adam's moments came back
+        train(avg, model2, opt2, 3)
+    if comm.rank == 0:
+        np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "epochs")["epoch"], [1, 2, 3])
+        np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "rounds")["round"], np.arange(15))
+        np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "scalars")["epoch"], [1, 2, 3])
+
+
+@pytest.mark.mpi
+def test_a_step_the_amp_scaler_skips_carries_no_mass():
+    """GradScaler skips optimizer.step() on inf gradients: the post-step hook counts none, so mass 0."""
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2) as avg:
+        steps = []
+        for call in range(2):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(torch.randn(8, 8)), torch.randint(0, 3, (8,)))
+            if call == 1:
+                loss = loss * float("inf")  # inf gradients: the scaler skips this step
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            steps.append(avg.step())
+        assert steps[0] is None and steps[1].steps_at_snapshot == 1  # two calls, one realized step
+        assert avg.global_step == 1

@@ -1,0 +1,68 @@
+"""The examples of "Use it from your own code", as a user runs them: ``python`` (a world of 1, no
+launcher) and ``mpiexec -n 2``, with the same script."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flodl_mpi.metrics import read_table
+from tests.conftest import launch_argv, launch_env
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(ranks: int, name: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    argv = [sys.executable, str(EXAMPLES / name), *args]
+    if ranks > 1:
+        argv = launch_argv(ranks, *argv)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=launch_env(), check=False)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_trainer_api_example(tmp_path, ranks):
+    proc = run_example(ranks, "trainer_api.py", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    acc = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", proc.stdout)]
+    assert len(acc) == 5 and acc[-1] >= 0.93  # the CLI's end-to-end bound after 5 epochs
+    epochs = read_table(tmp_path / "run" / "metrics.h5", "epochs")
+    np.testing.assert_allclose(epochs["test_accuracy"], acc, atol=5e-5)  # the printed numbers are the file's
+    assert epochs["per_rank_samples"].shape[1] == ranks
+    assert max(p.name[:12] for p in (tmp_path / "run" / "checkpoints").glob("ckpt-*.h5")) == "ckpt-e000005"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_own_loop_example(tmp_path, ranks):
+    proc = run_example(ranks, "own_loop.py", "--epochs", "3", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    acc = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", proc.stdout)]
+    assert len(acc) == 3 and acc[-1] > acc[0]
+    rounds = read_table(tmp_path / "run" / "metrics.h5", "rounds")
+    batches = 1437 // 32 + 1
+    assert len(rounds["round"]) == 3 * (batches // ranks)  # sync: a round per step of each rank
+    np.testing.assert_array_equal(rounds["steps"], np.ones((len(rounds["round"]), ranks)))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_regression_example_beats_its_stated_fraction_of_var_y(tmp_path, ranks):
+    """The example asserts test MSE < 0.7 var(y_test) itself (exit 1 otherwise); here the number is read back."""
+    proc = run_example(ranks, "regression_diabetes.py", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    m = re.search(r"test mse (\S+) = (\S+) x var\(y_test\) (\S+) \(must be < 0.7\); (\d) rank", proc.stdout)
+    assert m and int(m.group(4)) == ranks
+    assert float(m.group(1)) < 0.7 * float(m.group(3))
+    scalars = read_table(tmp_path / "run" / "metrics.h5", "scalars")
+    names = scalars["name"].tolist()
+    assert b"mae" in names and b"eval/mae" in names
+    epochs = read_table(tmp_path / "run" / "metrics.h5", "epochs")
+    assert epochs["test_loss"][-1] == pytest.approx(float(m.group(1)), abs=5e-5)  # "loss" fills test_loss
+    # ... and the checkpoint holds the model, as the CLI's does
+    from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict
+
+    state = load_state_dict(latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    assert [tuple(v.shape) for v in state.values()] == [(32, 10), (32,), (1, 32), (1,)]
