@@ -21,6 +21,9 @@ from torch import nn
 from flodl_mpi import scalars as _scalars
 from flodl_mpi.config import ON_NON_FINITE, POLICIES, TrainConfig
 
+#: The policies of an own loop: a round every step, or every ``window`` steps.
+_OWN_LOOP_POLICIES = ("sync", "window")
+
 __all__ = ["Averager", "EpochResult"]
 
 
@@ -147,8 +150,12 @@ class Averager:
             raise ValueError(f"model parameter {bad[0]!r} is not floating point; every parameter must be")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if policy not in _OWN_LOOP_POLICIES:
+            # cadence and async decide how many batches each rank trains; in your own
+            # loop you decide that, so they are flodl_mpi.fit's (and the CLI's) only.
+            raise ValueError(f"policy must be one of {', '.join(_OWN_LOOP_POLICIES)}, got {policy!r}"
+                             + (" (the balanced policies set each rank's batches: use flodl_mpi.fit)"
+                                if policy in POLICIES else ""))
         _check_int(window, "window", 1)
         if policy == "sync" and window != 1:
             raise ValueError(f"window={window} contradicts policy='sync' (a round after every step); "

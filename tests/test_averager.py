@@ -23,7 +23,9 @@ def small_model() -> nn.Module:
 # ---- argument checks: before MPI starts, so serial ------------------------------------------
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"policy": "cadence"}, ValueError, "policy must be one of sync, window, got 'cadence'"),
+    ({"policy": "cadence"}, ValueError,
+     "policy must be one of sync, window, got 'cadence' \\(the balanced policies set each rank's batches: "
+     "use flodl_mpi.fit\\)"),
     ({"policy": "sync", "window": 4}, ValueError, "window=4 contradicts policy='sync'"),
     ({"policy": "window", "window": 0}, ValueError, "window must be >= 1, got 0"),
     ({"window": 2.5}, TypeError, "window must be an int"),
