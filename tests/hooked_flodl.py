@@ -86,11 +86,11 @@ def main() -> int:
         read: dict[str, list] = {}
         plain_batch = worker.Trainer._train_batch
 
-        def train_batch(self, perm, b, epoch, report):
+        def train_batch(self, perm, b, epoch, report, *args):
             idx = batch_indices(perm, self.cfg.batch_size, b, self.cfg.drop_last)
             read.setdefault(f"e{epoch}", []).append(np.asarray(idx))
             read["rank"] = [np.array([self.rank])]
-            return plain_batch(self, perm, b, epoch, report)
+            return plain_batch(self, perm, b, epoch, report, *args)
 
         worker.Trainer._train_batch = train_batch
 

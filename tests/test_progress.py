@@ -67,7 +67,8 @@ def _train_in_pty(args: list[str], timeout: float = 300) -> tuple[int, str]:
     """Run ``mpiexec -n 2 flodl-mpi train ARGS`` with a pseudo-terminal as its stdout and stderr."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", *args),
-                            env=launch_env(), stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+                            env={**launch_env(), "COLUMNS": "200"},  # room for the whole bar line
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -92,7 +93,9 @@ def _train_in_pty(args: list[str], timeout: float = 300) -> tuple[int, str]:
 def test_terminal_gets_a_bar_through_mpiexec(tmp_path):
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    rc, out = _train_in_pty(["--run-dir", str(tmp_path / "r"), "--epochs", "2"])
+    # Batches of 2: an epoch of several hundred rounds lasts well past the bar's
+    # 0.25 s redraw interval (at the default 32 an epoch can end within it).
+    rc, out = _train_in_pty(["--run-dir", str(tmp_path / "r"), "--epochs", "2", "--batch-size", "2"])
     assert rc == 0, out
     assert "\r" in out and "batch/s" in out and "rounds/s" in out and "loss " in out
     assert re.search(r"epoch 1/2: +\d+%", out), out          # the bar's description and percentage
