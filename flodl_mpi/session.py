@@ -44,6 +44,12 @@ def _start_mpi():
         mixed = mixed_install()
         if mixed:
             print(f"flodl-mpi: warning: {mixed}", file=sys.stderr)
+        if "mpi4py.MPI" not in sys.modules:
+            # Under srun, MPICH shared memory a dead earlier step left under this step's
+            # name would make MPI_Init fail: the CLI's clean-up (flodl_mpi.stale_shm).
+            from flodl_mpi.cli import _clear_stale_shm
+
+            _clear_stale_shm(library)
         mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI
 
