@@ -533,7 +533,8 @@ def _setup(session, a: dict) -> Run:
     agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog, name_ranks=False)
     try:
         bridge = make_bridge(cfg, world, replica, writer, watchdog)
-        replica.bind(bridge)
+        if bridge.policy.blocking:  # async trains on while a round runs: its staging must stay apart
+            replica.bind(bridge)
         replica.snapshot(bridge)
         bridge.broadcast(root=0)
         replica.adopt(bridge)

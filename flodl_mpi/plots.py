@@ -61,7 +61,7 @@ def _title(runs: Sequence[Run], what: str) -> str:
 
 def _epoch_axis(run: Run) -> np.ndarray | None:
     e = run.column("epochs", "epoch")
-    return None if e is None else e + 1  # 1-based, as the log counts epochs
+    return e  # metrics.h5 counts epochs from 1, as the log does
 
 
 def _smooth(y: np.ndarray, k: int) -> np.ndarray:

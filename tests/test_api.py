@@ -48,6 +48,20 @@ def test_train_step_api_reaches_the_cli_accuracy_on_digits():
     assert acc >= 0.93
 
 
+def test_fit_runs_the_balanced_policies_with_rounds_inside_epochs():
+    """cadence and async plan windows of --anchor batches: rounds fall inside epochs, and async's
+    blended adoption needs a replica that is not bound to the staging."""
+    from mpi4py import MPI
+
+    for policy in ("cadence", "async"):
+        run = flodl_mpi.fit(train_step=ce_step, epochs=2, policy=policy, batch_size=16)
+        history = run.wait()
+        assert run.done and [h.epoch for h in history] == [1, 2]
+        n_batches = num_batches(1437, 16, False)  # the built-in digits' training split
+        assert 1 < history[-1].summary.rounds < 2 * n_batches  # windows of several batches, several per epoch
+        assert len(set(MPI.COMM_WORLD.allgather(history[-1].metrics["accuracy"]))) == 1
+
+
 def test_own_loop_gives_the_trainers_consensus_for_the_same_steps():
     from mpi4py import MPI
 

@@ -192,6 +192,16 @@ def run_b(tmp_path_factory):
     return trained_run(tmp_path_factory, "B", "--epochs", "2", "--window", "4")
 
 
+@pytest.mark.slow
+def test_plots_label_epochs_as_the_log_does(run_a):
+    # metrics.h5 counts epochs from 1 (as train.log): the per-epoch plots use that count as it is.
+    run = load_run(run_a)
+    assert run.column("epochs", "epoch").tolist() == [1, 2]
+    for fig in (plots.training_figure([run]), plots.ranks_figure([run])):
+        for line in fig.axes[0].get_lines():
+            assert list(line.get_xdata()) == [1, 2]
+
+
 def _report(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """``flodl-mpi report`` through the CLI entry, in a fresh process that must not load MPI."""
     code = ("import sys; from flodl_mpi.report import main; rc = main(sys.argv[1:]); "
