@@ -322,7 +322,7 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
           run_dir: str | os.PathLike | None = None, resume: bool = False, checkpoint_every: int = 1,
           keep_checkpoints: int = 3, device: str = "auto", threads: int | None = None,
           stall_timeout: float = 600.0, on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18,
-          verbose: bool = False, comm=None) -> Run:
+          verbose: bool = False, comm=None, **options) -> Run:
     """Train with flodl_mpi's loop and averaging on your model, optimizer, step and data; returns a :class:`Run`.
 
     The same script runs under ``python`` (a world of 1) and ``mpiexec -n N``.
@@ -370,6 +370,11 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             on_non_finite, chunk_elems, seed, drop_last, eval_batch_size: as the CLI's options.
         verbose: rank 0 prints the CLI's lines (one per epoch) on stdout.
         comm: an mpi4py intracommunicator; None: the world.
+        **options: any other ``flodl-mpi train`` option by its config name
+            (``anchor``, ``easgd_alpha``, ``outer``, ``outer_lr``,
+            ``average_optimizer_state``, ``node_reduce``, ``bf16_wire``, ...:
+            ``TrainConfig``'s fields); an unknown name raises ``ValueError``
+            (bad input, exit 2 under ``mpiexec``).
 
     Returns:
         :class:`Run`; nothing is trained until it is iterated (or :meth:`Run.wait`).
@@ -423,6 +428,13 @@ def _setup(session, a: dict) -> Run:
             raise ValueError(f"eval_every must be an int >= 0, got {a['eval_every']!r}")
         if opt is not None and not callable(opt) and opt not in ("sgd", "adam", "adamw"):
             raise ValueError(f"optimizer must be a factory or one of sgd, adam, adamw, got {opt!r}")
+        extra = dict(a["options"])
+        passable = (set(TrainConfig.field_names()) - set(a)
+                    - {"optimizer", "data", "model", "train_x", "train_y", "test_x", "test_y"})  # names= has those
+        unknown = sorted(set(extra) - passable)
+        if unknown:
+            raise ValueError(f"fit() got unknown option(s) {', '.join(unknown)}; the others it takes by name are "
+                             f"{', '.join(sorted(passable))}")
         return TrainConfig(
             data=_describe(a["data"]) if a["data"] is not None and isinstance(a["data"], (str, os.PathLike))
             else (None if a["data"] is None else "in-memory arrays"),
@@ -433,7 +445,7 @@ def _setup(session, a: dict) -> Run:
             resume=a["resume"], device=a["device"], stall_timeout=float(a["stall_timeout"]),
             chunk_elems=a["chunk_elems"], on_non_finite=a["on_non_finite"], eval_batch_size=a["eval_batch_size"],
             threads=a["threads"], scale_lr=a["scale_lr"], warmup_steps=a["warmup_steps"],
-            clip_grad_norm=a["clip_grad_norm"],
+            clip_grad_norm=a["clip_grad_norm"], **extra,
         )
 
     def api_config() -> TrainConfig:

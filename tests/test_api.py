@@ -53,8 +53,14 @@ def test_fit_runs_the_balanced_policies_with_rounds_inside_epochs():
     blended adoption needs a replica that is not bound to the staging."""
     from mpi4py import MPI
 
+    from flodl_mpi.errors import InputError
+
+    with pytest.raises(InputError, match="fit\\(\\) got unknown option\\(s\\) bogus; the others it takes by name "
+                                         "are anchor, average_optimizer_state"):
+        flodl_mpi.fit(train_step=ce_step, epochs=1, bogus=3)
     for policy in ("cadence", "async"):
-        run = flodl_mpi.fit(train_step=ce_step, epochs=2, policy=policy, batch_size=16)
+        # any other CLI option by its config name: the anchor of the balanced policies
+        run = flodl_mpi.fit(train_step=ce_step, epochs=2, policy=policy, batch_size=16, anchor=4)
         history = run.wait()
         assert run.done and [h.epoch for h in history] == [1, 2]
         n_batches = num_batches(1437, 16, False)  # the built-in digits' training split
