@@ -109,7 +109,8 @@ class _Boundary:
         try:
             for start in range(lo, hi, self.eval_batch_size):
                 end = min(start + self.eval_batch_size, hi)
-                batch = (torch.from_numpy(split.x[start:end]).to(device), torch.from_numpy(split.y[start:end]).to(device))
+                batch = (torch.from_numpy(split.x[start:end]).to(device),
+                         torch.from_numpy(split.y[start:end]).to(device))
                 for name, pair in _check_eval(self.eval_fn(model, batch)).items():
                     acc = total.setdefault(name, [0.0, 0.0])
                     acc[0] += pair[0]
@@ -530,7 +531,8 @@ def _setup(session, a: dict) -> Run:
         if cfg.resume:
             ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n)
             if ckpt is not None and world.rank == 0:
-                keep_rows = {**keep_rows, "scalars": _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))}
+                kept = _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))
+                keep_rows = {**keep_rows, "scalars": kept}
             if ckpt is not None:
                 from flodl_mpi.checkpoint import load_state_dict
 
@@ -538,7 +540,8 @@ def _setup(session, a: dict) -> Run:
     attrs = _run_attrs(cfg, world, device)
     attrs["data_source"] = data.source
     if world.rank == 0 and run_dir is not None:
-        name = "config.json" if keep_rows is None else f"config-resume-r{int(ckpt.meta['round']) if ckpt else 0:06d}.json"
+        resumed_at = int(ckpt.meta["round"]) if ckpt else 0
+        name = "config.json" if keep_rows is None else f"config-resume-r{resumed_at:06d}.json"
         (run_dir / name).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints,
                                keep_rows=keep_rows)

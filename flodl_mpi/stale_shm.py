@@ -76,7 +76,10 @@ def kvs_name(environ: Mapping[str, str]) -> str | None:
 
 
 def segment_prefixes(kvs: str) -> tuple[str, ...]:
-    """The file-name prefixes of MPICH's slabs for KVS name ``kvs`` (node id follows), e.g. ``"mpich_shm_eb421bf2_"``."""
+    """The file-name prefixes of MPICH's slabs for KVS name ``kvs`` (node id follows).
+
+    E.g. ``"mpich_shm_eb421bf2_"``.
+    """
     world_id = fnv1a32(kvs)
     return tuple(f"{prefix}{world_id:x}_" for prefix in MPICH_PREFIXES)
 

@@ -25,7 +25,6 @@ from mpi4py import MPI
 
 from flodl_mpi import __version__
 from flodl_mpi.bridge import Bridge
-from flodl_mpi.reduce import WireOptions
 from flodl_mpi.checkpoint import (
     Checkpoint,
     load_state_dict,
@@ -52,6 +51,7 @@ from flodl_mpi.models import build_model, check_model_output, check_training_ste
 from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.policy import make_policy
 from flodl_mpi.progress import EpochProgress, stdout_is_terminal
+from flodl_mpi.reduce import WireOptions
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree

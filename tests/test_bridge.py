@@ -12,7 +12,7 @@ from flodl_mpi.bridge import Bridge
 from flodl_mpi.divergence import divergence_triple
 from flodl_mpi.errors import InputError, NonFiniteError, RoundError
 from flodl_mpi.models import digits_mlp
-from flodl_mpi.worker import Replica, ReplacedTensorError, state_arrays
+from flodl_mpi.worker import ReplacedTensorError, Replica, state_arrays
 from flodl_mpi.world import agree
 
 pytestmark = pytest.mark.mpi

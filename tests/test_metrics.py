@@ -103,7 +103,8 @@ def test_bad_rows_raise_value_error(tmp_path):
     with MetricsFile(tmp_path / "metrics.h5", W, {}) as m:
         rows = round_rows(0, 2)
         rows["mass"] = np.zeros((2, W + 1))
-        with pytest.raises(ValueError, match=r"table 'rounds' column 'mass': expected shape \(k>=1, \*\(3,\)\), got \(2, 4\)"):
+        with pytest.raises(ValueError,
+                           match=r"table 'rounds' column 'mass': expected shape \(k>=1, \*\(3,\)\), got \(2, 4\)"):
             m.append("rounds", rows)
         rows = batch_rows(0, 2)
         del rows["lr"]

@@ -50,8 +50,8 @@ def _skip_reason() -> str | None:
     if shutil.which("apt-get") is None:
         return f"Slurm is not installed ({', '.join(c for c in COMMANDS if not shutil.which(c))} missing) " \
                f"and there is no apt-get to install it"
-    r = subprocess.run(["bash", str(SLURM_DIR / "install.sh")], capture_output=True, text=True, timeout=600, check=False,
-                       stdin=subprocess.DEVNULL)
+    r = subprocess.run(["bash", str(SLURM_DIR / "install.sh")], capture_output=True, text=True, timeout=600,
+                       check=False, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
         return f"Slurm could not be installed with apt-get (exit {r.returncode}): {last}"
