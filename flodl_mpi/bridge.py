@@ -32,6 +32,7 @@ from flodl_mpi.config import ON_NON_FINITE
 from flodl_mpi.control import ACK, NON_FINITE_LOSS, NON_FINITE_TENSORS, ROUND, ROUND_HEAD, Columns
 from flodl_mpi.divergence import TrendGuard, Verdict, triple_from_sums
 from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
+from flodl_mpi.metrics import WriterError
 from flodl_mpi.optimizer_state import OptimizerStateAverager
 from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.policy import FixedPolicy, Plan, Policy, RoundFacts
@@ -408,7 +409,9 @@ class Bridge:
         self._inflight, self._reply = False, None
         if isinstance(reply, _Failure):
             self._failed = reply
-            if isinstance(reply.error, CohortError):
+            # A cohort-wide error, or rank 0's metrics writer having failed (its recorder
+            # appends on this thread too): the cause itself, not "the round failed".
+            if isinstance(reply.error, (CohortError, WriterError)):
                 raise reply.error
             raise RoundError(
                 f"rank {self.rank}: averaging round {reply.round} failed at stage "
