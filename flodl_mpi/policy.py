@@ -17,6 +17,7 @@ No MPI, no threads, no clocks: the readings arrive as numbers.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +67,7 @@ def guard_threshold(easgd_alpha: float | None) -> float:
     return 0.3 if easgd_alpha is not None and easgd_alpha < 1.0 else 0.05
 
 
-class Policy:
+class Policy(ABC):
     """Base of the policies: the guard, the current plan, and checkpoint state.
 
     Args:
@@ -83,9 +84,9 @@ class Policy:
         self.world_size = int(world_size)
         self.guard = guard if guard is not None else TrendGuard()
 
+    @abstractmethod
     def plan(self) -> Plan:
         """The plan of the next window."""
-        raise NotImplementedError
 
     def observe(self, facts: RoundFacts) -> Verdict | None:
         """Feed one round's facts; returns the guard's verdict on the previous round (None: none)."""
