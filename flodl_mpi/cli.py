@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import time
 import traceback
@@ -45,6 +44,7 @@ from flodl_mpi.config import (
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
 from flodl_mpi.launcher import check_world_size, foreign_launcher, launch_env, launcher_rank, mixed_install, mpi_library
 from flodl_mpi.signals import StopRequest
+from flodl_mpi.stale_shm import clear_before_mpi
 
 __all__ = ["main", "build_parser"]
 
@@ -253,26 +253,8 @@ def _refuse(text: str) -> int:
     return EXIT_INPUT
 
 
-def _clear_stale_shm(library: str = "MPICH") -> None:
-    """Under ``srun``, remove MPICH shared memory a dead earlier step left under this step's name.
-
-    Else MPI_Init would start on it and fail (see :mod:`flodl_mpi.stale_shm`). Only for
-    an MPICH ``library`` (:func:`flodl_mpi.launcher.mpi_library`'s name). The rank that
-    removed a slab says so; one it cannot remove is reported by the node's first task.
-    """
-    from flodl_mpi.launcher import library_family
-    from flodl_mpi.stale_shm import clear_stale_segments
-
-    if library_family(library) != "mpich":
-        return
-    for seg in clear_stale_segments():
-        if seg.removed:
-            print(f"flodl-mpi: removed {seg.path}: MPICH shared memory left by an earlier Slurm step "
-                  f"with this step's name (MPI_Init would have failed on it)", file=sys.stderr, flush=True)
-        elif os.environ.get("SLURM_LOCALID", "0") == "0":
-            print(f"flodl-mpi: warning: cannot remove {seg.path} ({seg.error}; owner uid {seg.uid}): MPICH "
-                  f"shared memory left by an earlier Slurm step with this step's name; MPI_Init will likely "
-                  f"fail on it: remove it (rm {seg.path}) or ask the administrators", file=sys.stderr, flush=True)
+#: The clean-up before MPI starts under srun (flodl_mpi.stale_shm); the Slurm harness calls it by this name.
+_clear_stale_shm = clear_before_mpi
 
 
 def main(argv: list[str] | None = None) -> int:

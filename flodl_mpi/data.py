@@ -111,6 +111,11 @@ def _features(x: np.ndarray, name: str, file: str) -> np.ndarray:
         raise DataError(f"{name!r} in {file!r} must have shape (N, features...), got {x.shape}")
     if x.size == 0:
         raise DataError(f"{name!r} in {file!r} is empty (shape {x.shape})")
+    return _finite_float32(x, name, file)
+
+
+def _finite_float32(x: np.ndarray, name: str, file: str) -> np.ndarray:
+    """``x`` as contiguous float32, refused if any value is NaN or Inf after the cast."""
     # Checked after the cast: float64 values beyond float32's range become inf here,
     # which is reported below rather than as numpy's overflow warning.
     with np.errstate(over="ignore"):
@@ -140,11 +145,7 @@ def _targets(y: np.ndarray, name: str, file: str) -> np.ndarray:
         raise DataError(f"{name!r} in {file!r} must be numeric targets of shape (N, ...), got {y.dtype} {y.shape}")
     if y.size == 0:
         raise DataError(f"{name!r} in {file!r} is empty")
-    with np.errstate(over="ignore"):
-        y = np.ascontiguousarray(y, dtype=np.float32)
-    if not np.isfinite(y).all():
-        raise DataError(f"{name!r} in {file!r} holds non-finite values (NaN or Inf as float32)")
-    return y
+    return _finite_float32(y, name, file)
 
 
 def dataset_from_arrays(train: tuple, test: tuple, source: str = "in-memory arrays") -> Dataset:

@@ -47,9 +47,9 @@ def _start_mpi():
         if "mpi4py.MPI" not in sys.modules:
             # Under srun, MPICH shared memory a dead earlier step left under this step's
             # name would make MPI_Init fail: the CLI's clean-up (flodl_mpi.stale_shm).
-            from flodl_mpi.cli import _clear_stale_shm
+            from flodl_mpi.stale_shm import clear_before_mpi
 
-            _clear_stale_shm(library)
+            clear_before_mpi(library)
         mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI
 

@@ -31,12 +31,14 @@ Nothing here starts MPI; no other file is touched.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["StaleSegment", "clear_stale_segments", "fnv1a32", "kvs_name", "process_start_time", "segment_prefixes"]
+__all__ = ["StaleSegment", "clear_before_mpi", "clear_stale_segments", "fnv1a32", "kvs_name", "process_start_time",
+           "segment_prefixes"]
 
 #: Where POSIX shared memory lives on Linux.
 SHM_DIR = Path("/dev/shm")
@@ -175,3 +177,24 @@ def clear_stale_segments(environ: Mapping[str, str] | None = None, shm_dir: Path
             continue
         found.append(StaleSegment(path, st.st_uid, True))
     return found
+
+
+def clear_before_mpi(library: str = "MPICH") -> None:
+    """Under ``srun``, remove MPICH shared memory a dead earlier step left under this step's name.
+
+    Else MPI_Init would start on it and fail (see :mod:`flodl_mpi.stale_shm`). Only for
+    an MPICH ``library`` (:func:`flodl_mpi.launcher.mpi_library`'s name). The rank that
+    removed a slab says so; one it cannot remove is reported by the node's first task.
+    """
+    from flodl_mpi.launcher import library_family
+
+    if library_family(library) != "mpich":
+        return
+    for seg in clear_stale_segments():
+        if seg.removed:
+            print(f"flodl-mpi: removed {seg.path}: MPICH shared memory left by an earlier Slurm step "
+                  f"with this step's name (MPI_Init would have failed on it)", file=sys.stderr, flush=True)
+        elif os.environ.get("SLURM_LOCALID", "0") == "0":
+            print(f"flodl-mpi: warning: cannot remove {seg.path} ({seg.error}; owner uid {seg.uid}): MPICH "
+                  f"shared memory left by an earlier Slurm step with this step's name; MPI_Init will likely "
+                  f"fail on it: remove it (rm {seg.path}) or ask the administrators", file=sys.stderr, flush=True)
