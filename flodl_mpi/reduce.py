@@ -147,16 +147,26 @@ def _reduce(comm, layout, staging, frame, mass, scratch, stats=None) -> ReduceSt
             stats.realized = is_realized(stats.total_mass)
             if not stats.realized:
                 return stats  # no rank reduces further pieces
-        d, p = unpack_piece(f, staging, lo, hi, total, f, scratch)
-        stats.diff_sq += d
-        stats.post_sq += p
-        stats.unpack_ms += 1e3 * (clock() - t2)
-        if not math.isfinite(p):
-            # A reduced piece is the same on every rank, so every rank stops here:
-            # no rank enters a further Allreduce. Nothing non-finite was unpacked.
-            stats.post_finite = False
+        if not _unpack(stats, f, staging, lo, hi, total, scratch, t2):
             return stats
     return stats
+
+
+def _unpack(stats, summed, staging, lo, hi, total, scratch, t_start: float) -> bool:
+    """Divide one reduced piece into ``staging`` and add its sums and time to ``stats``.
+
+    Returns False when the piece is not finite. A reduced piece is the same on
+    every rank, so every rank stops there: no rank enters a further collective,
+    and nothing non-finite was unpacked (``stats.post_finite`` is False).
+    """
+    d, p = unpack_piece(summed, staging, lo, hi, total, summed, scratch)
+    stats.diff_sq += d
+    stats.post_sq += p
+    stats.unpack_ms += 1e3 * (time.perf_counter() - t_start)
+    if not math.isfinite(p):
+        stats.post_finite = False
+        return False
+    return True
 
 
 def _reduce_bf16_allgather(comm, layout, staging, mass, bufs, stats) -> None:
@@ -206,12 +216,7 @@ def _reduce_bf16_allgather(comm, layout, staging, mass, bufs, stats) -> None:
             stats.realized = is_realized(stats.total_mass)
             if not stats.realized:
                 return
-        d, p = unpack_piece(acc, staging, lo, hi, total, acc, diff)
-        stats.diff_sq += d
-        stats.post_sq += p
-        stats.unpack_ms += 1e3 * (clock() - t2)
-        if not math.isfinite(p):
-            stats.post_finite = False
+        if not _unpack(stats, acc, staging, lo, hi, total, diff, t2):
             return
 
 
