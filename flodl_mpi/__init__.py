@@ -12,22 +12,36 @@ and ``mpiexec -n N python script.py``:
 - :func:`fit`: give a model factory, an optimizer factory, a train step and the
   data; iterate the returned :class:`Run` for the cohort's epoch metrics.
 
-Importing the package starts neither MPI nor torch; the names below load on first use.
+Importing the package loads no torch (the names below load on first use). Under a
+launcher (``mpiexec``, ``srun``) it starts MPI and the exception hooks that abort
+the job on an uncaught error on any rank (:func:`flodl_mpi.session.start_at_import`);
+without one, MPI starts as a world of 1 on first use.
 (The API's entry point is ``fit``, not ``train``: ``flodl_mpi.train`` is the CLI's module.)
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["Averager", "EpochResult", "Run", "__version__", "fit", "record_scalar", "request"]
+__all__ = ["Averager", "EpochResult", "InputError", "Run", "Stopped", "__version__", "fit", "record_scalar", "request"]
 
 _WHERE = {
     "Averager": "flodl_mpi.averager",
     "EpochResult": "flodl_mpi.averager",
+    "InputError": "flodl_mpi.errors",
+    "Stopped": "flodl_mpi.errors",
     "Run": "flodl_mpi.api",
     "fit": "flodl_mpi.api",
     "record_scalar": "flodl_mpi.scalars",
     "request": "flodl_mpi.scalars",
 }
+
+
+def _start_if_launched() -> None:
+    from flodl_mpi.session import start_at_import
+
+    start_at_import()
+
+
+_start_if_launched()
 
 
 def __getattr__(name: str):

@@ -167,6 +167,13 @@ class Run:
         run_dir: where ``metrics.h5`` and ``checkpoints/`` are written (None: no files).
         rank, world_size: this rank's place (a world of 1 under plain ``python``).
         done: every epoch was trained.
+        stopped: a stop signal (SIGUSR1, SIGTERM, Ctrl-C) ended the run early.
+
+    Stop signals: as ``flodl-mpi train``, a signal on any rank stops every rank
+    after the same round; the checkpoint is saved (with a ``run_dir``), the run
+    is closed, and the iteration (or :meth:`wait`) raises
+    :class:`flodl_mpi.Stopped`, a ``SystemExit`` with code 4: uncaught, the
+    script exits with status 4 (resume with ``resume=True``).
     """
 
     def __init__(self, session, trainer, boundary: _Boundary, writer, run_dir: Path | None) -> None:
@@ -177,6 +184,7 @@ class Run:
         self.rank, self.world_size = trainer.rank, trainer.world_size
         self.history: list[EpochResult] = []
         self.done = False
+        self.stopped = False
         self._epochs = trainer.iter_epochs()
         self._closed = False
 
@@ -193,6 +201,22 @@ class Run:
             self._fail(exc)
             raise
         self.close()
+        if not self._trainer.done:  # a stop round ended the epochs (gathered: every rank alike)
+            self._stopped()
+
+    def _stopped(self) -> None:
+        import sys
+
+        from flodl_mpi.errors import Stopped
+
+        stop, version = self._trainer.stop, self._trainer.bridge.version
+        self.stopped = True
+        if self.rank == 0:
+            where = (f"checkpoint saved in {self.run_dir / 'checkpoints'}; run the same script with resume=True "
+                     "to go on" if self.run_dir is not None else "no run_dir: nothing was saved")
+            print(f"flodl-mpi: stopped on request ({stop.signal_name or 'a stop signal'}) after round {version}; "
+                  f"{where}; exit status 4", file=sys.stderr, flush=True)
+        raise Stopped(stop.signal_name, version)
 
     def wait(self) -> list[EpochResult]:
         """Train the remaining epochs and finish; returns :attr:`history`. Collective."""
@@ -555,7 +579,7 @@ def _setup(session, a: dict) -> Run:
         replica.adopt(bridge)
         torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
         trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, None, log=log.info,
-                          stop=StopRequest(), task=task)
+                          stop=session.stop if session.stop is not None else StopRequest("resume=True"), task=task)
         if run_dir is not None:
             agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
                   name_ranks=False)

@@ -361,9 +361,10 @@ class Averager:
             return None
         return self._round()
 
-    def _round(self):
+    def _round(self, final: bool = False):
         self.replica.snapshot(self.bridge)
-        update = self.bridge.round(self.steps, self._calls, stop=False, loss_finite=self._loss_finite)
+        stop = self._session.stop is not None and self._session.stop.requested
+        update = self.bridge.round(self.steps, self._calls, stop=stop, loss_finite=self._loss_finite)
         self._calls, self._loss_finite = 0, True
         self._round_pending = True
         if update.adopted:
@@ -372,7 +373,27 @@ class Averager:
             self.optimizer.state.clear()  # the non-finite step most likely poisoned it
         self.steps -= update.steps_at_snapshot  # subtract, don't zero (SPEC §2 step 8)
         self._t_last = time.perf_counter()  # the round is not the next step's compute
+        if update.stop and not final:  # gathered: every rank stops after this round
+            self._stop_now()
         return update
+
+    def _stop_now(self) -> None:
+        """A stop signal reached some rank: save (collective), close, raise :class:`Stopped` on every rank."""
+        from flodl_mpi.errors import Stopped
+
+        stop = self._session.stop
+        if self.run_dir is not None:
+            self._save(None, "graceful_shutdown", complete=False)
+        self._finish()  # the writer thread completes the save (temporary name, then rename) before this returns
+        self._session.close()
+        if self.rank == 0:
+            where = (f"checkpoint saved in {self.run_dir / 'checkpoints'}; run the same script with resume=True "
+                     "to go on" if self.run_dir is not None else "no run_dir: nothing was saved")
+            import sys
+
+            print(f"flodl-mpi: stopped on request ({stop.signal_name or 'a stop signal'}) in epoch {self.epoch + 1} "
+                  f"after round {self.bridge.version}; {where}; exit status 4", file=sys.stderr, flush=True)
+        raise Stopped(stop.signal_name, self.bridge.version)
 
     def end_epoch(self, metrics: dict | None = None) -> EpochResult:
         """Close an epoch for the cohort: exchange reports, write ``metrics.h5`` rows, checkpoint when due.
@@ -434,13 +455,13 @@ class Averager:
         ints = {f"int_buffers/{k}": v for k, v in rank_state.integer_buffers(self.model).items()}
         return ({"rng/torch": torch.get_rng_state().numpy().copy(), **ints}, {"global_step": int(self.global_step)})
 
-    def _contents(self, summary, reason: str, ranks: list) -> tuple:
+    def _contents(self, summary, reason: str, ranks: list, complete: bool = True) -> tuple:
         from flodl_mpi.checkpoint import checkpoint_name
         from flodl_mpi.worker import state_arrays
 
         params, buffers, order = state_arrays(self.model)
         meta = {
-            "epoch": self.epoch, "epoch_complete": True, "cursor": 0, "round": self.bridge.version,
+            "epoch": self.epoch, "epoch_complete": complete, "cursor": 0, "round": self.bridge.version,
             "global_step": self.global_step, "reason": reason, "world_size": self.world_size,
             "elapsed_s": self.bridge.elapsed, "config": self.cfg.to_dict(), "guard": self.bridge.guard.state_dict(),
             "test_accuracy": getattr(summary, "test_accuracy", math.nan),
@@ -467,13 +488,13 @@ class Averager:
         finally:
             path.unlink(missing_ok=True)
 
-    def _save(self, summary, reason: str) -> str | None:
+    def _save(self, summary, reason: str, complete: bool = True) -> str | None:
         """Collective: every rank's state is gathered to rank 0, whose writer thread saves."""
         ranks = self.bridge.gather_to_root(self._rank_state())
         self._saved_version = self.bridge.version
         if self._writer is None:
             return None
-        name, params, buffers, meta, order, ranks = self._contents(summary, reason, ranks)
+        name, params, buffers, meta, order, ranks = self._contents(summary, reason, ranks, complete)
         self._writer.save_checkpoint(name, params, buffers, meta, order, ranks)
         return str(self.run_dir / "checkpoints" / name)
 
@@ -488,7 +509,7 @@ class Averager:
         if self._closed:
             return
         if self._calls:  # the same count on every rank: a last round for the pending steps
-            self._round()
+            self._round(final=True)  # a stop asked now ends nothing: the run is done
         if self.run_dir is not None and self.bridge.version != self._saved_version:
             self._save(None, "checkpoint")
         self._finish()
@@ -508,10 +529,13 @@ class Averager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        from flodl_mpi.errors import CohortError, Stopped
+
         if exc is None:
             self.close()
             return False
-        from flodl_mpi.errors import CohortError
+        if isinstance(exc, Stopped) and self._closed:  # every rank stopped after the same round, saved, closed
+            return False
         from flodl_mpi.session import leave_on_error
 
         if isinstance(exc, CohortError) or self.world_size == 1:

@@ -8,8 +8,8 @@ and ends the job through the world abort (:mod:`flodl_mpi.world`).
 
 from __future__ import annotations
 
-__all__ = ["CohortError", "InputError", "NonFiniteError", "RoundError", "EXIT_ERROR", "EXIT_INPUT", "EXIT_STALL",
-           "EXIT_STOPPED"]
+__all__ = ["CohortError", "InputError", "NonFiniteError", "RoundError", "Stopped", "EXIT_ERROR", "EXIT_INPUT",
+           "EXIT_STALL", "EXIT_STOPPED"]
 
 #: Exit status of a run that failed while training.
 EXIT_ERROR = 1
@@ -44,3 +44,24 @@ class RoundError(RuntimeError):
 
     Local to the rank: the job ends through the world abort (SPEC §2 escape hatch).
     """
+
+
+class Stopped(SystemExit):
+    """The run stopped on request (SIGUSR1, SIGTERM, Ctrl-C): raised on every rank after the same round.
+
+    The Python API's form of exit status 4: the checkpoint is saved (with a
+    ``run_dir``) and the files are closed before it is raised, so uncaught it
+    ends the script with status 4 (``EXIT_STOPPED``) and no traceback, as
+    ``flodl-mpi train`` does; job scripts requeue on it. A ``SystemExit``, so an
+    ``except Exception`` in the user's loop does not swallow it; catch
+    ``flodl_mpi.Stopped`` to do something first (then exit with ``exc.code``).
+
+    Attributes:
+        code: 4.
+        signal_name: the first stop signal's name (``"SIGTERM"``...).
+        round: the round after which the cohort stopped.
+    """
+
+    def __init__(self, signal_name: str | None = None, round: int = 0) -> None:
+        super().__init__(EXIT_STOPPED)
+        self.signal_name, self.round = signal_name, round

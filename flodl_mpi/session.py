@@ -7,6 +7,11 @@ makes before and after MPI starts (another MPI's launcher, a world of 1 where
 the launcher started more) are made here too, and an uncaught exception on any
 rank, in any thread, aborts the whole job (:func:`flodl_mpi.world.install_excepthooks`)
 instead of leaving the other ranks waiting in a round.
+
+Under a launcher, ``import flodl_mpi`` starts MPI and those hooks at once
+(:func:`start_at_import`), so an error on one rank anywhere after the import
+aborts the job; MPI's start-up itself is bounded (:data:`START_TIMEOUT_VAR`), so
+a rank that ended before starting MPI leaves no peer waiting in ``MPI_Init``.
 """
 
 from __future__ import annotations
@@ -17,22 +22,92 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from flodl_mpi.errors import EXIT_ERROR, CohortError, InputError
+from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, CohortError, InputError
 from flodl_mpi.launcher import check_world_size, foreign_launcher, launch_env, mixed_install, mpi_library
 
-__all__ = ["Session", "leave_on_error", "open_session"]
+__all__ = ["DEFAULT_START_TIMEOUT_S", "START_TIMEOUT_VAR", "Session", "leave_on_error", "open_session",
+           "start_at_import", "start_timeout"]
+
+#: Environment variable: seconds a launched rank waits in MPI's start-up for the others.
+START_TIMEOUT_VAR = "FLODL_MPI_START_TIMEOUT"
+#: Its default. Every rank starts MPI as it imports flodl_mpi, so the ranks arrive
+#: within their imports' spread of each other; past this, a peer is taken for gone.
+DEFAULT_START_TIMEOUT_S = 120.0
 
 _hooks_installed = False
 _open: list[Session] = []
 _lock = threading.Lock()
 
 
+def start_timeout(environ=None) -> float:
+    """Seconds a launched rank waits in MPI's start-up (``FLODL_MPI_START_TIMEOUT``, default 120).
+
+    Raises:
+        InputError: the variable is set but not a number of seconds > 0.
+    """
+    text = (os.environ if environ is None else environ).get(START_TIMEOUT_VAR, "").strip()
+    if not text:
+        return DEFAULT_START_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise InputError(f"flodl-mpi: error: {START_TIMEOUT_VAR}={text!r}: must be a number of seconds > 0")
+    return value
+
+
+#: The start-up bound's watcher: a separate process, since MPI_Init holds the GIL (no Python
+#: thread runs while the main thread is inside it; measured with mpi4py 4 and MPICH 4).
+_WATCHER = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+pid, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    time.sleep(0.2)
+    if os.getppid() != pid:
+        sys.exit(0)
+os.write(2, sys.argv[3].encode())
+os.kill(pid, signal.SIGKILL)
+"""
+
+
+class _StartBound:
+    """Ends this rank if MPI's start-up has not returned within the start timeout.
+
+    Why: MPI_Init waits for every rank the launcher started, and MPICH's Hydra
+    does not end the job when a rank exits *before* it started MPI (measured:
+    rank 0 waits in MPI_Init forever after rank 1 raised at its first line).
+    MPI_Init holds the GIL, so the bound is a small watcher process: at the
+    deadline it prints one line and kills this rank (SIGKILL: nothing else ends
+    a process inside MPI_Init); :meth:`done` ends the watcher.
+    """
+
+    def __init__(self, timeout: float, rank: int) -> None:
+        import subprocess
+
+        text = (f"flodl-mpi: rank {rank}: error: MPI did not start within {timeout:g} s: another rank ended "
+                "before it started MPI (its error is above) or never reached `import flodl_mpi`; ending this rank "
+                f"({START_TIMEOUT_VAR}=SECONDS waits longer)\n")
+        self._watcher = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, str(os.getpid()), repr(timeout), text],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+    def done(self) -> None:
+        self._watcher.kill()
+        self._watcher.wait()
+
+
 def _start_mpi():
     """Start MPI (THREAD_MULTIPLE) unless it runs already; refuse another MPI's launcher first.
 
+    Under a launcher that started more than one rank, the start-up is bounded by
+    :func:`start_timeout`: past it this rank prints one line and exits with status 1.
+
     Raises:
         InputError: started by the launcher of another MPI, or a world of 1 where
-            the launcher started more ranks (one line, as the CLI's refusal).
+            the launcher started more ranks (one line, as the CLI's refusal), or a
+            bad ``FLODL_MPI_START_TIMEOUT``.
     """
     import mpi4py
 
@@ -51,10 +126,16 @@ def _start_mpi():
 
             clear_before_mpi(library)
         mpi4py.rc.thread_level = "multiple"
-    from mpi4py import MPI
+    env = launch_env()
+    bound = _StartBound(start_timeout(), env.rank) if env.launcher is not None and env.size > 1 else None
+    try:
+        from mpi4py import MPI
 
-    if not MPI.Is_initialized():  # mpi4py.rc.initialize was False
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        if not MPI.Is_initialized():  # mpi4py.rc.initialize was False
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    finally:
+        if bound is not None:
+            bound.done()
     refusal = check_world_size(MPI.COMM_WORLD.size, mpi_library())
     if refusal:
         raise InputError(f"flodl-mpi: error: {refusal}")
@@ -78,17 +159,66 @@ class Session:
 
     world: object
     watchdog: object
+    stop: object = None
     closed: bool = False
 
     def close(self) -> None:
-        """End the watchdog's heartbeat. Collective: every rank calls it (idempotent)."""
+        """End the watchdog's heartbeat. Collective: every rank calls it (idempotent).
+
+        The last open session gives the stop signals back to the script's own
+        handlers; after a stop (exit status 4 decided) they are ignored instead.
+        """
         with _lock:
             if self.closed:
                 return
             self.closed = True
             if self in _open:
                 _open.remove(self)
+            last = not _open
         self.watchdog.close()
+        if last:
+            _release_stop(self.stop)
+
+
+#: The stop request of the open sessions, and the handlers it replaced.
+_stop = None
+_previous: dict = {}
+
+
+def _stop_request():
+    """The process's stop request (SIGUSR1, SIGTERM, SIGINT set a flag the rounds carry), installed.
+
+    As the CLI's (:mod:`flodl_mpi.signals`): installed before MPI starts and
+    again after it (MPI may set handlers of its own); only from the main thread.
+    """
+    global _stop
+    import signal
+
+    from flodl_mpi.signals import StopRequest
+
+    if threading.current_thread() is not threading.main_thread():
+        return _stop or StopRequest("resume=True")
+    if _stop is None:
+        _stop = StopRequest("resume=True")
+        _previous.clear()
+        _previous.update({sig: signal.getsignal(sig) for sig in StopRequest.SIGNALS})
+    _stop.install()
+    return _stop
+
+
+def _release_stop(stop) -> None:
+    """After the last run: a stop ignores later signals (status 4 is decided), else the old handlers return."""
+    global _stop
+    import signal
+
+    if stop is None or stop is not _stop or threading.current_thread() is not threading.main_thread():
+        return
+    _stop = None
+    if stop.requested:
+        stop.close()
+        return
+    for sig, handler in _previous.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def open_session(comm=None, stall_timeout: float = 600.0) -> Session:
@@ -106,23 +236,74 @@ def open_session(comm=None, stall_timeout: float = 600.0) -> Session:
         InputError: another MPI's launcher, or a world of 1 where the launcher started more.
         ValueError: ``stall_timeout`` not > 0.
     """
-    global _hooks_installed
     if not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
         raise ValueError(f"stall_timeout must be a number of seconds > 0, got {stall_timeout!r}")
+    stop = _stop_request()  # before MPI starts: a signal during a slow start-up is kept
     MPI = _start_mpi()
-    from flodl_mpi.world import Watchdog, install_excepthooks, start_world
+    stop.install()  # again: the MPI library may have set handlers of its own while starting
+    from flodl_mpi.world import Watchdog, start_world
 
     world = start_world(MPI.COMM_WORLD if comm is None else comm)
-    if not _hooks_installed:
-        install_excepthooks(MPI.COMM_WORLD.rank)
-        sys.excepthook = _cohort_hook(sys.excepthook, MPI.COMM_WORLD.rank)
-        _hooks_installed = True
+    _install_hooks(MPI.COMM_WORLD.rank)
     watchdog = Watchdog(world.comm, stall_timeout=float(stall_timeout), thread_level=world.thread_level)
     watchdog.start()
-    session = Session(world, watchdog)
+    session = Session(world, watchdog, stop)
     with _lock:
         _open.append(session)
     return session
+
+
+def _install_hooks(rank: int) -> None:
+    """Once per process: uncaught exceptions abort the world (:mod:`flodl_mpi.world`), a
+    :class:`CohortError` ends every rank alike (:func:`_cohort_hook`)."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    from flodl_mpi.world import install_excepthooks
+
+    install_excepthooks(rank)
+    sys.excepthook = _cohort_hook(sys.excepthook, rank)
+    _hooks_installed = True
+
+
+def _cli_process() -> bool:
+    """This process runs ``flodl-mpi`` (the CLI starts MPI itself, after its stop handler and checks)."""
+    if sys.argv and os.path.basename(sys.argv[0]) == "flodl-mpi":
+        return True
+    argv = list(getattr(sys, "orig_argv", []))
+    return "-m" in argv and argv.index("-m") + 1 < len(argv) and argv[argv.index("-m") + 1] == "flodl_mpi"
+
+
+def start_at_import() -> None:
+    """Under a launcher, start MPI and the exception hooks now (called by ``import flodl_mpi``).
+
+    Why at import: MPI_Init and every collective wait for all the ranks. Started
+    lazily (at the first :class:`~flodl_mpi.Averager` or :func:`~flodl_mpi.fit`), a
+    rank that fails in the user's code before that point leaves its peers waiting
+    in MPI_Init or in their first collective forever. Started here, such an error
+    reaches the world's exception hook and aborts the job (exit status 1), and a
+    rank that failed before even importing flodl_mpi is caught by the start-up
+    bound (:func:`start_timeout`).
+
+    Nothing is done without a launcher (plain ``python``: a world of 1, started on
+    first use), under the CLI (it starts MPI itself), or when MPI runs already
+    (``python -m mpi4py``, or the script started it: its starter owns the error
+    handling; the hooks come with the first Averager or fit). A refusal (another
+    MPI's launcher, a world of 1 where the launcher started more, a bad
+    ``FLODL_MPI_START_TIMEOUT``) is one line from the launcher's rank 0 and exit status 2.
+    """
+    env = launch_env()
+    if env.launcher is None or _cli_process():
+        return
+    if "mpi4py.MPI" in sys.modules and _initialized():
+        return
+    try:
+        MPI = _start_mpi()
+    except InputError as exc:
+        if env.rank == 0:
+            print(exc, file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INPUT) from None
+    _install_hooks(MPI.COMM_WORLD.rank)
 
 
 def _cohort_hook(plain, rank: int):

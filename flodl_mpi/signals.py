@@ -33,7 +33,9 @@ class StopRequest:
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, resume_hint: str = "--resume") -> None:
+        #: How the user continues the run, in their vocabulary (the CLI's flag, the API's keyword).
+        self.resume_hint = resume_hint
         self.requested = False
         self.signal_name: str | None = None
         self.absorbed = 0
@@ -68,7 +70,7 @@ class StopRequest:
         if not self.requested:
             self.requested, self.signal_name = True, name
             self._say(f"{name}: stopping after the current round; the checkpoint is saved, then the job "
-                      "exits with status 4 (resume with --resume)")
+                      f"exits with status 4 (resume with {self.resume_hint})")
             return
         self.absorbed += 1
         self._say(f"{name} again: a stop is already under way (saving, then exit status 4); "
