@@ -18,7 +18,6 @@ import inspect
 import json
 import logging
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -409,7 +408,7 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             exit status 2 when uncaught): a bad option, data, a model that fails
             its first training step, a run dir in use.
     """
-    from flodl_mpi.session import leave_on_error, open_session
+    from flodl_mpi.session import api_words, leave_on_error, open_session
 
     session = open_session(comm, stall_timeout if isinstance(stall_timeout, (int, float)) and stall_timeout > 0
                            else 600.0)
@@ -417,7 +416,7 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
         return _setup(session, locals())
     except BaseException as exc:
         leave_on_error(session, exc)
-        raise
+        raise api_words(exc) from exc.__cause__
 
 
 def _setup(session, a: dict) -> Run:
@@ -473,15 +472,7 @@ def _setup(session, a: dict) -> Run:
             clip_grad_norm=a["clip_grad_norm"], **extra,
         )
 
-    def api_config() -> TrainConfig:
-        from flodl_mpi.config import ConfigError
-
-        try:
-            return config()
-        except ConfigError as exc:  # name the keyword as fit() spells it, not the CLI's flag
-            raise ConfigError(re.sub(r"--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), str(exc))) from None
-
-    cfg = agree(comm, "config", api_config, watchdog)
+    cfg = agree(comm, "config", config, watchdog)  # its flags become fit()'s keywords in fit (api_words)
     watchdog.stall_timeout = cfg.stall_timeout
     threads, threads_line = settle_threads(comm, world.host, agree(comm, "threads", lambda: thread_request(
         cfg.threads), watchdog))

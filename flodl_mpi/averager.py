@@ -108,9 +108,10 @@ class Averager:
             checkpoint the run starts afresh. Needs ``run_dir``.
 
     Raises:
-        TypeError, ValueError: a bad argument (the message names it).
-        flodl_mpi.errors.InputError: the model differs across ranks, the run dir
-            is not new or empty, or the launcher is another MPI's (every rank raises it).
+        flodl_mpi.errors.InputError: a bad argument (the message names it as the
+            signature spells it), the model differs across ranks, the run dir is
+            not new or empty, or the launcher is another MPI's: every rank raises
+            it; uncaught, one line from rank 0 and exit status 2.
 
     Failure semantics: an error on one rank of a larger world (in your loop or in
     a round) ends the whole job within seconds with exit status 1 and the rank's
@@ -139,54 +140,66 @@ class Averager:
                  checkpoint_every: int = 1, keep_checkpoints: int = 3, stall_timeout: float = 600.0,
                  on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True,
                  resume: bool = False) -> None:
-        # -- validate every argument before MPI starts (STYLE 13)
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        params = list(model.named_parameters())
-        if not params:
-            raise ValueError("model has no parameters: nothing to average")
-        bad = [n for n, p in params if not p.is_floating_point()]
-        if bad:
-            raise ValueError(f"model parameter {bad[0]!r} is not floating point; every parameter must be")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-        if policy not in _OWN_LOOP_POLICIES:
-            # cadence and async decide how many batches each rank trains; in your own
-            # loop you decide that, so they are flodl_mpi.fit's (and the CLI's) only.
-            raise ValueError(f"policy must be one of {', '.join(_OWN_LOOP_POLICIES)}, got {policy!r}"
-                             + (" (the balanced policies set each rank's batches: use flodl_mpi.fit)"
-                                if policy in POLICIES else ""))
-        _check_int(window, "window", 1)
-        if policy == "sync" and window != 1:
-            raise ValueError(f"window={window} contradicts policy='sync' (a round after every step); "
-                             "use policy='window'")
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma):
-            raise ValueError(f"gamma must be a finite number, got {gamma!r}")
-        _check_int(checkpoint_every, "checkpoint_every", 0)
-        _check_int(keep_checkpoints, "keep_checkpoints", 1)
-        _check_int(chunk_elems, "chunk_elems", 1)
-        if not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
-            raise ValueError(f"stall_timeout must be seconds > 0, got {stall_timeout!r}")
-        if on_non_finite not in ON_NON_FINITE:
-            raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
-        if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
-            raise TypeError(f"run_dir must be a path or None, got {type(run_dir).__name__}")
-        if resume and run_dir is None:
-            raise ValueError("resume=True needs run_dir: the run directory to continue")
-        self.cfg = TrainConfig(model=_model_name(model), data="(your training loop)", policy=policy, window=window,
-                               gamma=float(gamma), run_dir=None if run_dir is None else str(run_dir),
-                               checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                               stall_timeout=float(stall_timeout), on_non_finite=on_non_finite,
-                               chunk_elems=chunk_elems, optimizer="adam", resume=bool(resume))
+        # -- validate every argument (STYLE 13), agreed by every rank: bad input is one
+        # line from rank 0 and exit status 2, as the CLI's (flodl_mpi.errors.InputError)
+        def validate() -> TrainConfig:
+            try:
+                if not isinstance(model, nn.Module):
+                    raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+                params = list(model.named_parameters())
+                if not params:
+                    raise ValueError("model has no parameters: nothing to average")
+                bad = [n for n, p in params if not p.is_floating_point()]
+                if bad:
+                    raise ValueError(f"model parameter {bad[0]!r} is not floating point; every parameter must be")
+                if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+                    raise TypeError("optimizer must be a torch.optim.Optimizer or None, got "
+                                    f"{type(optimizer).__name__}")
+                if policy not in _OWN_LOOP_POLICIES:
+                    # cadence and async decide how many batches each rank trains; in your own
+                    # loop you decide that, so they are flodl_mpi.fit's (and the CLI's) only.
+                    raise ValueError(f"policy must be one of {', '.join(_OWN_LOOP_POLICIES)}, got {policy!r}"
+                                     + (" (the balanced policies set each rank's batches: use flodl_mpi.fit)"
+                                        if policy in POLICIES else ""))
+                _check_int(window, "window", 1)
+                if policy == "sync" and window != 1:
+                    raise ValueError(f"window={window} contradicts policy='sync' (a round after every step); "
+                                     "use policy='window'")
+                if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma):
+                    raise ValueError(f"gamma must be a finite number, got {gamma!r}")
+                _check_int(checkpoint_every, "checkpoint_every", 0)
+                _check_int(keep_checkpoints, "keep_checkpoints", 1)
+                _check_int(chunk_elems, "chunk_elems", 1)
+                if not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
+                    raise ValueError(f"stall_timeout must be seconds > 0, got {stall_timeout!r}")
+                if on_non_finite not in ON_NON_FINITE:
+                    raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, "
+                                     f"got {on_non_finite!r}")
+                if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+                    raise TypeError(f"run_dir must be a path or None, got {type(run_dir).__name__}")
+                if resume and run_dir is None:
+                    raise ValueError("resume=True needs run_dir: the run directory to continue")
+                return TrainConfig(model=_model_name(model), data="(your training loop)", policy=policy,
+                                   window=window, gamma=float(gamma),
+                                   run_dir=None if run_dir is None else str(run_dir),
+                                   checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                                   stall_timeout=float(stall_timeout), on_non_finite=on_non_finite,
+                                   chunk_elems=chunk_elems, optimizer="adam", resume=bool(resume))
+            except TypeError as exc:  # the wrong kind is bad input too (agree: ValueError is input)
+                raise ValueError(str(exc)) from None
+
         self.model, self.optimizer = model, optimizer
         self._closed = True  # until setup is complete
 
         # -- MPI, then everything that needs it (imported late: MPI starts in open_session)
-        from flodl_mpi.session import leave_on_error, open_session
+        from flodl_mpi.session import api_words, leave_on_error, open_session
+        from flodl_mpi.world import agree
 
-        self._session = open_session(comm, stall_timeout)
+        timeout = stall_timeout if isinstance(stall_timeout, (int, float)) and stall_timeout > 0 else 600.0
+        self._session = open_session(comm, timeout)
         self._writer = None
         try:
+            self.cfg = agree(self._session.world.comm, "arguments", validate, self._session.watchdog)
             self._setup(broadcast)
         except BaseException as exc:
             if self._writer is not None:  # close metrics.h5: no "open for write" flag left
@@ -195,7 +208,7 @@ class Averager:
                 with contextlib.suppress(Exception):
                     self._writer.close(timeout=10.0)
             leave_on_error(self._session, exc)
-            raise
+            raise api_words(exc) from exc.__cause__
         self._closed = False
 
     # ---- setup -----------------------------------------------------------------------

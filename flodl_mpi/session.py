@@ -335,6 +335,29 @@ def _close_open_sessions() -> None:
         session.close()
 
 
+def _api_word(match) -> str:
+    from flodl_mpi.config import TrainConfig
+
+    name = match.group(1).replace("-", "_")
+    if isinstance(getattr(TrainConfig(), name, None), bool):
+        return f"{name}=True"
+    return f"{name}=" if match.group(2) else name
+
+
+def api_words(exc: BaseException) -> BaseException:
+    """``exc`` in the Python API's words: a :class:`CohortError` whose message names the
+    CLI's flags (``--run-dir 'x'``, ``--resume``) comes back as the same class naming the
+    keywords (``run_dir='x'``, ``resume=True``); anything else is returned as it is."""
+    import re
+
+    if not isinstance(exc, CohortError) or "--" not in str(exc):
+        return exc
+    text = re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)( (?=['\"\d(]))?", _api_word, str(exc))
+    new = type(exc)(text)
+    new.__cause__, new.__traceback__ = exc.__cause__, exc.__traceback__
+    return new
+
+
 def leave_on_error(session: Session, exc: BaseException) -> None:
     """The one decision on an error in the Python API (STYLE 14): leave together or abort.
 

@@ -28,7 +28,7 @@ BAD_OPTION = textwrap.dedent("""
 @pytest.mark.parametrize("script, line", [
     (BAD_STEP, ("flodl-mpi: error: the train step or eval_fn fails on a batch of 29 sample(s): TypeError: "
                 "train_step must return the batch's loss as a one-element tensor that requires grad")),
-    (BAD_OPTION, "flodl-mpi: error: batch_size 0: must be an integer >= 1"),
+    (BAD_OPTION, "flodl-mpi: error: batch_size=0: must be an integer >= 1"),
 ], ids=["step", "option"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, ranks, script, line):
     path = tmp_path / "bad.py"

@@ -1,0 +1,263 @@
+"""Faults of the Python API under a launcher, as a user meets them (issue 7's new-user trial).
+
+Each test runs a small script under ``mpiexec -n 2`` and asserts the exit status,
+the message, a time bound, and that the named path was reached.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.conftest import launch_argv, launch_env, rank_pids
+
+pytestmark = pytest.mark.slow
+
+RANK = "int(os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '0')))"
+
+
+def _run(tmp_path, script: str, *args: str, env: dict | None = None, timeout: float = 180.0):
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    t0 = time.monotonic()
+    proc = subprocess.run(launch_argv(2, sys.executable, str(path), *args), capture_output=True, text=True,
+                          timeout=timeout, env=launch_env(env), check=False)
+    return proc, time.monotonic() - t0
+
+
+# ---- item 1: an error on one rank before the Averager or fit starts ------------------------------
+
+def test_an_error_after_the_import_aborts_the_job_at_once(tmp_path):
+    """Rank 1 fails to open its data after `import flodl_mpi`, before any Averager: the job ends (was: a hang)."""
+    proc, took = _run(tmp_path, f"""
+        import os, time
+        import flodl_mpi, torch
+        if {RANK} == 1:
+            open("/nonexistent/data.h5")
+        time.sleep(1)
+        with flodl_mpi.Averager(torch.nn.Linear(2, 1)) as avg:
+            avg.step()
+        print("not reached", flush=True)
+    """)
+    assert took < 120
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "flodl-mpi: rank 1: uncaught exception:" in proc.stderr  # the world's hook aborted the job
+    assert "FileNotFoundError" in proc.stderr and "/nonexistent/data.h5" in proc.stderr
+    assert "not reached" not in proc.stdout
+
+
+def test_an_error_before_the_import_ends_the_peers_start_up(tmp_path):
+    """Rank 1 fails before it imports flodl_mpi: rank 0's MPI start-up is bounded (Hydra would wait forever)."""
+    proc, took = _run(tmp_path, f"""
+        import os
+        if {RANK} == 1:
+            raise FileNotFoundError("rank 1 cannot open data.h5")
+        import flodl_mpi
+        print("not reached", flush=True)
+    """, env={"FLODL_MPI_START_TIMEOUT": "5"})
+    assert took < 120
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    assert "not reached" not in proc.stdout
+    assert "rank 1 cannot open data.h5" in proc.stderr
+    from tests.conftest import launcher_kind
+
+    if launcher_kind() == "hydra":  # Open MPI's mpirun ends the job itself when rank 1 exits
+        assert ("flodl-mpi: rank 0: error: MPI did not start within 5 s: another rank ended before it started MPI"
+                in proc.stderr), proc.stderr[-2000:]
+
+
+def test_a_bad_start_timeout_is_refused_in_one_line(tmp_path):
+    proc, took = _run(tmp_path, "import flodl_mpi\nprint('not reached')\n", env={"FLODL_MPI_START_TIMEOUT": "soon"})
+    assert took < 120
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("flodl-mpi: error: FLODL_MPI_START_TIMEOUT='soon': must be a number of seconds > 0") == 1
+    assert "not reached" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+# ---- item 2: stop signals stop API runs as they stop the CLI --------------------------------------
+
+OWN_LOOP = """
+    import sys, time
+    from pathlib import Path
+    import torch
+    import flodl_mpi
+    run_dir, marker = sys.argv[1], Path(sys.argv[2])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    with flodl_mpi.Averager(model, optimizer=opt, run_dir=run_dir) as avg:
+        for epoch in range(avg.epoch, 100000):
+            for i in range(8):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                avg.step(loss)
+                time.sleep(0.01)
+                if avg.global_step == 20 and avg.rank == 0:
+                    marker.write_text("started")
+            avg.end_epoch()
+    print("not reached", flush=True)
+"""
+
+FIT = """
+    import sys
+    from pathlib import Path
+    import flodl_mpi
+    run_dir, marker = sys.argv[1], Path(sys.argv[2])
+    run = flodl_mpi.fit(epochs=100000, run_dir=run_dir, eval_every=0)
+    for epoch in run:
+        if epoch.epoch == 1 and run.rank == 0:
+            marker.write_text("started")
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("script, signame, target", [
+    (OWN_LOOP, "SIGTERM", "launcher"), (OWN_LOOP, "SIGINT", "rank"), (FIT, "SIGTERM", "launcher"),
+    (FIT, "SIGINT", "rank"),
+], ids=["own-loop-sigterm-launcher", "own-loop-ctrl-c-rank", "fit-sigterm-launcher", "fit-ctrl-c-rank"])
+def test_a_stop_signal_saves_and_exits_4(tmp_path, script, signame, target):
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+
+    path, run_dir, marker = tmp_path / "script.py", tmp_path / "run", tmp_path / "started"
+    path.write_text(textwrap.dedent(script))
+    proc = subprocess.Popen(launch_argv(2, sys.executable, str(path), str(run_dir), str(marker)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+    try:
+        deadline = time.monotonic() + 150
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert marker.exists(), "the run did not start"
+        if target == "launcher":
+            proc.send_signal(getattr(signal, signame))
+        else:
+            ranks = rank_pids(proc, str(run_dir))
+            assert len(ranks) == 2
+            os.kill(ranks[-1], getattr(signal, signame))
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert took < 100
+    assert proc.returncode == 4, err[-3000:]
+    assert err.count("flodl-mpi: stopped on request") == 1, err[-3000:]  # rank 0's line, the path reached
+    assert "run the same script with resume=True to go on; exit status 4" in err
+    assert "Traceback" not in err and "not reached" not in out and "BAD TERMINATION" not in out + err
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert ckpt.meta["reason"] == "graceful_shutdown"
+    assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]  # the save completed, then renamed
+
+
+def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
+    """The stop's checkpoint is the resume's start: the consensus and the round count continue."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+
+    path, run_dir, marker = tmp_path / "script.py", tmp_path / "run", tmp_path / "started"
+    path.write_text(textwrap.dedent(OWN_LOOP))
+    proc = subprocess.Popen(launch_argv(2, sys.executable, str(path), str(run_dir), str(marker)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+    try:
+        deadline = time.monotonic() + 150
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 4
+    stopped = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    resume = tmp_path / "resume.py"
+    resume.write_text(textwrap.dedent("""
+        import sys
+        import torch
+        import flodl_mpi
+        model = torch.nn.Linear(4, 1)
+        with flodl_mpi.Averager(model, run_dir=sys.argv[1], resume=True) as avg:
+            print("resumed", avg.epoch, avg.bridge.version, flush=True)
+    """))
+    done = subprocess.run(launch_argv(2, sys.executable, str(resume), str(run_dir)), capture_output=True, text=True,
+                          timeout=180, env=launch_env(), check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed {stopped.meta['epoch']} {stopped.meta['round']}" in done.stdout
+
+
+# ---- item 4: bad arguments are the API's bad input: one line in its words, exit 2 -------------------
+
+@pytest.mark.parametrize("call, line", [
+    ("flodl_mpi.Averager(torch.nn.Linear(2, 1), policy='windows')",
+     "flodl-mpi: error: policy must be one of sync, window, got 'windows'"),
+    ("flodl_mpi.Averager(torch.nn.Linear(2, 1), window='3')", "flodl-mpi: error: window must be an int, got str '3'"),
+    ("flodl_mpi.Averager(torch.nn.Linear(2, 1), stall_timeout=-1)",
+     "flodl-mpi: error: stall_timeout must be seconds > 0, got -1"),
+    ("flodl_mpi.Averager(torch.nn.Linear(2, 1), resume=True)",
+     "flodl-mpi: error: resume=True needs run_dir: the run directory to continue"),
+    ("flodl_mpi.fit(epochs=0)", "flodl-mpi: error: epochs=0: must be an integer >= 1"),
+    ("flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=TAKEN)",
+     "flodl-mpi: error: run_dir='TAKEN' is not empty (it may hold another run)"),
+    ("flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=RUN, resume=True)",
+     "flodl-mpi: error: resume=True: 'RUN' is not empty but holds no flodl-mpi run"),
+], ids=["policy", "window-type", "stall-timeout", "resume-without-run-dir", "fit-epochs", "run-dir-taken",
+        "resume-not-a-run"])
+def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, call, line):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    call = call.replace("TAKEN", repr(str(taken))).replace("RUN", repr(str(taken)))
+    line = line.replace("'TAKEN'", repr(str(taken))).replace("'RUN'", repr(str(taken)))
+    proc, took = _run(tmp_path, f"""
+        import torch
+        import flodl_mpi
+        {call}
+        print("not reached", flush=True)
+    """)
+    assert took < 120
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("flodl-mpi: error:") == 1 and line in proc.stderr, proc.stderr[-2000:]
+    assert "--run-dir" not in proc.stderr and "--resume" not in proc.stderr
+    assert "Traceback" not in proc.stderr and "not reached" not in proc.stdout
+    assert (taken / "notes.txt").read_text() == "mine"  # nothing already there was touched
+
+
+def test_a_bad_argument_is_an_input_error_to_catch():
+    """Under plain python (a world of 1), the same bad argument is a catchable flodl_mpi.InputError."""
+    code = textwrap.dedent("""
+        import torch, flodl_mpi
+        try:
+            flodl_mpi.Averager(torch.nn.Linear(2, 1), policy="windows")
+        except flodl_mpi.InputError as exc:
+            print("caught", type(exc).__name__, exc)
+    """)
+    env = {k: v for k, v in launch_env().items()}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "caught InputError policy must be one of sync, window, got 'windows'" in proc.stdout
+
+
+def test_the_api_names_its_keywords_not_the_cli_flags():
+    from flodl_mpi.errors import InputError
+    from flodl_mpi.session import api_words
+
+    text = str(api_words(InputError("--run-dir '/x' holds a flodl-mpi run: add --resume to continue it; "
+                                    "--batch-size 32 (was 16)")))
+    assert text == "run_dir='/x' holds a flodl-mpi run: add resume=True to continue it; batch_size=32 (was 16)"
+    plain = ValueError("--run-dir")
+    assert api_words(plain) is plain
+
+
+def test_the_import_finds_no_launcher_and_starts_nothing():
+    code = "import sys, flodl_mpi; print('mpi4py.MPI' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         env=launch_env()).stdout
+    assert out.split() == ["False", "False"]
+
+
