@@ -338,6 +338,7 @@ def _run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:
         },
         "policy": cfg.policy,
         "thread_level": world.thread_level,
+        "loss": "cross-entropy",  # the CLI's task; the Python API records its own
     }
 
 

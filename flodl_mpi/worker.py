@@ -617,9 +617,11 @@ class Trainer:
             if stopped:
                 n_batches = num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)
                 partial = f" (stopped after {cursor} of {n_batches} batches)"
-            self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}  "
-                     f"test_loss {s.test_loss:.4f}  test_acc {s.test_accuracy:.4f}  rounds {s.rounds}  "
-                     f"{s.epoch_ms / 1e3:.1f} s")
+            # What was measured, no more: an epoch not evaluated has no test numbers, a regression no accuracy.
+            tests = "".join(f"  {name} {value:.4f}" for name, value in
+                            (("test_loss", s.test_loss), ("test_acc", s.test_accuracy)) if math.isfinite(value))
+            self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}{tests}"
+                     f"{self.task.epoch_words()}  rounds {s.rounds}  {s.epoch_ms / 1e3:.1f} s")
             self.log_detail("  per rank: " + "; ".join(
                 f"r{r} {s.per_rank_throughput[r]:.0f} samples/s, {s.per_rank_batches[r]} batches, "
                 f"data wait {s.per_rank_data_ms[r] / 1e3:.2f} s" for r in range(self.world_size)))
