@@ -235,6 +235,12 @@ class Run:
         self._trainer.bridge.close()
         if self._writer is not None:
             self._writer.close(timeout=None)
+            from flodl_mpi.train import final_line
+
+            t = self._trainer  # train.log's last line, as the CLI's
+            log.info(final_line(t.cfg, self.done, t.history, t.start_epoch, self.run_dir,
+                                self.last_eval[1] if self.last_eval else None,
+                                "the loop left early: to go on, call fit() again with resume=True"))
         self._session.close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -601,6 +607,9 @@ def _setup(session, a: dict) -> Run:
         raise
     if world.rank == 0 and writer is not None:
         log.info(threads_line)
+        from flodl_mpi.train import log_header
+
+        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir)  # train.log as the CLI's
     trainer.made_progress = watchdog.progress
     watchdog.begin("training")
     _scalars.activate(book)

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import shutil
 import sys
 import time
@@ -56,7 +57,7 @@ from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree
 
-__all__ = ["run_train", "pick_device", "effective_batch_line"]
+__all__ = ["run_train", "pick_device", "effective_batch_line", "final_line", "log_header"]
 
 log = logging.getLogger("flodl_mpi")
 
@@ -436,11 +437,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         # Per-rank randomness (dropout and the like) differs by rank, reproducibly.
         torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
 
-        ranks = f"{world.size} rank{'s' if world.size > 1 else ''}"
-        log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
-                 f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
-                 f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
-        log.info(effective_batch_line(cfg, world.size))
+        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir)
         n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
         if n_batches < world.size:
             log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
@@ -504,14 +501,43 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         watchdog.round_finished()
         log.info(f"final save written in {time.monotonic() - t0:.1f} s "
                  f"(the last checkpoint took {writer.last_save_s:.1f} s)")
-        if not trainer.done:  # `done` only when every epoch is: the exit status is 4, not 0
-            log.info(f"stopped, not done ({cfg.epochs} epochs asked); exit status 4: to go on, run the same "
-                     f"command with --resume --run-dir {run_dir}")
-        elif history:
-            last = history[-1]
-            log.info(f"done: test accuracy {last.test_accuracy:.4f} after {last.rounds} rounds; "
-                     f"metrics {run_dir / 'metrics.h5'}, checkpoints {run_dir / 'checkpoints'}")
-        else:
-            log.info(f"nothing to do: {trainer.start_epoch} of {cfg.epochs} epoch(s) were done already "
-                     f"(raise --epochs to train further)")
+        log.info(final_line(cfg, trainer.done, history, trainer.start_epoch, run_dir))
     return trainer.done
+
+
+def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: list, data: Dataset,
+               run_dir: Path) -> None:
+    """train.log's header (rank 0): ranks, policy, model size, data, run dir; then the effective batch."""
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
+             f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {devices}, "
+             f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
+    log.info(effective_batch_line(cfg, world_size))
+
+
+def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, run_dir: Path,
+               metrics: dict | None = None, stop_hint: str | None = None) -> str:
+    """train.log's last line: ``done: ...`` with what the run measured, or why it is not done.
+
+    Args:
+        history: the :class:`~flodl_mpi.reporting.EpochSummary` of the epochs trained.
+        metrics: the last evaluation's ``{name: value}`` (the Python API's); None: the summary's.
+        stop_hint: how to go on after a stop (default: the CLI's ``--resume``).
+    """
+    if not done:  # `done` only when every epoch is: the exit status is 4, not 0
+        hint = stop_hint or f"exit status 4: to go on, run the same command with --resume --run-dir {run_dir}"
+        return f"stopped, not done ({cfg.epochs} epochs asked); {hint}"
+    if not history:
+        return (f"nothing to do: {start_epoch} of {cfg.epochs} epoch(s) were done already "
+                "(raise --epochs to train further)")
+    last = history[-1]
+    if not math.isnan(last.test_accuracy):
+        measured = f"test accuracy {last.test_accuracy:.4f}"
+    elif metrics:
+        measured = ", ".join(f"test {k} {v:.4f}" for k, v in metrics.items())
+    elif not math.isnan(last.test_loss):
+        measured = f"test loss {last.test_loss:.4f}"
+    else:
+        measured = "no test metric"
+    return (f"done: {measured} after {last.rounds} rounds; metrics {run_dir / 'metrics.h5'}, "
+            f"checkpoints {run_dir / 'checkpoints'}")
