@@ -214,8 +214,8 @@ def format_summary(run: Run) -> str:
     if s["scalars"]:
         lines.append(f"  scalars       {_metric_words(s['scalars'])} (train, epoch {s['scalars_epoch']})")
     lines += [
-        f"  loss          train {_fmt(s['train_loss'])}   test {_fmt(s['test_loss'])} (last evaluated)   "
-        f"[{s['loss_name']}]",
+        (f"  loss          train {_fmt(s['train_loss'])}   test {_fmt(s['test_loss'])} (last evaluated)   "
+         f"[{s['loss_name']}]"),
         (f"  rounds        {s['rounds']} ({s['skipped_rounds']} skipped) in {s['elapsed_s']:.1f} s;"
         f" {_fmt_bytes(s['bytes_per_rank'])} on the wire per rank"),
         f"  averaging     {_per_rank(s['averaging_pct'], '.1f')} % of wall time (pack + allreduce + unpack)",
