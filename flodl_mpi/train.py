@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import time
@@ -301,17 +302,34 @@ def verbosity(args) -> int:
     return int(getattr(args, "verbose", 0) or 0) - int(bool(getattr(args, "quiet", False)))
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Rank 0's lines on stdout. A reader that went away (``flodl-mpi train | head -1``) ends the
+    printing, not the run: the handler falls silent, stdout goes to /dev/null (so the exit's flush
+    raises nothing), and train.log keeps every line."""
+
+    flodl_stdout = True
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not isinstance(sys.exc_info()[1], BrokenPipeError):
+            super().handleError(record)
+            return
+        self.setLevel(logging.CRITICAL + 1)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+
+
 def _log_to_stdout(rank: int, level: int) -> None:
     """Rank 0 prints the log on stdout from the start of setup (before the run dir exists)."""
     log.setLevel(logging.DEBUG)
     log.propagate = False
     if rank == 0 and not any(getattr(h, "flodl_stdout", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stdout)
-        handler.flodl_stdout = True
+        handler = _StdoutHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         log.addHandler(handler)
     for h in log.handlers:
-        if getattr(h, "flodl_stdout", False):
+        if getattr(h, "flodl_stdout", False) and h.level <= logging.CRITICAL:  # not one silenced by a closed pipe
             h.setLevel(logging.WARNING if level < 0 else logging.DEBUG if level > 0 else logging.INFO)
 
 
