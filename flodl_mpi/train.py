@@ -52,7 +52,7 @@ from flodl_mpi.metrics import MetricsWriter, WriterError
 from flodl_mpi.models import build_model, check_model_output, check_training_step, model_signature
 from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.policy import make_policy
-from flodl_mpi.progress import EpochProgress, stdout_is_terminal
+from flodl_mpi.progress import EpochProgress, stdout_is_terminal, write_above_bars
 from flodl_mpi.reduce import WireOptions
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
@@ -308,6 +308,15 @@ class _StdoutHandler(logging.StreamHandler):
     raises nothing), and train.log keeps every line."""
 
     flodl_stdout = True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:  # a line in mid-epoch (a quarantine, a warning) goes above rank 0's progress bar, not into it
+            if write_above_bars(self.format(record), self.stream):
+                return
+        except Exception:  # noqa: BLE001 - logging's contract: a failed emit goes to handleError
+            self.handleError(record)
+            return
+        super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:
         if not isinstance(sys.exc_info()[1], BrokenPipeError):

@@ -457,7 +457,9 @@ class Trainer:
         for epoch in range(self.start_epoch, self.cfg.epochs):
             stopped = self._epoch(epoch, self.start_cursor if epoch == self.start_epoch else 0)
             if stopped:
-                self.log(f"stopped on request in epoch {epoch + 1} at round {self.bridge.version}; checkpoint saved")
+                # The checkpoint is queued to rank 0's writer thread here, written by the final save.
+                self.log(f"stopped on request in epoch {epoch + 1} at round {self.bridge.version}; its checkpoint "
+                         "is queued (the final save writes it)")
                 self.done = epoch == self.cfg.epochs - 1 and self._epoch_complete
             yield self.latest
             if stopped:

@@ -190,6 +190,10 @@ def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path, si
     rounds = read_table(run_dir / "metrics.h5", "rounds")
     assert ckpt.meta["round"] == len(rounds["round"]) < 50 * 23  # stopped early, every round recorded
     assert "stopped on request" in out and "done:" not in out
+    lines = out.splitlines()  # the stop line claims no save that has not happened yet
+    stop = next(i for i, line in enumerate(lines) if "stopped on request" in line)
+    assert "checkpoint saved" not in lines[stop] and "checkpoint is queued" in lines[stop]
+    assert any("final save written" in line for line in lines[stop + 1:])
 
 
 @pytest.mark.parametrize("args, message", [
