@@ -91,8 +91,9 @@ class _Boundary:
         self.checkpoint_now = "checkpoint" in b.intents
         self._pending = (b, metrics, counts)
         loss_sum, n = sums.get("loss", (0.0, 0))
-        correct = sums["accuracy"][0] if "accuracy" in sums and sums["accuracy"][1] == n else 0
-        return float(loss_sum), round(correct), int(n)
+        # No accuracy measured (a regression, a user metric set without it): NaN, not 0 correct.
+        correct = round(sums["accuracy"][0]) if "accuracy" in sums and sums["accuracy"][1] == n else float("nan")
+        return float(loss_sum), correct, int(n)
 
     @torch.no_grad()
     def _evaluate(self, trainer) -> dict[str, tuple[float, float]]:
@@ -257,6 +258,12 @@ class Run:
         self._trainer.bridge.close()
         if self._writer is not None:
             self._writer.close(timeout=None)
+            from flodl_mpi.train import final_line
+
+            t = self._trainer  # train.log's last line, as the CLI's
+            log.info(final_line(t.cfg, self.done, t.history, t.start_epoch, self.run_dir,
+                                self.last_eval[1] if self.last_eval else None,
+                                "the loop left early: to go on, call fit() again with resume=True"))
         self._session.close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -319,6 +326,32 @@ def _describe(obj) -> str | None:
     if isinstance(obj, (str, os.PathLike)):
         return str(obj)
     return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, task: UserTask) -> dict:
+    """config.json of a :func:`fit` run (`flodl_mpi.run_record`): the model, optimizer and loss as built."""
+    from flodl_mpi.config import BALANCED_POLICIES
+    from flodl_mpi.run_record import api_config
+
+    if a["train_step"] is not None:
+        loss = f"train_step {_describe(a['train_step'])}"
+    else:
+        loss = "cross-entropy" if data.train.y.dtype.kind in "iu" else "mean squared error"
+    off = set()
+    if callable(a["optimizer"]):  # the factory's param groups hold the run's hyperparameters
+        off |= {"lr", "momentum", "weight_decay"}
+    elif cfg.optimizer != "sgd":
+        off.add("momentum")
+    if not isinstance(a["data"], (str, os.PathLike)):
+        off |= {"train_x", "train_y", "test_x", "test_y"}
+    if cfg.policy not in BALANCED_POLICIES:
+        off |= {"anchor", "max_anchor", "overhead_target", "divergence_guard"}
+    if cfg.policy != "async":
+        off.add("easgd_alpha")
+    if cfg.outer == "avg":
+        off |= {"outer_lr", "outer_momentum", "outer_reset_inner"}
+    return api_config(cfg.to_dict(), "fit", loss=loss, model=model, optimizer=task.make_optimizer(cfg, model),
+                      not_applicable=off)
 
 
 def _load(data, names):
@@ -555,9 +588,11 @@ def _setup(session, a: dict) -> Run:
     attrs = _run_attrs(cfg, world, device)
     attrs["data_source"] = data.source
     if world.rank == 0 and run_dir is not None:
+        record = _record(cfg, a, data, model, task)  # what the user's factories built, not the CLI's defaults
+        attrs.update(config=record, loss=record["loss"])
         resumed_at = int(ckpt.meta["round"]) if ckpt else 0
         name = "config.json" if keep_rows is None else f"config-resume-r{resumed_at:06d}.json"
-        (run_dir / name).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (run_dir / name).write_text(json.dumps(record, indent=2) + "\n")
         writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints,
                                keep_rows=keep_rows)
     agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog, name_ranks=False)
@@ -587,6 +622,9 @@ def _setup(session, a: dict) -> Run:
         raise
     if world.rank == 0 and writer is not None:
         log.info(threads_line)
+        from flodl_mpi.train import log_header
+
+        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir)  # train.log as the CLI's
     trainer.made_progress = watchdog.progress
     watchdog.begin("training")
     _scalars.activate(book)

@@ -10,6 +10,7 @@ calls ``step`` the same number of times, so every rank enters the same rounds.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from flodl_mpi.config import ON_NON_FINITE, POLICIES, TrainConfig
 
 #: The policies of an own loop: a round every step, or every ``window`` steps.
 _OWN_LOOP_POLICIES = ("sync", "window")
+#: The loss of an own loop, as its records name it (metrics.h5 ``loss``).
+OWN_LOOP_LOSS = "loss given to step()"
 
 __all__ = ["Averager", "EpochResult"]
 
@@ -255,9 +258,14 @@ class Averager:
 
                 name = "config.json" if keep_rows is None else \
                     f"config-resume-r{int(ckpt.meta['round']) if ckpt is not None else 0:06d}.json"
-                (self.run_dir / name).write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+                from flodl_mpi.run_record import OWN_LOOP_OPTIONS, api_config
+
+                # What is true of an own loop: its model and optimizer as built, no planned epochs.
+                record = api_config(self.cfg.to_dict(), "Averager", loss=OWN_LOOP_LOSS, model=self.model,
+                                    optimizer=self.optimizer, applies=OWN_LOOP_OPTIONS)
+                (self.run_dir / name).write_text(json.dumps(record, indent=2) + "\n")
                 attrs = _run_attrs(self.cfg, world, self.device)
-                attrs["data_source"] = "(your training loop)"
+                attrs.update(config=record, loss=OWN_LOOP_LOSS, data_source="(your training loop)")
                 self._writer = MetricsWriter(self.run_dir, world.size, attrs, self.run_dir / "checkpoints",
                                              self.cfg.keep_checkpoints, keep_rows=keep_rows)
             else:
@@ -315,6 +323,7 @@ class Averager:
     def _new_epoch(self) -> None:
         self._t_epoch = self._t_last = time.perf_counter()
         self._loss_sum, self._batches, self._samples, self._compute_ms = 0.0, 0, 0, 0.0
+        self._samples_known = True  # every realized step of the epoch gave samples=
         self._rows: list[tuple] = []
 
     # ---- the loop's side ----------------------------------------------------------------
@@ -328,12 +337,16 @@ class Averager:
         Args:
             loss: this step's loss (float or one-element tensor), optional: its
                 finiteness decides quarantine (SPEC §2) and it is the
-                ``avg_loss`` of ``metrics.h5``. A tensor costs a ``.item()`` (a sync point).
+                ``avg_loss`` of ``metrics.h5`` (NaN, "not recorded", for an epoch in
+                which a step of the rank gave none). A tensor costs a ``.item()`` (a sync point).
             realized: whether an optimizer step happened. Default: with an
                 ``optimizer`` given, the steps its post-step hook counted since
                 the last call (0 when an AMP scaler skipped it); else True.
                 ``realized=False``: this rank had no batch; it joins the round with mass 0.
-            samples: samples in this step's batch, for the throughput columns (optional).
+            samples: samples in this step's batch, int >= 0, for the ``per_rank_samples``
+                and ``per_rank_throughput`` columns; an epoch in which a step of
+                this rank did not give it records -1 samples ("not recorded") and
+                NaN throughput for the rank, not a made-up count.
 
         Returns:
             The round's :class:`flodl_mpi.bridge.RoundUpdate` when a round ran, else None.
@@ -345,6 +358,8 @@ class Averager:
         """
         if self._closed:
             raise RuntimeError("Averager.step() after close()")
+        if samples is not None:
+            _check_int(operator.index(samples) if hasattr(samples, "__index__") else samples, "samples", 0)
         if realized is None:
             n = self._hooked if self.optimizer is not None else 1
         else:
@@ -362,8 +377,11 @@ class Averager:
         self._calls += 1
         if n:
             self._batches += 1
-            self._loss_sum += 0.0 if loss is None else loss_value
-            self._samples += int(samples or 0)
+            self._loss_sum += loss_value  # NaN without a loss: avg_loss says "not recorded", not 0
+            if samples is None:
+                self._samples_known = False
+            else:
+                self._samples += operator.index(samples)
             self._compute_ms += batch_ms
             if self.run_dir is not None:
                 lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else math.nan
@@ -431,7 +449,8 @@ class Averager:
         if self._closed:
             raise RuntimeError("Averager.end_epoch() after close()")
         sums = _check_metrics(metrics)
-        report = EpochReport(loss_sum=self._loss_sum, batches=self._batches, samples=self._samples,
+        report = EpochReport(loss_sum=self._loss_sum, batches=self._batches,
+                             samples=self._samples if self._samples_known else -1,
                              epoch_ms=1e3 * (time.perf_counter() - self._t_epoch), compute_ms=self._compute_ms)
         _fill_test(report, sums)
         boundary = _scalars.exchange(self.bridge.allgather, self._book, self._batches, sums)
@@ -581,6 +600,7 @@ def _fill_test(report, sums: dict[str, tuple[float, float]]) -> None:
     """``loss`` / ``accuracy`` evaluation sums into the report's test columns (same count, or left out)."""
     if "loss" in sums:
         report.test_loss_sum, report.test_count = sums["loss"][0], int(sums["loss"][1])
+        report.test_correct = float("nan")  # no accuracy measured: NaN, not 0 correct
         if "accuracy" in sums and int(sums["accuracy"][1]) == report.test_count:
             report.test_correct = round(sums["accuracy"][0])
 

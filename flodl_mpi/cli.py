@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import time
 import traceback
@@ -37,12 +38,22 @@ from flodl_mpi.config import (
     ON_NON_FINITE,
     OPTIMIZERS,
     OUTERS,
+    OUTPUT_OPTIONS,
     POLICIES,
+    PROGRESS,
     TrainConfig,
     read_config_file,
 )
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
-from flodl_mpi.launcher import check_world_size, foreign_launcher, launch_env, launcher_rank, mixed_install, mpi_library
+from flodl_mpi.launcher import (
+    check_world_size,
+    foreign_launcher,
+    launch_env,
+    launcher_rank,
+    mixed_install,
+    mpi_library,
+    thread_request,
+)
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.stale_shm import clear_before_mpi
 
@@ -188,16 +199,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per rank (default: OMP_NUM_THREADS if set, else SLURM_CPUS_PER_TASK, "
                         "else this rank's share of the CPUs it may run on)")
     g.add_argument("--config", metavar="FILE.toml",
-                   help="TOML file of the options above (keys as the long options); flags override it")
+                   help="TOML file of the options above and below (keys as the long options: batch-size = 64, "
+                        "verbose = 1, quiet = true, progress = \"lines\"); flags override it")
+    # Output flags default to None, so a config file's value applies unless the flag is given.
     g = t.add_argument_group("output")
-    g.add_argument("-v", "--verbose", action="count", default=0, help="more detail (per-rank lines each epoch)")
-    g.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (train.log keeps all)")
-    g.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
+    g.add_argument("-v", "--verbose", action="count", default=None,
+                   help="more detail (per-rank lines each epoch); in a config file: verbose = 1")
+    g.add_argument("-q", "--quiet", action="store_true", default=None,
+                   help="warnings and errors only (train.log keeps all)")
+    g.add_argument("--progress", choices=PROGRESS, default=None,
                    help="bar: a progress bar within each epoch; lines: one line per epoch; "
                         "auto: a bar when the output is a terminal (default)")
     for module in TOOLS.values():
         importlib.import_module(module).add_parser(sub)
     return parser
+
+
+def unix_pipe() -> None:
+    """Die quietly of SIGPIPE when the reader of stdout goes away (``flodl-mpi inspect F | head -1``),
+    as Unix tools do, instead of a BrokenPipeError traceback. For the commands that only read a run:
+    they hold nothing that a kill could leave half done (plots are renamed into place)."""
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 def _run_tool(argv: list[str]) -> int:
@@ -218,6 +241,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ConfigError: a bad value or file.
     """
     values = read_config_file(args.config) if args.config else {}
+    for name in OUTPUT_OPTIONS:  # what rank 0 prints: settled by `settle_early`, not a training option
+        values.pop(name, None)
     flags = {name: getattr(args, name) for name in TrainConfig.field_names() if getattr(args, name, None) is not None}
     # A flag overrides the file, and so does what the flag implies: --policy sync
     # means a window of 1; a window K > 1 means --policy window unless a policy
@@ -229,6 +254,26 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if values.get("window", 1) != 1 and "policy" not in flags and (window_from_flag or "policy" not in values):
         values["policy"] = "window"
     return TrainConfig(**values)
+
+
+def settle_early(args: argparse.Namespace) -> None:
+    """What must be known before MPI and torch start: the output options and the thread request.
+
+    Sets ``args.verbose``, ``args.quiet``, ``args.progress`` from the flags, else the
+    config file, else the defaults (0, False, ``auto``). Checks ``OMP_NUM_THREADS``
+    now, before torch is imported: its OpenMP runtime (libgomp) reads the variable at
+    load time on every rank and prints a warning of its own for a bad value.
+
+    Raises:
+        ConfigError: an unreadable config file or a bad value in it.
+        ValueError: ``OMP_NUM_THREADS`` is not a positive integer (and ``--threads`` is not given).
+    """
+    values = read_config_file(args.config) if args.config else {}
+    for name, default in (("verbose", 0), ("quiet", False), ("progress", "auto")):
+        if getattr(args, name, None) is None:
+            setattr(args, name, values.get(name, default))
+    threads = args.threads if args.threads is not None else values.get("threads")
+    thread_request(threads if isinstance(threads, int) else None)
 
 
 def _say_once(text: str) -> None:
@@ -259,9 +304,15 @@ _clear_stale_shm = clear_before_mpi
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``flodl-mpi``; returns the exit status (see the module docstring)."""
+    command_line = argv is None  # the process's own: its stdout is ours to end on
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in TOOLS:  # looking at a run: no MPI, no stop handling
+        if command_line:
+            unix_pipe()
         return _run_tool(argv)
+    if not argv:  # what can I do here? The commands, on stderr, and the usage status
+        build_parser().print_help(sys.stderr)
+        return EXIT_INPUT
     stop = StopRequest()
     stop.install()  # first thing: before MPI starts and torch loads
     try:
@@ -275,6 +326,10 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         args = build_parser().parse_args(argv)
     except _UsageError as exc:
         return _refuse(str(exc))
+    try:
+        settle_early(args)
+    except ValueError as exc:  # ConfigError included: one line, before MPI and torch start
+        return _refuse(f"flodl-mpi: error: {exc}")
     # Before MPI starts: a launcher of another MPI makes MPI's own start-up abort
     # (or start N worlds of 1), so it is recognised from its environment first.
     library = mpi_library()

@@ -19,8 +19,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES", "ON_NON_FINITE",
-           "OPTIMIZERS", "OUTERS", "POLICIES", "ConfigError", "TrainConfig", "read_config_file"]
+__all__ = ["AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES", "NOT_IN_FILE",
+           "ON_NON_FINITE", "OPTIMIZERS", "OUTERS", "OUTPUT_OPTIONS", "POLICIES", "PROGRESS", "ConfigError",
+           "TrainConfig", "check_output_option", "read_config_file"]
 
 POLICIES = ("sync", "window", "cadence", "async")
 #: Policies whose quotas the ElChe balancer sets (SPEC §4).
@@ -37,6 +38,15 @@ NODE_REDUCES = ("auto", "shm", "mpi")
 HIERARCHICAL = ("auto", "on", "off")
 #: The ``--average-optimizer-state`` choices (flodl_mpi.optimizer_state).
 AVERAGE_OPTIMIZER_STATE = ("auto", "off", "mean", "corrected")
+#: ``--progress``: rank 0's bar within an epoch, or one line per epoch (auto: a bar on a terminal).
+PROGRESS = ("auto", "bar", "lines")
+#: Keys a config file may set besides :class:`TrainConfig`'s fields: what rank 0 prints, not how the
+#: run trains (so they are not saved with the run). Flags given on the command line override them.
+OUTPUT_OPTIONS = ("verbose", "quiet", "progress")
+#: Command-line flags a config file refuses, and why.
+NOT_IN_FILE = {"config": "a config file cannot name another one (give one --config on the command line)",
+               "version": "--version prints the version and exits; it is not a run option",
+               "help": "--help prints the options and exits; it is not a run option"}
 
 
 class ConfigError(ValueError):
@@ -226,11 +236,26 @@ class TrainConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
 
+def check_output_option(name: str, value: Any, where: str) -> Any:
+    """A valid value of an `OUTPUT_OPTIONS` key, or ConfigError naming ``where`` (the file and key)."""
+    if name == "verbose" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ConfigError(f"{where}: {value!r}: must be an integer >= 0 (the count of -v)")
+    if name == "quiet" and not isinstance(value, bool):
+        raise ConfigError(f"{where}: {value!r}: must be true or false")
+    if name == "progress" and value not in PROGRESS:
+        raise ConfigError(f"{where}: {value!r}: must be one of {', '.join(PROGRESS)}")
+    return value
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML config file: top-level keys are the long options, ``-`` or ``_``.
 
+    Keys are :class:`TrainConfig`'s fields and the `OUTPUT_OPTIONS` (``verbose``, an
+    integer, the count of ``-v``; ``quiet``; ``progress``), checked here.
+
     Raises:
-        ConfigError: missing file, bad TOML, or an unknown key.
+        ConfigError: missing file, bad TOML, an unknown key, a key no file may hold
+            (`NOT_IN_FILE`, with the reason), or a bad output option.
     """
     p = Path(path)
     try:
@@ -240,11 +265,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"--config {str(p)!r}: no such file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {str(p)!r}: not valid TOML ({exc})") from None
-    known = set(TrainConfig.field_names())
+    known = set(TrainConfig.field_names()) | set(OUTPUT_OPTIONS)
     out = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in NOT_IN_FILE:
+            raise ConfigError(f"--config {str(p)!r}: key {key!r} is not allowed in a config file: {NOT_IN_FILE[name]}")
         if name not in known:
             raise ConfigError(f"--config {str(p)!r}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        if name in OUTPUT_OPTIONS:
+            check_output_option(name, value, f"--config {str(p)!r}: key {key!r}")
         out[name] = value
     return out

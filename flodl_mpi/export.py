@@ -108,4 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from flodl_mpi.cli import unix_pipe
+
+    unix_pipe()
     sys.exit(main())

@@ -26,6 +26,7 @@ __all__ = [
     "FIGURES",
     "cadence_figure",
     "divergence_figure",
+    "eval_metrics",
     "ranks_figure",
     "round_times_figure",
     "time_figure",
@@ -78,12 +79,44 @@ def _smoothing(runs: Sequence[Run]) -> int:
     return max(1, n // 100)
 
 
+def _loss_label(runs: Sequence[Run]) -> str:
+    """The loss axis's label: the runs' recorded loss (cross-entropy in nats for the CLI's task)."""
+    names = {r.loss_name for r in runs}
+    if names == {"cross-entropy"}:
+        return "cross-entropy loss (nats)"
+    return names.pop() if len(names) == 1 else "loss (as each run names it)"
+
+
+def eval_metrics(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The user's evaluation metrics per epoch, ``{name: (epochs, values)}`` (``eval/<name>`` rows
+    of the ``scalars`` table; ``loss`` left out: the loss panel has it)."""
+    epochs, names, values = (run.column("scalars", c) for c in ("epoch", "name", "value"))
+    if epochs is None or names is None or values is None:
+        return {}
+    names = np.array([n.decode() if isinstance(n, bytes) else str(n) for n in names])
+    out = {}
+    for name in dict.fromkeys(n for n in names if n.startswith("eval/") and n != "eval/loss"):
+        rows = names == name
+        out[name.removeprefix("eval/")] = (epochs[rows], values[rows])
+    return out
+
+
+def _has_accuracy(run: Run) -> bool:
+    acc = run.column("epochs", "test_accuracy")
+    return acc is not None and bool(np.isfinite(acc).any())
+
+
 def training_figure(runs: Sequence[Run]) -> Figure | None:
-    """Loss (train and test) and test accuracy per epoch: 2 + 1 lines per run."""
+    """Loss (train and test) per epoch, and the test accuracy per epoch (1 line per run) or,
+    for runs that measured no accuracy, their own evaluation metrics (1 line per metric);
+    one panel when no run measured either."""
     if not any(_epoch_axis(r) is not None for r in runs):
         return None
+    accuracy = any(_has_accuracy(r) for r in runs)
+    metrics = {id(r): eval_metrics(r) for r in runs}
+    second = accuracy or any(metrics.values())
     fig = Figure(figsize=_FIGSIZE, layout="constrained")
-    ax_loss, ax_acc = fig.subplots(1, 2)
+    ax_loss, ax_acc = fig.subplots(1, 2) if second else (fig.subplots(), None)
     for i, run in enumerate(runs):
         x = _epoch_axis(run)
         if x is None:
@@ -91,14 +124,23 @@ def training_figure(runs: Sequence[Run]) -> Figure | None:
         c = _color(i)
         for col, style, what in (("avg_loss", "-", "train loss"), ("test_loss", "--", "test loss")):
             y = run.column("epochs", col)
-            if y is not None:
+            if y is not None and np.isfinite(y).any():
                 ax_loss.plot(x, y, color=c, linestyle=style, marker="o", markersize=3, label=_label(runs, run, what))
-        acc = run.column("epochs", "test_accuracy")
-        if acc is not None:
-            ax_acc.plot(x, 100 * acc, color=c, marker="o", markersize=3, label=_label(runs, run, "test accuracy"))
-    ax_loss.set(title="Loss per epoch", xlabel="epoch", ylabel="cross-entropy loss (nats)")
-    ax_acc.set(title="Test accuracy per epoch (consensus model)", xlabel="epoch", ylabel="top-1 accuracy (%)")
-    for ax in (ax_loss, ax_acc):
+        if accuracy:
+            acc = run.column("epochs", "test_accuracy")
+            if acc is not None:
+                ax_acc.plot(x, 100 * acc, color=c, marker="o", markersize=3, label=_label(runs, run, "test accuracy"))
+        elif ax_acc is not None:
+            for j, (name, (e, v)) in enumerate(metrics[id(run)].items()):
+                ax_acc.plot(e, v, marker="o", markersize=3, label=_label(runs, run, f"test {name}"),
+                            **_series_style(runs, i, j))
+    ax_loss.set(title="Loss per epoch", xlabel="epoch", ylabel=_loss_label(runs))
+    if accuracy:
+        ax_acc.set(title="Test accuracy per epoch (consensus model)", xlabel="epoch", ylabel="top-1 accuracy (%)")
+    elif ax_acc is not None:
+        ax_acc.set(title="Test metrics per epoch (consensus model)", xlabel="epoch",
+                   ylabel="value (Σ sum / Σ count over the test set)")
+    for ax in (a for a in (ax_loss, ax_acc) if a is not None):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         ax.xaxis.get_major_locator().set_params(integer=True)

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import TextIO
 
-__all__ = ["LAUNCHERS", "EpochProgress", "stdout_is_terminal"]
+__all__ = ["LAUNCHERS", "EpochProgress", "stdout_is_terminal", "write_above_bars"]
 
 #: Process names of MPI launchers and their per-node proxies, whose stdout a rank's
 #: output goes to (MPICH hydra, Open MPI / PRRTE).
@@ -67,6 +67,21 @@ def stdout_is_terminal(stream: TextIO | None = None) -> bool:
     return False
 
 
+#: Bars drawn now (rank 0 has at most one): a log line printed meanwhile goes above them.
+_OPEN: set = set()
+
+
+def write_above_bars(text: str, stream: TextIO) -> bool:
+    """Print ``text`` above the open progress bar, if one is drawn (tqdm clears, prints, redraws);
+    False when none is, and nothing was written. A plain write would land inside the bar's line."""
+    if not _OPEN:
+        return False
+    from tqdm import tqdm
+
+    tqdm.write(text, file=stream)
+    return True
+
+
 class EpochProgress:
     """A progress bar over one epoch's batches (all ranks'), drawn by rank 0.
 
@@ -103,6 +118,7 @@ class EpochProgress:
         stream = self.stream if self.stream is not None else sys.stdout
         self._bar = tqdm(total=total, initial=done, desc=desc, unit="batch", leave=False, file=stream,
                          ncols=shutil.get_terminal_size().columns, mininterval=self.mininterval)
+        _OPEN.add(self)
         self._t0, self._rounds0 = time.monotonic(), rounds
 
     def update(self, done: int, loss: float, rounds: int) -> None:
@@ -117,5 +133,6 @@ class EpochProgress:
     def close(self) -> None:
         """Remove the bar (the epoch's log line takes its place)."""
         if self._bar is not None:
+            _OPEN.discard(self)
             self._bar.close()
             self._bar = None

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,23 +27,67 @@ import numpy as np
 from flodl_mpi.metrics import GUARD_VERDICTS
 from flodl_mpi.runinfo import NOT_OPTIONS, Run, RunError, load_run
 
-__all__ = ["add_parser", "differing_options", "format_comparison", "format_summary", "main", "summarize"]
+__all__ = ["add_parser", "describe_policy", "differing_options", "format_comparison", "format_summary", "main",
+           "summarize"]
 
 
 def _last(col: np.ndarray | None) -> float:
     return float(col[-1]) if col is not None else math.nan
 
 
+def _last_finite(col: np.ndarray | None) -> float:
+    """The last measured value (an epoch that was not evaluated has NaN test columns)."""
+    if col is None or not np.isfinite(col).any():
+        return math.nan
+    return float(col[np.flatnonzero(np.isfinite(col))[-1]])
+
+
 def _or_zero(col: np.ndarray | None) -> np.ndarray:
     return np.zeros(0) if col is None else col
+
+
+def describe_policy(run: Run) -> str:
+    """When the run's ranks averaged, in the policy's own words (a window is a fixed policy's notion)."""
+    cfg = run.config
+    policy = run.attrs.get("policy", cfg.get("policy", "?"))
+    unit = "step() call" if run.own_loop else "batch"
+    if policy == "sync":
+        return f"policy sync (a round after every {unit})"
+    if policy == "window":
+        k = cfg.get("window", "?")
+        return f"policy window ({k} {unit}{'' if k == 1 else 'es' if unit == 'batch' else 's'} per rank per round)"
+    if policy in ("cadence", "async"):
+        anchor, top = cfg.get("anchor") or 10, cfg.get("max_anchor") or max(1000, cfg.get("anchor") or 10)
+        text = f"policy {policy} (ElChe quotas per rank, anchor {anchor} to {top}"
+        return text + (f", EASGD alpha {cfg.get('easgd_alpha') or 0.5:g})" if policy == "async" else ")")
+    return f"policy {policy}"
+
+
+def _last_by_name(run: Run, evaluated: bool) -> tuple[dict[str, float], int | None]:
+    """The ``scalars`` table's values of the last epoch that has any: evaluation metrics
+    (``eval/<name>``, the prefix dropped) or the train step's ``record_scalar`` values."""
+    epochs, names, values = (run.column("scalars", c) for c in ("epoch", "name", "value"))
+    if epochs is None or names is None or values is None:
+        return {}, None
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+    rows = [i for i, n in enumerate(names) if n.startswith("eval/") == evaluated]
+    if not rows:
+        return {}, None
+    last = int(max(epochs[i] for i in rows))
+    return {names[i].removeprefix("eval/"): float(values[i]) for i in rows if epochs[i] == last}, last
 
 
 def summarize(run: Run) -> dict[str, Any]:
     """The numbers of a run's text summary, from its tables (absent columns give NaN/None).
 
     Returns:
-        dict with ``epochs`` (rows of the epochs table) and ``epochs_planned``;
-        ``test_accuracy``, ``test_loss``, ``train_loss`` of the last epoch;
+        dict with ``epochs`` (rows of the epochs table) and ``epochs_planned``
+        (None for an own loop: it plans none); ``own_loop``; ``loss_name``;
+        ``test_accuracy``, ``test_loss`` of the last epoch evaluated, ``train_loss``
+        of the last epoch (NaN when not measured); ``test_metrics`` ``{name: value}`` and
+        ``test_metrics_epoch``: the user's evaluation metrics of the last epoch
+        evaluated (``eval/<name>`` rows of the ``scalars`` table); ``scalars``
+        and ``scalars_epoch``: the ``record_scalar`` values of the last epoch;
         ``best_test_accuracy`` and ``best_epoch`` (1-based); ``rounds``,
         ``skipped_rounds``; ``elapsed_s`` (the later of the last epoch's and
         round's ``time_s``); ``bytes_per_rank`` (sum of ``rounds/bytes``);
@@ -54,19 +99,24 @@ def summarize(run: Run) -> dict[str, Any]:
         file has one (ranks never quarantined left out); ``stops``: "stopped on
         request" lines in train.log; ``resumes``; ``last_log``: train.log's last line;
         ``anchor``: (first, last, largest) of ``rounds/anchor``, or None;
-        ``overlap``: ``1 - Σ wait_ms / Σ bridge_ms`` over every rank and round, the
-        fraction of the bridge's round time the training thread did not wait for
-        (async hides it behind compute), or None without those columns.
+        ``anchor`` is given for the balanced policies (cadence, async) only;
+        ``overlap``: ``max(0, 1 - Σ wait_ms / Σ bridge_ms)`` over every rank and round, the
+        fraction of the bridge's round time the training thread did not wait for,
+        for async only (a blocking policy waits for every round: it hides nothing),
+        or None.
     """
     ep, W = run.tables.get("epochs", {}), run.world_size
     acc = run.column("epochs", "test_accuracy")
     time_e, time_r = run.column("epochs", "time_s"), run.column("rounds", "time_s")
     elapsed = max(_last(time_e) if time_e is not None else 0.0, _last(time_r) if time_r is not None else 0.0)
+    own_loop = run.own_loop
+    policy = run.attrs.get("policy", run.config.get("policy"))
     s: dict[str, Any] = {
         "epochs": len(next(iter(ep.values()))) if ep else 0,
-        "epochs_planned": run.config.get("epochs"),
-        "test_accuracy": _last(acc),
-        "test_loss": _last(run.column("epochs", "test_loss")),
+        "epochs_planned": None if own_loop else run.config.get("epochs"),
+        "own_loop": own_loop, "loss_name": run.loss_name,
+        "test_accuracy": _last_finite(acc),
+        "test_loss": _last_finite(run.column("epochs", "test_loss")),
         "train_loss": _last(run.column("epochs", "avg_loss")),
         "best_test_accuracy": math.nan, "best_epoch": None,
         "rounds": len(run.column("rounds", "round")) if run.column("rounds", "round") is not None else 0,
@@ -78,6 +128,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "stops": sum("stopped on request" in line for line in run.log_lines),
         "last_log": run.log_lines[-1] if run.log_lines else "",
     }
+    s["test_metrics"], s["test_metrics_epoch"] = _last_by_name(run, evaluated=True)
+    s["scalars"], s["scalars_epoch"] = _last_by_name(run, evaluated=False)
     if acc is not None and np.isfinite(acc).any():
         best = int(np.nanargmax(acc))
         s["best_test_accuracy"], s["best_epoch"] = float(acc[best]), best + 1
@@ -86,7 +138,9 @@ def summarize(run: Run) -> dict[str, Any]:
         s["averaging_pct"] = 100.0 * sum(p.sum(axis=0) for p in phases) / 1e3 / elapsed
     thr = run.column("epochs", "per_rank_throughput")
     if thr is not None:
-        s["throughput"] = np.nanmean(thr, axis=0)
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a rank never recorded: NaN, "not recorded"
+            s["throughput"] = np.nanmean(thr, axis=0)
     batches = run.column("epochs", "per_rank_batches")
     if batches is not None and batches.sum() > 0:
         s["batch_share"] = batches.sum(axis=0) / batches.sum()
@@ -100,13 +154,14 @@ def summarize(run: Run) -> dict[str, Any]:
     if quarantined is not None and quarantined.ndim == 2:
         s["quarantined"] = {r: int(n) for r, n in enumerate(np.sum(quarantined != 0, axis=0)) if n}
     anchor = run.column("rounds", "anchor")
-    if anchor is not None and len(anchor):
+    if anchor is not None and len(anchor) and policy in ("cadence", "async"):
         s["anchor"] = (int(anchor[0]), int(anchor[-1]), int(anchor.max()))
     wait, bridge = run.column("rounds", "wait_ms"), run.column("rounds", "bridge_ms")
-    if wait is not None and bridge is not None:
+    if wait is not None and bridge is not None and policy == "async":
         ok = np.isfinite(wait) & np.isfinite(bridge)
         if ok.any() and bridge[ok].sum() > 0:
-            s["overlap"] = float(1.0 - wait[ok].sum() / bridge[ok].sum())
+            # The wait also holds the hand-off after the bridge finished: never below 0.
+            s["overlap"] = max(0.0, float(1.0 - wait[ok].sum() / bridge[ok].sum()))
     if W and s["throughput"] is not None and len(s["throughput"]) != W:
         s["throughput"] = None  # a file whose per-rank width disagrees with world_size: say nothing
     return s
@@ -127,7 +182,12 @@ def _fmt(x: float, spec: str = ".4f") -> str:
 def _per_rank(values, spec: str) -> str:
     if values is None:
         return "-"
-    return "  ".join(f"r{r} {format(float(v), spec)}" for r, v in enumerate(values))
+    return "  ".join(f"r{r} {format(float(v), spec) if np.isfinite(v) else 'not recorded'}"
+                     for r, v in enumerate(values))
+
+
+def _metric_words(values: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.4g}" for k, v in values.items())
 
 
 def format_summary(run: Run) -> str:
@@ -135,18 +195,33 @@ def format_summary(run: Run) -> str:
     s = summarize(run)
     cfg = run.config
     planned = s["epochs_planned"]
-    status = "finished" if planned is not None and s["epochs"] >= planned else "running or stopped"
-    lines = [
-        (f"run {run.path}  ({run.world_size} ranks, policy {run.attrs.get('policy', cfg.get('policy', '?'))}"
-        f", window {cfg.get('window', '?')}, gamma {cfg.get('gamma', '?')})"),
-        f"  epochs        {s['epochs']} of {planned if planned is not None else '?'} ({status})",
-        f"  test accuracy {_fmt(s['test_accuracy'])} (last)   best {_fmt(s['best_test_accuracy'])}"
-        + (f" at epoch {s['best_epoch']}" if s["best_epoch"] else ""),
-        f"  loss          train {_fmt(s['train_loss'])}   test {_fmt(s['test_loss'])} (last epoch)",
+    if s["own_loop"]:
+        epochs = f"  epochs        {s['epochs']} (end_epoch() calls of your own loop; it plans no count)"
+    else:
+        status = "finished" if planned is not None and s["epochs"] >= planned else "running or stopped"
+        epochs = f"  epochs        {s['epochs']} of {planned if planned is not None else '?'} ({status})"
+    lines = [f"run {run.path}  ({run.world_size} ranks, {describe_policy(run)}, gamma {cfg.get('gamma', '?')})",
+             epochs]
+    # What the run measured, no more: accuracy only when there is one, the user's metrics by their names.
+    if not math.isnan(s["test_accuracy"]) or not math.isnan(s["best_test_accuracy"]):
+        lines.append(f"  test accuracy {_fmt(s['test_accuracy'])} (last)   best {_fmt(s['best_test_accuracy'])}"
+                     + (f" at epoch {s['best_epoch']}" if s["best_epoch"] else ""))
+    shown = ({"loss"} if not math.isnan(s["test_loss"]) else set()) | \
+        ({"accuracy"} if not math.isnan(s["test_accuracy"]) else set())
+    extra = {k: v for k, v in s["test_metrics"].items() if k not in shown}
+    if extra:
+        lines.append(f"  test metrics  {_metric_words(extra)} (epoch {s['test_metrics_epoch']})")
+    if s["scalars"]:
+        lines.append(f"  scalars       {_metric_words(s['scalars'])} (train, epoch {s['scalars_epoch']})")
+    lines += [
+        (f"  loss          train {_fmt(s['train_loss'])}   test {_fmt(s['test_loss'])} (last evaluated)   "
+         f"[{s['loss_name']}]"),
         (f"  rounds        {s['rounds']} ({s['skipped_rounds']} skipped) in {s['elapsed_s']:.1f} s;"
         f" {_fmt_bytes(s['bytes_per_rank'])} on the wire per rank"),
         f"  averaging     {_per_rank(s['averaging_pct'], '.1f')} % of wall time (pack + allreduce + unpack)",
-        f"  throughput    {_per_rank(s['throughput'], '.0f')} samples/s (mean over epochs)",
+        (f"  throughput    {_per_rank(s['throughput'], '.0f')} samples/s (mean over epochs)"
+         if s["throughput"] is None or np.isfinite(s["throughput"]).any() else
+         "  throughput    not recorded (an own loop's step() calls gave no samples=)"),
         f"  batch share   {_per_rank(s['batch_share'], '.3f')}",
         f"  stops {s['stops']}, resumes {s['resumes']}; guard "
         + (", ".join(f"{k} {v}" for k, v in s["guard"].items()) or "stable in every round"),
@@ -246,7 +321,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "Works while a run is still writing.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or their metrics.h5)")
     p.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots for one run, "
-                                                "./plots-compare for several)")
+                                                "./plots-compare for several); given, plots are required "
+                                                "(exit 2 without matplotlib)")
     p.add_argument("--no-plots", action="store_true", help="text only (no matplotlib needed)")
     p.add_argument("--tensorboard", metavar="DIR", help="also write the metrics as TensorBoard event files "
                                                         "(one sub-directory per run; needs the tensorboard extra)")
@@ -254,7 +330,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``flodl-mpi report``; returns the exit status (0, or 2 for an unreadable run)."""
+    """``flodl-mpi report``; returns the exit status.
+
+    0: the summary was printed (without matplotlib, plots are skipped with one line
+    saying how to get them); 2: an unreadable run, or ``--out``/``--tensorboard``
+    asked for output whose extra is not installed.
+    """
     try:
         runs = [load_run(p, label) for p, label in zip(args.runs, _labels(args.runs))]
     except RunError as exc:
@@ -269,12 +350,20 @@ def run(args: argparse.Namespace) -> int:
         try:
             from flodl_mpi import plots
         except ImportError as exc:
-            print(f"flodl-mpi report: error: plots need matplotlib ({exc}); "
-                  "pip install 'flodl-mpi[plot]', or pass --no-plots", file=sys.stderr)
-            return 2
+            if args.out:  # plots asked for by name: without them the command did not do its job
+                print(f"flodl-mpi report: error: --out {args.out}: plots need matplotlib ({exc}); "
+                      "pip install 'flodl-mpi[plot]'", file=sys.stderr)
+                return 2
+            # The summary is the report; the plots are an extra the quick start does not install.
+            print("plots: not drawn: they need matplotlib (pip install 'flodl-mpi[plot]'); --no-plots skips them")
+            return _tensorboard(args, runs)
         out = Path(args.out) if args.out else (runs[0].path / "plots" if len(runs) == 1 else Path("plots-compare"))
         written = plots.write_plots(_with_option_labels(runs), out)
         print(f"plots: {', '.join(str(p) for p in written)}" if written else "plots: none yet (no rows to draw)")
+    return _tensorboard(args, runs)
+
+
+def _tensorboard(args: argparse.Namespace, runs: list[Run]) -> int:
     if args.tensorboard:
         from flodl_mpi import tensorboard_export
 
@@ -296,5 +385,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from flodl_mpi.cli import unix_pipe
+
+    unix_pipe()
     sys.exit(main())
 

@@ -22,10 +22,12 @@ class EpochReport:
     """One rank's epoch, sent in the epoch exchange.
 
     Attributes (all per rank, this epoch): ``loss_sum`` (sum of batch losses),
-    ``batches``, ``samples``, ``epoch_ms`` (wall ms of the epoch's windows and
+    ``batches``, ``samples`` (-1: not recorded, an own loop whose ``step()``
+    calls did not give ``samples=``), ``epoch_ms`` (wall ms of the epoch's windows and
     rounds, evaluation excluded), ``compute_ms`` (forward, backward, step), ``data_ms`` (waiting
     for batches), ``test_loss_sum``, ``test_correct`` and ``test_count`` (this
-    rank's slice of the test set, evaluated on the consensus).
+    rank's slice of the test set, evaluated on the consensus; ``test_correct`` is
+    NaN when the evaluation measures no accuracy, e.g. a regression).
     """
 
     loss_sum: float = 0.0
@@ -35,7 +37,7 @@ class EpochReport:
     compute_ms: float = 0.0
     data_ms: float = 0.0
     test_loss_sum: float = 0.0
-    test_correct: int = 0
+    test_correct: float = 0.0
     test_count: int = 0
 
     def to_row(self) -> np.ndarray:
@@ -54,7 +56,10 @@ class EpochSummary:
     second of compute plus data wait (``per_rank_share_complete_ms``, SPEC §5);
     ``per_rank_batch_share`` is the policy's latest allocation, normalized (the
     balancer's quotas; for a fixed window ``1 / W`` each);
-    ``test_accuracy`` is correct / count over the whole test set.
+    ``per_rank_samples`` is -1 and ``per_rank_throughput`` NaN for a rank whose
+    samples were not recorded; ``test_accuracy`` is correct / count over the whole
+    test set, NaN when no accuracy was measured (a regression, an own loop's metrics
+    without ``accuracy``).
     """
 
     epoch: int
@@ -91,7 +96,9 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None
     Returns:
         :class:`EpochSummary`: ``avg_loss = Σ loss_sum / Σ batches``; ``epoch_ms``
         is the slowest rank's; a rank with no batches gets NaN loss and zero
-        throughput (SPEC §5).
+        throughput (SPEC §5); a rank whose samples are not recorded (-1) NaN
+        throughput; ``test_accuracy`` NaN unless every rank that evaluated
+        test samples measured its correct count.
     """
     col = {name: matrix[:, i] for i, name in enumerate(EPOCH_FIELDS)}
     batches = col["batches"].astype(np.int64)
@@ -100,7 +107,10 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None
         per_rank_loss = np.where(batches > 0, col["loss_sum"] / np.maximum(batches, 1), np.nan)
         busy_s = (col["compute_ms"] + col["data_ms"]) / 1e3
         throughput = np.where(busy_s > 0, col["samples"] / np.where(busy_s > 0, busy_s, 1.0), 0.0)
+    throughput = np.where(col["samples"] < 0, np.nan, throughput)
     test_count = int(col["test_count"].sum())
+    correct = col["test_correct"][col["test_count"] > 0]  # ranks without test samples say nothing
+    measured = test_count > 0 and bool(np.all(np.isfinite(correct)))
     if allocation is not None:
         alloc = np.asarray(allocation, dtype=np.float64)
         share = alloc / alloc.sum()
@@ -122,6 +132,6 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None
         per_rank_data_ms=col["data_ms"].copy(),
         per_rank_share_complete_ms=col["compute_ms"] + col["data_ms"],
         test_loss=float(col["test_loss_sum"].sum() / test_count) if test_count else float("nan"),
-        test_accuracy=float(col["test_correct"].sum() / test_count) if test_count else float("nan"),
+        test_accuracy=float(correct.sum() / test_count) if measured else float("nan"),
         test_count=test_count,
     )

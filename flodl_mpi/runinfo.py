@@ -24,7 +24,7 @@ from flodl_mpi.metrics import SCHEMA_VERSION, read_table
 __all__ = ["Run", "RunError", "load_run", "metrics_attrs", "open_metrics"]
 
 #: Options that name the run, not how it trained: never reported as a difference.
-NOT_OPTIONS = ("run_dir", "resume")
+NOT_OPTIONS = ("run_dir", "resume", "not_applicable")
 
 
 class RunError(ValueError):
@@ -57,6 +57,18 @@ class Run:
         """The options as run (``attrs['config']``), ``{}`` when absent."""
         cfg = self.attrs.get("config")
         return cfg if isinstance(cfg, dict) else {}
+
+    @property
+    def own_loop(self) -> bool:
+        """A run of :class:`flodl_mpi.Averager` (your loop, no planned epochs); older files say so by their data."""
+        cfg = self.config
+        return cfg.get("api") == "Averager" or cfg.get("data") == "(your training loop)"
+
+    @property
+    def loss_name(self) -> str:
+        """The training loss as the run recorded it (metrics.h5 ``loss``); files from before it say ``loss``."""
+        name = self.attrs.get("loss")
+        return name if isinstance(name, str) and name else "loss"
 
     @property
     def world_size(self) -> int:

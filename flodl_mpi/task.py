@@ -71,6 +71,10 @@ class ClassificationTask:
     def after_epoch(self, trainer, summary) -> None:
         """Called on every rank after the epoch exchange, before the checkpoint decision."""
 
+    def epoch_words(self) -> str:
+        """Extra words for the epoch's log line (the test loss and accuracy are the worker's)."""
+        return ""
+
 
 def learning_rate_factor(cohort_step: int, world_size: int, scale_lr: bool, warmup_steps: int,
                          schedule: Callable[[int], float] | None) -> float:
@@ -145,3 +149,9 @@ class UserTask(ClassificationTask):
 
     def after_epoch(self, trainer, summary) -> None:
         self.boundary.after_epoch(trainer, summary)
+
+    def epoch_words(self) -> str:
+        """The user's evaluation metrics of the epoch (``loss`` and ``accuracy`` are in the line already)."""
+        latest = self.boundary.latest
+        metrics = latest.metrics if latest is not None else {}
+        return "".join(f"  test_{k} {v:.4f}" for k, v in metrics.items() if k not in ("loss", "accuracy"))

@@ -12,6 +12,8 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
+import os
 import shutil
 import sys
 import time
@@ -50,13 +52,13 @@ from flodl_mpi.metrics import MetricsWriter, WriterError
 from flodl_mpi.models import build_model, check_model_output, check_training_step, model_signature
 from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.policy import make_policy
-from flodl_mpi.progress import EpochProgress, stdout_is_terminal
+from flodl_mpi.progress import EpochProgress, stdout_is_terminal, write_above_bars
 from flodl_mpi.reduce import WireOptions
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree
 
-__all__ = ["run_train", "pick_device", "effective_batch_line"]
+__all__ = ["run_train", "pick_device", "effective_batch_line", "final_line", "log_header"]
 
 log = logging.getLogger("flodl_mpi")
 
@@ -300,17 +302,43 @@ def verbosity(args) -> int:
     return int(getattr(args, "verbose", 0) or 0) - int(bool(getattr(args, "quiet", False)))
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Rank 0's lines on stdout. A reader that went away (``flodl-mpi train | head -1``) ends the
+    printing, not the run: the handler falls silent, stdout goes to /dev/null (so the exit's flush
+    raises nothing), and train.log keeps every line."""
+
+    flodl_stdout = True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:  # a line in mid-epoch (a quarantine, a warning) goes above rank 0's progress bar, not into it
+            if write_above_bars(self.format(record), self.stream):
+                return
+        except Exception:  # noqa: BLE001 - logging's contract: a failed emit goes to handleError
+            self.handleError(record)
+            return
+        super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not isinstance(sys.exc_info()[1], BrokenPipeError):
+            super().handleError(record)
+            return
+        self.setLevel(logging.CRITICAL + 1)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+
+
 def _log_to_stdout(rank: int, level: int) -> None:
     """Rank 0 prints the log on stdout from the start of setup (before the run dir exists)."""
     log.setLevel(logging.DEBUG)
     log.propagate = False
     if rank == 0 and not any(getattr(h, "flodl_stdout", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stdout)
-        handler.flodl_stdout = True
+        handler = _StdoutHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         log.addHandler(handler)
     for h in log.handlers:
-        if getattr(h, "flodl_stdout", False):
+        if getattr(h, "flodl_stdout", False) and h.level <= logging.CRITICAL:  # not one silenced by a closed pipe
             h.setLevel(logging.WARNING if level < 0 else logging.DEBUG if level > 0 else logging.INFO)
 
 
@@ -338,6 +366,7 @@ def _run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:
         },
         "policy": cfg.policy,
         "thread_level": world.thread_level,
+        "loss": "cross-entropy",  # the CLI's task; the Python API records its own
     }
 
 
@@ -435,11 +464,7 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         # Per-rank randomness (dropout and the like) differs by rank, reproducibly.
         torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
 
-        ranks = f"{world.size} rank{'s' if world.size > 1 else ''}"
-        log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
-                 f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {attrs['devices']}, "
-                 f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
-        log.info(effective_batch_line(cfg, world.size))
+        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir)
         n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
         if n_batches < world.size:
             log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
@@ -503,14 +528,43 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         watchdog.round_finished()
         log.info(f"final save written in {time.monotonic() - t0:.1f} s "
                  f"(the last checkpoint took {writer.last_save_s:.1f} s)")
-        if not trainer.done:  # `done` only when every epoch is: the exit status is 4, not 0
-            log.info(f"stopped, not done ({cfg.epochs} epochs asked); exit status 4: to go on, run the same "
-                     f"command with --resume --run-dir {run_dir}")
-        elif history:
-            last = history[-1]
-            log.info(f"done: test accuracy {last.test_accuracy:.4f} after {last.rounds} rounds; "
-                     f"metrics {run_dir / 'metrics.h5'}, checkpoints {run_dir / 'checkpoints'}")
-        else:
-            log.info(f"nothing to do: {trainer.start_epoch} of {cfg.epochs} epoch(s) were done already "
-                     f"(raise --epochs to train further)")
+        log.info(final_line(cfg, trainer.done, history, trainer.start_epoch, run_dir))
     return trainer.done
+
+
+def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: list, data: Dataset,
+               run_dir: Path) -> None:
+    """train.log's header (rank 0): ranks, policy, model size, data, run dir; then the effective batch."""
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
+             f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {devices}, "
+             f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
+    log.info(effective_batch_line(cfg, world_size))
+
+
+def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, run_dir: Path,
+               metrics: dict | None = None, stop_hint: str | None = None) -> str:
+    """train.log's last line: ``done: ...`` with what the run measured, or why it is not done.
+
+    Args:
+        history: the :class:`~flodl_mpi.reporting.EpochSummary` of the epochs trained.
+        metrics: the last evaluation's ``{name: value}`` (the Python API's); None: the summary's.
+        stop_hint: how to go on after a stop (default: the CLI's ``--resume``).
+    """
+    if not done:  # `done` only when every epoch is: the exit status is 4, not 0
+        hint = stop_hint or f"exit status 4: to go on, run the same command with --resume --run-dir {run_dir}"
+        return f"stopped, not done ({cfg.epochs} epochs asked); {hint}"
+    if not history:
+        return (f"nothing to do: {start_epoch} of {cfg.epochs} epoch(s) were done already "
+                "(raise --epochs to train further)")
+    last = history[-1]
+    if not math.isnan(last.test_accuracy):
+        measured = f"test accuracy {last.test_accuracy:.4f}"
+    elif metrics:
+        measured = ", ".join(f"test {k} {v:.4f}" for k, v in metrics.items())
+    elif not math.isnan(last.test_loss):
+        measured = f"test loss {last.test_loss:.4f}"
+    else:
+        measured = "no test metric"
+    return (f"done: {measured} after {last.rounds} rounds; metrics {run_dir / 'metrics.h5'}, "
+            f"checkpoints {run_dir / 'checkpoints'}")

@@ -457,7 +457,9 @@ class Trainer:
         for epoch in range(self.start_epoch, self.cfg.epochs):
             stopped = self._epoch(epoch, self.start_cursor if epoch == self.start_epoch else 0)
             if stopped:
-                self.log(f"stopped on request in epoch {epoch + 1} at round {self.bridge.version}; checkpoint saved")
+                # The checkpoint is queued to rank 0's writer thread here, written by the final save.
+                self.log(f"stopped on request in epoch {epoch + 1} at round {self.bridge.version}; its checkpoint "
+                         "is queued (the final save writes it)")
                 self.done = epoch == self.cfg.epochs - 1 and self._epoch_complete
             yield self.latest
             if stopped:
@@ -617,9 +619,11 @@ class Trainer:
             if stopped:
                 n_batches = num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)
                 partial = f" (stopped after {cursor} of {n_batches} batches)"
-            self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}  "
-                     f"test_loss {s.test_loss:.4f}  test_acc {s.test_accuracy:.4f}  rounds {s.rounds}  "
-                     f"{s.epoch_ms / 1e3:.1f} s")
+            # What was measured, no more: an epoch not evaluated has no test numbers, a regression no accuracy.
+            tests = "".join(f"  {name} {value:.4f}" for name, value in
+                            (("test_loss", s.test_loss), ("test_acc", s.test_accuracy)) if math.isfinite(value))
+            self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}{tests}"
+                     f"{self.task.epoch_words()}  rounds {s.rounds}  {s.epoch_ms / 1e3:.1f} s")
             self.log_detail("  per rank: " + "; ".join(
                 f"r{r} {s.per_rank_throughput[r]:.0f} samples/s, {s.per_rank_batches[r]} batches, "
                 f"data wait {s.per_rank_data_ms[r] / 1e3:.2f} s" for r in range(self.world_size)))

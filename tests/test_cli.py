@@ -190,6 +190,10 @@ def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path, si
     rounds = read_table(run_dir / "metrics.h5", "rounds")
     assert ckpt.meta["round"] == len(rounds["round"]) < 50 * 23  # stopped early, every round recorded
     assert "stopped on request" in out and "done:" not in out
+    lines = out.splitlines()  # the stop line claims no save that has not happened yet
+    stop = next(i for i, line in enumerate(lines) if "stopped on request" in line)
+    assert "checkpoint saved" not in lines[stop] and "checkpoint is queued" in lines[stop]
+    assert any("final save written" in line for line in lines[stop + 1:])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -264,3 +268,108 @@ def test_the_header_states_the_effective_batch_and_how_to_scale():
     assert "effective batch 32 x 2 ranks = 64 samples" in line and "raise --lr toward 0.002 or add --scale-lr" in line
     line = effective_batch_line(TrainConfig(batch_size=32, lr=1e-3, scale_lr=True, warmup_steps=45), 3)
     assert "--scale-lr: lr 0.001 x 3 = 0.003 after 45 warm-up steps" in line
+
+
+# ---------------------------------------------------------------- polish (issue 7)
+
+
+def test_every_flag_is_a_config_key_or_refused_with_a_reason(tmp_path):
+    """A config file takes every train flag that makes sense in a file (output flags included)."""
+    from flodl_mpi.cli import build_parser, config_from_args, settle_early
+    from flodl_mpi.config import NOT_IN_FILE, ConfigError, read_config_file
+
+    parser = build_parser()
+    train = next(a for a in parser._actions if a.dest == "command").choices["train"]
+    dests = {a.dest for a in train._actions if a.option_strings}
+    toml = tmp_path / "run.toml"
+    toml.write_text('verbose = 2\nquiet = true\nprogress = "lines"\nepochs = 3\n')
+    assert read_config_file(toml) == {"verbose": 2, "quiet": True, "progress": "lines", "epochs": 3}
+    args = parser.parse_args(["train", "--config", str(toml)])
+    settle_early(args)
+    assert (args.verbose, args.quiet, args.progress) == (2, True, "lines")
+    assert config_from_args(args).epochs == 3                       # output keys are not training options
+    args = parser.parse_args(["train", "--config", str(toml), "-v", "--progress", "bar"])
+    settle_early(args)
+    assert (args.verbose, args.quiet, args.progress) == (1, True, "bar")   # flags override the file
+    args = parser.parse_args(["train"])
+    settle_early(args)
+    assert (args.verbose, args.quiet, args.progress) == (0, False, "auto")
+    for dest in sorted(dests):
+        toml.write_text(f"{dest} = 1\n")
+        try:
+            read_config_file(toml)
+        except ConfigError as exc:
+            # the only refusals: no such key is allowed in a file (with the reason), or a bad value
+            assert (dest in NOT_IN_FILE and NOT_IN_FILE[dest] in str(exc)) or "unknown key" not in str(exc), dest
+    toml.write_text('config = "other.toml"\n')
+    with pytest.raises(ConfigError, match="key 'config' is not allowed in a config file: a config file cannot name"):
+        read_config_file(toml)
+    toml.write_text('progress = "fancy"\n')
+    with pytest.raises(ConfigError, match=r"key 'progress': 'fancy': must be one of auto, bar, lines"):
+        read_config_file(toml)
+
+
+def test_a_bad_config_file_is_refused_before_mpi_starts(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("quiet = 3\n")
+    t0 = time.monotonic()
+    proc = run_flodl(2, "train", "--config", str(toml), timeout=120)
+    assert proc.returncode == EXIT_INPUT and time.monotonic() - t0 < PROMPT_S
+    assert error_lines(proc) == [f"flodl-mpi: error: --config '{toml}': key 'quiet': 3: must be true or false"]
+    assert "rank(s) up" not in proc.stdout                          # refused before MPI started
+
+
+def test_bare_command_lists_the_subcommands():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "flodl_mpi"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == EXIT_INPUT and proc.stdout == ""
+    assert proc.stderr.startswith("usage: flodl-mpi") and "{train,report,inspect,export}" in proc.stderr
+    for name in ("train", "report", "inspect", "export"):
+        assert any(line.split()[:1] == [name] for line in proc.stderr.splitlines()), name
+
+
+@pytest.mark.parametrize("entry", [("-m", "flodl_mpi", "inspect"), ("-m", "flodl_mpi.inspect_cmd"),
+                                   ("-m", "flodl_mpi", "report", "--no-plots")])
+def test_a_reader_that_goes_away_ends_the_tools_quietly(tmp_path, entry):
+    """``flodl-mpi inspect F | head -1``: SIGPIPE ends the process as it ends cat, no traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests._runs import write_synthetic
+
+    run_dir = write_synthetic(tmp_path / "r")
+    proc = subprocess.Popen([sys.executable, *entry, str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line is written
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGPIPE and err == b""
+
+
+def test_bad_omp_num_threads_is_our_one_line_before_torch_loads(tmp_path):
+    proc = run_flodl(2, "train", "--run-dir", str(tmp_path / "r"), env={"OMP_NUM_THREADS": "abc"}, timeout=120)
+    assert proc.returncode == EXIT_INPUT
+    assert proc.stderr.strip() == "flodl-mpi: error: OMP_NUM_THREADS='abc': must be a positive integer (or unset)"
+    assert "libgomp" not in proc.stderr and "loading PyTorch" not in proc.stdout   # torch was never imported
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_train_keeps_training_when_its_reader_goes_away(tmp_path):
+    """``flodl-mpi train | head -1`` in a world of 1: stdout falls silent, the run finishes, train.log has it all."""
+    import subprocess
+    import sys
+
+    from tests.conftest import launch_env
+
+    proc = subprocess.Popen([sys.executable, "-m", "flodl_mpi", "train", "--epochs", "1", "--batch-size", "64",
+                             "--run-dir", str(tmp_path / "r")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=launch_env(), text=True)
+    proc.stdout.readline()  # the first line, then the reader goes
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "Logging error" not in err and "BrokenPipeError" not in err
+    assert (tmp_path / "r" / "train.log").read_text().splitlines()[-1].split(" ", 1)[1].startswith("done:")

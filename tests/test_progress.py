@@ -34,6 +34,34 @@ def test_bar_shows_batches_loss_rounds_per_second_and_eta():
     assert "\r" in text
 
 
+def test_a_log_line_during_an_epoch_goes_above_the_bar_not_into_it(monkeypatch):
+    """A mid-epoch line (a quarantine, a warning) is printed on a line of its own while the bar is drawn."""
+    import logging
+
+    from flodl_mpi.train import _log_to_stdout, log
+
+    pytest.importorskip("tqdm")
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    before = list(log.handlers)
+    _log_to_stdout(0, 0)  # rank 0's stdout handler, as `flodl-mpi train` installs it
+    (handler,) = [h for h in log.handlers if h not in before]
+    monkeypatch.setattr(log, "handlers", before)  # the handler leaves with the test
+    line = "round 3: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined (mass 0)"
+    record = logging.LogRecord("flodl_mpi", logging.INFO, __file__, 1, line, None, None)
+    bar = EpochProgress(enabled=True, stream=out, mininterval=0)
+    bar.start("epoch 1/3", total=10, done=0, rounds=0)
+    bar.update(4, 0.5, 3)
+    handler.emit(record)
+    bar.update(6, 0.5, 4)
+    bar.close()
+    handler.emit(record)  # no bar: a plain line
+    segments = re.split(r"[\r\n]", out.getvalue())
+    whole = [seg for seg in segments if re.fullmatch(r"\d\d:\d\d:\d\d " + re.escape(line), seg)]
+    assert len(whole) == 2, segments                                # whole lines, never glued to the bar
+    assert out.getvalue().endswith(line + "\n")
+
+
 def test_disabled_bar_writes_nothing_and_imports_no_tqdm():
     out = io.StringIO()
     bar = EpochProgress(enabled=False, stream=out)

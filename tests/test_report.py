@@ -275,3 +275,101 @@ def test_report_while_the_run_writes(tmp_path):
         if train.poll() is None:
             os.killpg(train.pid, signal.SIGTERM)
         train.communicate(timeout=120)
+
+
+# ---------------------------------------------------------------- what a run measured (issue 7)
+
+
+def test_a_run_without_accuracy_shows_its_own_metrics_and_no_accuracy(tmp_path):
+    """A regression: test_accuracy NaN in every row; the report names the user's metrics and the loss."""
+    rows = synthetic_rows(2, 10, 3)
+    rows["epochs"]["test_accuracy"] = np.full(3, np.nan)
+    rows["epochs"]["test_loss"] = np.array([0.9, np.nan, 0.5])   # epoch 2 not evaluated
+    rows["scalars"] = {"epoch": np.array([1, 1, 3, 3, 1, 2, 3]),
+                       "name": np.array([b"eval/loss", b"eval/mae", b"eval/loss", b"eval/mae", b"mae", b"mae",
+                                         b"mae"]),
+                       "value": np.array([0.9, 0.7, 0.5, 0.4, 0.8, 0.6, 0.45]), "count": np.full(7, 100),
+                       "per_rank_mean": np.ones((7, 2)), "per_rank_count": np.full((7, 2), 50)}
+    run = load_run(_write_raw(tmp_path / "r", rows, {
+        "world_size": 2, "loss": "mean squared error", "policy": "sync",
+        "config": json.dumps({"epochs": 3, "policy": "sync", "api": "fit"}), "json_attrs": json.dumps(["config"])}))
+    s = summarize(run)
+    assert np.isnan(s["test_accuracy"]) and np.isnan(s["best_test_accuracy"]) and s["best_epoch"] is None
+    assert s["test_loss"] == 0.5                                    # the last evaluated, not epoch 3's NaN
+    assert (s["test_metrics"], s["test_metrics_epoch"]) == ({"loss": 0.5, "mae": 0.4}, 3)
+    assert (s["scalars"], s["scalars_epoch"]) == ({"mae": 0.45}, 3)
+    text = format_summary(run)
+    assert "accuracy" not in text.split("\n", 1)[1]                 # (the header names the run's directory)
+    assert "test metrics  mae 0.4 (epoch 3)" in text and "scalars       mae 0.45 (train, epoch 3)" in text
+    assert "[mean squared error]" in text and "cross-entropy" not in text
+    fig = plots.training_figure([run])
+    assert fig.axes[0].get_ylabel() == "mean squared error"
+    mae = fig.axes[1].get_lines()
+    assert [ln.get_label() for ln in mae] == ["test mae"]
+    np.testing.assert_array_equal(mae[0].get_xdata(), [1, 3])
+    np.testing.assert_array_equal(mae[0].get_ydata(), [0.7, 0.4])
+
+
+def test_the_loss_axis_names_the_recorded_loss(tmp_path):
+    cli = load_run(write_synthetic(tmp_path / "cli", attrs={"loss": "cross-entropy"}))
+    old = load_run(write_synthetic(tmp_path / "old"))                # a file from before the attribute
+    assert plots.training_figure([cli]).axes[0].get_ylabel() == "cross-entropy loss (nats)"
+    assert plots.training_figure([old]).axes[0].get_ylabel() == "loss"
+    assert "[cross-entropy]" in format_summary(cli) and "[loss]" in format_summary(old)
+
+
+def test_an_own_loop_plans_no_epochs_and_unrecorded_samples_are_not_zero(tmp_path):
+    rows = synthetic_rows(2, 10, 3)
+    rows["epochs"]["per_rank_samples"] = np.full((3, 2), -1)
+    rows["epochs"]["per_rank_throughput"] = np.full((3, 2), np.nan)
+    # an older own-loop file: no "api" key, its data names the loop, its epochs the TrainConfig default
+    run = load_run(_write_raw(tmp_path / "r", rows, {
+        "world_size": 2, "policy": "window",
+        "config": json.dumps({"epochs": 10, "policy": "window", "window": 4, "data": "(your training loop)"}),
+        "json_attrs": json.dumps(["config"])}))
+    s = summarize(run)
+    assert s["own_loop"] and s["epochs_planned"] is None and s["epochs"] == 3
+    text = format_summary(run)
+    assert "of 10" not in text and "epochs        3 (end_epoch() calls" in text
+    assert "throughput    not recorded" in text and "samples/s" not in text
+    assert "policy window (4 step() calls per rank per round)" in text
+
+
+def test_sync_shows_no_anchor_or_hidden_share_and_cadence_no_window(tmp_path):
+    # synthetic rounds: wait 61 ms > bridge 60 ms, so 1 - wait/bridge < 0
+    sync = load_run(write_synthetic(tmp_path / "s", config={"policy": "sync", "window": 1}))
+    s = summarize(sync)
+    assert s["anchor"] is None and s["overlap"] is None
+    body = format_summary(sync).split("\n", 1)[1]                     # (the header names the directory)
+    assert "anchor" not in body and "hidden" not in body
+    assert "policy sync (a round after every batch)" in format_summary(sync).splitlines()[0]
+    cad = load_run(write_synthetic(tmp_path / "c", config={"policy": "cadence", "window": 1, "anchor": 8}))
+    head = format_summary(cad).splitlines()[0]
+    assert "window" not in head and "policy cadence (ElChe quotas per rank, anchor 8 to 1000)" in head
+    assert summarize(cad)["anchor"] == (1, 1, 1) and summarize(cad)["overlap"] is None
+    asy = load_run(write_synthetic(tmp_path / "a", config={"policy": "async", "window": 1}))
+    assert summarize(asy)["overlap"] == 0.0                         # never negative
+    assert "0 % of the round time hidden behind compute" in format_summary(asy)
+
+
+def _hide_matplotlib(tmp_path) -> dict:
+    """An environment whose ``import matplotlib`` fails, as after the README's quick start."""
+    stub = tmp_path / "nompl"
+    (stub / "matplotlib").mkdir(parents=True)
+    (stub / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub), *sys.path])}
+
+
+def test_report_without_matplotlib_is_a_summary_and_exit_0(tmp_path):
+    run_dir = write_synthetic(tmp_path / "r")
+    env = _hide_matplotlib(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_dir)], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"run {run_dir}") and "test accuracy" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == ("plots: not drawn: they need matplotlib (pip install 'flodl-mpi[plot]'); "
+                                            "--no-plots skips them")
+    assert proc.stderr == "" and not (run_dir / "plots").exists()
+    asked = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_dir), "--out", str(tmp_path / "p")],
+                           capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert asked.returncode == 2 and "--out" in asked.stderr and "pip install 'flodl-mpi[plot]'" in asked.stderr

@@ -1,0 +1,130 @@
+"""What runs of the Python API record: the epoch aggregate's accuracy, an own loop's samples and loss,
+config.json as built (issue 7). The runs are a world of 1 under plain ``python`` (no launcher)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from flodl_mpi.metrics import read_table
+from flodl_mpi.reporting import EPOCH_FIELDS, aggregate_epoch
+from tests.conftest import launch_env
+
+
+def _matrix(**cols) -> np.ndarray:
+    """A gathered (W, k) epoch matrix: the named columns given, the rest 0."""
+    W = len(next(iter(cols.values())))
+    m = np.zeros((W, len(EPOCH_FIELDS)))
+    for name, values in cols.items():
+        m[:, EPOCH_FIELDS.index(name)] = values
+    return m
+
+
+def test_no_accuracy_measured_is_nan_not_zero():
+    # a regression: both ranks evaluated 50 samples, neither measured a correct count
+    s = aggregate_epoch(_matrix(test_loss_sum=[10.0, 30.0], test_count=[50, 50], test_correct=[np.nan, np.nan],
+                                batches=[2, 2]), 0, 4)
+    assert np.isnan(s.test_accuracy) and s.test_loss == 0.4
+    # classification: 45 + 40 correct of 100; a rank with no test samples says nothing either way
+    s = aggregate_epoch(_matrix(test_loss_sum=[1.0, 1.0, 0.0], test_count=[50, 50, 0], test_correct=[45, 40, np.nan],
+                                batches=[2, 2, 2]), 0, 4)
+    assert s.test_accuracy == 0.85
+
+
+def test_unrecorded_samples_give_nan_throughput_not_zero():
+    s = aggregate_epoch(_matrix(samples=[-1, 64], compute_ms=[500.0, 500.0], batches=[2, 2]), 0, 4)
+    assert np.isnan(s.per_rank_throughput[0]) and s.per_rank_throughput[1] == 128.0
+    assert s.per_rank_samples.tolist() == [-1, 64]
+
+
+def _python(tmp_path, code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                          env=launch_env(), timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+OWN_LOOP = """
+import torch, flodl_mpi
+from torch import nn
+torch.manual_seed(0)
+x = torch.randn(60, 4); y = x.sum(1, keepdim=True)
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5, weight_decay=1e-4)
+with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir="own") as avg:
+    for epoch in range(2):
+        for i in range(0, 60, 20):
+            opt.zero_grad(); loss = nn.functional.mse_loss(model(x[i:i+20]), y[i:i+20]); loss.backward(); opt.step()
+            avg.step(loss, samples=20) if epoch == 0 else avg.step()
+        with torch.no_grad():
+            err = ((model(x) - y) ** 2).sum()
+        avg.end_epoch({"mse": (err, 60)})
+"""
+
+
+@pytest.mark.slow
+def test_an_own_loop_records_what_it_measured(tmp_path):
+    _python(tmp_path, OWN_LOOP)
+    run = tmp_path / "own"
+    ep = read_table(run / "metrics.h5", "epochs")
+    # epoch 1: 3 steps of 20 samples each; epoch 2: step() was given neither samples nor loss
+    assert ep["per_rank_samples"].tolist() == [[60], [-1]]
+    assert np.isfinite(ep["per_rank_throughput"][0, 0]) and np.isnan(ep["per_rank_throughput"][1, 0])
+    assert np.isfinite(ep["avg_loss"][0]) and np.isnan(ep["avg_loss"][1])
+    assert np.isnan(ep["test_accuracy"]).all()                      # "mse" only: no accuracy, not 0
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["api"] == "Averager" and cfg["loss"] == "loss given to step()"
+    assert cfg["model"] == {"class": "torch.nn.modules.linear:Linear", "parameters": 5}
+    assert cfg["optimizer"] == {"class": "torch.optim.sgd:SGD", "param_groups": [
+        {"params": 2, "lr": 0.05, "momentum": 0.5, "dampening": 0, "nesterov": False, "weight_decay": 1e-4}]}
+    assert (cfg["policy"], cfg["window"]) == ("window", 2)
+    for name in ("epochs", "batch_size", "lr", "seed", "device", "threads", "momentum"):
+        assert name not in cfg and name in cfg["not_applicable"]
+    from flodl_mpi.report import format_summary
+    from flodl_mpi.runinfo import load_run
+
+    r = load_run(run)
+    assert r.config == cfg and r.attrs["loss"] == "loss given to step()"   # metrics.h5 holds the same record
+    text = format_summary(r)
+    assert "epochs        2 (end_epoch() calls" in text and "of 10" not in text
+    assert "test metrics  mse" in text and "accuracy" not in text.split("\n", 1)[1]
+
+
+FIT = """
+import numpy as np, torch, flodl_mpi
+from torch import nn
+rng = np.random.default_rng(0)
+x = rng.normal(size=(80, 3)).astype(np.float32); y = (x @ np.array([[1.0], [2.0], [-1.0]], np.float32))
+data = {"train": (x[:60], y[:60]), "test": (x[60:], y[60:])}
+run = flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_shape[0], target_shape[0]),
+                    lambda p: torch.optim.AdamW(p, lr=0.02, betas=(0.8, 0.9), weight_decay=0.05),
+                    data=data, batch_size=16, epochs=2, run_dir="fit")
+run.wait()
+"""
+
+
+@pytest.mark.slow
+def test_a_fit_regression_records_its_model_optimizer_and_loss(tmp_path):
+    _python(tmp_path, FIT)
+    run = tmp_path / "fit"
+    ep = read_table(run / "metrics.h5", "epochs")
+    assert np.isnan(ep["test_accuracy"]).all() and np.isfinite(ep["test_loss"]).all()
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["api"] == "fit" and cfg["loss"] == "mean squared error" and cfg["epochs"] == 2
+    assert cfg["model"] == {"class": "torch.nn.modules.linear:Linear", "parameters": 4}
+    group = cfg["optimizer"]["param_groups"][0]
+    assert cfg["optimizer"]["class"] == "torch.optim.adamw:AdamW"
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (0.02, [0.8, 0.9], 0.05)
+    for name in ("lr", "momentum", "weight_decay", "train_x", "anchor"):
+        assert name not in cfg and name in cfg["not_applicable"]
+    log = (run / "train.log").read_text().splitlines()
+    assert "test_acc" not in "\n".join(log)
+    assert any("flodl-mpi" in line and "1 rank" in line and "4 params" in line for line in log)  # the header
+    assert "done:" in log[-1] and "accuracy" not in log[-1]
