@@ -588,7 +588,7 @@ class Bridge:
         speeds); rank 0's recorder completes the previous round's record. Returns the
         guard's verdict on the previous round (None: no round before this gather)."""
         acked = not np.isnan(cols["divergence"]).all()
-        max_div, round_ms = None, math.nan
+        max_div, round_ms, wait_ms = None, math.nan, math.nan
         if acked:
             # The guard reads the ranks that contributed mass: an idle rank's or a
             # quarantined rank's divergence (NaN for the latter) says nothing of the
@@ -596,11 +596,12 @@ class Bridge:
             contributed = cols["divergence"][self._contributed]
             max_div = float(np.max(contributed)) if contributed.size else 0.0
             round_ms = float(np.nanmax(cols["round_ms"])) if np.isfinite(cols["round_ms"]).any() else math.nan
+            wait_ms = float(np.nanmax(cols["wait_ms"])) if np.isfinite(cols["wait_ms"]).any() else math.nan
         self._enter("policy")
         verdict = self.policy.observe(RoundFacts(batch_ms=np.asarray(batch_ms, dtype=np.float64),
                                                  window=np.asarray(window).astype(np.int64),
                                                  round_ms=round_ms, max_divergence=max_div, anchor=anchor,
-                                                 closes_window=closes_window))
+                                                 closes_window=closes_window, wait_ms=wait_ms))
         if acked:
             self.profile.add(cols)
             self._recorder.acks(cols, verdict)

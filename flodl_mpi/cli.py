@@ -31,6 +31,7 @@ import traceback
 
 from flodl_mpi import __version__
 from flodl_mpi.config import (
+    ASYNC_ADOPTS,
     AVERAGE_OPTIMIZER_STATE,
     DEVICES,
     HIERARCHICAL,
@@ -140,9 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-divergence-guard", dest="divergence_guard", action="store_false", default=None,
                    help="cadence/async: let the anchor grow whatever the divergence guard says (its verdicts are "
                         "still recorded)")
+    g.add_argument("--async-adopt", choices=ASYNC_ADOPTS,
+                   help="async: how a rank adopts the consensus of a round it trained past: delta adds its own "
+                        "steps since the round's snapshot to the consensus; easgd blends (--easgd-alpha) "
+                        "(default delta; easgd when only --easgd-alpha is given)")
     g.add_argument("--easgd-alpha", type=float,
-                   help="async: adopt each consensus as theta + alpha * (consensus - theta), alpha in (0, 1]; 1.0 "
-                        "overwrites (default 0.5)")
+                   help="async with --async-adopt easgd: adopt each consensus as theta + alpha * (consensus - theta), "
+                        "alpha in (0, 1]; 1.0 overwrites (default 0.5)")
     g.add_argument("--gamma", type=float,
                    help=f"mass exponent: a rank's weight in the average is its steps**gamma (default {d.gamma:g})")
     g.add_argument("--chunk-elems", type=int,

@@ -19,13 +19,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES", "NOT_IN_FILE",
-           "ON_NON_FINITE", "OPTIMIZERS", "OUTERS", "OUTPUT_OPTIONS", "POLICIES", "PROGRESS", "ConfigError",
-           "TrainConfig", "check_output_option", "read_config_file"]
+__all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
+           "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OUTERS", "OUTPUT_OPTIONS", "POLICIES", "PROGRESS",
+           "ConfigError", "TrainConfig", "check_output_option", "read_config_file"]
 
 POLICIES = ("sync", "window", "cadence", "async")
 #: Policies whose quotas the ElChe balancer sets (SPEC §4).
 BALANCED_POLICIES = ("cadence", "async")
+#: How ``async`` adopts a consensus (``--async-adopt``; flodl_mpi.worker.Replica.adopt).
+ASYNC_ADOPTS = ("delta", "easgd")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 #: What a round does with a rank whose loss or parameters are NaN/Inf (``--on-non-finite``).
@@ -80,7 +82,9 @@ class TrainConfig:
     max_anchor: int | None = None     # cadence/async: the anchor's ceiling, batches; None = 1000
     overhead_target: float | None = None  # cadence/async: round time / anchor window time to grow past; None = 0.05
     divergence_guard: bool = True     # cadence/async: the divergence guard gates anchor growth (SPEC §3)
-    easgd_alpha: float | None = None  # async: adopt theta += alpha (consensus - theta), in (0, 1]; None = 0.5
+    easgd_alpha: float | None = None  # async easgd: adopt theta += alpha (consensus - theta), in (0, 1]; None = 0.5
+    async_adopt: str | None = None    # async: "delta" (consensus + own steps since the snapshot) or "easgd"
+    #                                   (blend); None = delta, or easgd when easgd_alpha is set
     gamma: float = 1.0                # params mass exponent (SPEC §1)
     seed: int = 0                     # data order and model init
     checkpoint_every: int = 1         # epochs between checkpoints (0 = only the last)
@@ -200,9 +204,17 @@ class TrainConfig:
         elif self.window != 1:
             raise ConfigError(f"--window {self.window} contradicts --policy {self.policy}: the balancer sets each "
                               "rank's window (start it with --anchor)")
+        need(self.async_adopt is None or self.async_adopt in ASYNC_ADOPTS, "async_adopt", self.async_adopt,
+             f"one of {', '.join(ASYNC_ADOPTS)}")
         if self.easgd_alpha is not None and self.policy != "async":
             raise ConfigError(f"--easgd-alpha takes effect with --policy async; --policy {self.policy} adopts the "
                               "consensus as it is")
+        if self.async_adopt is not None and self.policy != "async":
+            raise ConfigError(f"--async-adopt takes effect with --policy async; --policy {self.policy} adopts the "
+                              "consensus as it is")
+        if self.easgd_alpha is not None and self.async_adopt == "delta":
+            raise ConfigError(f"--easgd-alpha takes effect with --async-adopt easgd; --async-adopt "
+                              f"{self.async_adopt_value} adds this rank's own steps to the consensus")
         if self.policy == "async" and self.outer != "avg":
             raise ConfigError(f"--outer {self.outer} needs a blocking policy (sync, window or cadence): --policy async "
                               "blends the consensus into parameters that trained on")
@@ -224,8 +236,18 @@ class TrainConfig:
 
     @property
     def easgd_alpha_value(self) -> float:
-        """Async's blend on adoption (``--easgd-alpha``, default 0.5; 1.0 overwrites)."""
+        """Async's blend on adoption (``--easgd-alpha``, default 0.5; 1.0 overwrites); 1.0 under ``delta``."""
+        if self.async_adopt_value != "easgd":
+            return 1.0
         return 0.5 if self.easgd_alpha is None else float(self.easgd_alpha)
+
+    @property
+    def async_adopt_value(self) -> str:
+        """How ``async`` adopts (``--async-adopt``; default ``delta``, measured closer to sync in the README;
+        ``easgd`` when only ``--easgd-alpha`` is given, which implies it)."""
+        if self.async_adopt is None:
+            return "easgd" if self.easgd_alpha is not None else "delta"
+        return self.async_adopt
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON-able values (saved as ``config.json`` and in checkpoints)."""

@@ -47,6 +47,9 @@ class RoundFacts:
         window: int64 ``(W,)``: batches each rank ran in that window.
         round_ms: the previous round's reduce time after its control gather, ms,
             the slowest rank's; NaN when there was no previous round.
+        wait_ms: how long the previous round kept a training thread waiting, ms, the
+            longest over ranks (async: the part of the round compute did not hide);
+            NaN when there was no previous round.
         max_divergence: the previous round's largest divergence over the ranks that
             contributed mass (0.0 when none did); None when there was no previous round.
         anchor: the anchor of the plan the window ran under (0: none, an epoch exchange).
@@ -58,6 +61,7 @@ class RoundFacts:
     window: np.ndarray
     round_ms: float = math.nan
     max_divergence: float | None = None
+    wait_ms: float = math.nan
     anchor: int = 0
     closes_window: bool = True
 
@@ -123,8 +127,11 @@ class CadencePolicy(Policy):
 
     Per round: the guard reads the previous round's divergence as soon as its acks
     arrive (at the next round, or at the epoch exchange); at the next round that closes
-    a window, that round's overhead (its reduce time over the anchor rank's window time)
-    may propose a larger anchor, which the verdict commits (``Stable``), drops and
+    a window, that round's overhead (its reduce time over the anchor rank's window time;
+    under ``async`` its *exposed* time, the longest wait of a training thread for it, over
+    the anchor rank's window time: a round hidden behind compute costs nothing, so it
+    does not grow the anchor, and windows stay short, averaging often) may propose a
+    larger anchor, which the verdict commits (``Stable``), drops and
     latches (``SuppressGrowth``), or which a ``NudgeDown`` replaces by a smaller anchor;
     then the balancer takes the window's speeds and rebalances. Acting only when a window
     closes keeps the plans the same whether or not an epoch exchange (or a stop and a
@@ -159,7 +166,9 @@ class CadencePolicy(Policy):
     def observe(self, facts: RoundFacts) -> Verdict | None:
         verdict = super().observe(facts)
         if verdict is not None:
-            self._pending = (int(verdict), float(facts.round_ms))
+            # What the round cost the training threads: its reduce time when they wait
+            # for it whole (cadence), the wait compute did not hide under async.
+            self._pending = (int(verdict), float(facts.round_ms if self.blocking else facts.wait_ms))
         if not facts.closes_window:
             return verdict
         if self._pending is not None:
@@ -195,7 +204,8 @@ class CadencePolicy(Policy):
 
 def make_policy(cfg, world_size: int) -> Policy:
     """The policy ``cfg`` names (a :class:`~flodl_mpi.config.TrainConfig`), with its guard."""
-    alpha = cfg.easgd_alpha_value if cfg.policy == "async" else None
+    # The blend leaves each rank (1 - alpha) of its way from the consensus: the guard reads 0.3 then.
+    alpha = cfg.easgd_alpha_value if cfg.policy == "async" and cfg.async_adopt_value == "easgd" else None
     guard = TrendGuard(threshold=guard_threshold(alpha))
     if cfg.policy in ("sync", "window"):
         return FixedPolicy(world_size, cfg.window, guard)

@@ -105,6 +105,12 @@ def _smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str
     return k, "raise --batch-size"
 
 
+def _describe_adopt(cfg: TrainConfig) -> str:
+    if cfg.async_adopt_value == "delta":
+        return ", adopt delta: consensus + own steps since the snapshot)"
+    return f", adopt EASGD alpha {cfg.easgd_alpha_value:g})"
+
+
 def _describe_policy(cfg: TrainConfig) -> str:
     """The header's words for when ranks average, e.g. ``policy window (4 batches per rank per round)``."""
     if cfg.policy == "sync":
@@ -112,7 +118,7 @@ def _describe_policy(cfg: TrainConfig) -> str:
     elif cfg.policy in ("cadence", "async"):
         text = (f"policy {cfg.policy} (ElChe quotas, anchor {cfg.anchor_value} to {cfg.max_anchor_value}, overhead "
                 f"target {cfg.overhead_target_value:g}, divergence guard {'on' if cfg.divergence_guard else 'off'}"
-                + (f", EASGD alpha {cfg.easgd_alpha_value:g})" if cfg.policy == "async" else ")"))
+                + (_describe_adopt(cfg) if cfg.policy == "async" else ")"))
     else:
         per = f"{cfg.window} batch{'es' if cfg.window != 1 else ''}"
         text = f"policy {cfg.policy} ({per} per rank per round)"

@@ -8,6 +8,7 @@ ranks included. This module never calls MPI: it talks to the bridge.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -113,6 +114,10 @@ class Replica:
         self._buffer_seen = [(t, t.data_ptr()) for _, t in named_buffers]
         self._plan_slots()
         self._live: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        #: The params as the last :meth:`snapshot` saw them, kept apart from the staging and
+        #: from the live tensors (``keep_snapshot``: the ``delta`` adoption reads them).
+        self.kept: list[torch.Tensor] = []
+        self.keep_snapshot = False
 
     def _plan_slots(self) -> None:
         """Find each tensor's owning table by name; note the module tree to notice a swapped submodule."""
@@ -225,11 +230,16 @@ class Replica:
                 dst.copy_(src.detach(), non_blocking=True)
         for dst, src in zip(bridge.buffer_tensors, buffers):
             dst.copy_(src, non_blocking=True)
+        if self.keep_snapshot:
+            if not self.kept:  # allocated once, on the params' device, in their dtype: never a view of them
+                self.kept = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+            for dst, src in zip(self.kept, params):
+                dst.copy_(src.detach())
         _wait_for_device(params, buffers)
         self._live = (params, buffers)
 
     @torch.no_grad()
-    def adopt(self, bridge: Bridge, alpha: float = 1.0) -> None:
+    def adopt(self, bridge: Bridge, alpha: float = 1.0, delta: bool = False) -> None:
         """Overwrite the live params and floating buffers with the consensus in the staging.
 
         Writes into the tensors the last :meth:`snapshot` found (the training
@@ -241,14 +251,24 @@ class Replica:
                 param becomes ``theta + alpha * (consensus - theta)``, in place; 1.0
                 (default) overwrites. Buffers are always overwritten. Bound params
                 (which *are* the staging) take only 1.0.
+            delta: the ``delta`` adoption of the ``async`` policy instead: each param
+                becomes ``consensus + (theta - theta_snapshot)``, the consensus plus
+                this rank's own steps since the snapshot the round averaged (delayed
+                averaging: Shen et al. 2019, "Faster Distributed Deep Net Training:
+                Computation and Communication Decoupled SGD", arXiv:1906.12043).
+                Needs ``keep_snapshot``; ``alpha`` must then be 1.
 
         Raises:
-            ValueError: ``alpha`` outside (0, 1], or ``alpha != 1`` with bound params.
+            ValueError: ``alpha`` outside (0, 1], ``alpha != 1`` or ``delta`` with bound
+                params, ``delta`` with ``alpha != 1``, or ``delta`` without a kept snapshot.
         """
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
-        if alpha != 1.0 and self.bound:
+        if (alpha != 1.0 or delta) and self.bound:
             raise ValueError("a blended adoption needs params apart from the staging; this replica is bound")
+        if delta and (alpha != 1.0 or not self.kept or self._live is None):
+            raise ValueError("a delta adoption needs alpha 1 and the params kept at the last snapshot "
+                             "(keep_snapshot = True before it)")
         if self._live is None:  # no snapshot since the last adoption: bind what changed
             params, buffers, changed = self._resolve_changes()
             for i in changed if self.bound else ():
@@ -260,7 +280,12 @@ class Replica:
         # Host to device: asynchronous from pinned staging; the training step that
         # follows runs on the same stream, after the copies, and the bridge writes the
         # staging again only in the next round, after the next snapshot's wait.
-        if alpha != 1.0:
+        if delta:
+            for dst, src, kept in zip(params, bridge.param_tensors, self.kept):
+                # (theta - snapshot) + consensus: the own steps first, exact 0 when there were none,
+                # so a rank that trained nothing since the snapshot takes the consensus bit for bit.
+                dst.sub_(kept).add_(src.to(dst.device, dst.dtype, non_blocking=True))
+        elif alpha != 1.0:
             for dst, src in zip(params, bridge.param_tensors):
                 dst.lerp_(src.to(dst.device, dst.dtype, non_blocking=True), alpha)
         elif not self.bound:
@@ -268,6 +293,35 @@ class Replica:
                 dst.copy_(src, non_blocking=True)
         for dst, src in zip(buffers, bridge.buffer_tensors):
             dst.copy_(src, non_blocking=True)
+
+    @contextlib.contextmanager
+    def consensus_in_place(self, bridge: Bridge):
+        """Within the block, the live params and floating buffers hold the consensus in the staging.
+
+        For the epoch's end of an ``async`` round carried into the next epoch: the
+        rank trained on since the round's snapshot, yet every rank must evaluate and
+        save the same model, the consensus. The live values are copied aside (one
+        copy per tensor, allocated per call: once an epoch), the consensus is
+        written in, and on leaving the block the live values are written back, so a
+        regular :meth:`adopt` follows. Not for bound params (they are the staging).
+
+        Raises:
+            ValueError: the replica is bound.
+        """
+        if self.bound:
+            raise ValueError("consensus_in_place() is for params apart from the staging; this replica is bound")
+        params, buffers = self._live if self._live is not None else self._resolve()
+        live = [*params, *buffers]
+        with torch.no_grad():
+            aside = [t.detach().clone() for t in live]
+            for dst, src in zip(live, [*bridge.param_tensors, *bridge.buffer_tensors]):
+                dst.copy_(src)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for dst, src in zip(live, aside):
+                    dst.copy_(src)
 
     @torch.no_grad()
     def param_norm(self) -> float:
@@ -313,6 +367,16 @@ def state_arrays(model: nn.Module) -> tuple[dict[str, np.ndarray], dict[str, np.
         arr = (t.float() if t.is_floating_point() else t).numpy().copy()
         (params if name in param_names else buffers)[name] = arr
     return params, buffers, list(model.state_dict().keys())
+
+
+@dataclasses.dataclass
+class _OpenEnd:
+    """An async epoch whose last round runs on into the next epoch: what its end needs."""
+
+    epoch: int
+    report: EpochReport
+    rows: list
+    cursor: int
 
 
 class Trainer:
@@ -361,6 +425,17 @@ class Trainer:
         if mode != "off":
             self.state_average = OptimizerStateAverager(self.optimizer, mode)
             bridge.attach_optimizer_state(self.state_average)
+        #: Async's adoption of a round it trained past: "delta" or "easgd" (None: blocking).
+        self.adoption = None if bridge.policy.blocking else cfg.async_adopt_value
+        replica.keep_snapshot = self.adoption == "delta"
+        #: Async: an epoch's last round runs on while the next epoch's first window
+        #: trains, and the epoch ends (evaluation, exchange, checkpoint) on its consensus
+        #: when it arrives; the last epoch and a stop wait for it. ``flodl-mpi train``'s
+        #: task only: the Python API's loop acts on each epoch's result before the next
+        #: epoch trains, so there every epoch waits for its last round.
+        self.carry_epoch_round = self.adoption is not None and type(self.task) is ClassificationTask
+        self._open_end: _OpenEnd | None = None  # the epoch whose end waits for its carried round
+        self._end_ms = 0.0  # ms this epoch spent ending the previous one (not this epoch's time)
         self.steps = 0            # n_r: optimizer steps since the consensus last adopted
         self.loss_finite = True   # every loss of the current window was finite
         self.global_step = 0      # this rank's optimizer steps in the run
@@ -455,13 +530,16 @@ class Trainer:
         """:meth:`fit` one epoch at a time: yields each epoch's :class:`EpochSummary` (the same on every rank)."""
         self.done = True
         for epoch in range(self.start_epoch, self.cfg.epochs):
+            known = len(self.history)
             stopped = self._epoch(epoch, self.start_cursor if epoch == self.start_epoch else 0)
             if stopped:
                 # The checkpoint is queued to rank 0's writer thread here, written by the final save.
                 self.log(f"stopped on request in epoch {epoch + 1} at round {self.bridge.version}; its checkpoint "
                          "is queued (the final save writes it)")
                 self.done = epoch == self.cfg.epochs - 1 and self._epoch_complete
-            yield self.latest
+            # An epoch carried into the next (async) ends during the next one: each
+            # summary is yielded once, in order, when it exists.
+            yield from self.history[known:]
             if stopped:
                 break
 
@@ -513,17 +591,29 @@ class Trainer:
             if update is not None and update.stop:
                 stopped = True
                 break
+        self.progress.close()
+        report.epoch_ms += 1e3 * (time.perf_counter() - t_epoch) - self._end_ms
+        self._end_ms = 0.0
         if self.bridge.in_flight:
-            # -- async: the epoch's last round. Nothing trained since its snapshot, so
-            # the consensus is adopted as it is: every rank evaluates and saves the same model.
+            if self.carry_epoch_round and not stopped and epoch < cfg.epochs - 1:
+                # -- async: the epoch's last round runs on while the next epoch's first
+                # window trains; this epoch ends when it arrives (_end_carried). Decided
+                # from the config and gathered values only: every rank carries alike.
+                self._open_end = _OpenEnd(epoch, report, rows, cursor)
+                return False
+            # -- async, the last epoch or a stop: the epoch's last round. Nothing trained
+            # since its snapshot, so the consensus is adopted as it is: every rank
+            # evaluates and saves the same model.
             update = self.bridge.wait()
             self._adopt(update)
             stopped = stopped or update.stop
+        return self._end_epoch(epoch, report, rows, cursor, stopped)
+
+    def _end_epoch(self, epoch: int, report: EpochReport, rows: list, cursor: int, stopped: bool) -> bool:
+        """Evaluate the model (the consensus), exchange the epoch's reports, report and save; returns ``stopped``."""
+        n_batches = num_batches(self.data.train.n, self.cfg.batch_size, self.cfg.drop_last)
         # -- evaluate the consensus on this rank's slice of the test set
-        self.progress.close()
-        t_eval = time.perf_counter()
         report.test_loss_sum, report.test_correct, report.test_count = self.task.end_epoch(self, epoch, report)
-        report.epoch_ms += 1e3 * (t_eval - t_epoch)
         # -- epoch exchange: every rank gets the same summary; rank 0 writes metrics
         summary = self.bridge.epoch_end(report, np.array(rows, dtype=np.float64), epoch)
         self.plan = self.bridge.policy.plan()  # the guard's verdict at the exchange may have moved the anchor
@@ -569,7 +659,8 @@ class Trainer:
         """Async (SPEC §4): adopt the round in flight, if any, then start this window's.
 
         The round in flight was snapshotted a window ago; this rank trained on since,
-        so its consensus is blended in (EASGD, ``--easgd-alpha``) and the steps it
+        so it adopts ``consensus + (theta - theta_snapshot)`` (``--async-adopt delta``) or
+        blends the consensus in (``easgd``, ``--easgd-alpha``), and the steps the round
         covered are subtracted. At most one round is in flight. The plan of the next
         window is the adopted round's, one round older than a blocking policy's: the
         data each rank reads is still decided before the window, from gathered values.
@@ -577,18 +668,41 @@ class Trainer:
         update = None
         if self.bridge.in_flight:
             update = self.bridge.wait()
-            self._adopt(update, alpha=self.cfg.easgd_alpha_value)
+            if self._open_end is not None:
+                self._end_carried(update)
+            self._adopt(update, alpha=self.cfg.easgd_alpha_value, delta=self.adoption == "delta")
         self.replica.snapshot(self.bridge)
         self.bridge.submit(self.steps, window, stop=self.stop.requested, loss_finite=self.loss_finite, **facts)
         self.loss_finite = True
         return update
 
-    def _adopt(self, update: RoundUpdate, alpha: float = 1.0) -> None:
+    def _end_carried(self, update: RoundUpdate) -> None:
+        """End the epoch whose last round just arrived (async), on its consensus.
+
+        Every rank is here at the same point of the same window (the carry is decided
+        from the config), with no round in flight, so the epoch exchange and the
+        checkpoint's gather keep their order. The live model holds the consensus for
+        the evaluation and the save (the same model on every rank, as at a blocking
+        epoch's end), then takes back its own steps; the caller adopts next. The
+        checkpoint's optimizer state is the rank's own, one window further on; a resume
+        restarts the next epoch from the consensus (async resumes are not bit-exact).
+        A stop in this round stops the current epoch after this window.
+        """
+        end, self._open_end = self._open_end, None
+        t0 = time.perf_counter()
+        if update.plan is not None:
+            self.plan = update.plan
+        with self.replica.consensus_in_place(self.bridge) if update.adopted else contextlib.nullcontext():
+            self._end_epoch(end.epoch, end.report, end.rows, end.cursor, stopped=False)
+        self._end_ms += 1e3 * (time.perf_counter() - t0)
+
+    def _adopt(self, update: RoundUpdate, alpha: float = 1.0, delta: bool = False) -> None:
         if update.plan is not None:
             self.plan = update.plan
         if update.adopted:
             # A quarantined rank's own values are not finite: it takes the consensus whole.
-            self.replica.adopt(self.bridge, 1.0 if self.rank in update.quarantined else alpha)
+            whole = self.rank in update.quarantined
+            self.replica.adopt(self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
             if self.state_average is not None:
                 self.state_average.adopt(self.bridge.state_tensors)
         if update.quarantined:

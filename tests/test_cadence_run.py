@@ -80,3 +80,36 @@ def test_async_on_digits_at_two_ranks_reaches_093(tmp_path):
     # Every sample once per epoch, whatever each rank's share of each window
     np.testing.assert_array_equal(epochs["per_rank_batches"].sum(axis=1), [45] * 10)
     assert np.all(rounds["wait_ms"] >= 0) and np.all(np.isfinite(rounds["round_ms"]))
+
+
+def test_async_carries_each_epochs_last_round_and_evaluates_and_saves_its_consensus(tmp_path):
+    """The last round of epochs 1 and 2 runs on while the next epoch's first window trains; each epoch's
+    checkpoint is that round's consensus, and the test accuracy recorded for the epoch is that model's
+    (evaluated again here, in one process, on the whole test set). The last epoch waits for its round."""
+    import torch
+
+    from flodl_mpi.checkpoint import list_checkpoints, load_state_dict
+    from flodl_mpi.data import ensure_digits, load_dataset
+    from flodl_mpi.models import digits_mlp
+    from flodl_mpi.worker import evaluate
+
+    run_dir = tmp_path / "async"
+    proc = run_flodl(2, "train", "--policy", "async", "--epochs", "3", "--checkpoint-every", "1", "--run-dir",
+                     str(run_dir), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    epochs = read_table(run_dir / "metrics.h5", "epochs")
+    np.testing.assert_array_equal(epochs["per_rank_batches"].sum(axis=1), [45] * 3)  # exact coverage
+    ckpts = [read_checkpoint(p) for p in list_checkpoints(run_dir / "checkpoints")]
+    assert [c.meta["epoch"] for c in ckpts] == [1, 2, 3]
+    data = load_dataset(ensure_digits())  # the file the run read (the same environment)
+    done = np.cumsum(epochs["per_rank_batches"], axis=0)  # each rank's batches at each epoch's end
+    for e, (path, ckpt) in enumerate(zip(list_checkpoints(run_dir / "checkpoints"), ckpts)):
+        steps = [ckpt.ranks[r][1]["global_step"] for r in (0, 1)]
+        if e < 2:  # carried: each rank had trained the next epoch's first window when the epoch ended
+            assert all(s > d for s, d in zip(steps, done[e])), (e, steps, done[e])
+        else:  # the last epoch waits for its round
+            assert steps == done[e].tolist()
+        model = digits_mlp((64,), 10)
+        model.load_state_dict(load_state_dict(path))
+        _, correct, count = evaluate(model, data.test, 0, 1, torch.device("cpu"), 256)
+        assert count == 1797 - N_TRAIN and correct / count == epochs["test_accuracy"][e], e

@@ -87,10 +87,14 @@ def test_fixed_policies_keep_their_window():
 
 def test_make_policy_and_the_guard_threshold():
     assert guard_threshold(None) == 0.05 and guard_threshold(1.0) == 0.05 and guard_threshold(0.5) == 0.3
-    p = make_policy(TrainConfig(policy="async"), 2)
+    p = make_policy(TrainConfig(policy="async", async_adopt="easgd"), 2)
     assert not p.blocking and p.guard.threshold == 0.3 and p.plan().quotas == (10, 10)
+    p = make_policy(TrainConfig(policy="async", easgd_alpha=0.5), 2)  # the alpha alone implies easgd
+    assert p.guard.threshold == 0.3
     p = make_policy(TrainConfig(policy="async", easgd_alpha=1.0), 2)
     assert p.guard.threshold == 0.05
+    p = make_policy(TrainConfig(policy="async"), 2)  # delta: every rank sits at the consensus + its own window
+    assert TrainConfig(policy="async").async_adopt_value == "delta" and p.guard.threshold == 0.05
     p = make_policy(TrainConfig(policy="cadence", anchor=4, max_anchor=8, overhead_target=0.1), 3)
     assert p.blocking and p.plan().quotas == (4, 4, 4) and p.elche.max_anchor == 8
     assert make_policy(TrainConfig(policy="window", window=3), 2).plan().quotas == (3, 3)
@@ -105,6 +109,10 @@ def test_make_policy_and_the_guard_threshold():
     ({"policy": "cadence", "anchor": 20, "max_anchor": 10}, r"--max-anchor 10: must be an integer >= the anchor"),
     ({"policy": "cadence", "overhead_target": -1.0}, "--overhead-target -1.0: must be a finite number > 0"),
     ({"policy": "async", "outer": "slowmo"}, "--outer slowmo needs a blocking policy"),
+    ({"policy": "cadence", "async_adopt": "delta"}, "--async-adopt takes effect with --policy async"),
+    ({"policy": "async", "async_adopt": "mean"}, "--async-adopt 'mean': must be one of delta, easgd"),
+    ({"policy": "async", "async_adopt": "delta", "easgd_alpha": 0.5},
+     "--easgd-alpha takes effect with --async-adopt easgd"),
 ])
 def test_config_refuses_balancer_options_out_of_place(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -139,3 +147,29 @@ def test_an_epoch_exchange_or_a_resume_between_two_rounds_changes_no_plan():
         # the first plan after the cut is for the window after the one in flight at the cut
         assert got == plans[cut:], cut
     assert len({p.anchor for p in plans}) > 2
+
+
+def test_async_grows_the_anchor_from_the_exposed_wait_not_the_round_time():
+    """Under async the round runs behind compute: what the user pays is the training thread's wait.
+
+    Rank 1: 30 ms a batch, window 0 ran (10, 10): 300 ms. Every round takes 60 ms (overhead 0.2, cadence
+    would grow the anchor to 20 at r1). A fully hidden round (wait 0) grows nothing; a wait of 30 ms
+    (0.1 of the window) proposes ceil(10 * 2) = 20, and cadence on the same facts ignores the wait.
+    """
+    def feed(policy, waits):
+        plan, anchors = policy.plan(), []
+        for i, wait in enumerate(waits):
+            policy.observe(RoundFacts(batch_ms=np.array([10.0, 30.0]), window=np.array(plan.quotas),
+                                      anchor=plan.anchor, round_ms=math.nan if i == 0 else 60.0,
+                                      wait_ms=math.nan if i == 0 else wait, max_divergence=None if i == 0 else 0.01))
+            plan = policy.plan()
+            anchors.append(plan.anchor)
+        return anchors
+
+    def async_policy():
+        return CadencePolicy(2, ElChe(2, anchor=10), TrendGuard(0.05), blocking=False)
+
+    assert feed(async_policy(), [None, 0.0, 0.0, 0.0, 0.0]) == [10] * 5
+    assert feed(async_policy(), [None, 30.0, 0.0, 0.0]) == [10, 20, 20, 20]
+    assert feed(async_policy(), [None, 15.0, 15.0]) == [10, 10, 10]  # 0.05: not above the target
+    assert feed(cadence(), [None, 0.0, 0.0]) == [10, 20, 20]  # cadence: the round time, whatever the wait
