@@ -639,8 +639,10 @@ class _Plane:
 
     def __init__(self, layout: WireLayout, comm: MPI.Comm, wire: WireOptions | None, pinned: bool = False) -> None:
         self.layout = layout
-        self.staging = layout.new_staging(pinned)
-        self.reducer = Reducer(comm, layout, wire)  # collective: both planes, same order on every rank
+        # collective: every plane, same order on every rank. Pageable staging may live in the
+        # node's shared memory (the in-place reduce: no pack); pinned staging stays apart.
+        self.reducer = Reducer(comm, layout, wire, in_place=not (pinned and torch.cuda.is_available()))
+        self.staging = self.reducer.staging if self.reducer.staging is not None else layout.new_staging(pinned)
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
 
 

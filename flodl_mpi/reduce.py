@@ -288,6 +288,7 @@ class Reducer:
     :func:`sumcount_reduce` with a one-piece frame), ``"allgather-bf16"``
     (:func:`_reduce_bf16_allgather`), ``"shm"`` / ``"shm+leaders"`` (one
     node's shared window, then the node leaders across nodes),
+    ``"shm-in-place"`` (one node, float32, the staging in the shared memory: ``in_place``),
     ``"node-mpi+leaders"`` (MPI Reduce within the node, leaders' Allreduce, Bcast).
 
     Args:
@@ -299,6 +300,14 @@ class Reducer:
             default) takes ``comm.Split_type(COMM_TYPE_SHARED)``. Tests pass a
             split of it to simulate several nodes on one machine. It must be a
             subset of one shared-memory node; the reducer frees it.
+        in_place: on the float32 shared-memory path of one node, let the
+            reducer own the staging (:attr:`staging`: this rank's segment of
+            the node's shared file, :class:`~flodl_mpi.shm_in_place.InPlaceShmReduce`):
+            no pack, one read and one write of the model per rank. The caller
+            then puts its tensors there (bound parameters live there) and
+            passes :attr:`staging` to :meth:`reduce`. Elsewhere (bf16, several
+            nodes, ``mpi``, an empty layout) :attr:`staging` is None and the
+            caller keeps its own.
 
     Raises:
         ValueError: identically on every rank (the node count is reduced
@@ -310,8 +319,9 @@ class Reducer:
     """
 
     def __init__(self, comm: MPI.Comm, layout: WireLayout, options: WireOptions | None = None,
-                 node_comm: MPI.Comm | None = None) -> None:
+                 node_comm: MPI.Comm | None = None, *, in_place: bool = False) -> None:
         from flodl_mpi.node_reduce import NodeMpiReduce, ShmReduce  # one concept per module
+        from flodl_mpi.shm_in_place import SHM_DIR, InPlaceShmReduce
 
         options = options or WireOptions()
         self.comm, self.layout, self.options = comm, layout, options
@@ -341,8 +351,21 @@ class Reducer:
             raise ValueError(f"node_reduce 'shm' with hierarchical 'off' needs the world on one node, it spans "
                              f"{nodes}; use hierarchical 'auto' or 'on', or node_reduce 'mpi'")
         self._impl = None
+        #: the staging the reduce works in (:class:`~flodl_mpi.shm_in_place.InPlaceShmReduce`), or None:
+        #: the caller brings its own
+        self.staging = None
         piece = min(layout.chunk_elems, layout.size)
-        if kind == "shm":
+        if in_place and kind == "shm" and nodes == 1 and not options.bf16 and layout.n > 0:
+            # every rank alike: the shared file needs SHM_DIR on every rank
+            in_place = comm.allreduce(os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK), op=MPI.LAND)
+        else:
+            in_place = False
+        if in_place:
+            self._impl = InPlaceShmReduce(comm, layout, node)
+            self.staging = self._impl.staging
+            self.path = "shm-in-place"
+            self.extra_bytes = self._impl.extra_bytes
+        elif kind == "shm":
             leaders = comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, key=comm.rank) if nodes > 1 else None
             self._impl = ShmReduce(comm, layout, node, leaders, bf16=options.bf16)
             self.path = "shm+leaders" if nodes > 1 else "shm"
@@ -371,9 +394,9 @@ class Reducer:
         Call it before the control gather (its finiteness rides the gather).
         On the shared-memory path the same pass also copies the staging into
         this rank's segment (the snapshot), so :meth:`reduce` given ``masses``
-        skips its pack; elsewhere it is a read-only pass
+        skips its pack; elsewhere (the in-place path too) it is a read-only pass
         (:func:`~flodl_mpi.wire.sum_squares_pieces`). Collective over the node
-        on the shared-memory path: every rank calls it before each reduce.
+        on the packing shared-memory path: every rank calls it before each reduce.
         """
         with np.errstate(invalid="ignore", over="ignore"):
             if self._impl is not None and hasattr(self._impl, "prepare"):
@@ -400,7 +423,9 @@ class Reducer:
         """
         stats = ReduceStats()
         with np.errstate(invalid="ignore", over="ignore"):
-            if masses is not None and getattr(self._impl, "_prepared", False):
+            if self.staging is not None:
+                self._impl.reduce(staging, mass, stats, masses)
+            elif masses is not None and getattr(self._impl, "_prepared", False):
                 self._impl.reduce_prepared(staging, masses, stats)
             elif self._impl is not None:
                 self._impl.reduce(staging, mass, stats)

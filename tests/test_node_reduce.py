@@ -22,8 +22,10 @@ pytestmark = pytest.mark.mpi
 
 SHAPES = [(17, 5), (5,), (3, 3, 3), (1,), (40,), (33,)]
 
-# (node_reduce, hierarchical, bf16, simulated node size or None for the machine's)
+# (node_reduce, hierarchical, bf16, simulated node size or None for the machine's[, in place])
 PATHS = [
+    ("shm", "off", False, None, True),
+    ("shm", "auto", False, None, True),
     ("mpi", "off", False, None),
     ("shm", "off", False, None),
     ("shm", "auto", False, None),
@@ -34,7 +36,8 @@ PATHS = [
     ("shm", "off", True, None),
     ("shm", "on", True, 2),
 ]
-IDS = [f"{a}-{b}{'-bf16' if c else ''}{f'-nodes-of-{d}' if d else ''}" for a, b, c, d in PATHS]
+IDS = [f"{a}-{b}{'-bf16' if c else ''}{f'-nodes-of-{d}' if d else ''}{'-in-place' if e else ''}"
+       for a, b, c, d, *e in PATHS]
 
 
 @pytest.fixture
@@ -45,10 +48,20 @@ def comm():
 
 
 def make(comm, path, chunk):
-    node_reduce, hier, bf16, node_size = path
+    node_reduce, hier, bf16, node_size, *in_place = path
     layout = WireLayout(SHAPES, chunk_elems=chunk)
     node = comm.Split(comm.rank // node_size, key=comm.rank) if node_size else None
-    return layout, Reducer(comm, layout, WireOptions(node_reduce, hier, bf16), node_comm=node)
+    red = Reducer(comm, layout, WireOptions(node_reduce, hier, bf16), node_comm=node, in_place=bool(in_place))
+    assert (red.staging is not None) == bool(in_place) and (red.path == "shm-in-place") == bool(in_place)
+    return layout, red
+
+
+def stage(red, values):
+    """The array a round works in: the reducer's own staging (in place) holding ``values``, else ``values``."""
+    if red.staging is None:
+        return values
+    red.staging[:] = values
+    return red.staging
 
 
 def reduce(red, staging, mass, masses, prepared):
@@ -98,7 +111,7 @@ def test_consensus_equals_float64_reference(comm, path, chunk, prepared):
     masses = [gamma_mass(n, 0.5) for n in steps]
     layout, red = make(comm, path, chunk)
     try:
-        staging = rank_flat(comm.rank)
+        staging = stage(red, rank_flat(comm.rank))
         pre = staging.astype(np.float64)
         stats = reduce(red, staging, masses[comm.rank], masses, prepared)
         scaled_after = prepared and red.path.startswith("shm")  # the segments hold θ; the sum scales them
@@ -125,6 +138,9 @@ def test_consensus_equals_float64_reference(comm, path, chunk, prepared):
     assert stats.post_sq == pytest.approx(float(np.sum(ref**2)), rel=1e-5)
     assert stats.diff_sq == pytest.approx(float(np.sum((pre - ref) ** 2)), rel=1e-3)
     assert len(set(comm.allgather(digest(staging)))) == 1  # identical bits on every rank
+    if red.staging is not None:  # the own segment outlives free(): bound parameters live there
+        staging += 1.0
+        assert np.isfinite(staging).all()
 
 
 @pytest.mark.parametrize("prepared", [False, True], ids=["packed", "prepared"])
@@ -132,7 +148,7 @@ def test_consensus_equals_float64_reference(comm, path, chunk, prepared):
 def test_idle_rank_with_nan_sends_true_zeros(comm, path, prepared):
     layout, red = make(comm, path, 50)
     idle = comm.size - 1
-    staging = np.full(layout.n, 1.0 + comm.rank, dtype=np.float32)
+    staging = stage(red, np.full(layout.n, 1.0 + comm.rank, dtype=np.float32))
     if comm.rank == idle:
         staging[:] = np.nan
     try:
@@ -151,7 +167,7 @@ def test_all_idle_keeps_local_tensors_over_several_rounds(comm, path, prepared):
     layout, red = make(comm, path, 16)
     try:
         for round_ in range(3):  # the window's segments are reused round after round
-            staging = np.full(layout.n, comm.rank + 0.5 + round_, dtype=np.float32)
+            staging = stage(red, np.full(layout.n, comm.rank + 0.5 + round_, dtype=np.float32))
             stats = reduce(red, staging, 0.0, [0.0] * comm.size, prepared)
             assert not stats.realized and stats.total_mass == 0.0
             assert np.all(staging == comm.rank + 0.5 + round_)
@@ -168,7 +184,7 @@ def test_a_non_finite_reduced_piece_is_never_unpacked(comm, path, prepared):
     # Rank 0 (mass > 0) sends an inf in the first piece: every rank stops before
     # unpacking it; the pieces unpacked before it (last to first) hold the consensus.
     layout, red = make(comm, path, 16)
-    staging = np.full(layout.n, 1.0 + comm.rank, dtype=np.float32)
+    staging = stage(red, np.full(layout.n, 1.0 + comm.rank, dtype=np.float32))
     if comm.rank == 0:
         staging[3] = np.inf
     before = staging.copy()

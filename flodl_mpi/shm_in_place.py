@@ -1,0 +1,267 @@
+"""The node reduce in place: each rank's staging is its segment of one shared mapping (issue 9, the memory floor).
+
+Concept: on one node, with float32 frames, the ranks need not copy their
+tensors anywhere. The staging (where bound parameters live, see
+``worker.Replica.bind``) *is* this rank's segment of a file in ``/dev/shm``
+that every rank of the node maps. A round is then one pass per rank over its
+slice ``k`` of the frame (:func:`flodl_mpi.node_reduce.slices`), block by
+cache-sized block (the several operations per block run from cache, not from
+memory):
+
+1. ``c = (Σ_r W·m_r·θ_r) / Σ_r W·m_r``: the segments scaled by their masses
+   and added in rank order in float32, then the one divide (SPEC §2 step 4; the
+   same float32 operations, in the same order, as the packing shared-memory
+   reduce, :class:`flodl_mpi.node_reduce.ShmReduce`). A rank of mass 0 (idle,
+   quarantined) is skipped: true zeros, whatever its segment holds (SPEC §1);
+2. each rank's ``‖θ_r − c‖²`` and ``‖c‖²`` of the block (float32 dots of the
+   cached block, added in float64: SPEC §3's sums);
+3. ``c`` written into every rank's segment: the unpack of all ranks at once.
+
+Then one small ``Allgather`` of the slices' partial sums (``W + 2`` float64 per
+rank), added in rank order on every rank: the same bits everywhere. Per rank
+that is one read and one write of the model's bytes (W slices of 1/W each),
+instead of the pack's, the sum's and the unpack's three of each.
+
+Invariants:
+  * every element of the consensus is computed by exactly one rank and copied
+    to all, so every rank holds the same bits;
+  * a rank touches another rank's segment only between the collective that
+    brought the masses (the control gather, entered by every rank after its
+    tensors were final) and the partial sums' ``Allgather`` (entered by every
+    rank after its last write): nobody else's training thread runs on a
+    segment while it is read or written (bound parameters are only sound with
+    a blocking policy, see ``Replica.bind``);
+  * a block whose consensus is not finite is never written: the slice stops
+    there, and the gathered flag tells every rank alike (``post_finite``).
+
+Why not ``MPI.Win.Allocate_shared``: the bound parameters live in this memory
+and the model must stay usable after the bridge closes, but ``Win.Free``
+unmaps it. A mapping of an unlinked file lives as long as any array views it.
+The file is unlinked as soon as every rank of the node mapped it, so a killed
+job leaves nothing behind in ``/dev/shm``.
+
+Memory ordering: the segments are plain shared memory; the MPI collectives
+between the phases (control gather, ``Allgather``) order the stores, as the
+shared-memory transport of MPI itself relies on (x86 and Arm: the collectives'
+own atomics are full fences).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import secrets
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from flodl_mpi.node_reduce import CACHE_PIECE, slices
+from flodl_mpi.realized_work import is_realized
+from flodl_mpi.wire import WireLayout, sum_squares, sum_squares_pieces
+
+__all__ = ["SHM_DIR", "InPlaceShmReduce"]
+
+#: Where the shared file lives (tmpfs: the mapping is memory, never disk).
+SHM_DIR = "/dev/shm"
+_PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+class InPlaceShmReduce:
+    """Sum-and-count reduce in place among the ranks of one node (``--node-reduce shm``, float32, one node).
+
+    Args:
+        comm: the bridge's communicator (W ranks, all on this node).
+        layout: the frame plan, the same on every rank.
+        node: ``comm``'s ranks sharing memory, the same ranks as ``comm`` (one
+            node). The reduce frees it.
+
+    Attributes:
+        staging: float32 ``(layout.n,)``, this rank's segment: the caller's
+            tensors live here and the consensus lands here.
+        extra_bytes: memory beyond the staging (two blocks of scratch and the
+            segment's padding to a page).
+
+    Raises:
+        OSError: identically on every rank of ``node``: the shared file could
+            not be made or mapped on some rank (``/dev/shm`` full, no
+            ``/dev/shm``); the message names the ranks and the cause.
+
+    Collective contract: construction, :meth:`reduce` and :meth:`free` are
+    collective over ``comm``: every rank calls, in the same order.
+    :meth:`prepare` is local (a read of this rank's own segment).
+    """
+
+    def __init__(self, comm: MPI.Comm, layout: WireLayout, node: MPI.Comm) -> None:
+        if node.size != comm.size:
+            raise ValueError(f"the in-place reduce needs the whole world on one node ({node.size} of {comm.size})")
+        self.comm, self.layout, self.node = comm, layout, node
+        self.world_size = comm.size
+        n, W, me = layout.n, node.size, node.rank
+        seg = max(_PAGE, -(-4 * n // _PAGE) * _PAGE)
+        self._all, own = _map_shared(node, seg)
+        self.segs = [np.frombuffer(self._all, dtype=np.float32, count=n, offset=k * seg) for k in range(W)]
+        self.staging = np.frombuffer(own, dtype=np.float32, count=n)
+        #: the world ranks of this node, in node order (their masses scale the segments)
+        self.members = node.allgather(comm.rank)
+        self.me = me
+        self.slice = slices(n, W)[me]
+        self.step = max(1, min(layout.chunk_elems, CACHE_PIECE, n))
+        self._acc = np.empty(self.step, dtype=np.float32)
+        self._tmp = np.empty(self.step, dtype=np.float32)
+        self.extra_bytes = self._acc.nbytes + self._tmp.nbytes + (seg - 4 * n)
+        self._partial = np.zeros(W + 2, dtype=np.float64)
+        self._gathered = np.zeros((W, W + 2), dtype=np.float64)
+
+    def free(self) -> None:
+        """Unmap the other ranks' segments and free the node communicator (collective over ``comm``).
+
+        This rank's own segment stays mapped as long as :attr:`staging` (or a
+        view of it: bound parameters) is referenced.
+        """
+        self.segs = None
+        self._all.close()
+        self.node.Free()
+
+    def prepare(self, staging: np.ndarray) -> float:
+        """``sum(staging ** 2)`` in float64, read only: not finite iff a NaN or infinity is there.
+
+        The pre-round check (:func:`~flodl_mpi.wire.sum_squares_pieces`): its
+        finiteness rides the control gather, so a non-finite rank gets mass 0
+        before any rank's segment is overwritten.
+        """
+        self._check(staging)
+        return sum_squares_pieces(staging, self.layout)
+
+    def reduce(self, staging: np.ndarray, mass: float, stats, masses=None) -> None:
+        """Fill ``stats`` (a ``reduce.ReduceStats``); the consensus lands in :attr:`staging` when realized.
+
+        Args:
+            staging: :attr:`staging` itself (any other array is refused).
+            mass: this rank's mass ``m_r``.
+            masses: every world rank's mass, from a collective over ``comm``
+                that every rank entered with its tensors final (the control
+                gather); None gathers them here (one small ``allgather``).
+        """
+        self._check(staging)
+        clock = time.perf_counter
+        t0 = clock()
+        if masses is None:
+            masses = self.comm.allgather(float(mass))
+        W = self.world_size
+        scales = [np.float32(float(W) * float(masses[r])) for r in self.members]
+        total = np.float32(0.0)
+        for s in scales:  # float32, rank order: the mass slot of the packing reduce
+            total = np.float32(total + s)
+        stats.total_mass = float(total)
+        stats.realized = is_realized(stats.total_mass)
+        stats.bytes += 4 * self.layout.n + 4
+        if not stats.realized:  # decided from the gathered masses: every rank returns here
+            stats.allreduce_ms += 1e3 * (clock() - t0)
+            return
+        partial = self._partial
+        partial[:] = 0.0
+        write_s = self._pass(scales, total, partial)
+        t1 = clock()
+        self.node.Allgather([partial, MPI.DOUBLE], [self._gathered, MPI.DOUBLE])
+        sums = np.zeros(W + 2, dtype=np.float64)
+        for row in self._gathered:  # rank order on every rank: the same bits everywhere
+            sums += row
+        stats.diff_sq += float(sums[self.me])
+        stats.post_sq += float(sums[W])
+        stats.post_finite = bool(sums[W + 1] == 0.0)
+        t2 = clock()
+        stats.allreduce_ms += 1e3 * (t1 - t0 - write_s + (t2 - t1))
+        stats.unpack_ms += 1e3 * write_s
+
+    def _pass(self, scales, total: np.float32, partial: np.ndarray) -> float:
+        """This rank's slice, block by block, last block first, into ``partial``; returns the seconds
+        spent on the divergence sums and the writes (the rest of the pass is the sum)."""
+        a, b = self.slice
+        segs, step, W = self.segs, self.step, len(self.segs)
+        live = [(segs[r], s) for r, s in enumerate(scales) if s != 0.0]
+        first, rest = live[0], live[1:]
+        acc, tmp = self._acc, self._tmp
+        clock = time.perf_counter
+        write_s = 0.0
+        for lo in reversed(range(a, b, step)):
+            hi = min(lo + step, b)
+            k = hi - lo
+            c = np.multiply(first[0][lo:hi], first[1], out=acc[:k])
+            for seg, s in rest:
+                np.add(c, np.multiply(seg[lo:hi], s, out=tmp[:k]), out=c)
+            np.divide(c, total, out=c)
+            t = clock()
+            post = sum_squares(c)
+            if not math.isfinite(post):  # never written; every rank learns it from the gathered flag
+                partial[W + 1] = 1.0
+                write_s += clock() - t
+                break
+            partial[W] += post
+            d = tmp[:k]
+            for r, seg in enumerate(segs):
+                x = seg[lo:hi]
+                partial[r] += sum_squares(np.subtract(x, c, out=d))
+                np.copyto(x, c)
+            write_s += clock() - t
+        return write_s
+
+    def _check(self, staging: np.ndarray) -> None:
+        if staging is not self.staging and (staging.size != self.layout.n or not np.shares_memory(staging,
+                                                                                                   self.staging)):
+            raise ValueError("the in-place reduce works on its own staging (InPlaceShmReduce.staging), not a copy")
+
+
+def _map_shared(node: MPI.Comm, seg: int) -> tuple[mmap.mmap, mmap.mmap]:
+    """Map one new file of ``node.size * seg`` bytes in :data:`SHM_DIR` on every rank of ``node``.
+
+    Node rank 0 makes the file; every rank reserves its own segment's pages
+    (``posix_fallocate``: a full ``/dev/shm`` fails here with ENOSPC, not
+    later with SIGBUS at a first touch, and the pages are placed near the rank
+    that uses them), maps the whole file and, a second time, its own segment;
+    then rank 0 unlinks the file. Collective over ``node``; any rank's failure
+    raises on every rank.
+
+    Returns:
+        ``(whole, own)``: the whole file, and this rank's segment.
+    """
+    total = node.size * seg
+    path, err = None, None
+    if node.rank == 0:
+        path = os.path.join(SHM_DIR, f"flodl_mpi_{os.getpid()}_{secrets.token_hex(8)}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, total)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            err = f"{type(exc).__name__}: {exc}"
+    path, err = node.bcast((path, err), root=0)
+    whole = own = None
+    if err is None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, node.rank * seg, seg)
+                whole = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                own = mmap.mmap(fd, seg, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=node.rank * seg)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            err = f"{type(exc).__name__}: {exc}"
+    errors = node.allgather(err)
+    if node.rank == 0 and path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if bad:
+        for m in (whole, own):
+            if m is not None:
+                m.close()
+        raise OSError(f"shared memory for the in-place node reduce ({total / 2**20:.0f} MiB in {SHM_DIR}) failed on "
+                      "node rank(s) " + "; ".join(f"{r}: {e}" for r, e in bad))
+    return whole, own
