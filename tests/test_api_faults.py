@@ -17,7 +17,9 @@ from tests.conftest import launch_argv, launch_env, rank_pids
 
 pytestmark = pytest.mark.slow
 
-RANK = "int(os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '0')))"
+#: The launcher's rank, read without importing flodl_mpi (Hydra's and Open MPI's variables).
+RANK_BEFORE_IMPORT = "int(os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '0')))"
+RANK = "__import__('flodl_mpi.launcher').launcher.launcher_rank()"
 
 
 def _run(tmp_path, script: str, *args: str, env: dict | None = None, timeout: float = 180.0):
@@ -54,7 +56,7 @@ def test_an_error_before_the_import_ends_the_peers_start_up(tmp_path):
     """Rank 1 fails before it imports flodl_mpi: rank 0's MPI start-up is bounded (Hydra would wait forever)."""
     proc, took = _run(tmp_path, f"""
         import os
-        if {RANK} == 1:
+        if {RANK_BEFORE_IMPORT} == 1:
             raise FileNotFoundError("rank 1 cannot open data.h5")
         import flodl_mpi
         print("not reached", flush=True)
@@ -188,6 +190,57 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
                           timeout=180, env=launch_env(), check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed {stopped.meta['epoch']} {stopped.meta['round']}" in done.stdout
+
+
+# ---- item 3: ranks that call step() a different number of times ------------------------------------
+
+UNEVEN = """
+    import sys
+    import torch, flodl_mpi
+    from flodl_mpi.launcher import launcher_rank
+    window, where = int(sys.argv[1]), sys.argv[2]
+    avg = flodl_mpi.Averager(torch.nn.Linear(2, 1), policy="sync" if window == 1 else "window", window=window)
+    for epoch in range(2):
+        for i in range(8 if launcher_rank() == 0 else 7):   # rank 1's loader is one batch shorter
+            avg.step()
+        if where == "end_epoch":
+            avg.end_epoch()
+    avg.close()
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("window, where, line", [
+    (1, "end_epoch", "(rank 0 in step() call 8; rank 1 in end_epoch() after 7 step() call(s))"),
+    (4, "end_epoch", "(rank 0 in step() call 8; rank 1 in end_epoch() after 7 step() call(s))"),
+    (1, "close", "(rank 0 in step() call 15; rank 1 in close() after 14 step() call(s))"),
+    (2, "close", "(rank 0 in step() call 16; rank 1 in close() after 14 step() call(s))"),
+], ids=["sync-end-epoch", "window-end-epoch", "sync-close", "window-close"])
+def test_uneven_step_counts_end_at_once_naming_the_ranks(tmp_path, window, where, line):
+    """One rank's loader is shorter: every rank raises the same error at the next round (was: exit 3 after 600 s)."""
+    proc, took = _run(tmp_path, UNEVEN, str(window), where)
+    assert took < 120  # the stall timeout is 600 s: the error came from the boundary check
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.count("flodl-mpi: error: the ranks called step() a different number of times") == 1
+    assert line in proc.stderr, proc.stderr[-2000:]
+    assert "watchdog" not in proc.stderr and "Traceback" not in proc.stderr and "not reached" not in proc.stdout
+
+
+def test_boundary_verdict_from_the_gathered_columns():
+    import numpy as np
+
+    from flodl_mpi.bridge import boundary_verdict
+
+    nan = np.nan
+    assert boundary_verdict(np.array([nan, nan]), np.array([3.0, 3.0])) is None  # a round
+    assert boundary_verdict(np.array([nan, nan]), np.array([nan, nan])) is None  # the CLI's rows
+    assert boundary_verdict(np.array([1.0, 1.0]), np.array([7.0, 7.0])) is None  # the same boundary
+    assert boundary_verdict(np.array([1.0, 1.0]), np.array([7.0, 6.0])) == (
+        "the ranks called step() a different number of times in this epoch (rank 0 in end_epoch() after 7 step() "
+        "call(s); rank 1 in end_epoch() after 6 step() call(s)); every rank must call step() equally often between "
+        "end_epoch() calls (a rank without a batch calls step(realized=False))")
+    assert "rank 0 in close() after 2 step() call(s); rank 1 in end_epoch()" in boundary_verdict(
+        np.array([2.0, 1.0]), np.array([2.0, 2.0]))
 
 
 # ---- item 4: bad arguments are the API's bad input: one line in its words, exit 2 -------------------
