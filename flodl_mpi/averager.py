@@ -215,7 +215,9 @@ class Averager:
                 with contextlib.suppress(Exception):
                     self._writer.close(timeout=10.0)
             leave_on_error(self._session, exc)
-            raise api_words(exc) from exc.__cause__
+            if api_words(exc) is not exc:  # the CLI's flags named as the keywords
+                raise api_words(exc) from exc.__cause__
+            raise
         self._closed = False
 
     # ---- setup -----------------------------------------------------------------------
