@@ -72,6 +72,28 @@ def test_an_error_before_the_import_ends_the_peers_start_up(tmp_path):
                 in proc.stderr), proc.stderr[-2000:]
 
 
+def test_a_spawned_worker_does_not_start_mpi(tmp_path):
+    """A "spawn" worker (a DataLoader's) imports the script again with the launcher's variables: not a rank."""
+    proc, took = _run(tmp_path, """
+        import multiprocessing as mp
+        import sys
+        import flodl_mpi, torch
+
+        def work(i):
+            return "mpi4py.MPI" in sys.modules
+
+        if __name__ == "__main__":
+            with mp.get_context("spawn").Pool(1) as pool:
+                print("worker started MPI:", pool.map(work, [0])[0], flush=True)
+            with flodl_mpi.Averager(torch.nn.Linear(2, 1)) as avg:
+                avg.step()
+            print("done", flush=True)
+    """)
+    assert took < 150
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("worker started MPI: False") == 2 and proc.stdout.count("done") == 2
+
+
 def test_a_bad_start_timeout_is_refused_in_one_line(tmp_path):
     proc, took = _run(tmp_path, "import flodl_mpi\nprint('not reached')\n", env={"FLODL_MPI_START_TIMEOUT": "soon"})
     assert took < 120
