@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import launch_argv, launch_env, rank_pids
+from tests.conftest import launch_argv, launch_env, launcher_kind, rank_pids
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +65,6 @@ def test_an_error_before_the_import_ends_the_peers_start_up(tmp_path):
     assert proc.returncode != 0, proc.stderr[-2000:]
     assert "not reached" not in proc.stdout
     assert "rank 1 cannot open data.h5" in proc.stderr
-    from tests.conftest import launcher_kind
-
     if launcher_kind() == "hydra":  # Open MPI's mpirun ends the job itself when rank 1 exits
         assert ("flodl-mpi: rank 0: error: MPI did not start within 5 s: another rank ended before it started MPI"
                 in proc.stderr), proc.stderr[-2000:]
@@ -158,8 +156,11 @@ def test_a_stop_signal_saves_and_exits_4(tmp_path, script, signame, target):
         while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         assert marker.exists(), "the run did not start"
-        if target == "launcher":
-            proc.send_signal(getattr(signal, signame))
+        if target == "launcher" and launcher_kind() == "hydra":
+            proc.send_signal(getattr(signal, signame))  # Hydra forwards it to every rank
+        elif target == "launcher":  # Open MPI's mpirun kills the job on SIGTERM: signal every rank, as scancel does
+            for pid in rank_pids(proc, str(run_dir)):
+                os.kill(pid, getattr(signal, signame))
         else:
             ranks = rank_pids(proc, str(run_dir))
             assert len(ranks) == 2
@@ -192,7 +193,8 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
         deadline = time.monotonic() + 150
         while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        for pid in rank_pids(proc, str(run_dir)):
+            os.kill(pid, signal.SIGTERM)
         proc.communicate(timeout=120)
     finally:
         proc.kill()
