@@ -449,7 +449,9 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
         return _setup(session, locals())
     except BaseException as exc:
         leave_on_error(session, exc)
-        raise api_words(exc) from exc.__cause__
+        if api_words(exc) is not exc:  # the CLI's flags named as the keywords
+            raise api_words(exc) from exc.__cause__
+        raise
 
 
 def _setup(session, a: dict) -> Run:

@@ -195,9 +195,16 @@ class Averager:
         self._closed = True  # until setup is complete
 
         # -- MPI, then everything that needs it (imported late: MPI starts in open_session)
+        from flodl_mpi.errors import InputError
+        from flodl_mpi.launcher import launch_env
         from flodl_mpi.session import api_words, leave_on_error, open_session
         from flodl_mpi.world import agree
 
+        if launch_env().launcher is None:  # a world of 1: refused before MPI starts
+            try:
+                validate()
+            except ValueError as exc:
+                raise InputError(str(exc)) from None
         timeout = stall_timeout if isinstance(stall_timeout, (int, float)) and stall_timeout > 0 else 600.0
         self._session = open_session(comm, timeout)
         self._writer = None
@@ -211,7 +218,9 @@ class Averager:
                 with contextlib.suppress(Exception):
                     self._writer.close(timeout=10.0)
             leave_on_error(self._session, exc)
-            raise api_words(exc) from exc.__cause__
+            if api_words(exc) is not exc:  # the CLI's flags named as the keywords
+                raise api_words(exc) from exc.__cause__
+            raise
         self._closed = False
 
     # ---- setup -----------------------------------------------------------------------
@@ -324,6 +333,7 @@ class Averager:
         self._t_epoch = self._t_last = time.perf_counter()
         self._loss_sum, self._batches, self._samples, self._compute_ms = 0.0, 0, 0, 0.0
         self._samples_known = True  # every realized step of the epoch gave samples=
+        self._epoch_calls = 0  # step() calls in this epoch: end_epoch() and close() check they agree
         self._rows: list[tuple] = []
 
     # ---- the loop's side ----------------------------------------------------------------
@@ -354,7 +364,12 @@ class Averager:
         Raises:
             RuntimeError: after :meth:`close`.
             flodl_mpi.errors.NonFiniteError: the same on every rank (see ``on_non_finite``).
+            flodl_mpi.errors.CohortError: the same on every rank: another rank reached
+                :meth:`end_epoch` or :meth:`close` after fewer calls (names each rank's count).
             flodl_mpi.errors.RoundError: the round failed on this rank.
+            flodl_mpi.Stopped: a stop signal (SIGUSR1, SIGTERM, Ctrl-C) reached some rank:
+                every rank raises it after this round, the checkpoint saved (with
+                ``run_dir``) and the averager closed; uncaught, exit status 4.
         """
         if self._closed:
             raise RuntimeError("Averager.step() after close()")
@@ -375,6 +390,7 @@ class Averager:
         self.steps += n
         self.global_step += n
         self._calls += 1
+        self._epoch_calls += 1
         if n:
             self._batches += 1
             self._loss_sum += loss_value  # NaN without a loss: avg_loss says "not recorded", not 0
@@ -395,7 +411,8 @@ class Averager:
     def _round(self, final: bool = False):
         self.replica.snapshot(self.bridge)
         stop = self._session.stop is not None and self._session.stop.requested
-        update = self.bridge.round(self.steps, self._calls, stop=stop, loss_finite=self._loss_finite)
+        update = self.bridge.round(self.steps, self._calls, stop=stop, loss_finite=self._loss_finite,
+                                   calls=self._epoch_calls)
         self._calls, self._loss_finite = 0, True
         self._round_pending = True
         if update.adopted:
@@ -443,12 +460,17 @@ class Averager:
 
         Raises:
             TypeError: ``metrics`` is not a dict of ``(sum, count)`` pairs.
+            flodl_mpi.errors.CohortError: on every rank alike, when the ranks called
+                :meth:`step` a different number of times in this epoch (one line
+                naming each rank and its count; exit status 1 uncaught).
         """
         from flodl_mpi.reporting import EpochReport
 
         if self._closed:
             raise RuntimeError("Averager.end_epoch() after close()")
         sums = _check_metrics(metrics)
+        # Shaped like a round: a peer still in step() sees this rank's end in its round (clear error, not a hang)
+        self.bridge.boundary(1, self._epoch_calls)
         report = EpochReport(loss_sum=self._loss_sum, batches=self._batches,
                              samples=self._samples if self._samples_known else -1,
                              epoch_ms=1e3 * (time.perf_counter() - self._t_epoch), compute_ms=self._compute_ms)
@@ -540,6 +562,7 @@ class Averager:
         """
         if self._closed:
             return
+        self.bridge.boundary(2, self._epoch_calls)  # every rank here after as many step() calls, or an error
         if self._calls:  # the same count on every rank: a last round for the pending steps
             self._round(final=True)  # a stop asked now ends nothing: the run is done
         if self.run_dir is not None and self.bridge.version != self._saved_version:

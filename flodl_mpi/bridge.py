@@ -43,7 +43,7 @@ from flodl_mpi.reporting import BATCH_COLUMNS, EPOCH_FIELDS, EpochReport, EpochS
 from flodl_mpi.round_profile import RunProfile
 from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout
 
-__all__ = ["RoundUpdate", "Bridge"]
+__all__ = ["RoundUpdate", "Bridge", "boundary_verdict"]
 
 _LOSS, _TENSORS = NON_FINITE_LOSS, NON_FINITE_TENSORS
 #: The epoch exchange's row: the last round's ack, the batch records' count, the report.
@@ -276,7 +276,7 @@ class Bridge:
             self.comm.Bcast([plane.staging, MPI.FLOAT], root=root)
 
     def round(self, steps: int, window: int, stop: bool = False, loss_finite: bool = True, *,
-              batch_ms: float = math.nan, quota: int = 0, anchor: int = 0) -> RoundUpdate:
+              batch_ms: float = math.nan, quota: int = 0, anchor: int = 0, calls: float = math.nan) -> RoundUpdate:
         """One averaging round; blocks until the consensus is in the staging.
 
         Collective: every rank calls it, the same number of times, idle ranks
@@ -292,6 +292,7 @@ class Bridge:
             batch_ms: this rank's mean ms per batch in the window (data wait and
                 compute only; NaN for none): the balancer's speed reading.
             quota, anchor: the plan the window ran under (recorded).
+            calls: the own loop's ``step()`` calls in its epoch so far (see :meth:`boundary`).
 
         Raises:
             NonFiniteError: raised identically on every rank: no rank was
@@ -300,11 +301,31 @@ class Bridge:
             CohortError: raised identically on every rank.
             RoundError: the round failed on this rank.
         """
-        self.submit(steps, window, stop, loss_finite, batch_ms=batch_ms, quota=quota, anchor=anchor)
+        self.submit(steps, window, stop, loss_finite, batch_ms=batch_ms, quota=quota, anchor=anchor, calls=calls)
         return self.wait()
 
+    def boundary(self, ending: int, calls: int) -> None:
+        """The own loop's check that every rank reached the same boundary (``end_epoch``/``close``).
+
+        Collective, like :meth:`round`, and shaped like one: its control gather
+        matches a peer's round, so a rank that ends its epoch while another still
+        calls ``step()`` is seen by both in the same gathered matrix, and both
+        raise the same error (:func:`boundary_verdict`). When every rank is at the
+        same boundary after as many ``step()`` calls, nothing else happens (no
+        round; the previous round's ack rides the next gather).
+
+        Args:
+            ending: 1 from ``end_epoch()``, 2 from ``close()``.
+            calls: this rank's ``step()`` calls in the epoch.
+
+        Raises:
+            CohortError: raised identically on every rank: the ranks are not at the same point.
+        """
+        row = ROUND_HEAD.row(steps=0, window=0, stop=0, non_finite=0, ending=int(ending), calls=int(calls))
+        self._call(("boundary", row))
+
     def submit(self, steps: int, window: int, stop: bool = False, loss_finite: bool = True, *,
-               batch_ms: float = math.nan, quota: int = 0, anchor: int = 0) -> None:
+               batch_ms: float = math.nan, quota: int = 0, anchor: int = 0, calls: float = math.nan) -> None:
         """Start a round (arguments as :meth:`round`) and return at once; :meth:`wait` takes its update.
 
         For the ``async`` policy: the training thread trains on while the bridge
@@ -319,7 +340,8 @@ class Bridge:
         if self._inflight:
             raise RuntimeError("submit(): a round is in flight already; wait() for it first")
         row = ROUND_HEAD.row(steps=int(steps), window=int(window), stop=float(bool(stop)),
-                             non_finite=0 if loss_finite else _LOSS, batch_ms=batch_ms, quota=quota, anchor=anchor)
+                             non_finite=0 if loss_finite else _LOSS, batch_ms=batch_ms, quota=quota, anchor=anchor,
+                             calls=calls)
         self._send(("round", row))
 
     def wait(self) -> RoundUpdate:
@@ -444,6 +466,13 @@ class Bridge:
                 reply = self._round(*request[1:])
             elif request[0] == "epoch":
                 reply = self._epoch(*request[1:])
+            elif request[0] == "boundary":
+                self._enter("boundary check")
+                # A peer may be in a round: the same collectives before the gather (the
+                # shared-memory path's node barrier in prepare), then the same gather.
+                for plane in (self._p, self._b):
+                    plane.reducer.prepare(plane.staging)
+                reply = self._check_boundary(control_gather(self.comm, np.concatenate([request[1], self._ack])))
             elif request[0] == "allgather":
                 self._enter("allgather")
                 reply = self._pkl5.allgather(request[1])
@@ -486,6 +515,7 @@ class Bridge:
         self._enter("control gather")
         t_gather = time.perf_counter()
         gathered = control_gather(self.comm, np.concatenate([head, self._ack]))
+        self._check_boundary(gathered)
         cols = ROUND.read(gathered)
         t_gathered = time.perf_counter()  # the round's own time (the balancer's overhead) starts here
         control_ms = 1e3 * (t_gathered - t_gather)
@@ -608,6 +638,13 @@ class Bridge:
         self._ack = ACK.row()
         return verdict
 
+    @staticmethod
+    def _check_boundary(gathered: np.ndarray) -> None:
+        cols = ROUND.read(gathered)
+        why = boundary_verdict(cols["ending"], cols["calls"])
+        if why is not None:  # from the gathered matrix: every rank raises it
+            raise CohortError(why)
+
     def _epoch(self, report: EpochReport, batch_rows: np.ndarray, epoch: int) -> EpochSummary:
         self._enter("epoch gather")
         # The row count travels on its own: after a resume mid-epoch the report also
@@ -658,3 +695,28 @@ def _non_finite_message(round_: int, flags: np.ndarray, on_non_finite: str) -> s
             "so the job stops (training diverged? lower --lr) and saves nothing from this round; "
             "checkpoints saved before stay")
 
+
+def boundary_verdict(ending: np.ndarray, calls: np.ndarray) -> str | None:
+    """Whether the own loop's ranks are at the same point, from one gathered control matrix alone.
+
+    Args:
+        ending: float64 (W,): per rank NaN (it is in a round, from ``step()``), 1
+            (``end_epoch()``) or 2 (``close()``).
+        calls: float64 (W,): per rank its ``step()`` calls in the epoch (NaN outside the own loop).
+
+    Returns:
+        None when every rank is in a round, or every rank is at the same boundary
+        after as many ``step()`` calls; else one line naming each rank, where it is
+        and its ``step()`` count.
+    """
+    at = np.nan_to_num(ending, nan=0.0)
+    if not at.any():
+        return None
+    counts = np.nan_to_num(calls, nan=-1.0)
+    if len(set(at.tolist())) == 1 and len(set(counts.tolist())) == 1:
+        return None
+    where = {0.0: "in step() call", 1.0: "in end_epoch() after", 2.0: "in close() after"}
+    ranks = "; ".join(f"rank {r} {where.get(float(a), '?')} {int(c)}" + ("" if a == 0 else " step() call(s)")
+                      for r, (a, c) in enumerate(zip(at, counts)))
+    return (f"the ranks called step() a different number of times in this epoch ({ranks}); every rank must call "
+            "step() equally often between end_epoch() calls (a rank without a batch calls step(realized=False))")

@@ -67,8 +67,12 @@ class Columns:
 #: ``batch_ms``: mean wall ms per batch of the window (data wait + compute; NaN for no
 #: batch), the balancer's speed reading — user epoch callbacks and evaluation are
 #: outside every batch, so they never read as slowness (SPEC §5). ``quota`` and
-#: ``anchor``: the plan this window ran under.
-ROUND_HEAD = Columns("steps", "window", "stop", "non_finite", "batch_ms", "quota", "anchor")
+#: ``anchor``: the plan this window ran under. ``ending`` and ``calls`` (the own loop's,
+#: :class:`flodl_mpi.Averager`; NaN elsewhere): ``ending`` is 1 when the rank sends the
+#: row from ``end_epoch()``, 2 from ``close()``, NaN from a round; ``calls`` its ``step()``
+#: calls in the epoch so far, so a rank that ends its epoch while another still steps is
+#: seen in the same gather by both (``bridge.boundary_verdict``).
+ROUND_HEAD = Columns("steps", "window", "stop", "non_finite", "batch_ms", "quota", "anchor", "ending", "calls")
 
 #: The ack of a rank's previous round (SPEC §2 step 9); it rides the next gather.
 #: ``control_ms``: the control gather, its wait for the slowest rank included.

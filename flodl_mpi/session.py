@@ -274,6 +274,15 @@ def _cli_process() -> bool:
     return "-m" in argv and argv.index("-m") + 1 < len(argv) and argv[argv.index("-m") + 1] == "flodl_mpi"
 
 
+def _worker_process() -> bool:
+    """A multiprocessing child (a DataLoader worker started with "spawn" imports the script
+    again, inheriting the launcher's variables): not a rank, it must not start MPI."""
+    if getattr(sys.modules.get("__main__"), "__name__", "") == "__mp_main__":  # spawn's re-import of the script
+        return True
+    mp = sys.modules.get("multiprocessing")
+    return mp is not None and (mp.parent_process() is not None or getattr(mp.current_process(), "_inheriting", False))
+
+
 def start_at_import() -> None:
     """Under a launcher, start MPI and the exception hooks now (called by ``import flodl_mpi``).
 
@@ -286,14 +295,15 @@ def start_at_import() -> None:
     bound (:func:`start_timeout`).
 
     Nothing is done without a launcher (plain ``python``: a world of 1, started on
-    first use), under the CLI (it starts MPI itself), or when MPI runs already
+    first use), under the CLI (it starts MPI itself), in a multiprocessing child
+    (a DataLoader worker: not a rank), or when MPI runs already
     (``python -m mpi4py``, or the script started it: its starter owns the error
     handling; the hooks come with the first Averager or fit). A refusal (another
     MPI's launcher, a world of 1 where the launcher started more, a bad
     ``FLODL_MPI_START_TIMEOUT``) is one line from the launcher's rank 0 and exit status 2.
     """
     env = launch_env()
-    if env.launcher is None or _cli_process():
+    if env.launcher is None or _cli_process() or _worker_process():
         return
     if "mpi4py.MPI" in sys.modules and _initialized():
         return

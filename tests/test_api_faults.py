@@ -13,11 +13,13 @@ import time
 
 import pytest
 
-from tests.conftest import launch_argv, launch_env, rank_pids
+from tests.conftest import launch_argv, launch_env, launcher_kind, rank_pids
 
 pytestmark = pytest.mark.slow
 
-RANK = "int(os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '0')))"
+#: The launcher's rank, read without importing flodl_mpi (Hydra's and Open MPI's variables).
+RANK_BEFORE_IMPORT = "int(os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '0')))"
+RANK = "__import__('flodl_mpi.launcher').launcher.launcher_rank()"
 
 
 def _run(tmp_path, script: str, *args: str, env: dict | None = None, timeout: float = 180.0):
@@ -54,7 +56,7 @@ def test_an_error_before_the_import_ends_the_peers_start_up(tmp_path):
     """Rank 1 fails before it imports flodl_mpi: rank 0's MPI start-up is bounded (Hydra would wait forever)."""
     proc, took = _run(tmp_path, f"""
         import os
-        if {RANK} == 1:
+        if {RANK_BEFORE_IMPORT} == 1:
             raise FileNotFoundError("rank 1 cannot open data.h5")
         import flodl_mpi
         print("not reached", flush=True)
@@ -63,11 +65,31 @@ def test_an_error_before_the_import_ends_the_peers_start_up(tmp_path):
     assert proc.returncode != 0, proc.stderr[-2000:]
     assert "not reached" not in proc.stdout
     assert "rank 1 cannot open data.h5" in proc.stderr
-    from tests.conftest import launcher_kind
-
     if launcher_kind() == "hydra":  # Open MPI's mpirun ends the job itself when rank 1 exits
         assert ("flodl-mpi: rank 0: error: MPI did not start within 5 s: another rank ended before it started MPI"
                 in proc.stderr), proc.stderr[-2000:]
+
+
+def test_a_spawned_worker_does_not_start_mpi(tmp_path):
+    """A "spawn" worker (a DataLoader's) imports the script again with the launcher's variables: not a rank."""
+    proc, took = _run(tmp_path, """
+        import multiprocessing as mp
+        import sys
+        import flodl_mpi, torch
+
+        def work(i):
+            return "mpi4py.MPI" in sys.modules
+
+        if __name__ == "__main__":
+            with mp.get_context("spawn").Pool(1) as pool:
+                print("worker started MPI:", pool.map(work, [0])[0], flush=True)
+            with flodl_mpi.Averager(torch.nn.Linear(2, 1)) as avg:
+                avg.step()
+            print("done", flush=True)
+    """)
+    assert took < 150
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("worker started MPI: False") == 2 and proc.stdout.count("done") == 2
 
 
 def test_a_bad_start_timeout_is_refused_in_one_line(tmp_path):
@@ -134,8 +156,11 @@ def test_a_stop_signal_saves_and_exits_4(tmp_path, script, signame, target):
         while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         assert marker.exists(), "the run did not start"
-        if target == "launcher":
-            proc.send_signal(getattr(signal, signame))
+        if target == "launcher" and launcher_kind() == "hydra":
+            proc.send_signal(getattr(signal, signame))  # Hydra forwards it to every rank
+        elif target == "launcher":  # Open MPI's mpirun kills the job on SIGTERM: signal every rank, as scancel does
+            for pid in rank_pids(proc, str(run_dir)):
+                os.kill(pid, getattr(signal, signame))
         else:
             ranks = rank_pids(proc, str(run_dir))
             assert len(ranks) == 2
@@ -168,7 +193,8 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
         deadline = time.monotonic() + 150
         while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        for pid in rank_pids(proc, str(run_dir)):
+            os.kill(pid, signal.SIGTERM)
         proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -188,6 +214,57 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
                           timeout=180, env=launch_env(), check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed {stopped.meta['epoch']} {stopped.meta['round']}" in done.stdout
+
+
+# ---- item 3: ranks that call step() a different number of times ------------------------------------
+
+UNEVEN = """
+    import sys
+    import torch, flodl_mpi
+    from flodl_mpi.launcher import launcher_rank
+    window, where = int(sys.argv[1]), sys.argv[2]
+    avg = flodl_mpi.Averager(torch.nn.Linear(2, 1), policy="sync" if window == 1 else "window", window=window)
+    for epoch in range(2):
+        for i in range(8 if launcher_rank() == 0 else 7):   # rank 1's loader is one batch shorter
+            avg.step()
+        if where == "end_epoch":
+            avg.end_epoch()
+    avg.close()
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("window, where, line", [
+    (1, "end_epoch", "(rank 0 in step() call 8; rank 1 in end_epoch() after 7 step() call(s))"),
+    (4, "end_epoch", "(rank 0 in step() call 8; rank 1 in end_epoch() after 7 step() call(s))"),
+    (1, "close", "(rank 0 in step() call 15; rank 1 in close() after 14 step() call(s))"),
+    (2, "close", "(rank 0 in step() call 16; rank 1 in close() after 14 step() call(s))"),
+], ids=["sync-end-epoch", "window-end-epoch", "sync-close", "window-close"])
+def test_uneven_step_counts_end_at_once_naming_the_ranks(tmp_path, window, where, line):
+    """One rank's loader is shorter: every rank raises the same error at the next round (was: exit 3 after 600 s)."""
+    proc, took = _run(tmp_path, UNEVEN, str(window), where)
+    assert took < 120  # the stall timeout is 600 s: the error came from the boundary check
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.count("flodl-mpi: error: the ranks called step() a different number of times") == 1
+    assert line in proc.stderr, proc.stderr[-2000:]
+    assert "watchdog" not in proc.stderr and "Traceback" not in proc.stderr and "not reached" not in proc.stdout
+
+
+def test_boundary_verdict_from_the_gathered_columns():
+    import numpy as np
+
+    from flodl_mpi.bridge import boundary_verdict
+
+    nan = np.nan
+    assert boundary_verdict(np.array([nan, nan]), np.array([3.0, 3.0])) is None  # a round
+    assert boundary_verdict(np.array([nan, nan]), np.array([nan, nan])) is None  # the CLI's rows
+    assert boundary_verdict(np.array([1.0, 1.0]), np.array([7.0, 7.0])) is None  # the same boundary
+    assert boundary_verdict(np.array([1.0, 1.0]), np.array([7.0, 6.0])) == (
+        "the ranks called step() a different number of times in this epoch (rank 0 in end_epoch() after 7 step() "
+        "call(s); rank 1 in end_epoch() after 6 step() call(s)); every rank must call step() equally often between "
+        "end_epoch() calls (a rank without a batch calls step(realized=False))")
+    assert "rank 0 in close() after 2 step() call(s); rank 1 in end_epoch()" in boundary_verdict(
+        np.array([2.0, 1.0]), np.array([2.0, 2.0]))
 
 
 # ---- item 4: bad arguments are the API's bad input: one line in its words, exit 2 -------------------

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import flodl_mpi
+from flodl_mpi.errors import InputError
 from tests.conftest import launch_argv, launch_env
 
 
@@ -23,26 +24,27 @@ def small_model() -> nn.Module:
 # ---- argument checks: before MPI starts, so serial ------------------------------------------
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"policy": "cadence"}, ValueError,
+    ({"policy": "cadence"}, InputError,
      "policy must be one of sync, window, got 'cadence' \\(the balanced policies set each rank's batches: "
      "use flodl_mpi.fit\\)"),
-    ({"policy": "sync", "window": 4}, ValueError, "window=4 contradicts policy='sync'"),
-    ({"policy": "window", "window": 0}, ValueError, "window must be >= 1, got 0"),
-    ({"window": 2.5}, TypeError, "window must be an int"),
-    ({"gamma": float("nan")}, ValueError, "gamma must be a finite number"),
-    ({"optimizer": "adam"}, TypeError, "optimizer must be a torch.optim.Optimizer"),
-    ({"stall_timeout": 0}, ValueError, "stall_timeout must be seconds > 0"),
-    ({"on_non_finite": "ignore"}, ValueError, "on_non_finite must be one of quarantine, stop"),
+    ({"policy": "sync", "window": 4}, InputError, "window=4 contradicts policy='sync'"),
+    ({"policy": "window", "window": 0}, InputError, "window must be >= 1, got 0"),
+    ({"window": 2.5}, InputError, "window must be an int"),
+    ({"gamma": float("nan")}, InputError, "gamma must be a finite number"),
+    ({"optimizer": "adam"}, InputError, "optimizer must be a torch.optim.Optimizer"),
+    ({"stall_timeout": 0}, InputError, "stall_timeout must be seconds > 0"),
+    ({"on_non_finite": "ignore"}, InputError, "on_non_finite must be one of quarantine, stop"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, error, match):
+    # bad input of the API: InputError (one line from rank 0 and exit status 2 when uncaught)
     with pytest.raises(error, match=match):
         flodl_mpi.Averager(small_model(), **kwargs)
 
 
 def test_model_must_be_a_module_with_float_params():
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
+    with pytest.raises(InputError, match="model must be a torch.nn.Module, got function"):
         flodl_mpi.Averager(small_model)
-    with pytest.raises(ValueError, match="model has no parameters"):
+    with pytest.raises(InputError, match="model has no parameters"):
         flodl_mpi.Averager(nn.ReLU())
 
 
