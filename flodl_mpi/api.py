@@ -241,6 +241,9 @@ class Run:
             log.info(final_line(t.cfg, self.done, t.history, t.start_epoch, self.run_dir,
                                 self.last_eval[1] if self.last_eval else None,
                                 "the loop left early: to go on, call fit() again with resume=True"))
+            from flodl_mpi.train import close_train_log
+
+            close_train_log(getattr(self, "_train_log", None))
         self._session.close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -554,12 +557,12 @@ def _setup(session, a: dict) -> Run:
     replica = Replica(model, device)
 
     # -- outputs: the CLI's run dir, metrics.h5 and checkpoints (rank 0)
-    run_dir, writer, ckpt, keep_rows = None, None, None, None
+    run_dir, writer, ckpt, keep_rows, train_log = None, None, None, None, None
     if cfg.run_dir is not None:
         run_dir = _make_run_dir(cfg, comm, watchdog)
         cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
         if world.rank == 0:
-            _setup_logging(run_dir, world.rank)  # train.log, as the CLI's
+            train_log = _setup_logging(run_dir, world.rank)  # train.log, as the CLI's; closed with the run
             log.setLevel(min(log.level or logging.INFO, logging.INFO))
         if cfg.resume:
             ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n)
@@ -614,4 +617,6 @@ def _setup(session, a: dict) -> Run:
     watchdog.begin("training")
     _scalars.activate(book)
     bridge.start()
-    return Run(session, trainer, boundary, writer, run_dir)
+    run = Run(session, trainer, boundary, writer, run_dir)
+    run._train_log = train_log
+    return run

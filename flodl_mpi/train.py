@@ -342,13 +342,28 @@ def _log_to_stdout(rank: int, level: int) -> None:
             h.setLevel(logging.WARNING if level < 0 else logging.DEBUG if level > 0 else logging.INFO)
 
 
-def _setup_logging(run_dir: Path, rank: int) -> None:
-    """``train.log`` in the run dir: the default lines whatever -v/-q say."""
-    if rank == 0 and not any(isinstance(h, logging.FileHandler) for h in log.handlers):
-        handler = logging.FileHandler(run_dir / "train.log")
-        handler.setLevel(logging.INFO)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
+def _setup_logging(run_dir: Path, rank: int) -> logging.Handler | None:
+    """``train.log`` in the run dir: the default lines whatever -v/-q say.
+
+    Returns the handler added (rank 0), for `close_train_log` when the run ends
+    inside a longer process (the Python API); None on other ranks, or when one
+    writes to that file already.
+    """
+    path = (Path(run_dir) / "train.log").resolve()
+    if rank != 0 or any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in log.handlers):
+        return None
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    return handler
+
+
+def close_train_log(handler: logging.Handler | None) -> None:
+    """Detach and close a run's ``train.log`` handler, so a later run's lines do not land in it."""
+    if handler is not None:
+        log.removeHandler(handler)
+        handler.close()
 
 
 def _run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:

@@ -103,10 +103,11 @@ from torch import nn
 rng = np.random.default_rng(0)
 x = rng.normal(size=(80, 3)).astype(np.float32); y = (x @ np.array([[1.0], [2.0], [-1.0]], np.float32))
 data = {"train": (x[:60], y[:60]), "test": (x[60:], y[60:])}
-run = flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_shape[0], target_shape[0]),
-                    lambda p: torch.optim.AdamW(p, lr=0.02, betas=(0.8, 0.9), weight_decay=0.05),
-                    data=data, batch_size=16, epochs=2, run_dir="fit")
-run.wait()
+for run_dir in ("fit", "again"):  # two runs in one process: each its own train.log
+    run = flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_shape[0], target_shape[0]),
+                        lambda p: torch.optim.AdamW(p, lr=0.02, betas=(0.8, 0.9), weight_decay=0.05),
+                        data=data, batch_size=16, epochs=2, run_dir=run_dir)
+    run.wait()
 """
 
 
@@ -128,3 +129,5 @@ def test_a_fit_regression_records_its_model_optimizer_and_loss(tmp_path):
     assert "test_acc" not in "\n".join(log)
     assert any("flodl-mpi" in line and "1 rank" in line and "4 params" in line for line in log)  # the header
     assert "done:" in log[-1] and "accuracy" not in log[-1]
+    again = (tmp_path / "again" / "train.log").read_text().splitlines()
+    assert sum("done:" in line for line in log) == 1 and "done:" in again[-1] and "run dir again" in again[1]
