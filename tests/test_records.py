@@ -95,6 +95,10 @@ def test_an_own_loop_records_what_it_measured(tmp_path):
     text = format_summary(r)
     assert "epochs        2 (end_epoch() calls" in text and "of 10" not in text
     assert "test metrics  mse" in text and "accuracy" not in text.split("\n", 1)[1]
+    log = (run / "train.log").read_text().splitlines()  # as the CLI's: a header, a line per epoch, a last line
+    assert "your own loop (flodl_mpi.Averager), policy window (a round after every 2 step() calls)" in log[0]
+    assert [line.split()[1:3] for line in log[1:3]] == [["epoch", "1"], ["epoch", "2"]] and "test_mse" in log[2]
+    assert log[-1].split(" ", 1)[1].startswith("done: 2 epoch(s) of your loop, 3 rounds")
 
 
 FIT = """
