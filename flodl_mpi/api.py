@@ -400,7 +400,8 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
         clip_grad_norm: clip each rank's gradient L2 norm before each step (None: off).
         eval_every: epochs between evaluations (the last epoch is always
             evaluated; 0: only on request and at the end).
-        run_dir: a new or empty directory for ``config.json``, ``metrics.h5``,
+        run_dir: a new or empty directory for ``config.json`` (the model, optimizer
+            and loss as built: `flodl_mpi.run_record`), ``train.log``, ``metrics.h5``,
             ``checkpoints/`` (rank 0 writes, as the CLI); None: no files.
         resume: continue the run in ``run_dir`` from its newest checkpoint.
         checkpoint_every, keep_checkpoints, device, threads, stall_timeout,

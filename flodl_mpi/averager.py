@@ -93,8 +93,9 @@ class Averager:
         policy: ``"sync"`` (a round after every step) or ``"window"`` (after every ``window`` steps).
         window: calls of :meth:`step` per rank between rounds, >= 1 (1 with ``"sync"``).
         gamma: mass exponent, finite (SPEC §1): 1 weights by work.
-        run_dir: directory for ``metrics.h5`` and ``checkpoints/`` (new or
-            empty), written by rank 0 as ``flodl-mpi train`` does; None: no files.
+        run_dir: directory for ``config.json`` (the model and optimizer as built),
+            ``train.log``, ``metrics.h5`` and ``checkpoints/`` (new or empty), written
+            by rank 0 as ``flodl-mpi train`` does; None: no files.
         checkpoint_every: epochs (:meth:`end_epoch` calls) between checkpoints, >= 0
             (0: only the one at :meth:`close`).
         keep_checkpoints: newest checkpoints kept, >= 1.
