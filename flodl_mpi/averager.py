@@ -134,7 +134,7 @@ class Averager:
                     loss = loss_fn(model(x), y)
                     loss.backward()
                     opt.step()
-                    avg.step(loss)          # counts the step; every window steps, a round
+                    avg.step(loss, samples=len(x))   # counts the step; every window steps, a round
                 avg.end_epoch()             # metrics.h5 row, checkpoint (collective)
     """
 
