@@ -240,7 +240,7 @@ class Run:
             t = self._trainer  # train.log's last line, as the CLI's
             log.info(final_line(t.cfg, self.done, t.history, t.start_epoch, self.run_dir,
                                 self.last_eval[1] if self.last_eval else None,
-                                "the loop left early: to go on, call fit() again with resume=True"))
+                                f"to go on, call fit() again with resume=True, run_dir={str(self.run_dir)!r}"))
             from flodl_mpi.train import close_train_log
 
             close_train_log(getattr(self, "_train_log", None))
@@ -330,8 +330,11 @@ def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, task: UserTask) -
         off.add("easgd_alpha")
     if cfg.outer == "avg":
         off |= {"outer_lr", "outer_momentum", "outer_reset_inner"}
-    return api_config(cfg.to_dict(), "fit", loss=loss, model=model, optimizer=task.make_optimizer(cfg, model),
-                      not_applicable=off)
+    try:
+        optimizer = task.make_optimizer(cfg, model)  # as the trainer will build it (a throwaway: no state)
+    except Exception:  # noqa: BLE001 - the trainer builds it next on every rank, and fails there alike
+        optimizer = None
+    return api_config(cfg.to_dict(), "fit", loss=loss, model=model, optimizer=optimizer, not_applicable=off)
 
 
 def _load(data, names):

@@ -564,7 +564,7 @@ def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, ru
     Args:
         history: the :class:`~flodl_mpi.reporting.EpochSummary` of the epochs trained.
         metrics: the last evaluation's ``{name: value}`` (the Python API's); None: the summary's.
-        stop_hint: how to go on after a stop (default: the CLI's ``--resume``).
+        stop_hint: how to go on after a stop (default: the CLI's ``--resume --run-dir DIR``).
     """
     if not done:  # `done` only when every epoch is: the exit status is 4, not 0
         hint = stop_hint or f"exit status 4: to go on, run the same command with --resume --run-dir {run_dir}"
