@@ -112,6 +112,9 @@ for run_dir in ("fit", "again"):  # two runs in one process: each its own train.
                         lambda p: torch.optim.AdamW(p, lr=0.02, betas=(0.8, 0.9), weight_decay=0.05),
                         data=data, batch_size=16, epochs=2, run_dir=run_dir)
     run.wait()
+for epoch in flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_shape[0], target_shape[0]), "sgd",
+                           data=data, batch_size=16, epochs=3, run_dir="left"):
+    break  # the loop leaves after epoch 1: not done
 """
 
 
@@ -135,3 +138,6 @@ def test_a_fit_regression_records_its_model_optimizer_and_loss(tmp_path):
     assert "done:" in log[-1] and "accuracy" not in log[-1]
     again = (tmp_path / "again" / "train.log").read_text().splitlines()
     assert sum("done:" in line for line in log) == 1 and "done:" in again[-1] and "run dir again" in again[1]
+    left = (tmp_path / "left" / "train.log").read_text().splitlines()
+    assert left[-1].endswith("stopped, not done (3 epochs asked); to go on, call fit() again with resume=True, "
+                             "run_dir='left'")
