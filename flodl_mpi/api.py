@@ -263,7 +263,10 @@ class Run:
             t = self._trainer  # train.log's last line, as the CLI's
             log.info(final_line(t.cfg, self.done, t.history, t.start_epoch, self.run_dir,
                                 self.last_eval[1] if self.last_eval else None,
-                                "the loop left early: to go on, call fit() again with resume=True"))
+                                f"to go on, call fit() again with resume=True, run_dir={str(self.run_dir)!r}"))
+            from flodl_mpi.train import close_train_log
+
+            close_train_log(getattr(self, "_train_log", None))
         self._session.close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -350,8 +353,11 @@ def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, task: UserTask) -
         off.add("easgd_alpha")
     if cfg.outer == "avg":
         off |= {"outer_lr", "outer_momentum", "outer_reset_inner"}
-    return api_config(cfg.to_dict(), "fit", loss=loss, model=model, optimizer=task.make_optimizer(cfg, model),
-                      not_applicable=off)
+    try:
+        optimizer = task.make_optimizer(cfg, model)  # as the trainer will build it (a throwaway: no state)
+    except Exception:  # noqa: BLE001 - the trainer builds it next on every rank, and fails there alike
+        optimizer = None
+    return api_config(cfg.to_dict(), "fit", loss=loss, model=model, optimizer=optimizer, not_applicable=off)
 
 
 def _load(data, names):
@@ -420,7 +426,8 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
         clip_grad_norm: clip each rank's gradient L2 norm before each step (None: off).
         eval_every: epochs between evaluations (the last epoch is always
             evaluated; 0: only on request and at the end).
-        run_dir: a new or empty directory for ``config.json``, ``metrics.h5``,
+        run_dir: a new or empty directory for ``config.json`` (the model, optimizer
+            and loss as built: `flodl_mpi.run_record`), ``train.log``, ``metrics.h5``,
             ``checkpoints/`` (rank 0 writes, as the CLI); None: no files.
         resume: continue the run in ``run_dir`` from its newest checkpoint.
         checkpoint_every, keep_checkpoints, device, threads, stall_timeout,
@@ -571,12 +578,12 @@ def _setup(session, a: dict) -> Run:
     replica = Replica(model, device)
 
     # -- outputs: the CLI's run dir, metrics.h5 and checkpoints (rank 0)
-    run_dir, writer, ckpt, keep_rows = None, None, None, None
+    run_dir, writer, ckpt, keep_rows, train_log = None, None, None, None, None
     if cfg.run_dir is not None:
         run_dir = _make_run_dir(cfg, comm, watchdog)
         cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
         if world.rank == 0:
-            _setup_logging(run_dir, world.rank)  # train.log, as the CLI's
+            train_log = _setup_logging(run_dir, world.rank)  # train.log, as the CLI's; closed with the run
             log.setLevel(min(log.level or logging.INFO, logging.INFO))
         if cfg.resume:
             ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n)
@@ -631,4 +638,6 @@ def _setup(session, a: dict) -> Run:
     watchdog.begin("training")
     _scalars.activate(book)
     bridge.start()
-    return Run(session, trainer, boundary, writer, run_dir)
+    run = Run(session, trainer, boundary, writer, run_dir)
+    run._train_log = train_log
+    return run

@@ -93,8 +93,9 @@ class Averager:
         policy: ``"sync"`` (a round after every step) or ``"window"`` (after every ``window`` steps).
         window: calls of :meth:`step` per rank between rounds, >= 1 (1 with ``"sync"``).
         gamma: mass exponent, finite (SPEC §1): 1 weights by work.
-        run_dir: directory for ``metrics.h5`` and ``checkpoints/`` (new or
-            empty), written by rank 0 as ``flodl-mpi train`` does; None: no files.
+        run_dir: directory for ``config.json`` (the model and optimizer as built),
+            ``train.log``, ``metrics.h5`` and ``checkpoints/`` (new or empty), written
+            by rank 0 as ``flodl-mpi train`` does; None: no files.
         checkpoint_every: epochs (:meth:`end_epoch` calls) between checkpoints, >= 0
             (0: only the one at :meth:`close`).
         keep_checkpoints: newest checkpoints kept, >= 1.
@@ -134,7 +135,7 @@ class Averager:
                     loss = loss_fn(model(x), y)
                     loss.backward()
                     opt.step()
-                    avg.step(loss)          # counts the step; every window steps, a round
+                    avg.step(loss, samples=len(x))   # counts the step; every window steps, a round
                 avg.end_epoch()             # metrics.h5 row, checkpoint (collective)
     """
 
@@ -253,6 +254,7 @@ class Averager:
         _check_same_model(self.model, comm)
         self.run_dir = None
         self._writer = None
+        self._train_log = None
         if self.cfg.run_dir is not None:
             self.run_dir = _make_run_dir(self.cfg, comm, watchdog)
             keep_rows = None
@@ -277,6 +279,7 @@ class Averager:
                 attrs.update(config=record, loss=OWN_LOOP_LOSS, data_source="(your training loop)")
                 self._writer = MetricsWriter(self.run_dir, world.size, attrs, self.run_dir / "checkpoints",
                                              self.cfg.keep_checkpoints, keep_rows=keep_rows)
+                self._open_train_log(attrs["devices"])
             else:
                 _run_attrs(self.cfg, world, self.device)  # collective: hosts and devices
             agree(comm, "metrics writer", lambda: self._writer.start() if self._writer is not None else None,
@@ -305,6 +308,27 @@ class Averager:
             self._hook = self.optimizer.register_step_post_hook(self._count_step)
         watchdog.begin("training")
         self.bridge.start()
+
+    def _open_train_log(self, devices: list) -> None:
+        """Rank 0's train.log, as the CLI's: a header now, a line per epoch, a last line at close."""
+        import logging
+
+        from flodl_mpi import __version__
+        from flodl_mpi.train import _setup_logging, log
+
+        self._train_log = _setup_logging(self.run_dir, 0)
+        log.setLevel(min(log.level or logging.INFO, logging.INFO))
+        per = "every step() call" if self.cfg.window == 1 else f"every {self.cfg.window} step() calls"
+        log.info(f"flodl-mpi {__version__}: {self.world_size} rank{'s' if self.world_size > 1 else ''}, your own "
+                 f"loop (flodl_mpi.Averager), policy {self.cfg.policy} (a round after {per}), gamma "
+                 f"{self.cfg.gamma:g}, {sum(p.numel() for p in self.model.parameters())} params on {devices}; "
+                 f"run dir {self.run_dir}")
+
+    def _log(self, line: str) -> None:
+        if self._train_log is not None:
+            from flodl_mpi.train import log
+
+            log.info(line)
 
     def _resume(self, ckpt) -> None:
         """This rank's state from the checkpoint (the consensus is loaded already), as ``worker.Trainer.resume``."""
@@ -490,6 +514,9 @@ class Averager:
         due = self.cfg.checkpoint_every and self.epoch % self.cfg.checkpoint_every == 0
         if self.run_dir is not None and (due or "checkpoint" in boundary.intents):
             path = self._save(summary, "checkpoint")
+        tests = "".join(f"  test_{k} {v:.4f}" for k, v in boundary.metrics.items())
+        self._log(f"epoch {self.epoch}  loss {summary.avg_loss:.4f}{tests}  rounds {summary.rounds}  "
+                  f"{summary.epoch_ms / 1e3:.1f} s")
         self._new_epoch()
         return EpochResult(self.epoch, summary, dict(boundary.scalars), dict(boundary.metrics), boundary.intents,
                            path)
@@ -567,11 +594,11 @@ class Averager:
             self._round(final=True)  # a stop asked now ends nothing: the run is done
         if self.run_dir is not None and self.bridge.version != self._saved_version:
             self._save(None, "checkpoint")
-        self._finish()
+        self._finish(done=True)
         self._session.close()
 
-    def _finish(self) -> None:
-        """Local clean-up: bridge thread, writer, hook, scalar book."""
+    def _finish(self, done: bool = False) -> None:
+        """Local clean-up: bridge thread, writer, hook, scalar book, train.log (its last line when ``done``)."""
         self._closed = True
         if self._hook is not None:
             self._hook.remove()
@@ -579,6 +606,13 @@ class Averager:
         self.bridge.close()
         if self._writer is not None:
             self._writer.close(timeout=None)
+        if done and self.run_dir is not None:
+            self._log(f"done: {self.epoch} epoch(s) of your loop, {self.bridge.version} rounds; metrics "
+                      f"{self.run_dir / 'metrics.h5'}, checkpoints {self.run_dir / 'checkpoints'}")
+        from flodl_mpi.train import close_train_log
+
+        close_train_log(self._train_log)
+        self._train_log = None
 
     def __enter__(self) -> Averager:
         return self

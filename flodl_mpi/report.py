@@ -238,23 +238,47 @@ def format_summary(run: Run) -> str:
     return "\n".join(lines)
 
 
+def _shown(run: Run, key: str) -> Any:
+    """A config value as a comparison shows it: ``"n/a"`` for an option the run lists as not
+    applicable, a built model or optimizer (a Python API run's record) by its class, lr and size."""
+    if key in (run.config.get("not_applicable") or ()):
+        return "n/a"
+    value = run.config.get(key)
+    if isinstance(value, dict) and "class" in value:
+        name = str(value["class"]).rsplit(":", 1)[-1]
+        if "parameters" in value:
+            return f"{name} ({value['parameters']} params)"
+        lrs = [g.get("lr") for g in value.get("param_groups", []) if isinstance(g, dict)]
+        return f"{name} (lr {', '.join(format(x, 'g') if isinstance(x, float) else str(x) for x in lrs)})"
+    return value
+
+
 def differing_options(runs: Sequence[Run]) -> dict[str, list[Any]]:
     """Options whose values differ between the runs: option -> value per run.
 
     Compares every config key (``run_dir`` and ``resume`` excepted: they name the
-    run) and the world size; a key absent from a run's config counts as ``None``.
+    run) and the world size; a key absent from a run's config counts as ``None``,
+    one the run lists in ``not_applicable`` as ``"n/a"``; a Python API run's model
+    and optimizer records are shown by class (parameters, learning rates).
     Keys use the command line's spelling (``batch-size``).
     """
     keys = sorted({k for r in runs for k in r.config} - set(NOT_OPTIONS))
     out = {}
     for k in keys:
-        values = [r.config.get(k) for r in runs]
+        values = [_shown(r, k) for r in runs]
         if any(v != values[0] for v in values):
             out[k.replace("_", "-")] = values
     sizes = [r.world_size for r in runs]
     if any(v != sizes[0] for v in sizes):
         out["world size (mpiexec -n)"] = sizes
     return out
+
+
+def _flag(key: str) -> str:
+    """``--batch-size`` for an option of ``flodl-mpi train``; a record's own key (``api``, ``loss``) as it is."""
+    from flodl_mpi.config import TrainConfig
+
+    return f"--{key}" if key.replace("-", "_") in TrainConfig.field_names() else key
 
 
 def format_comparison(runs: Sequence[Run]) -> str:
@@ -264,7 +288,7 @@ def format_comparison(runs: Sequence[Run]) -> str:
     lines = []
     if differ:
         lines.append("options that differ: " + "; ".join(
-            f"--{k} " + " vs ".join(repr(v) for v in vals) if not k.startswith("world")
+            f"{_flag(k)} " + " vs ".join(repr(v) for v in vals) if not k.startswith("world")
             else f"{k} " + " vs ".join(str(v) for v in vals) for k, vals in differ.items()))
     else:
         lines.append("options that differ: none (same options; differences are run to run noise)")
@@ -282,7 +306,7 @@ def format_comparison(runs: Sequence[Run]) -> str:
         ("throughput (samples/s, sum)",
          [_fmt(float(np.sum(s["throughput"])), ".0f") if s["throughput"] is not None else "-" for s in sums]),
     ]
-    rows[:0] = [(k if k.startswith("world") else f"--{k}", [str(v) for v in vals]) for k, vals in differ.items()]
+    rows[:0] = [(k if k.startswith("world") else _flag(k), [str(v) for v in vals]) for k, vals in differ.items()]
     labels = [r.label for r in runs]
     w0 = max(len(name) for name, _ in rows)
     widths = [max(len(lab), *(len(v[i]) for _, v in rows)) for i, lab in enumerate(labels)]

@@ -348,13 +348,28 @@ def _log_to_stdout(rank: int, level: int) -> None:
             h.setLevel(logging.WARNING if level < 0 else logging.DEBUG if level > 0 else logging.INFO)
 
 
-def _setup_logging(run_dir: Path, rank: int) -> None:
-    """``train.log`` in the run dir: the default lines whatever -v/-q say."""
-    if rank == 0 and not any(isinstance(h, logging.FileHandler) for h in log.handlers):
-        handler = logging.FileHandler(run_dir / "train.log")
-        handler.setLevel(logging.INFO)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
+def _setup_logging(run_dir: Path, rank: int) -> logging.Handler | None:
+    """``train.log`` in the run dir: the default lines whatever -v/-q say.
+
+    Returns the handler added (rank 0), for `close_train_log` when the run ends
+    inside a longer process (the Python API); None on other ranks, or when one
+    writes to that file already.
+    """
+    path = (Path(run_dir) / "train.log").resolve()
+    if rank != 0 or any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in log.handlers):
+        return None
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    return handler
+
+
+def close_train_log(handler: logging.Handler | None) -> None:
+    """Detach and close a run's ``train.log`` handler, so a later run's lines do not land in it."""
+    if handler is not None:
+        log.removeHandler(handler)
+        handler.close()
 
 
 def _run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:
@@ -555,7 +570,7 @@ def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, ru
     Args:
         history: the :class:`~flodl_mpi.reporting.EpochSummary` of the epochs trained.
         metrics: the last evaluation's ``{name: value}`` (the Python API's); None: the summary's.
-        stop_hint: how to go on after a stop (default: the CLI's ``--resume``).
+        stop_hint: how to go on after a stop (default: the CLI's ``--resume --run-dir DIR``).
     """
     if not done:  # `done` only when every epoch is: the exit status is 4, not 0
         hint = stop_hint or f"exit status 4: to go on, run the same command with --resume --run-dir {run_dir}"

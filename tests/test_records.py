@@ -95,6 +95,10 @@ def test_an_own_loop_records_what_it_measured(tmp_path):
     text = format_summary(r)
     assert "epochs        2 (end_epoch() calls" in text and "of 10" not in text
     assert "test metrics  mse" in text and "accuracy" not in text.split("\n", 1)[1]
+    log = (run / "train.log").read_text().splitlines()  # as the CLI's: a header, a line per epoch, a last line
+    assert "your own loop (flodl_mpi.Averager), policy window (a round after every 2 step() calls)" in log[0]
+    assert [line.split()[1:3] for line in log[1:3]] == [["epoch", "1"], ["epoch", "2"]] and "test_mse" in log[2]
+    assert log[-1].split(" ", 1)[1].startswith("done: 2 epoch(s) of your loop, 3 rounds")
 
 
 FIT = """
@@ -103,10 +107,14 @@ from torch import nn
 rng = np.random.default_rng(0)
 x = rng.normal(size=(80, 3)).astype(np.float32); y = (x @ np.array([[1.0], [2.0], [-1.0]], np.float32))
 data = {"train": (x[:60], y[:60]), "test": (x[60:], y[60:])}
-run = flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_shape[0], target_shape[0]),
-                    lambda p: torch.optim.AdamW(p, lr=0.02, betas=(0.8, 0.9), weight_decay=0.05),
-                    data=data, batch_size=16, epochs=2, run_dir="fit")
-run.wait()
+for run_dir in ("fit", "again"):  # two runs in one process: each its own train.log
+    run = flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_shape[0], target_shape[0]),
+                        lambda p: torch.optim.AdamW(p, lr=0.02, betas=(0.8, 0.9), weight_decay=0.05),
+                        data=data, batch_size=16, epochs=2, run_dir=run_dir)
+    run.wait()
+for epoch in flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_shape[0], target_shape[0]), "sgd",
+                           data=data, batch_size=16, epochs=3, run_dir="left"):
+    break  # the loop leaves after epoch 1: not done
 """
 
 
@@ -128,3 +136,8 @@ def test_a_fit_regression_records_its_model_optimizer_and_loss(tmp_path):
     assert "test_acc" not in "\n".join(log)
     assert any("flodl-mpi" in line and "1 rank" in line and "4 params" in line for line in log)  # the header
     assert "done:" in log[-1] and "accuracy" not in log[-1]
+    again = (tmp_path / "again" / "train.log").read_text().splitlines()
+    assert sum("done:" in line for line in log) == 1 and "done:" in again[-1] and "run dir again" in again[1]
+    left = (tmp_path / "left" / "train.log").read_text().splitlines()
+    assert left[-1].endswith("stopped, not done (3 epochs asked); to go on, call fit() again with resume=True, "
+                             "run_dir='left'")

@@ -373,3 +373,22 @@ def test_report_without_matplotlib_is_a_summary_and_exit_0(tmp_path):
     asked = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_dir), "--out", str(tmp_path / "p")],
                            capture_output=True, text=True, env=env, timeout=120, check=False)
     assert asked.returncode == 2 and "--out" in asked.stderr and "pip install 'flodl-mpi[plot]'" in asked.stderr
+
+
+def test_comparison_of_api_records_shows_classes_and_not_applicable(tmp_path):
+    fit = {"api": "fit", "epochs": 3, "lr": 0.001, "loss": "mean squared error",
+           "model": {"class": "torch.nn.modules.linear:Linear", "parameters": 5},
+           "optimizer": {"class": "torch.optim.adamw:AdamW", "param_groups": [{"params": 2, "lr": 0.02}]},
+           "not_applicable": ["momentum"]}
+    own = {"api": "Averager", "loss": "loss given to step()",
+           "model": {"class": "torch.nn.modules.linear:Linear", "parameters": 5},
+           "optimizer": {"class": "torch.optim.sgd:SGD", "param_groups": [{"params": 2, "lr": 0.05}]},
+           "not_applicable": ["epochs", "lr", "momentum"]}
+    a = load_run(write_synthetic(tmp_path / "A", config=fit))
+    b = load_run(write_synthetic(tmp_path / "B", config=own))
+    differ = differing_options([a, b])
+    assert differ["optimizer"] == ["AdamW (lr 0.02)", "SGD (lr 0.05)"]
+    assert differ["epochs"] == [3, "n/a"] and differ["lr"] == [0.001, "n/a"] and "model" not in differ
+    first = format_comparison([a, b]).splitlines()[0]
+    assert "--optimizer 'AdamW (lr 0.02)' vs 'SGD (lr 0.05)'" in first and ": api 'fit' vs 'Averager';" in first
+    assert "not_applicable" not in first and "momentum" not in first
