@@ -11,9 +11,9 @@ sleeps ``FLODL_SLOW_MS`` x the rank's factor), on the built-in digits and on MNI
 and prints, per run: total samples per second (training samples of all ranks over the
 epochs' wall time, evaluation excluded for flodl-mpi, included for DDP, which reports
 only its total), rounds, bytes each rank put on the wire, the last epoch's test
-accuracy, and for async the share of the round time hidden behind compute (over every
-round, and over the rounds that do not end an epoch: an epoch's last round is waited for
-whole, so the epoch's model is evaluated and saved)::
+accuracy, and for async the share of the round time hidden behind compute over every
+round, ``1 - sum(wait_ms) / sum(bridge_ms)`` (an epoch's last round runs on into the next
+epoch's first window; only the last epoch's is waited for whole)::
 
     python benchmarks/heterogeneous.py                       # everything (about 20 minutes on 2 busy cores)
     python benchmarks/heterogeneous.py --datasets digits --slowdowns 4 --epochs-digits 3
@@ -38,7 +38,7 @@ from runs import MPIEXEC, ROOT, _env, mnist1d_file  # noqa: E402
 
 SLOWED = str(ROOT / "benchmarks" / "slowed.py")
 POLICIES = {"sync": ["--policy", "sync"], "window 10": ["--window", "10"], "cadence": ["--policy", "cadence"],
-            "async": ["--policy", "async"]}
+            "async": ["--policy", "async"], "async easgd": ["--policy", "async", "--async-adopt", "easgd"]}
 
 
 def _launch(ranks: int, argv: list[str], factors: str, slow_ms: float) -> None:
@@ -59,8 +59,7 @@ def flodl(ranks: int, args: list[str], factors: str, slow_ms: float) -> dict:
         ep = read_table(run_dir / "metrics.h5", "epochs")
         rd = read_table(run_dir / "metrics.h5", "rounds")
     wait, bridge = rd["wait_ms"], rd["bridge_ms"]
-    # Each epoch's last round is waited for whole (the epoch's model is evaluated and saved):
-    # the overlap of the others is what async can hide.
+    # The rounds that do not end an epoch (before the carry, the epoch-end rounds were waited for whole).
     mid = ~np.isin(rd["round"], ep["rounds"] - 1)
     return {
         "samples_per_s": float(ep["per_rank_samples"].sum() / (ep["epoch_ms"].sum() / 1e3)),
@@ -125,7 +124,7 @@ def main() -> None:
                   f"{'test acc':>8} {'hidden (mid-epoch)':>18}")
             for k, r in rows.items():
                 hidden = "-"
-                if k == "async":
+                if k.startswith("async"):
                     mid = r["overlap_mid_epoch"]
                     hidden = f"{100 * r['overlap']:.0f} % ({'-' if mid is None else f'{100 * mid:.0f} %'})"
                 print(f"{k:<12} {r['samples_per_s']:>10.0f} {r['samples_per_s'] / both:>10.2f} "

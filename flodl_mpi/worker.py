@@ -592,21 +592,23 @@ class Trainer:
                 stopped = True
                 break
         self.progress.close()
-        report.epoch_ms += 1e3 * (time.perf_counter() - t_epoch) - self._end_ms
-        self._end_ms = 0.0
-        if self.bridge.in_flight:
-            if self.carry_epoch_round and not stopped and epoch < cfg.epochs - 1:
-                # -- async: the epoch's last round runs on while the next epoch's first
-                # window trains; this epoch ends when it arrives (_end_carried). Decided
-                # from the config and gathered values only: every rank carries alike.
-                self._open_end = _OpenEnd(epoch, report, rows, cursor)
-                return False
+        carry = self.bridge.in_flight and self.carry_epoch_round and not stopped and epoch < cfg.epochs - 1
+        if self.bridge.in_flight and not carry:
             # -- async, the last epoch or a stop: the epoch's last round. Nothing trained
             # since its snapshot, so the consensus is adopted as it is: every rank
             # evaluates and saves the same model.
             update = self.bridge.wait()
             self._adopt(update)
             stopped = stopped or update.stop
+        # The epoch's time: its windows and rounds, not the previous epoch's end done meanwhile.
+        report.epoch_ms += 1e3 * (time.perf_counter() - t_epoch) - self._end_ms
+        self._end_ms = 0.0
+        if carry:
+            # -- async: the epoch's last round runs on while the next epoch's first
+            # window trains; this epoch ends when it arrives (_end_carried). Decided
+            # from the config and gathered values only: every rank carries alike.
+            self._open_end = _OpenEnd(epoch, report, rows, cursor)
+            return False
         return self._end_epoch(epoch, report, rows, cursor, stopped)
 
     def _end_epoch(self, epoch: int, report: EpochReport, rows: list, cursor: int, stopped: bool) -> bool:
@@ -692,7 +694,9 @@ class Trainer:
         t0 = time.perf_counter()
         if update.plan is not None:
             self.plan = update.plan
-        with self.replica.consensus_in_place(self.bridge) if update.adopted else contextlib.nullcontext():
+        # The staging holds the consensus, or (a round that realized no mass) this rank's
+        # snapshot: the model at the epoch's end either way, as the waiting path evaluates.
+        with self.replica.consensus_in_place(self.bridge):
             self._end_epoch(end.epoch, end.report, end.rows, end.cursor, stopped=False)
         self._end_ms += 1e3 * (time.perf_counter() - t0)
 

@@ -113,3 +113,23 @@ def test_async_carries_each_epochs_last_round_and_evaluates_and_saves_its_consen
         model.load_state_dict(load_state_dict(path))
         _, correct, count = evaluate(model, data.test, 0, 1, torch.device("cpu"), 256)
         assert count == 1797 - N_TRAIN and correct / count == epochs["test_accuracy"][e], e
+
+
+def test_async_a_stop_in_an_epochs_carried_round_ends_that_epoch_then_stops_after_the_next_window(tmp_path):
+    """Async's plan is one round older: epoch 1 runs windows (4, 4), (4, 4), (12, 4) (speeds 1:3), and
+    (10, 3) for the 13 batches left: rounds 0-3. Round 3 carries the stop and runs on while epoch 2's
+    first window (12, 4) trains; epoch 1 then ends complete on its consensus, and epoch 2 stops after
+    that window's round 4 (cursor 16). The resumed run completes every epoch, each sample once."""
+    common = ("train", "--policy", "async", "--anchor", "4", "--max-anchor", "4", "--epochs", "3")
+    run_dir = tmp_path / "run"
+    first = run_hooked(2, "--script-speeds", "1,3", "--stop-at-round", "4", "--", *common, "--run-dir", str(run_dir))
+    assert first.returncode in STOPPED, first.stderr[-3000:]
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert (ckpt.meta["epoch"], ckpt.meta["cursor"], ckpt.meta["round"]) == (1, 16, 5)
+    assert ckpt.meta["reason"] == "graceful_shutdown"
+    epochs = read_table(run_dir / "metrics.h5", "epochs")
+    np.testing.assert_array_equal(epochs["per_rank_batches"][0], [30, 15])  # epoch 1 whole, ended on its round
+    second = run_hooked(2, "--script-speeds", "1,3", "--", *common, "--run-dir", str(run_dir), "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    epochs = read_table(run_dir / "metrics.h5", "epochs")
+    np.testing.assert_array_equal(epochs["per_rank_batches"].sum(axis=1), [45] * 3)
