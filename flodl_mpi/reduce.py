@@ -361,7 +361,11 @@ class Reducer:
         else:
             in_place = False
         if in_place:
-            self._impl = InPlaceShmReduce(comm, layout, node)
+            try:
+                self._impl = InPlaceShmReduce(comm, layout, node)
+            except OSError:  # raised on every rank alike
+                node.Free()
+                raise
             self.staging = self._impl.staging
             self.path = "shm-in-place"
             self.extra_bytes = self._impl.extra_bytes
