@@ -236,12 +236,16 @@ def test_auto_resolves_the_same_on_every_rank_and_shm_is_refused_without_room(co
         Reducer(comm, layout, WireOptions("shm"))
 
 
+@pytest.mark.parametrize("equal", [False, True], ids=["unequal", "equal"])
 @pytest.mark.parametrize("chunk", [3, 64, 1 << 18])
-def test_in_place_equals_the_packing_shm_reduce_bit_for_bit(comm, chunk):
+def test_in_place_equals_the_packing_shm_reduce_bit_for_bit(comm, chunk, equal):
     # The same float32 operations in the same order (scale, add in rank order, one
-    # divide): the in-place reduce and the packing one give the same bits.
+    # divide; equal masses at W = 2, 4: a power-of-two total, divided by multiplying):
+    # the in-place reduce and the packing one give the same bits.
     W = comm.size
     masses = [gamma_mass(1 + 3 * r, 0.5) if r != 1 else 0.0 for r in range(W)]  # rank 1 idle
+    if equal:
+        masses = [1.0] * W
     outs = []
     for in_place in (False, True):
         layout = WireLayout(SHAPES, chunk_elems=chunk)
