@@ -107,7 +107,10 @@ class InPlaceShmReduce:
         self.members = node.allgather(comm.rank)
         self.me = me
         self.slice = slices(n, W)[me]
-        self.step = max(1, min(layout.chunk_elems, CACHE_PIECE, n))
+        # Blocks of CACHE_PIECE elements, smaller for a small slice (at least four blocks
+        # per slice, so the scratch stays well under the model's size: 0.25x at 100k params).
+        a, b = self.slice
+        self.step = max(1, min(layout.chunk_elems, CACHE_PIECE, n, max(1024, -(-(b - a) // 4))))
         self._acc = np.empty(self.step, dtype=np.float32)
         self._tmp = np.empty(self.step, dtype=np.float32)
         self.extra_bytes = self._acc.nbytes + self._tmp.nbytes + (seg - 4 * n)
