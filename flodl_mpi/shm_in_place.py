@@ -124,7 +124,11 @@ class InPlaceShmReduce:
         view of it: bound parameters) is referenced.
         """
         self.segs = None
-        self._all.close()
+        try:
+            self._all.close()
+        except BufferError:  # a view of it is still referenced somewhere: unmapped when that goes
+            pass
+        self._all = None
         self.node.Free()
 
     def prepare(self, staging: np.ndarray) -> float:
