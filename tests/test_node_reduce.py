@@ -292,6 +292,20 @@ def test_in_place_falls_back_alike_when_one_rank_has_no_shm_dir(comm, monkeypatc
         red.free()
 
 
+def test_in_place_is_taken_only_when_every_rank_asks(comm):
+    # A mixed cohort: a GPU rank's pinned staging does not ask for it (bridge._Plane).
+    red = Reducer(comm, WireLayout(SHAPES), WireOptions("shm"), in_place=comm.rank != comm.size - 1)
+    try:
+        assert red.staging is None and red.path == "shm"
+        staging = rank_flat(comm.rank)
+        masses = [1.0] * comm.size
+        reduce(red, staging, 1.0, masses, prepared=True)
+    finally:
+        red.free()
+    ref = sum(rank_flat(r).astype(np.float64) for r in range(comm.size)) / comm.size
+    assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= 1e-6
+
+
 def test_a_failed_shared_file_raises_on_every_rank_naming_the_rank(comm, monkeypatch):
     import errno
     import os
