@@ -165,8 +165,8 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
 
     layout = WireLayout(shapes)
     red_comm = comm.Dup()
-    reducer = Reducer(red_comm, layout, WireOptions(args.node_reduce[-1]))
-    staging = layout.new_staging()
+    reducer = Reducer(red_comm, layout, WireOptions(args.node_reduce[-1]), in_place=True)
+    staging = reducer.staging if reducer.staging is not None else layout.new_staging()
     add(f"ours: Reducer.reduce only ({reducer.path})", lambda: reducer.reduce(staging, 1.0), lambda: staging,
         reducer.extra_bytes)
 

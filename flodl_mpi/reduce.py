@@ -305,9 +305,10 @@ class Reducer:
             the node's shared file, :class:`~flodl_mpi.shm_in_place.InPlaceShmReduce`):
             no pack, one read and one write of the model per rank. The caller
             then puts its tensors there (bound parameters live there) and
-            passes :attr:`staging` to :meth:`reduce`. Elsewhere (bf16, several
-            nodes, ``mpi``, an empty layout) :attr:`staging` is None and the
-            caller keeps its own.
+            passes :attr:`staging` to :meth:`reduce`. Taken only when every
+            rank asks for it; elsewhere (bf16, several nodes, ``mpi``, an empty
+            layout, a rank that did not ask) :attr:`staging` is None on every
+            rank and the caller keeps its own.
 
     Raises:
         ValueError: identically on every rank (the node count is reduced
@@ -355,13 +356,17 @@ class Reducer:
         #: the caller brings its own
         self.staging = None
         piece = min(layout.chunk_elems, layout.size)
-        if in_place and kind == "shm" and nodes == 1 and not options.bf16 and layout.n > 0:
-            # every rank alike: the shared file needs SHM_DIR on every rank
-            in_place = comm.allreduce(os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK), op=MPI.LAND)
-        else:
-            in_place = False
+        # Every rank alike, whatever each asked: a rank with pinned (GPU) staging in a mixed
+        # cohort keeps the packing window, so every rank does; the file needs SHM_DIR everywhere.
+        in_place = comm.allreduce(bool(in_place and kind == "shm" and nodes == 1 and not options.bf16
+                                       and layout.n > 0 and os.path.isdir(SHM_DIR)
+                                       and os.access(SHM_DIR, os.W_OK)), op=MPI.LAND)
         if in_place:
-            self._impl = InPlaceShmReduce(comm, layout, node)
+            try:
+                self._impl = InPlaceShmReduce(comm, layout, node)
+            except OSError:  # raised on every rank alike
+                node.Free()
+                raise
             self.staging = self._impl.staging
             self.path = "shm-in-place"
             self.extra_bytes = self._impl.extra_bytes

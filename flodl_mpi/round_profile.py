@@ -20,6 +20,7 @@ __all__ = ["PHASES", "RunProfile"]
 #: beyond the bridge's round (``wait_ms - bridge_ms``: queue hand-off, thread wake-up;
 #: 0 where compute hid the round, as with ``--policy async``).
 PHASES = ("control", "pack", "allreduce", "unpack", "outer", "other", "handoff")
+_NAMED = tuple(p for p in PHASES if p not in ("other", "handoff"))  # the phases the acks carry
 
 
 class RunProfile:
@@ -51,15 +52,19 @@ class RunProfile:
         A rank whose figures are NaN (no value: a resumed run's first round,
         an older file) is not counted for that round.
         """
-        named = [np.asarray(row[f"{p}_ms"], dtype=np.float64) for p in PHASES if p not in ("other", "handoff")]
+        # One (4, W) array and plain where(): nan_to_num per phase was most of a small
+        # model's round in the bridge's Python (issue 9, "small models pay a small fixed cost").
+        named = np.array([row[f"{p}_ms"] for p in _NAMED], dtype=np.float64).reshape(len(_NAMED), -1)
         round_ms = np.asarray(row["bridge_ms"], dtype=np.float64)
-        handoff = np.maximum(np.asarray(row["wait_ms"], dtype=np.float64) - round_ms, 0.0)
         ok = np.isfinite(round_ms)
-        for p, v in zip([p for p in PHASES if p not in ("other", "handoff")], named):
-            self.ms[p] += np.where(ok, np.nan_to_num(v), 0.0)
-        self.ms["other"] += np.where(ok, np.maximum(round_ms - np.nansum(named, axis=0), 0.0), 0.0)
-        self.ms["handoff"] += np.where(ok & np.isfinite(handoff), np.nan_to_num(handoff), 0.0)
-        self.bytes += np.where(ok, np.nan_to_num(np.broadcast_to(np.asarray(row["bytes"], float), ok.shape)), 0.0)
+        named = np.where(np.isnan(named), 0.0, named)
+        for p, v in zip(_NAMED, named):
+            self.ms[p] += np.where(ok, v, 0.0)
+        self.ms["other"] += np.where(ok, np.maximum(round_ms - named.sum(axis=0), 0.0), 0.0)
+        handoff = np.asarray(row["wait_ms"], dtype=np.float64) - round_ms
+        self.ms["handoff"] += np.where(ok & np.isfinite(handoff), np.maximum(handoff, 0.0), 0.0)
+        nbytes = np.broadcast_to(np.asarray(row["bytes"], dtype=np.float64), ok.shape)
+        self.bytes += np.where(ok & ~np.isnan(nbytes), nbytes, 0.0)
         self.rounds += ok
 
     @classmethod

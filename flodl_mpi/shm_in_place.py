@@ -107,7 +107,10 @@ class InPlaceShmReduce:
         self.members = node.allgather(comm.rank)
         self.me = me
         self.slice = slices(n, W)[me]
-        self.step = max(1, min(layout.chunk_elems, CACHE_PIECE, n))
+        # Blocks of CACHE_PIECE elements, smaller for a small slice (at least four blocks
+        # per slice, so the scratch stays well under the model's size: 0.25x at 100k params).
+        a, b = self.slice
+        self.step = max(1, min(layout.chunk_elems, CACHE_PIECE, n, max(1024, -(-(b - a) // 4))))
         self._acc = np.empty(self.step, dtype=np.float32)
         self._tmp = np.empty(self.step, dtype=np.float32)
         self.extra_bytes = self._acc.nbytes + self._tmp.nbytes + (seg - 4 * n)
@@ -121,7 +124,11 @@ class InPlaceShmReduce:
         view of it: bound parameters) is referenced.
         """
         self.segs = None
-        self._all.close()
+        try:
+            self._all.close()
+        except BufferError:  # a view of it is still referenced somewhere: unmapped when that goes
+            pass
+        self._all = None
         self.node.Free()
 
     def prepare(self, staging: np.ndarray) -> float:
@@ -185,13 +192,21 @@ class InPlaceShmReduce:
         acc, tmp = self._acc, self._tmp
         clock = time.perf_counter
         write_s = 0.0
+        # Dividing by a power of two (equal masses at W = 2, 4, 8...) is multiplying by its
+        # reciprocal, exactly (both are the correctly rounded x·2^-k), at half the cost here.
+        inverse = None
+        if math.frexp(float(total))[0] == 0.5 and np.finfo(np.float32).tiny <= 1.0 / float(total) < 2.0**127:
+            inverse = np.float32(1.0 / float(total))  # a normal float32, exact
         for lo in reversed(range(a, b, step)):
             hi = min(lo + step, b)
             k = hi - lo
             c = np.multiply(first[0][lo:hi], first[1], out=acc[:k])
             for seg, s in rest:
                 np.add(c, np.multiply(seg[lo:hi], s, out=tmp[:k]), out=c)
-            np.divide(c, total, out=c)
+            if inverse is None:
+                np.divide(c, total, out=c)
+            else:  # the same bits: a power of two's reciprocal is exact
+                np.multiply(c, inverse, out=c)
             t = clock()
             post = sum_squares(c)
             if not math.isfinite(post):  # never written; every rank learns it from the gathered flag

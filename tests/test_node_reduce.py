@@ -234,3 +234,86 @@ def test_auto_resolves_the_same_on_every_rank_and_shm_is_refused_without_room(co
         red.free()
     with pytest.raises(ValueError, match=r"node_reduce 'shm' needs about \d+ MiB of shared memory \(/dev/shm\)"):
         Reducer(comm, layout, WireOptions("shm"))
+
+
+@pytest.mark.parametrize("equal", [False, True], ids=["unequal", "equal"])
+@pytest.mark.parametrize("chunk", [3, 64, 1 << 18])
+def test_in_place_equals_the_packing_shm_reduce_bit_for_bit(comm, chunk, equal):
+    # The same float32 operations in the same order (scale, add in rank order, one
+    # divide; equal masses at W = 2, 4: a power-of-two total, divided by multiplying):
+    # the in-place reduce and the packing one give the same bits.
+    W = comm.size
+    masses = [gamma_mass(1 + 3 * r, 0.5) if r != 1 else 0.0 for r in range(W)]  # rank 1 idle
+    if equal:
+        masses = [1.0] * W
+    outs = []
+    for in_place in (False, True):
+        layout = WireLayout(SHAPES, chunk_elems=chunk)
+        red = Reducer(comm, layout, WireOptions("shm", "off"), in_place=in_place)
+        try:
+            staging = stage(red, rank_flat(comm.rank))
+            stats = reduce(red, staging, masses[comm.rank], masses, prepared=True)
+            outs.append((staging.copy(), stats))
+        finally:
+            red.free()
+    (a, sa), (b, sb) = outs
+    assert a.tobytes() == b.tobytes()
+    assert sb.total_mass == sa.total_mass and sb.realized and sb.post_finite
+    assert sb.post_sq == pytest.approx(sa.post_sq, rel=1e-6)
+    assert sb.diff_sq == pytest.approx(sa.diff_sq, rel=1e-5)
+
+
+def test_in_place_leaves_no_file_and_refuses_a_foreign_staging(comm):
+    import os
+
+    from flodl_mpi.shm_in_place import SHM_DIR
+
+    layout = WireLayout(SHAPES)
+    red = Reducer(comm, layout, WireOptions("shm"), in_place=True)
+    try:
+        # node rank 0 (this world's rank 0) made the file, named with its pid; it is gone already
+        ours = f"flodl_mpi_{os.getpid()}_"
+        assert not [f for f in os.listdir(SHM_DIR) if f.startswith(ours)]
+        with pytest.raises(ValueError, match="works on its own staging"):
+            red.reduce(np.zeros(layout.n, np.float32), 1.0, [1.0] * comm.size)
+    finally:
+        red.free()
+
+
+def test_in_place_falls_back_alike_when_one_rank_has_no_shm_dir(comm, monkeypatch):
+    import flodl_mpi.shm_in_place as mod
+
+    if comm.rank == comm.size - 1:
+        monkeypatch.setattr(mod, "SHM_DIR", "/nonexistent/flodl-shm")
+    red = Reducer(comm, WireLayout(SHAPES), WireOptions("shm"), in_place=True)
+    try:
+        assert red.staging is None and red.path == "shm"  # the packing reduce, on every rank
+    finally:
+        red.free()
+
+
+def test_in_place_is_taken_only_when_every_rank_asks(comm):
+    # A mixed cohort: a GPU rank's pinned staging does not ask for it (bridge._Plane).
+    red = Reducer(comm, WireLayout(SHAPES), WireOptions("shm"), in_place=comm.rank != comm.size - 1)
+    try:
+        assert red.staging is None and red.path == "shm"
+        staging = rank_flat(comm.rank)
+        masses = [1.0] * comm.size
+        reduce(red, staging, 1.0, masses, prepared=True)
+    finally:
+        red.free()
+    ref = sum(rank_flat(r).astype(np.float64) for r in range(comm.size)) / comm.size
+    assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= 1e-6
+
+
+def test_a_failed_shared_file_raises_on_every_rank_naming_the_rank(comm, monkeypatch):
+    import errno
+    import os
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if comm.rank == comm.size - 1:
+        monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=rf"failed on node rank\(s\) {comm.size - 1}: OSError: .*No space left"):
+        Reducer(comm, WireLayout(SHAPES), WireOptions("shm"), in_place=True)
