@@ -15,13 +15,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import json
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -463,7 +461,6 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
 
 def _setup(session, a: dict) -> Run:
     from flodl_mpi.launcher import settle_threads, thread_request
-    from flodl_mpi.metrics import MetricsWriter
     from flodl_mpi.models import _state_kept
     from flodl_mpi.signals import StopRequest
     from flodl_mpi.train import (
@@ -471,12 +468,11 @@ def _setup(session, a: dict) -> Run:
         _find_resume,
         _log_to_stdout,
         _make_run_dir,
-        _run_attrs,
         _setup_logging,
-        make_bridge,
         pick_device,
+        start_trainer,
     )
-    from flodl_mpi.worker import Replica, Trainer
+    from flodl_mpi.worker import Replica
     from flodl_mpi.world import agree
 
     world, watchdog = session.world, session.watchdog
@@ -578,7 +574,7 @@ def _setup(session, a: dict) -> Run:
     replica = Replica(model, device)
 
     # -- outputs: the CLI's run dir, metrics.h5 and checkpoints (rank 0)
-    run_dir, writer, ckpt, keep_rows, train_log = None, None, None, None, None
+    run_dir, ckpt, keep_rows, train_log = None, None, None, None
     if cfg.run_dir is not None:
         run_dir = _make_run_dir(cfg, comm, watchdog)
         cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
@@ -594,48 +590,16 @@ def _setup(session, a: dict) -> Run:
                 from flodl_mpi.checkpoint import load_state_dict
 
                 agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
-    attrs = _run_attrs(cfg, world, device)
-    attrs["data_source"] = data.source
-    if world.rank == 0 and run_dir is not None:
-        record = _record(cfg, a, data, model, task)  # what the user's factories built, not the CLI's defaults
-        attrs.update(config=record, loss=record["loss"])
-        resumed_at = int(ckpt.meta["round"]) if ckpt else 0
-        name = "config.json" if keep_rows is None else f"config-resume-r{resumed_at:06d}.json"
-        (run_dir / name).write_text(json.dumps(record, indent=2) + "\n")
-        writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints,
-                               keep_rows=keep_rows)
-    agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog, name_ranks=False)
-    try:
-        bridge = make_bridge(cfg, world, replica, writer, watchdog)
-        if bridge.policy.blocking:  # async trains on while a round runs: its staging must stay apart
-            replica.bind(bridge)
-        replica.snapshot(bridge)
-        bridge.broadcast(root=0)
-        replica.adopt(bridge)
-        torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
-        trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, None, log=log.info,
-                          stop=session.stop if session.stop is not None else StopRequest("resume=True"), task=task)
-        if run_dir is not None:
-            agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
-                  name_ranks=False)
-        if ckpt is not None:
-            agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
-            if callable(opt):  # resume set the config's lr and weight decay: the factory's are the run's
-                fresh = task.make_optimizer(cfg, model)  # a new optimizer over the same params, no state
-                for group, new in zip(trainer.optimizer.param_groups, fresh.param_groups):
-                    group.update({k: v for k, v in new.items() if k != "params"})
-    except BaseException:
-        if writer is not None:
-            with contextlib.suppress(Exception):
-                writer.close(timeout=10.0)
-        raise
-    if world.rank == 0 and writer is not None:
-        log.info(threads_line)
-        from flodl_mpi.train import log_header
+    def reset_groups(trainer) -> None:  # resume set the config's lr and weight decay: the factory's are the run's
+        fresh = task.make_optimizer(cfg, model)  # a new optimizer over the same params, no state
+        for group, new in zip(trainer.optimizer.param_groups, fresh.param_groups):
+            group.update({k: v for k, v in new.items() if k != "params"})
 
-        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir)  # train.log as the CLI's
-    trainer.made_progress = watchdog.progress
-    watchdog.begin("training")
+    trainer, bridge, writer = start_trainer(
+        cfg, world, watchdog, data, replica, run_dir, ckpt, keep_rows,
+        session.stop if session.stop is not None else StopRequest("resume=True"),
+        record=lambda: _record(cfg, a, data, model, task), task=task, late_header=threads_line,
+        on_resume=reset_groups if callable(opt) else None, remove_bad_new_run=False)
     _scalars.activate(book)
     bridge.start()
     run = Run(session, trainer, boundary, writer, run_dir)

@@ -58,7 +58,7 @@ from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree
 
-__all__ = ["run_train", "pick_device", "effective_batch_line", "final_line", "log_header"]
+__all__ = ["run_train", "start_trainer", "pick_device", "effective_batch_line", "final_line", "log_header"]
 
 log = logging.getLogger("flodl_mpi")
 
@@ -454,29 +454,61 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
         raise
 
 
-def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
-           run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest,
-           progress: EpochProgress | None = None) -> bool:
+def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
+                  run_dir: Path | None, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest, *,
+                  record=None, task=None, fault=None, progress: EpochProgress | None = None,
+                  late_header: str | None = None, on_resume=None,
+                  remove_bad_new_run: bool = True) -> tuple[Trainer, Bridge, MetricsWriter | None]:
+    """Open a run's outputs and build its bridge and trainer: one way for the CLI and :func:`flodl_mpi.fit`.
+
+    Collective: every rank calls it alike, after the run dir, the resume survey
+    and the checkpoint's consensus are settled. Rank 0 writes ``config.json``
+    (``config-resume-rNNNNNN.json`` on a resume) and opens ``metrics.h5``; then
+    the bridge (`make_bridge`), the consensus broadcast from rank 0, the
+    per-rank seed, the `Trainer`, the save check and the resume. Returns with
+    the watchdog on "training"; the caller starts the bridge and the epochs.
+
+    Args:
+        run_dir: None: no files (the Python API without ``run_dir``).
+        record: rank 0's config record (``flodl_mpi.run_record``), called once;
+            None: ``cfg.to_dict()`` (the CLI's).
+        task, fault, progress: the `Trainer`'s (fault also arms the bridge's
+            injected fault: ``FLODL_MPI_FAULT``, tests only).
+        late_header: None: the CLI's setup lines in train.log (header, warnings,
+            what was resumed); a line (the API's threads line): only it and the
+            header, once the trainer is ready.
+        on_resume: called with the trainer after `Trainer.resume`.
+        remove_bad_new_run: a new run whose input turned out bad during this
+            setup (InputError) leaves no run dir behind.
+
+    Raises:
+        InputError, CohortError: as `agree` (every rank alike); the metrics
+            writer is closed first.
+    """
     comm = world.comm
 
     def bridge_fault(round_: int, stage: str) -> None:
-        if fault is not None and stage == "params reduce" and fault.fires("bridge", world.rank, round_):
+        if stage == "params reduce" and fault.fires("bridge", world.rank, round_):
             raise InjectedFault(f"injected fault in the bridge (rank {world.rank}, round {round_})")
 
     attrs = _run_attrs(cfg, world, replica.device)
     attrs["data_source"] = data.source
     writer = None
-    if world.rank == 0:
+    if world.rank == 0 and run_dir is not None:
+        config = cfg.to_dict()
+        if record is not None:  # what the user's factories built, not the CLI's defaults
+            config = record()
+            attrs.update(config=config, loss=config["loss"])
         # config.json is the run's first config; each resume adds its own beside it.
         resumed_at = int(ckpt.meta["round"]) if ckpt is not None else 0
         name = "config.json" if keep_rows is None else f"config-resume-r{resumed_at:06d}.json"
-        (run_dir / name).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (run_dir / name).write_text(json.dumps(config, indent=2) + "\n")
         writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints,
                                keep_rows=keep_rows)
     agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog,
           name_ranks=False)
     try:
-        bridge = make_bridge(cfg, world, replica, writer, watchdog, fault=bridge_fault)
+        bridge = make_bridge(cfg, world, replica, writer, watchdog, fault=bridge_fault if fault is not None else None)
         if bridge.policy.blocking:  # async trains on while a round runs: its staging must stay apart
             replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
         replica.snapshot(bridge)
@@ -485,31 +517,35 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         # Per-rank randomness (dropout and the like) differs by rank, reproducibly.
         torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
 
-        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir)
-        n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
-        if n_batches < world.size:
-            log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} ranks, so "
-                     f"rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
-
-        if writer is not None:
-            for line in writer.recovered:
-                log.info(f"warning: {line}")
+        if late_header is None:
+            log_header(cfg, world.size, replica, attrs["devices"], data, run_dir)
+            n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
+            if n_batches < world.size:
+                log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} "
+                            f"ranks, so rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
+            if writer is not None:
+                for line in writer.recovered:
+                    log.info(f"warning: {line}")
         trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop,
-                          progress=progress, log_detail=log.debug)
-        if trainer.state_average is not None:
+                          progress=progress, log_detail=log.debug if late_header is None else None, task=task)
+        if trainer.state_average is not None and late_header is None:
             averaged = trainer.state_average
             log.info(f"optimizer state averaged ({averaged.mode}): {len(averaged.plan.wire)} state tensors, "
                      f"{averaged.plan.wire_bytes} more bytes per round and rank")
         # Anything that would fail at save time fails now, before an epoch of work.
-        agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
-              name_ranks=False)
+        if run_dir is not None:
+            agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
+                  name_ranks=False)
         if ckpt is not None:
             agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)
-            log.info(f"resuming from {ckpt.path.name}: {trainer.start_epoch} epoch(s) done, "
-                     f"{trainer.start_cursor} batch(es) into the next, round {bridge.version}")
-            if trainer.remapped:
-                log.info(trainer.remapped)
-        elif keep_rows is not None:
+            if on_resume is not None:
+                on_resume(trainer)
+            if late_header is None:
+                log.info(f"resuming from {ckpt.path.name}: {trainer.start_epoch} epoch(s) done, "
+                         f"{trainer.start_cursor} batch(es) into the next, round {bridge.version}")
+                if trainer.remapped:
+                    log.info(trainer.remapped)
+        elif keep_rows is not None and late_header is None:
             log.info(f"nothing to resume in {run_dir}: no complete checkpoint; starting the run again")
     except BaseException as exc:
         # Setup failed after the outputs were opened: close metrics.h5 (no "open for
@@ -519,13 +555,24 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         if writer is not None:
             with contextlib.suppress(WriterError):
                 writer.close(timeout=10.0)
-            if isinstance(exc, InputError) and keep_rows is None and ckpt is None:
+            if remove_bad_new_run and isinstance(exc, InputError) and keep_rows is None and ckpt is None:
                 shutil.rmtree(run_dir, ignore_errors=True)
         raise
-
-    # -- train
+    if late_header is not None and writer is not None:
+        log.info(late_header)
+        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir)  # train.log as the CLI's
     trainer.made_progress = watchdog.progress  # each batch trained is progress for the stall watchdog
     watchdog.begin("training")
+    return trainer, bridge, writer
+
+
+def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
+           run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest,
+           progress: EpochProgress | None = None) -> bool:
+    trainer, bridge, writer = start_trainer(cfg, world, watchdog, data, replica, run_dir, ckpt, keep_rows, stop,
+                                            fault=fault, progress=progress)
+
+    # -- train
     bridge.start()
     try:
         history = trainer.fit()
