@@ -317,7 +317,10 @@ def format_comparison(runs: Sequence[Run]) -> str:
         ("averaging (% wall, mean rank)",
          [_fmt(float(np.mean(s["averaging_pct"])), ".1f") if s["averaging_pct"] is not None else "-" for s in sums]),
         ("bytes per rank", [_fmt_bytes(s["bytes_per_rank"]) for s in sums]),
-        ("compute throughput (samples / (compute + data wait) s, sum)",
+        ("throughput (samples/s of wall time, sum)",
+         [_fmt(float(np.sum(s["wall_throughput"])), ".0f") if s["wall_throughput"] is not None else "-"
+          for s in sums]),
+        ("compute throughput (samples/s of compute + data wait, sum)",
          [_fmt(float(np.sum(s["throughput"])), ".0f") if s["throughput"] is not None else "-" for s in sums]),
     ]
     rows[:0] = [(k if k.startswith("world") else _flag(k), [str(v) for v in vals]) for k, vals in differ.items()]

@@ -404,3 +404,13 @@ def test_the_summary_tells_the_wall_clock_rate_beside_the_compute_throughput(tmp
     text = format_summary(run)
     assert ("throughput    r0 320  r1 320 samples/s of epoch wall time; compute r0 100  r1 200 samples/s of "
             "compute + data wait (means over epochs)") in text
+
+
+def test_the_comparison_sums_both_throughputs_by_name(tmp_path):
+    from flodl_mpi.report import format_comparison
+
+    runs = [load_run(write_synthetic(tmp_path / name, world_size=2, rounds=20, epochs=3)) for name in ("a", "b")]
+    lines = format_comparison(runs).splitlines()
+    wall = next(line for line in lines if line.startswith("throughput (samples/s of wall time, sum)"))
+    compute = next(line for line in lines if line.startswith("compute throughput (samples/s of compute + data wait"))
+    assert wall.split()[-2:] == ["640", "640"] and compute.split()[-2:] == ["300", "300"]  # 2 x 320; 100 + 200
