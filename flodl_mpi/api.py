@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -358,6 +359,34 @@ def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, task: UserTask) -
     return api_config(cfg.to_dict(), "fit", loss=loss, model=model, optimizer=optimizer, not_applicable=off)
 
 
+def _as_built(cfg: TrainConfig, task: UserTask, model: nn.Module) -> TrainConfig:
+    """``cfg`` with the hyperparameters of the optimizer the factory builds (no factory: ``cfg`` unchanged).
+
+    ``lr``, ``weight_decay`` and ``momentum`` (SGD's) from ``param_groups[0]``, and
+    ``optimizer`` from its class when it is one the config names (sgd, adam, adamw);
+    so train.log, metrics.h5's attributes and the checkpoints' config tell the
+    rates the run used, and a resume sets those same rates. The optimizer is a
+    throwaway over ``model``'s parameters (no state); a value the config would
+    refuse (a learning rate of 0, a tensor) keeps the config's.
+    """
+    if task.optimizer_factory is None:
+        return cfg
+    from flodl_mpi.config import OPTIMIZERS
+
+    opt = task.make_optimizer(cfg, model)
+    group = opt.param_groups[0]
+    changes = {}
+    for name in ("lr", "weight_decay", "momentum"):
+        v = group.get(name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+                and (v > 0 if name == "lr" else v >= 0):
+            changes[name] = float(v)
+    kind = type(opt).__name__.lower()
+    if kind in OPTIMIZERS:
+        changes["optimizer"] = kind
+    return dataclasses.replace(cfg, **changes)
+
+
 def _load(data, names):
     from flodl_mpi.data import DEFAULT_NAMES, DataError, dataset_from_arrays, load_dataset
 
@@ -495,8 +524,14 @@ def _setup(session, a: dict) -> Run:
                     - {"optimizer", "data", "model", "train_x", "train_y", "test_x", "test_y"})  # names= has those
         unknown = sorted(set(extra) - passable)
         if unknown:
-            raise ValueError(f"fit() got unknown option(s) {', '.join(unknown)}; the others it takes by name are "
-                             f"{', '.join(sorted(passable))}")
+            import difflib
+
+            named = [p.name for p in inspect.signature(fit).parameters.values() if p.kind != p.VAR_KEYWORD]
+            accepted = sorted(set(named) | passable)
+            close = {u: difflib.get_close_matches(u, accepted, n=1) for u in unknown}
+            raise ValueError("fit() got unknown option(s) " + ", ".join(
+                u + (f" (did you mean {close[u][0]}?)" if close[u] else "") for u in unknown)
+                + f"; the options it takes by name are {', '.join(accepted)}")
         return TrainConfig(
             data=_describe(a["data"]) if a["data"] is not None and isinstance(a["data"], (str, os.PathLike))
             else (None if a["data"] is None else "in-memory arrays"),
@@ -570,6 +605,7 @@ def _setup(session, a: dict) -> Run:
         return built
 
     model = agree(comm, "model", make_model, watchdog)
+    cfg = _as_built(cfg, task, model)  # the factory's lr, weight decay, momentum, not the CLI's defaults
     _check_same_model(model, comm)
     replica = Replica(model, device)
 
@@ -590,6 +626,7 @@ def _setup(session, a: dict) -> Run:
                 from flodl_mpi.checkpoint import load_state_dict
 
                 agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+
     def reset_groups(trainer) -> None:  # resume set the config's lr and weight decay: the factory's are the run's
         fresh = task.make_optimizer(cfg, model)  # a new optimizer over the same params, no state
         for group, new in zip(trainer.optimizer.param_groups, fresh.param_groups):

@@ -162,7 +162,7 @@ class Averager:
                 if policy not in _OWN_LOOP_POLICIES:
                     # cadence and async decide how many batches each rank trains; in your own
                     # loop you decide that, so they are flodl_mpi.fit's (and the CLI's) only.
-                    raise ValueError(f"policy must be one of {', '.join(_OWN_LOOP_POLICIES)}, got {policy!r}"
+                    raise ValueError(f"policy={policy!r}: must be one of {', '.join(_OWN_LOOP_POLICIES)}"
                                      + (" (the balanced policies set each rank's batches: use flodl_mpi.fit)"
                                         if policy in POLICIES else ""))
                 _check_int(window, "window", 1)

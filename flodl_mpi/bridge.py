@@ -540,8 +540,8 @@ class Bridge:
         if not stats.post_finite:  # read from the reduced values: every rank is here
             raise NonFiniteError(
                 f"non-finite consensus in round {self.version}: every rank's parameters were finite but their "
-                "weighted sum overflowed float32 (values near 1e38; training diverged? lower --lr); the job "
-                "stops and saves nothing from this round")
+                "weighted sum overflowed float32 (values near 1e38; training diverged? lower the learning rate); "
+                "the job stops and saves nothing from this round")
         if not stats.realized:  # skipped: pre is post
             triple = triple_from_sums(0.0, stats.pre_sq, stats.pre_sq)
         else:
@@ -692,7 +692,7 @@ def _non_finite_message(round_: int, flags: np.ndarray, on_non_finite: str) -> s
             parts.append(f"{r} ({' and '.join(what)})")
     why = ("no rank is finite" if flags.all() else "--on-non-finite stop")
     return (f"non-finite values in round {round_}: rank(s) {', '.join(parts)} had NaN or infinite values; {why}, "
-            "so the job stops (training diverged? lower --lr) and saves nothing from this round; "
+            "so the job stops (training diverged? lower the learning rate) and saves nothing from this round; "
             "checkpoints saved before stay")
 
 

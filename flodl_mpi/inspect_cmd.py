@@ -87,8 +87,20 @@ def describe_checkpoint(path: Path) -> tuple[str, bool]:
     status = {name: st for name, _, _, st in walked}
     if ckpt is not None:
         lines.append("  meta:")
+        record = ckpt.meta.get("run_record")
         for key in sorted(ckpt.meta):
+            if key == "run_record" and isinstance(record, dict):
+                continue
+            if key == "config" and isinstance(record, dict):  # a Python API run: its record tells what it used
+                lines.append(f"    {'config':<16} (the full resume config, with the CLI's defaults where the "
+                             f"{record.get('api', 'API')} run did not use a field: see run record)")
+                continue
             lines.append(f"    {key:<16} {_short(ckpt.meta[key])}")
+        if isinstance(record, dict):
+            lines.append(f"  run record (config.json of this {record.get('api', 'API')} run: what it used; "
+                         "fields it did not use are left out):")
+            for key in sorted(record):
+                lines.append(f"    {key:<24} {_short(record[key])}")
         arrays = {**ckpt.params, **ckpt.buffers}
         lines.append(f"  state dict: {len(ckpt.order)} tensors "
                      f"({sum(int(a.size) for a in ckpt.params.values())} parameter values)")

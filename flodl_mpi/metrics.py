@@ -494,6 +494,9 @@ class MetricsWriter:
     ) -> None:
         """Enqueue a checkpoint ``checkpoint_dir/name``, then pruning to ``keep_checkpoints``.
 
+        A Python API run's (root attribute ``config`` a run record with ``api``)
+        gets that record as meta ``run_record`` (what ``flodl-mpi inspect`` shows).
+
         The arrays are owned by the writer from this call on: do not modify them
         (hand over copies, e.g. the snapshot the bridge just took).
 
@@ -505,6 +508,11 @@ class MetricsWriter:
             raise ValueError("save_checkpoint needs checkpoint_dir; MetricsWriter got checkpoint_dir=None")
         if not name or Path(name).name != name:
             raise ValueError(f"name must be a plain file name, got {name!r}")
+        record = self._attrs.get("config")
+        if isinstance(record, Mapping) and "api" in record and "run_record" not in meta:
+            # A Python API run: the record of what it used (config.json's) beside the full
+            # resume config, whose fields the API did not use hold the CLI's defaults.
+            meta = {**meta, "run_record": dict(record)}
         self._put(("checkpoint", name, params, buffers, meta, list(order), list(ranks), cohort))
 
     def flush_wait(self, timeout: float | None = None) -> bool:

@@ -92,7 +92,11 @@ def summarize(run: Run) -> dict[str, Any]:
         ``skipped_rounds``; ``elapsed_s`` (the later of the last epoch's and
         round's ``time_s``); ``bytes_per_rank`` (sum of ``rounds/bytes``);
         ``averaging_pct`` (W,): per rank, 100 * (pack + allreduce + unpack) /
-        elapsed; ``throughput`` (W,) samples/s, mean over epochs;
+        elapsed; ``throughput`` (W,) samples/s of compute + data wait (metrics.h5's
+        ``per_rank_throughput``: the time in rounds, evaluation and waits for
+        peers left out), mean over epochs; ``wall_throughput`` (W,) samples /
+        the rank's epoch wall time (``per_rank_samples`` / ``per_rank_epoch_ms``),
+        mean over epochs: what the rank achieved; None when not in the file;
         ``batch_share`` (W,): the rank's batches / all batches; ``guard``:
         verdict name -> rounds (non-stable verdicts only); ``quarantined``: rank ->
         rounds it was quarantined in, from a ``rounds/quarantined`` column when the
@@ -123,7 +127,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "skipped_rounds": int(np.sum(_or_zero(run.column("rounds", "skipped")))),
         "elapsed_s": elapsed,
         "bytes_per_rank": int(np.sum(_or_zero(run.column("rounds", "bytes")))),
-        "averaging_pct": None, "throughput": None, "batch_share": None,
+        "averaging_pct": None, "throughput": None, "wall_throughput": None, "batch_share": None,
         "guard": {}, "quarantined": {}, "resumes": run.resumes, "anchor": None, "overlap": None,
         "stops": sum("stopped on request" in line for line in run.log_lines),
         "last_log": run.log_lines[-1] if run.log_lines else "",
@@ -141,6 +145,13 @@ def summarize(run: Run) -> dict[str, Any]:
         with np.errstate(invalid="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a rank never recorded: NaN, "not recorded"
             s["throughput"] = np.nanmean(thr, axis=0)
+    samples, epoch_ms = run.column("epochs", "per_rank_samples"), run.column("epochs", "per_rank_epoch_ms")
+    if samples is not None and epoch_ms is not None and samples.shape == epoch_ms.shape:
+        with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            rate = np.where((samples >= 0) & (epoch_ms > 0), samples / np.where(epoch_ms > 0, epoch_ms, 1.0) * 1e3,
+                            np.nan)
+            s["wall_throughput"] = np.nanmean(rate, axis=0)
     batches = run.column("epochs", "per_rank_batches")
     if batches is not None and batches.sum() > 0:
         s["batch_share"] = batches.sum(axis=0) / batches.sum()
@@ -164,6 +175,8 @@ def summarize(run: Run) -> dict[str, Any]:
             s["overlap"] = max(0.0, float(1.0 - wait[ok].sum() / bridge[ok].sum()))
     if W and s["throughput"] is not None and len(s["throughput"]) != W:
         s["throughput"] = None  # a file whose per-rank width disagrees with world_size: say nothing
+    if W and s["wall_throughput"] is not None and len(s["wall_throughput"]) != W:
+        s["wall_throughput"] = None
     return s
 
 
@@ -219,7 +232,8 @@ def format_summary(run: Run) -> str:
         (f"  rounds        {s['rounds']} ({s['skipped_rounds']} skipped) in {s['elapsed_s']:.1f} s;"
         f" {_fmt_bytes(s['bytes_per_rank'])} on the wire per rank"),
         f"  averaging     {_per_rank(s['averaging_pct'], '.1f')} % of wall time (pack + allreduce + unpack)",
-        (f"  throughput    {_per_rank(s['throughput'], '.0f')} samples/s (mean over epochs)"
+        (f"  throughput    {_per_rank(s['wall_throughput'], '.0f')} samples/s of epoch wall time; compute "
+         f"{_per_rank(s['throughput'], '.0f')} samples/s of compute + data wait (means over epochs)"
          if s["throughput"] is None or np.isfinite(s["throughput"]).any() else
          "  throughput    not recorded (an own loop's step() calls gave no samples=)"),
         f"  batch share   {_per_rank(s['batch_share'], '.3f')}",
@@ -303,7 +317,10 @@ def format_comparison(runs: Sequence[Run]) -> str:
         ("averaging (% wall, mean rank)",
          [_fmt(float(np.mean(s["averaging_pct"])), ".1f") if s["averaging_pct"] is not None else "-" for s in sums]),
         ("bytes per rank", [_fmt_bytes(s["bytes_per_rank"]) for s in sums]),
-        ("throughput (samples/s, sum)",
+        ("throughput (samples/s of wall time, sum)",
+         [_fmt(float(np.sum(s["wall_throughput"])), ".0f") if s["wall_throughput"] is not None else "-"
+          for s in sums]),
+        ("compute throughput (samples/s of compute + data wait, sum)",
          [_fmt(float(np.sum(s["throughput"])), ".0f") if s["throughput"] is not None else "-" for s in sums]),
     ]
     rows[:0] = [(k if k.startswith("world") else _flag(k), [str(v) for v in vals]) for k, vals in differ.items()]

@@ -128,22 +128,26 @@ def _describe_policy(cfg: TrainConfig) -> str:
     return text
 
 
-def effective_batch_line(cfg: TrainConfig, world_size: int) -> str:
+def effective_batch_line(cfg: TrainConfig, world_size: int, api: bool = False) -> str:
     """The header's line on the effective batch and the learning rate (what a user must know at W > 1).
 
     Each round averages one window of every rank, so per epoch every replica takes
     about 1/W of the steps one process would, each on ``batch_size`` samples; at
     equal ``--lr`` the cohort moves like one process with a W times larger batch.
+    ``api``: worded in :func:`flodl_mpi.fit`'s keywords (``scale_lr=True``, ``lr=``),
+    not the CLI's flags; ``cfg.lr`` is then the rate the optimizer was built with.
     """
+    scale, raise_lr = ("scale_lr=True", "lr") if api else ("--scale-lr", "--lr")
     eff = cfg.batch_size * world_size
     text = (f"batch {cfg.batch_size} per rank, effective batch {cfg.batch_size} x {world_size} rank"
             f"{'s' if world_size != 1 else ''} = {eff} samples per step of the averaged model")
     if cfg.scale_lr and world_size > 1:
         ramp = f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""
-        return f"{text}; --scale-lr: lr {cfg.lr:g} x {world_size} = {cfg.lr * world_size:g}{ramp}"
+        return f"{text}; {scale}: lr {cfg.lr:g} x {world_size} = {cfg.lr * world_size:g}{ramp}"
     if world_size > 1:
         return (f"{text}; lr {cfg.lr:g} as given (one process at batch {cfg.batch_size} would take {world_size}x "
-                f"the steps per epoch: to match it, raise --lr toward {cfg.lr * world_size:g} or add --scale-lr)")
+                f"the steps per epoch: to match it, raise {raise_lr} toward {cfg.lr * world_size:g} or "
+                f"{'set' if api else 'add'} {scale})")
     return text
 
 
@@ -195,7 +199,12 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
                 if not (run_dir / "config.json").is_file():
                     raise ValueError(f"--resume: {cfg.run_dir!r} is not empty but holds no flodl-mpi run "
                                      "(no config.json); nothing in it was touched")
-            run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # under a file, no permission, a read-only file system: one line
+                raise ValueError(f"--run-dir {cfg.run_dir!r}: cannot create it: {exc.strerror or exc}"
+                                 + (f" ({exc.filename})" if exc.filename and str(exc.filename) != cfg.run_dir
+                                    else "")) from exc
         else:
             base = time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
             for k in itertools.count():
@@ -560,7 +569,7 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
         raise
     if late_header is not None and writer is not None:
         log.info(late_header)
-        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir)  # train.log as the CLI's
+        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir, api=True)  # train.log as the CLI's
     trainer.made_progress = watchdog.progress  # each batch trained is progress for the stall watchdog
     watchdog.begin("training")
     return trainer, bridge, writer
@@ -601,13 +610,16 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
 
 
 def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: list, data: Dataset,
-               run_dir: Path) -> None:
-    """train.log's header (rank 0): ranks, policy, model size, data, run dir; then the effective batch."""
+               run_dir: Path, api: bool = False) -> None:
+    """train.log's header (rank 0): ranks, policy, model size, data, run dir; then the effective batch.
+
+    ``api``: the effective batch worded in :func:`flodl_mpi.fit`'s keywords (`effective_batch_line`).
+    """
     ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
     log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
              f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {devices}, "
              f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
-    log.info(effective_batch_line(cfg, world_size))
+    log.info(effective_batch_line(cfg, world_size, api))
 
 
 def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, run_dir: Path,

@@ -150,18 +150,24 @@ def abort(code: int = EXIT_ERROR) -> None:
 
 
 def install_excepthooks(rank: int) -> None:
-    """An uncaught exception in any thread prints with its rank and aborts the world."""
+    """An uncaught exception in any thread prints with its rank and aborts the world.
+
+    One line as the CLI's (``flodl-mpi: rank R: error: Type: message; aborting the
+    job``; a thread's names the thread), then the traceback, then ``MPI_Abort``
+    (whose launcher prints its own line).
+    """
 
     def thread_hook(args: threading.ExceptHookArgs) -> None:
         if args.exc_type is SystemExit:
             return
         name = args.thread.name if args.thread else "?"
-        print(f"flodl-mpi: rank {rank}: uncaught exception in thread {name!r}:", file=sys.stderr)
+        print(f"flodl-mpi: rank {rank}: error in thread {name!r}: {args.exc_type.__name__}: {args.exc_value}; "
+              "aborting the job", file=sys.stderr)
         traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback)
         abort(EXIT_ERROR)
 
     def main_hook(exc_type, exc, tb) -> None:
-        print(f"flodl-mpi: rank {rank}: uncaught exception:", file=sys.stderr)
+        print(f"flodl-mpi: rank {rank}: error: {exc_type.__name__}: {exc}; aborting the job", file=sys.stderr)
         traceback.print_exception(exc_type, exc, tb)
         abort(EXIT_ERROR)
 

@@ -47,7 +47,9 @@ def test_an_error_after_the_import_aborts_the_job_at_once(tmp_path):
     """)
     assert took < 120
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "flodl-mpi: rank 1: uncaught exception:" in proc.stderr  # the world's hook aborted the job
+    # the world's hook aborted the job, with the line the README promises
+    assert ("flodl-mpi: rank 1: error: FileNotFoundError: [Errno 2] No such file or directory: "
+            "'/nonexistent/data.h5'; aborting the job") in proc.stderr
     assert "FileNotFoundError" in proc.stderr and "/nonexistent/data.h5" in proc.stderr
     assert "not reached" not in proc.stdout
 
@@ -271,7 +273,7 @@ def test_boundary_verdict_from_the_gathered_columns():
 
 @pytest.mark.parametrize("call, line", [
     ("flodl_mpi.Averager(torch.nn.Linear(2, 1), policy='windows')",
-     "flodl-mpi: error: policy must be one of sync, window, got 'windows'"),
+     "flodl-mpi: error: policy='windows': must be one of sync, window"),
     ("flodl_mpi.Averager(torch.nn.Linear(2, 1), window='3')", "flodl-mpi: error: window must be an int, got str '3'"),
     ("flodl_mpi.Averager(torch.nn.Linear(2, 1), stall_timeout=-1)",
      "flodl-mpi: error: stall_timeout must be seconds > 0, got -1"),
@@ -282,12 +284,21 @@ def test_boundary_verdict_from_the_gathered_columns():
      "flodl-mpi: error: run_dir='TAKEN' is not empty (it may hold another run)"),
     ("flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=RUN, resume=True)",
      "flodl-mpi: error: resume=True: 'RUN' is not empty but holds no flodl-mpi run"),
+    ("flodl_mpi.fit(policy='windows')", "flodl-mpi: error: policy='windows': must be one of sync, "),
+    ("flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=UNDER_FILE)",
+     "flodl-mpi: error: run_dir='UNDER_FILE': cannot create it: Not a directory"),
+    ("flodl_mpi.fit(run_dir=UNDER_FILE)", "flodl-mpi: error: run_dir='UNDER_FILE': cannot create it: Not a directory"),
+    ("flodl_mpi.fit(windw=4)", ("flodl-mpi: error: fit() got unknown option(s) windw (did you mean window?); "
+                                "the options it takes by name are ")),
 ], ids=["policy", "window-type", "stall-timeout", "resume-without-run-dir", "fit-epochs", "run-dir-taken",
-        "resume-not-a-run"])
+        "resume-not-a-run", "fit-policy", "averager-run-dir-under-a-file", "fit-run-dir-under-a-file", "fit-typo"])
 def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, call, line):
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
+    under_file = taken / "notes.txt" / "run"  # a run dir under a file
+    call = call.replace("UNDER_FILE", repr(str(under_file)))
+    line = line.replace("'UNDER_FILE'", repr(str(under_file)))
     call = call.replace("TAKEN", repr(str(taken))).replace("RUN", repr(str(taken)))
     line = line.replace("'TAKEN'", repr(str(taken))).replace("'RUN'", repr(str(taken)))
     proc, took = _run(tmp_path, f"""
@@ -302,6 +313,9 @@ def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, call, 
     assert "--run-dir" not in proc.stderr and "--resume" not in proc.stderr
     assert "Traceback" not in proc.stderr and "not reached" not in proc.stdout
     assert (taken / "notes.txt").read_text() == "mine"  # nothing already there was touched
+    if "windw" in call:  # every name fit() takes, its own keywords too
+        taken_names = proc.stderr.split("options it takes by name are ", 1)[1].split("\n", 1)[0].split(", ")
+        assert {"window", "policy", "gamma", "seed", "anchor", "lr", "optimizer"} <= set(taken_names)
 
 
 def test_a_bad_argument_is_an_input_error_to_catch():
@@ -317,7 +331,7 @@ def test_a_bad_argument_is_an_input_error_to_catch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "caught InputError policy must be one of sync, window, got 'windows'" in proc.stdout
+    assert "caught InputError policy='windows': must be one of sync, window" in proc.stdout
 
 
 def test_the_api_names_its_keywords_not_the_cli_flags():

@@ -25,7 +25,7 @@ def small_model() -> nn.Module:
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"policy": "cadence"}, InputError,
-     "policy must be one of sync, window, got 'cadence' \\(the balanced policies set each rank's batches: "
+     "policy='cadence': must be one of sync, window \\(the balanced policies set each rank's batches: "
      "use flodl_mpi.fit\\)"),
     ({"policy": "sync", "window": 4}, InputError, "window=4 contradicts policy='sync'"),
     ({"policy": "window", "window": 0}, InputError, "window must be >= 1, got 0"),

@@ -87,8 +87,8 @@ def test_on_non_finite_stop_ends_every_rank_with_one_line_and_keeps_checkpoints(
     assert proc.returncode == EXIT_ERROR, proc.stderr
     lines = error_lines(proc)
     assert lines == ["flodl-mpi: error: non-finite values in round 40: rank(s) 0 (parameters/buffers) had NaN or "
-                     "infinite values; --on-non-finite stop, so the job stops (training diverged? lower --lr) and "
-                     "saves nothing from this round; checkpoints saved before stay"]
+                     "infinite values; --on-non-finite stop, so the job stops (training diverged? lower the "
+                     "learning rate) and saves nothing from this round; checkpoints saved before stay"]
     ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     assert ckpt.meta["epoch"] == 1 and all(np.isfinite(a).all() for a in ckpt.params.values())
     assert len(read_table(run_dir / "metrics.h5", "rounds")["round"]) <= 40

@@ -141,3 +141,57 @@ def test_a_fit_regression_records_its_model_optimizer_and_loss(tmp_path):
     left = (tmp_path / "left" / "train.log").read_text().splitlines()
     assert left[-1].endswith("stopped, not done (3 epochs asked); to go on, call fit() again with resume=True, "
                              "run_dir='left'")
+
+
+FIT_LR = """
+import numpy as np, torch, flodl_mpi
+from torch import nn
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 3)).astype(np.float32); y = x.sum(1, keepdims=True)
+for run_dir, scale in (("scaled", True), ("given", False)):
+    flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_shape[0], target_shape[0]),
+                  lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.5, weight_decay=1e-4),
+                  data=((x, y), (x, y)), batch_size=8, epochs=1, scale_lr=scale, run_dir=run_dir).wait()
+"""
+
+
+@pytest.mark.slow
+def test_a_fit_run_logs_and_saves_the_factorys_learning_rate(tmp_path):
+    """Issue 7: train.log and the checkpoint told the CLI's default lr 0.001 and 'adam', not the factory's SGD."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from tests.conftest import launch_argv
+
+    (tmp_path / "script.py").write_text(textwrap.dedent(FIT_LR))
+    proc = subprocess.run(launch_argv(2, sys.executable, "script.py"), cwd=tmp_path, capture_output=True, text=True,
+                          env=launch_env(), timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    scaled = (tmp_path / "scaled" / "train.log").read_text()
+    assert "; scale_lr=True: lr 0.01 x 2 = 0.02" in scaled and "--scale-lr" not in scaled
+    b = read_table(tmp_path / "scaled" / "metrics.h5", "batches")
+    np.testing.assert_allclose(b["lr"], 0.02, rtol=1e-12)  # the rate used is the one the log tells
+    given = (tmp_path / "given" / "train.log").read_text()
+    assert "lr 0.01 as given" in given and "raise lr toward 0.02 or set scale_lr=True)" in given
+    assert "--lr" not in given and "--scale-lr" not in given
+    for run in ("scaled", "given"):
+        saved = read_checkpoint(latest_checkpoint(tmp_path / run / "checkpoints")).meta["config"]
+        assert (saved["optimizer"], saved["lr"], saved["momentum"], saved["weight_decay"]) == ("sgd", 0.01, 0.5, 1e-4)
+
+
+@pytest.mark.slow
+def test_inspect_shows_an_api_runs_record_not_the_cli_defaults(tmp_path, capsys):
+    """Issue 7: an Averager run (SGD, lr 0.05)'s checkpoint read 'adam', lr 0.001, epochs 10, train_x 'train/x'."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.inspect_cmd import main
+
+    _python(tmp_path, OWN_LOOP)
+    path = latest_checkpoint(tmp_path / "own" / "checkpoints")
+    meta = read_checkpoint(path).meta
+    assert meta["run_record"] == json.loads((tmp_path / "own" / "config.json").read_text())
+    assert meta["config"]["lr"] == 0.001  # the resume config stays whole: the resume checks read it
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    record = out.split("  run record", 1)[1].split("  state dict", 1)[0]
+    assert "torch.optim.sgd:SGD" in record and '"lr": 0.05' in record and "Averager" in record
+    for cli_default in ("adam", '"lr": 0.001', "train/x", '"epochs": 10', "    batch_size ", "    seed "):
+        assert cli_default not in out.split("  state dict", 1)[0], cli_default
+    assert "    not_applicable " in record  # the fields the run did not use are named, not filled

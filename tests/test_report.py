@@ -392,3 +392,25 @@ def test_comparison_of_api_records_shows_classes_and_not_applicable(tmp_path):
     first = format_comparison([a, b]).splitlines()[0]
     assert "--optimizer 'AdamW (lr 0.02)' vs 'SGD (lr 0.05)'" in first and ": api 'fit' vs 'Averager';" in first
     assert "not_applicable" not in first and "momentum" not in first
+
+
+def test_the_summary_tells_the_wall_clock_rate_beside_the_compute_throughput(tmp_path):
+    """Issue 7: "throughput" was samples / (compute + data wait) unlabelled: two ranks of the same wall time
+    read 2x apart. Per rank and epoch: 320 samples in 1000 ms of wall time = 320 samples/s."""
+    run = load_run(write_synthetic(tmp_path / "r", world_size=2, rounds=20, epochs=3))
+    s = summarize(run)
+    np.testing.assert_allclose(s["wall_throughput"], [320.0, 320.0])
+    np.testing.assert_allclose(s["throughput"], [100.0, 200.0])
+    text = format_summary(run)
+    assert ("throughput    r0 320  r1 320 samples/s of epoch wall time; compute r0 100  r1 200 samples/s of "
+            "compute + data wait (means over epochs)") in text
+
+
+def test_the_comparison_sums_both_throughputs_by_name(tmp_path):
+    from flodl_mpi.report import format_comparison
+
+    runs = [load_run(write_synthetic(tmp_path / name, world_size=2, rounds=20, epochs=3)) for name in ("a", "b")]
+    lines = format_comparison(runs).splitlines()
+    wall = next(line for line in lines if line.startswith("throughput (samples/s of wall time, sum)"))
+    compute = next(line for line in lines if line.startswith("compute throughput (samples/s of compute + data wait"))
+    assert wall.split()[-2:] == ["640", "640"] and compute.split()[-2:] == ["300", "300"]  # 2 x 320; 100 + 200
