@@ -235,6 +235,11 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
                           timeout=180, env=launch_env(), check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed {stopped.meta['epoch']} {stopped.meta['round']}" in done.stdout
+    from flodl_mpi.report import summarize
+    from flodl_mpi.runinfo import load_run
+
+    s = summarize(load_run(run_dir))
+    assert (s["stops"], s["resumes"]) == (1, 1)  # was: stops 0, resumes 1
 
 
 # ---- item 3: ranks that call step() a different number of times ------------------------------------
