@@ -276,6 +276,22 @@ def test_uneven_step_counts_end_at_once_naming_the_ranks(tmp_path, window, where
     assert "watchdog" not in proc.stderr and "Traceback" not in proc.stderr and "not reached" not in proc.stdout
 
 
+@pytest.mark.parametrize("where", ["end_epoch", "close"])
+def test_uneven_step_counts_end_train_log_with_the_reason(tmp_path, where):
+    """With a run_dir, train.log's last line is the same reason, written once by rank 0 (was: nothing)."""
+    script = UNEVEN.replace("window=window)", "window=window, run_dir=sys.argv[3])")
+    proc, _ = _run(tmp_path, script, "1", where, str(tmp_path / "run"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    step = {"end_epoch": 8, "close": 15}[where]
+    why = (f"the ranks called step() a different number of times in this epoch (rank 0 in step() call {step}; "
+           f"rank 1 in {where}() after {step - 1} step() call(s))")
+    assert proc.stderr.count(why) == 1, proc.stderr[-2000:]  # the path reached: the boundary check
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count("failed:") == 1 and log.splitlines()[-1].split(" ", 1)[1] == f"run failed: CohortError: {why}" \
+        "; every rank must call step() equally often between end_epoch() calls (a rank without a batch calls " \
+        "step(realized=False))"
+
+
 def test_boundary_verdict_from_the_gathered_columns():
     import numpy as np
 
