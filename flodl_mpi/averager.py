@@ -243,6 +243,8 @@ class Averager:
         self._loss_finite = True
         self.epoch = 0            # epochs ended (end_epoch calls)
         self._saved_version = 0
+        #: The latest ended epoch's test figures (accuracy, loss, count): its checkpoints' (NaN, NaN, 0: none).
+        self._tests = (math.nan, math.nan, 0)
         #: Rows metrics.h5 holds per table (a checkpoint records them for a resume).
         self._metrics_rows = {"epochs": 0, "batches": 0, "scalars": 0}
         ckpt = None
@@ -330,6 +332,14 @@ class Averager:
 
             log.info(line)
 
+    def _say(self, line: str) -> None:
+        """Rank 0: a line of the run's events in train.log and on the terminal (stderr)."""
+        if self.rank == 0:
+            import sys
+
+            self._log(line)
+            print(f"flodl-mpi: {line}", file=sys.stderr, flush=True)
+
     def _resume(self, ckpt) -> None:
         """This rank's state from the checkpoint (the consensus is loaded already), as ``worker.Trainer.resume``."""
         from flodl_mpi import rank_state
@@ -348,6 +358,8 @@ class Averager:
         self.bridge.guard.load_state_dict(meta["guard"])
         self.bridge.resume_clock(float(meta["elapsed_s"]))
         self.epoch = int(meta["epoch"])
+        if meta.get("epoch_complete", True):
+            self._tests = (float(meta["test_accuracy"]), float(meta["test_loss"]), int(meta["test_count"]))
         self._metrics_rows = {k: int(meta["metrics_rows"].get(k, 0)) for k in self._metrics_rows}
 
     def _count_step(self, optimizer, args, kwargs) -> None:
@@ -430,7 +442,11 @@ class Averager:
         self._session.watchdog.progress(f"step {self.global_step}")
         if self._calls < self.cfg.window:
             return None
-        return self._round()
+        try:
+            return self._round()
+        except BaseException as exc:
+            self._note_failure(exc)
+            raise
 
     def _round(self, final: bool = False):
         self.replica.snapshot(self.bridge)
@@ -441,6 +457,9 @@ class Averager:
         self._round_pending = True
         if update.adopted:
             self.replica.adopt(self.bridge)
+        if update.quarantined:  # gathered: the same on every rank; rank 0 says it, as fit does
+            self._say(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
+                      "non-finite loss or NaN/Inf parameters: quarantined (mass 0), adopted the consensus")
         if self.rank in update.quarantined and self.optimizer is not None:
             self.optimizer.state.clear()  # the non-finite step most likely poisoned it
         self.steps -= update.steps_at_snapshot  # subtract, don't zero (SPEC §2 step 8)
@@ -454,18 +473,32 @@ class Averager:
         from flodl_mpi.errors import Stopped
 
         stop = self._session.stop
+        self._flush_round()  # the stop round's row reaches metrics.h5 before the writer closes
+        # An epoch the stop cut short (end_epoch() not called) is saved incomplete, named as the CLI's
+        # mid-epoch stop: the epoch it stopped in, "epoch" counting the epochs done.
+        complete = self._epoch_calls == 0
         if self.run_dir is not None:
-            self._save(None, "graceful_shutdown", complete=False)
-        self._finish()  # the writer thread completes the save (temporary name, then rename) before this returns
+            self._save(None, "graceful_shutdown", complete=complete)
+        where = (f"checkpoint saved in {self.run_dir / 'checkpoints'}; run the same script with resume=True "
+                 "to go on" if self.run_dir is not None else "no run_dir: nothing was saved")
+        line = (f"stopped on request ({stop.signal_name or 'a stop signal'}) in epoch {self.epoch + 1} "
+                f"after round {self.bridge.version}; {where}; exit status 4")
+        # train.log records the stop (flodl-mpi report counts it) and ends with the stop's last line, as fit's
+        last = (f"stopped, not done: {self.epoch} epoch(s) of your loop, {self.bridge.version} rounds; "
+                "exit status 4: to go on, run the same script with resume=True")
+        self._finish(last=[line, last])
         self._session.close()
         if self.rank == 0:
-            where = (f"checkpoint saved in {self.run_dir / 'checkpoints'}; run the same script with resume=True "
-                     "to go on" if self.run_dir is not None else "no run_dir: nothing was saved")
             import sys
 
-            print(f"flodl-mpi: stopped on request ({stop.signal_name or 'a stop signal'}) in epoch {self.epoch + 1} "
-                  f"after round {self.bridge.version}; {where}; exit status 4", file=sys.stderr, flush=True)
+            print(f"flodl-mpi: {line}", file=sys.stderr, flush=True)
         raise Stopped(stop.signal_name, self.bridge.version)
+
+    def _flush_round(self) -> None:
+        """Collective: a boundary gather that carries the last round's acks, so its ``rounds`` row is written."""
+        if self._round_pending:
+            self.bridge.boundary(2, self._epoch_calls)
+            self._round_pending = False
 
     def end_epoch(self, metrics: dict | None = None) -> EpochResult:
         """Close an epoch for the cohort: exchange reports, write ``metrics.h5`` rows, checkpoint when due.
@@ -488,11 +521,18 @@ class Averager:
                 :meth:`step` a different number of times in this epoch (one line
                 naming each rank and its count; exit status 1 uncaught).
         """
-        from flodl_mpi.reporting import EpochReport
-
         if self._closed:
             raise RuntimeError("Averager.end_epoch() after close()")
         sums = _check_metrics(metrics)
+        try:
+            return self._end_epoch(sums)
+        except BaseException as exc:
+            self._note_failure(exc)
+            raise
+
+    def _end_epoch(self, sums: dict[str, tuple[float, float]]) -> EpochResult:
+        from flodl_mpi.reporting import EpochReport
+
         # Shaped like a round: a peer still in step() sees this rank's end in its round (clear error, not a hang)
         self.bridge.boundary(1, self._epoch_calls)
         report = EpochReport(loss_sum=self._loss_sum, batches=self._batches,
@@ -503,6 +543,7 @@ class Averager:
         summary = self.bridge.epoch_end(report, np.array(self._rows, dtype=np.float64), self.epoch)
         self._round_pending = False
         self.epoch += 1
+        self._tests = (summary.test_accuracy, summary.test_loss, summary.test_count)
         path = None
         rows = _scalars.scalar_rows(self.epoch, {**boundary.scalars, **boundary.eval_values},
                                     {**boundary.counts, **boundary.eval_counts}, boundary.per_rank, self.world_size)
@@ -541,18 +582,23 @@ class Averager:
         from flodl_mpi.worker import state_arrays
 
         params, buffers, order = state_arrays(self.model)
+        if summary is not None:
+            tests = (summary.test_accuracy, summary.test_loss, summary.test_count)
+        else:
+            tests = self._tests if complete else (math.nan, math.nan, 0)
         meta = {
             "epoch": self.epoch, "epoch_complete": complete, "cursor": 0, "round": self.bridge.version,
             "global_step": self.global_step, "reason": reason, "world_size": self.world_size,
             "elapsed_s": self.bridge.elapsed, "config": self.cfg.to_dict(), "guard": self.bridge.guard.state_dict(),
-            "test_accuracy": getattr(summary, "test_accuracy", math.nan),
-            "test_loss": getattr(summary, "test_loss", math.nan), "test_count": getattr(summary, "test_count", 0),
+            # The epoch's test figures (a checkpoint of an epoch cut short: none measured)
+            "test_accuracy": tests[0], "test_loss": tests[1], "test_count": int(tests[2]),
             "api": "Averager", "time_unix": time.time(),
             # A round's row is written when its acks ride the next gather: the last one is
             # still pending when no epoch exchange came after it.
             "metrics_rows": {"rounds": self.bridge.version - int(self._round_pending), **self._metrics_rows},
         }
-        return checkpoint_name(max(self.epoch, 1), self.bridge.version), params, buffers, meta, order, ranks
+        # Named as the CLI's: the epoch saved (the one cut short, when not complete); "epoch" counts those done.
+        return checkpoint_name(self.epoch if complete else self.epoch + 1, self.bridge.version), params, buffers, meta, order, ranks
 
     def _check_saveable(self) -> None:
         from flodl_mpi.checkpoint import write_checkpoint
@@ -589,16 +635,29 @@ class Averager:
         """
         if self._closed:
             return
+        try:
+            self._close()
+        except BaseException as exc:
+            self._note_failure(exc)
+            raise
+
+    def _close(self) -> None:
         self.bridge.boundary(2, self._epoch_calls)  # every rank here after as many step() calls, or an error
+        self._round_pending = False  # the boundary carried the last round's acks
         if self._calls:  # the same count on every rank: a last round for the pending steps
             self._round(final=True)  # a stop asked now ends nothing: the run is done
+            self._flush_round()  # its row reaches metrics.h5 before the writer closes
         if self.run_dir is not None and self.bridge.version != self._saved_version:
-            self._save(None, "checkpoint")
-        self._finish(done=True)
+            self._save(None, "checkpoint", complete=self._epoch_calls == 0)
+        last = None
+        if self.run_dir is not None:
+            last = [(f"done: {self.epoch} epoch(s) of your loop, {self.bridge.version} rounds; metrics "
+                     f"{self.run_dir / 'metrics.h5'}, checkpoints {self.run_dir / 'checkpoints'}")]
+        self._finish(last=last)
         self._session.close()
 
-    def _finish(self, done: bool = False) -> None:
-        """Local clean-up: bridge thread, writer, hook, scalar book, train.log (its last line when ``done``)."""
+    def _finish(self, last: list[str] | None = None) -> None:
+        """Local clean-up: bridge thread, writer, hook, scalar book, train.log (ending with the ``last`` lines)."""
         self._closed = True
         if self._hook is not None:
             self._hook.remove()
@@ -606,13 +665,26 @@ class Averager:
         self.bridge.close()
         if self._writer is not None:
             self._writer.close(timeout=None)
-        if done and self.run_dir is not None:
-            self._log(f"done: {self.epoch} epoch(s) of your loop, {self.bridge.version} rounds; metrics "
-                      f"{self.run_dir / 'metrics.h5'}, checkpoints {self.run_dir / 'checkpoints'}")
+        for line in last or ():
+            self._log(line)
         from flodl_mpi.train import close_train_log
 
         close_train_log(self._train_log)
         self._train_log = None
+
+    def _note_failure(self, exc: BaseException) -> None:
+        """train.log ends with why the run failed, as the CLI's (a cohort error: rank 0's line; a rank's own: its)."""
+        from flodl_mpi.errors import Stopped
+
+        if self.run_dir is None or isinstance(exc, Stopped) or getattr(exc, "_flodl_noted", False):
+            return
+        from flodl_mpi.train import _note_failure
+
+        _note_failure(self.run_dir, self.rank, exc)
+        try:
+            exc._flodl_noted = True  # once, whether the averager or its context manager sees it first
+        except AttributeError:
+            pass
 
     def __enter__(self) -> Averager:
         return self
@@ -627,6 +699,7 @@ class Averager:
             return False
         from flodl_mpi.session import leave_on_error
 
+        self._note_failure(exc)  # an error of your loop too: train.log says why the run ended
         if isinstance(exc, CohortError) or self.world_size == 1:
             import contextlib
 

@@ -311,8 +311,8 @@ class Bridge:
         matches a peer's round, so a rank that ends its epoch while another still
         calls ``step()`` is seen by both in the same gathered matrix, and both
         raise the same error (:func:`boundary_verdict`). When every rank is at the
-        same boundary after as many ``step()`` calls, nothing else happens (no
-        round; the previous round's ack rides the next gather).
+        same boundary after as many ``step()`` calls, the previous round's acks
+        (they rode this gather) complete its ``rounds`` row; no round runs.
 
         Args:
             ending: 1 from ``end_epoch()``, 2 from ``close()``.
@@ -472,7 +472,13 @@ class Bridge:
                 # shared-memory path's node barrier in prepare), then the same gather.
                 for plane in (self._p, self._b):
                     plane.reducer.prepare(plane.staging)
-                reply = self._check_boundary(control_gather(self.comm, np.concatenate([request[1], self._ack])))
+                gathered = control_gather(self.comm, np.concatenate([request[1], self._ack]))
+                self._check_boundary(gathered)
+                # The previous round's acks rode this gather: its row is complete now (an own
+                # loop's last round, at close() or a stop, has no other gather after it).
+                self._take_acks(ROUND.read(gathered), batch_ms=np.full(self.world_size, np.nan),
+                                window=np.zeros(self.world_size), closes_window=False)
+                reply = None
             elif request[0] == "allgather":
                 self._enter("allgather")
                 reply = self._pkl5.allgather(request[1])

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 from tests.conftest import launch_argv, launch_env, launcher_kind, rank_pids
@@ -178,9 +179,29 @@ def test_a_stop_signal_saves_and_exits_4(tmp_path, script, signame, target):
     assert err.count("flodl-mpi: stopped on request") == 1, err[-3000:]  # rank 0's line, the path reached
     assert "run the same script with resume=True to go on; exit status 4" in err
     assert "Traceback" not in err and "not reached" not in out and "BAD TERMINATION" not in out + err
-    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    ckpt = read_checkpoint(latest)
     assert ckpt.meta["reason"] == "graceful_shutdown"
     assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]  # the save completed, then renamed
+    _assert_the_stop_is_recorded(run_dir, latest, ckpt.meta)
+
+
+def _assert_the_stop_is_recorded(run_dir, latest, meta) -> None:
+    """What a stopped run leaves, the same for fit and an own loop: train.log and the report count the
+    stop, every round reached metrics.h5, the checkpoint is named for the epoch it stopped in."""
+    from flodl_mpi.metrics import read_table
+    from flodl_mpi.report import summarize
+    from flodl_mpi.runinfo import load_run
+
+    log = (run_dir / "train.log").read_text().splitlines()
+    assert sum("stopped on request" in line for line in log) == 1, log[-3:]  # was 0 for an own loop
+    assert "stopped, not done" in log[-1] and "resume=True" in log[-1]
+    assert summarize(load_run(run_dir))["stops"] == 1
+    # every round up to the stop's has its row (the stop round's was lost in an own loop)
+    np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "rounds")["round"], np.arange(meta["round"]))
+    assert meta["metrics_rows"]["rounds"] == meta["round"]
+    # named as the CLI's: the epoch saved; "epoch" counts the epochs done (one fewer when the stop cut it short)
+    assert latest.name == f"ckpt-e{meta['epoch'] + (0 if meta['epoch_complete'] else 1):06d}-r{meta['round']:06d}.h5"
 
 
 def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
@@ -216,6 +237,11 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
                           timeout=180, env=launch_env(), check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed {stopped.meta['epoch']} {stopped.meta['round']}" in done.stdout
+    from flodl_mpi.report import summarize
+    from flodl_mpi.runinfo import load_run
+
+    s = summarize(load_run(run_dir))
+    assert (s["stops"], s["resumes"]) == (1, 1)  # was: stops 0, resumes 1
 
 
 # ---- item 3: ranks that call step() a different number of times ------------------------------------
@@ -250,6 +276,22 @@ def test_uneven_step_counts_end_at_once_naming_the_ranks(tmp_path, window, where
     assert proc.stderr.count("flodl-mpi: error: the ranks called step() a different number of times") == 1
     assert line in proc.stderr, proc.stderr[-2000:]
     assert "watchdog" not in proc.stderr and "Traceback" not in proc.stderr and "not reached" not in proc.stdout
+
+
+@pytest.mark.parametrize("where", ["end_epoch", "close"])
+def test_uneven_step_counts_end_train_log_with_the_reason(tmp_path, where):
+    """With a run_dir, train.log's last line is the same reason, written once by rank 0 (was: nothing)."""
+    script = UNEVEN.replace("window=window)", "window=window, run_dir=sys.argv[3])")
+    proc, _ = _run(tmp_path, script, "1", where, str(tmp_path / "run"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    step = {"end_epoch": 8, "close": 15}[where]
+    why = (f"the ranks called step() a different number of times in this epoch (rank 0 in step() call {step}; "
+           f"rank 1 in {where}() after {step - 1} step() call(s))")
+    assert proc.stderr.count(why) == 1, proc.stderr[-2000:]  # the path reached: the boundary check
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count("failed:") == 1 and log.splitlines()[-1].split(" ", 1)[1] == f"run failed: CohortError: {why}" \
+        "; every rank must call step() equally often between end_epoch() calls (a rank without a batch calls " \
+        "step(realized=False))"
 
 
 def test_boundary_verdict_from_the_gathered_columns():
@@ -352,3 +394,52 @@ def test_the_import_finds_no_launcher_and_starts_nothing():
     assert out.split() == ["False", "False"]
 
 
+
+
+# ---- an own loop's events and failures reach train.log, as fit's and the CLI's --------------------
+
+NAN_LOOP = """
+    import sys
+    import torch, flodl_mpi
+    run_dir, who = sys.argv[1], sys.argv[2]
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with flodl_mpi.Averager(model, optimizer=opt, run_dir=run_dir) as avg:
+        for epoch in range(2):
+            for i in range(4):
+                opt.zero_grad()
+                loss = model(torch.ones(3, 2)).pow(2).mean()
+                if avg.global_step == 5 and (who == "all" or avg.rank == 1):
+                    loss = loss * float("nan")  # the 6th call (sync: round 5) of rank 1, or of every rank
+                loss.backward()
+                opt.step()
+                avg.step(loss)
+            avg.end_epoch()
+    print("finished", flush=True)
+"""
+
+
+def test_a_quarantine_in_an_own_loop_is_logged(tmp_path):
+    """Rank 1's NaN loss in round 5: rank 0 says so in train.log and on the terminal, as fit does (was: silent)."""
+    proc, _ = _run(tmp_path, NAN_LOOP, str(tmp_path / "run"), "one")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = ("round 5: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined (mass 0), "
+            "adopted the consensus")
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count(line) == 1 and proc.stderr.count(line) == 1, proc.stderr[-2000:]
+    assert log.index(line) < log.index("epoch 2 ")  # logged in its epoch, when it happened
+    assert "finished" in proc.stdout
+
+
+def test_an_own_loop_failure_ends_train_log_with_the_reason(tmp_path):
+    """Every rank's loss NaN in round 5: exit 1, and train.log's last line is the reason (was: nothing)."""
+    proc, took = _run(tmp_path, NAN_LOOP, str(tmp_path / "run"), "all")
+    assert took < 120
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    # the NaN loss's gradients made the step's parameters NaN too
+    why = ("non-finite values in round 5: rank(s) 0 (loss and parameters/buffers), 1 (loss and parameters/buffers) "
+           "had NaN or infinite values; no rank is finite")
+    assert proc.stderr.count(why) == 1  # the path reached: the cohort's non-finite verdict
+    last = (tmp_path / "run" / "train.log").read_text().splitlines()[-1]
+    assert last.split(" ", 1)[1].startswith(f"run failed: NonFiniteError: {why}"), last
+    assert "finished" not in proc.stdout

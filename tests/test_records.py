@@ -155,6 +155,26 @@ for run_dir, scale in (("scaled", True), ("given", False)):
 """
 
 
+CLOSE_ROUND = """
+import numpy as np, torch, flodl_mpi
+from torch import nn
+torch.manual_seed(0)
+x = torch.randn(60, 4); y = x.sum(1, keepdim=True)
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir="own") as avg:
+    for i in range(0, 60, 20):  # 3 step() calls: a round after the 2nd; the 3rd's window runs in close()
+        opt.zero_grad(); loss = nn.functional.mse_loss(model(x[i:i+20]), y[i:i+20]); loss.backward(); opt.step()
+        avg.step(loss)
+    with torch.no_grad():
+        err = ((model(x) - y) ** 2).sum()
+    # float64 from the model's own values: the test loss the checkpoints must hold
+    w, b = model.weight.detach().double().numpy(), model.bias.detach().double().numpy()
+    print("expected", float((((x.double().numpy() @ w.T + b) - y.double().numpy()) ** 2).sum() / 60), flush=True)
+    avg.end_epoch({"loss": (err, 60)})
+"""
+
+
 @pytest.mark.slow
 def test_a_fit_run_logs_and_saves_the_factorys_learning_rate(tmp_path):
     """Issue 7: train.log and the checkpoint told the CLI's default lr 0.001 and 'adam', not the factory's SGD."""
@@ -195,3 +215,24 @@ def test_inspect_shows_an_api_runs_record_not_the_cli_defaults(tmp_path, capsys)
     for cli_default in ("adam", '"lr": 0.001', "train/x", '"epochs": 10', "    batch_size ", "    seed "):
         assert cli_default not in out.split("  state dict", 1)[0], cli_default
     assert "    not_applicable " in record  # the fields the run did not use are named, not filled
+
+
+@pytest.mark.slow
+def test_the_last_round_and_the_test_figures_reach_the_records(tmp_path):
+    """close()'s round has its metrics.h5 row, and its checkpoint the epoch's test figures (were: lost, NaN)."""
+    from flodl_mpi.checkpoint import list_checkpoints, read_checkpoint
+
+    proc = _python(tmp_path, CLOSE_ROUND)
+    expected = float(proc.stdout.split("expected ")[1].split()[0])
+    run = tmp_path / "own"
+    np.testing.assert_array_equal(read_table(run / "metrics.h5", "rounds")["round"], [0, 1])
+    saved = list_checkpoints(run / "checkpoints")
+    assert [p.name for p in saved] == ["ckpt-e000001-r000001.h5", "ckpt-e000001-r000002.h5"]
+    for path in saved:  # the epoch's checkpoint and close()'s, after the pending window's round
+        meta = read_checkpoint(path).meta
+        assert (meta["epoch"], meta["epoch_complete"], meta["test_count"]) == (1, True, 60)
+        np.testing.assert_allclose(meta["test_loss"], expected, rtol=1e-5)
+        assert np.isnan(meta["test_accuracy"])  # none measured
+        assert meta["metrics_rows"]["rounds"] == meta["round"]
+    log = (run / "train.log").read_text().splitlines()
+    assert "1 epoch(s) of your loop, 2 rounds" in log[-1]
