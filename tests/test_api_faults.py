@@ -143,6 +143,18 @@ FIT = """
 """
 
 
+def _start_until_marked(tmp_path, script):
+    """Launch ``script`` at 2 ranks with (run dir, marker) arguments; return once it wrote the marker."""
+    path, run_dir, marker = tmp_path / "script.py", tmp_path / "run", tmp_path / "started"
+    path.write_text(textwrap.dedent(script))
+    proc = subprocess.Popen(launch_argv(2, sys.executable, str(path), str(run_dir), str(marker)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+    deadline = time.monotonic() + 150
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    return proc, run_dir, marker
+
+
 @pytest.mark.parametrize("script, signame, target", [
     (OWN_LOOP, "SIGTERM", "launcher"), (OWN_LOOP, "SIGINT", "rank"), (FIT, "SIGTERM", "launcher"),
     (FIT, "SIGINT", "rank"),
@@ -150,14 +162,8 @@ FIT = """
 def test_a_stop_signal_saves_and_exits_4(tmp_path, script, signame, target):
     from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
 
-    path, run_dir, marker = tmp_path / "script.py", tmp_path / "run", tmp_path / "started"
-    path.write_text(textwrap.dedent(script))
-    proc = subprocess.Popen(launch_argv(2, sys.executable, str(path), str(run_dir), str(marker)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+    proc, run_dir, marker = _start_until_marked(tmp_path, script)
     try:
-        deadline = time.monotonic() + 150
-        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
         assert marker.exists(), "the run did not start"
         if target == "launcher" and launcher_kind() == "hydra":
             proc.send_signal(getattr(signal, signame))  # Hydra forwards it to every rank
@@ -208,14 +214,8 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
     """The stop's checkpoint is the resume's start: the consensus and the round count continue."""
     from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
 
-    path, run_dir, marker = tmp_path / "script.py", tmp_path / "run", tmp_path / "started"
-    path.write_text(textwrap.dedent(OWN_LOOP))
-    proc = subprocess.Popen(launch_argv(2, sys.executable, str(path), str(run_dir), str(marker)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+    proc, run_dir, _ = _start_until_marked(tmp_path, OWN_LOOP)
     try:
-        deadline = time.monotonic() + 150
-        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
         for pid in rank_pids(proc, str(run_dir)):
             os.kill(pid, signal.SIGTERM)
         proc.communicate(timeout=120)
