@@ -196,8 +196,9 @@ class MetricsFile:
             ``attrs``; later rows are dropped (the resumed run redoes them).
 
     The file is always built complete under a temporary name
-    (``metrics.h5.resume-tmp``), closed, fsynced, then renamed over ``path`` and
-    reopened for appending, so a kill at any point leaves either the old file or
+    (``metrics.h5.resume-tmp``), closed, fsynced, reopened for appending in SWMR
+    mode, then renamed over ``path`` (so a reader that opens ``path`` at once never
+    locks the writer out), so a kill at any point leaves either the old file or
     the new one, whole. A resume first repairs what a killed resume of an older
     flodl-mpi left (``metrics.h5.before-resume`` beside a partial file: the
     former is the history) and drops stale temporaries; `recovered` says what it did.
@@ -223,6 +224,7 @@ class MetricsFile:
             )
         #: Lines saying what a resume repaired (for the run's log).
         self.recovered: list[str] = []
+        self._file: h5py.File | None = None
         history: list[list[int]] = [[0, world_size]]
         salvaged: dict[str, dict[str, np.ndarray]] = {}
         width = world_size
@@ -248,15 +250,25 @@ class MetricsFile:
             self._build(tmp, {**attrs, "world_size": world_size, "world_size_history": history}, salvaged)
             _step("temp written")
             _fsync(tmp)
+            # Open to append before the file takes its name: once it is metrics.h5 a
+            # reader (``flodl-mpi inspect`` or ``report`` while the run starts) may open
+            # it, and a reader's lock would refuse this open (h5py: "unable to lock
+            # file"). In SWMR mode the writer no longer needs the lock.
+            self._open_writer(tmp)
+            _step("writer open")
             os.replace(tmp, self.path)  # the old file is replaced only by a complete new one
         except BaseException:
+            if self._file is not None:
+                self._file.close()
             tmp.unlink(missing_ok=True)
             raise
         with contextlib.suppress(OSError):
             _fsync(self.path.parent)
         _step("replaced")
-        # Reopen to append: every object exists already, as SWMR requires.
-        self._file = h5py.File(self.path, "r+", libver=LIBVER)
+
+    def _open_writer(self, path: Path) -> None:
+        """Open the complete file at ``path`` to append, in SWMR mode (every object exists, as SWMR requires)."""
+        self._file = h5py.File(path, "r+", libver=LIBVER)
         try:
             self._datasets = {table: {name: self._file[table][name] for name in columns}
                               for table, columns in self.schema.items()}

@@ -272,7 +272,7 @@ def _assert_resumed_history(path, rounds=6):
     assert leftovers == [], leftovers
 
 
-@pytest.mark.parametrize("point", ["salvaged", "temp partial", "temp written", "replaced"])
+@pytest.mark.parametrize("point", ["salvaged", "temp partial", "temp written", "writer open", "replaced"])
 def test_a_resume_killed_at_any_step_loses_nothing(tmp_path, point):
     """kill -9 (os._exit) at each step of the rebuild, then resume again: every kept row is there."""
     import subprocess
@@ -294,6 +294,37 @@ def test_a_resume_killed_at_any_step_loses_nothing(tmp_path, point):
     with MetricsFile(path, W, {}, keep_rows=KEEP) as f:  # the next resume
         f.append("rounds", _rounds(W, 6, 2))
     _assert_resumed_history(path, rounds=8)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_reader_opening_the_file_as_soon_as_it_is_named_does_not_lock_the_writer_out(tmp_path, monkeypatch,
+                                                                                     resume):
+    """``flodl-mpi inspect`` while a run starts: a SWMR reader that opens metrics.h5 the moment it is
+    renamed into place (and keeps it open) must not make the writer's open fail ("unable to lock
+    file", the run's rank 0 then failed with exit 1)."""
+    from flodl_mpi import metrics
+
+    path = tmp_path / "metrics.h5"
+    if resume:
+        _history(path, 10)
+    readers = []
+
+    def open_a_reader(step):
+        if step == "replaced":  # the file has its name: a reader opens it at once
+            readers.append(h5py.File(path, "r", libver="latest", swmr=True))
+
+    monkeypatch.setattr(metrics, "_step", open_a_reader)
+    try:
+        f = MetricsFile(path, W, {}, keep_rows=KEEP if resume else None)
+        assert readers, "the hook did not run: the test proves nothing"
+        with f:
+            f.append("rounds", _rounds(W, 6 if resume else 0, 2))
+        readers[0]["rounds/round"].refresh()
+        assert readers[0]["rounds/round"].shape[0] == (8 if resume else 2)  # it reads the live file
+    finally:
+        for r in readers:
+            r.close()
+    np.testing.assert_array_equal(read_table(path, "rounds")["round"], np.arange(8 if resume else 2))
 
 
 @pytest.mark.parametrize("left", ["48 bytes", "partial", "complete", "nothing"])

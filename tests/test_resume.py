@@ -47,6 +47,7 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
     proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", *epochs,
                              "--run-dir", str(stopped)),
                              env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = ""
     try:
         deadline, rows = time.monotonic() + 120, 0
         while rows < 30 and time.monotonic() < deadline:  # into epoch 2 (23 rounds an epoch)
@@ -57,11 +58,11 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
         pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
         for pid in (int(p) for p in pids if int(p) != proc.pid):
             os.kill(pid, signal.SIGUSR1)
-        proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
         proc.communicate()  # closes the pipes
-    assert proc.returncode == EXIT_STOPPED  # stopped, resumable: not done
+    assert proc.returncode == EXIT_STOPPED, err[-3000:]  # stopped, resumable: not done
     ckpt, _ = _final_state(stopped)
     assert ckpt.meta["reason"] == "graceful_shutdown" and ckpt.meta["round"] < 92
     assert not ckpt.meta["epoch_complete"] and 0 < ckpt.meta["cursor"] < 45  # the stop was mid-epoch
