@@ -67,6 +67,13 @@ def _model_name(model: nn.Module) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def _optimizer_name(optimizer) -> str:
+    """The resume config's ``optimizer`` (a resume checks it against the saved state); none: the default."""
+    from flodl_mpi.run_record import optimizer_name
+
+    return TrainConfig.optimizer if optimizer is None else optimizer_name(optimizer)
+
+
 class Averager:
     """Average a model across ranks from your own loop: call :meth:`step` after each optimizer step.
 
@@ -188,7 +195,8 @@ class Averager:
                                    run_dir=None if run_dir is None else str(run_dir),
                                    checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                                    stall_timeout=float(stall_timeout), on_non_finite=on_non_finite,
-                                   chunk_elems=chunk_elems, optimizer="adam", resume=bool(resume))
+                                   chunk_elems=chunk_elems, optimizer=_optimizer_name(optimizer),
+                                   resume=bool(resume))
             except TypeError as exc:  # the wrong kind is bad input too (agree: ValueError is input)
                 raise ValueError(str(exc)) from None
 
@@ -261,7 +269,8 @@ class Averager:
             self.run_dir = _make_run_dir(self.cfg, comm, watchdog)
             keep_rows = None
             if self.cfg.resume:
-                ckpt, keep_rows = _find_resume(self.cfg, self.run_dir, world, watchdog, 0)
+                ckpt, keep_rows = _find_resume(self.cfg, self.run_dir, world, watchdog, 0,
+                                               check_optimizer=self.optimizer is not None)
                 if ckpt is not None:
                     from flodl_mpi.checkpoint import load_state_dict
 
