@@ -198,6 +198,10 @@ class Run:
             raise
         except BaseException as exc:
             self._fail(exc)
+            from flodl_mpi.session import api_words
+
+            if api_words(exc) is not exc:  # a cohort error naming the CLI's flags (--on-non-finite stop)
+                raise api_words(exc) from exc.__cause__
             raise
         self.close()
         if not self._trainer.done:  # a stop round ended the epochs (gathered: every rank alike)

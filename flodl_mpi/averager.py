@@ -454,8 +454,10 @@ class Averager:
         try:
             return self._round()
         except BaseException as exc:
-            self._note_failure(exc)
-            raise
+            words = self._failing(exc)
+            if words is exc:
+                raise
+            raise words from exc.__cause__
 
     def _round(self, final: bool = False):
         self.replica.snapshot(self.bridge)
@@ -486,6 +488,7 @@ class Averager:
         # An epoch the stop cut short (end_epoch() not called) is saved incomplete, named as the CLI's
         # mid-epoch stop: the epoch it stopped in, "epoch" counting the epochs done.
         complete = self._epoch_calls == 0
+        self._write_cut_rows()  # the batches of the epoch the stop cut short, before the save counts them
         if self.run_dir is not None:
             self._save(None, "graceful_shutdown", complete=complete)
         where = (f"checkpoint saved in {self.run_dir / 'checkpoints'}; run the same script with resume=True "
@@ -536,8 +539,10 @@ class Averager:
         try:
             return self._end_epoch(sums)
         except BaseException as exc:
-            self._note_failure(exc)
-            raise
+            words = self._failing(exc)
+            if words is exc:
+                raise
+            raise words from exc.__cause__
 
     def _end_epoch(self, sums: dict[str, tuple[float, float]]) -> EpochResult:
         from flodl_mpi.reporting import EpochReport
@@ -647,8 +652,10 @@ class Averager:
         try:
             self._close()
         except BaseException as exc:
-            self._note_failure(exc)
-            raise
+            words = self._failing(exc)
+            if words is exc:
+                raise
+            raise words from exc.__cause__
 
     def _close(self) -> None:
         self.bridge.boundary(2, self._epoch_calls)  # every rank here after as many step() calls, or an error
@@ -656,6 +663,8 @@ class Averager:
         if self._calls:  # the same count on every rank: a last round for the pending steps
             self._round(final=True)  # a stop asked now ends nothing: the run is done
             self._flush_round()  # its row reaches metrics.h5 before the writer closes
+        if self._epoch_calls:  # the same count on every rank: steps after the last end_epoch()
+            self._write_cut_rows()
         if self.run_dir is not None and self.bridge.version != self._saved_version:
             self._save(None, "checkpoint", complete=self._epoch_calls == 0)
         last = None
@@ -680,6 +689,58 @@ class Averager:
 
         close_train_log(self._train_log)
         self._train_log = None
+
+    def _write_cut_rows(self) -> None:
+        """Collective: the batch rows of an epoch :meth:`end_epoch` did not close reach metrics.h5.
+
+        A stop, :meth:`close` after more steps, or a cohort-wide error cut the epoch
+        short; its batches were trained, so the ``batches`` table holds them (the
+        ``epochs`` table gets no row: the epoch did not end). Every rank calls it at
+        the same point: after a round or boundary check that every rank passed, or
+        that raised the same :class:`CohortError` on every rank (then the bridge is
+        done, on every rank, and the rows go over its communicator directly).
+        """
+        from flodl_mpi.errors import RoundError
+        from flodl_mpi.reporting import BATCH_COLUMNS
+
+        if self.run_dir is None:  # no rows were kept (the same on every rank: the run dir is agreed)
+            return
+        rows = np.array(self._rows, dtype=np.float64).reshape(-1, len(BATCH_COLUMNS))
+        self._rows = []
+        try:
+            gathered = self.bridge.gather_to_root(rows)
+        except RoundError:  # the bridge failed (before any collective): its thread is done
+            from mpi4py.util import pkl5
+
+            gathered = pkl5.Intracomm(self.bridge.comm).gather(rows, root=0)
+        if gathered is None:  # not rank 0
+            return
+        table = np.concatenate(gathered)
+        self._metrics_rows["batches"] += len(table)  # rank 0's count: the checkpoints' metrics_rows
+        if self._writer is not None and len(table):
+            from flodl_mpi.recorder import batch_columns
+
+            self._writer.append("batches", batch_columns(table))
+
+    def _failing(self, exc: BaseException) -> BaseException:
+        """An error leaves :meth:`step`, :meth:`end_epoch` or :meth:`close`: the exception to raise.
+
+        A :class:`CohortError` (the same on every rank, decided from a gathered
+        verdict: unequal step counts, non-finite values) writes the cut-short
+        epoch's batch rows first, and names ``fit``'s keywords, not the CLI's flags
+        (``on_non_finite='stop'``); train.log ends with it.
+        """
+        import contextlib
+
+        from flodl_mpi.errors import CohortError
+        from flodl_mpi.session import api_words
+
+        if isinstance(exc, CohortError) and not self._closed:
+            with contextlib.suppress(Exception):  # the error is the news: the rows are a courtesy
+                self._write_cut_rows()
+        words = api_words(exc)
+        self._note_failure(words)
+        return words
 
     def _note_failure(self, exc: BaseException) -> None:
         """train.log ends with why the run failed, as the CLI's (a cohort error: rank 0's line; a rank's own: its)."""

@@ -345,24 +345,38 @@ def _close_open_sessions() -> None:
         session.close()
 
 
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The options whose value is one of a few words, by config name."""
+    from flodl_mpi import config as c
+
+    return {"policy": c.POLICIES, "optimizer": c.OPTIMIZERS, "device": c.DEVICES, "on_non_finite": c.ON_NON_FINITE,
+            "outer": c.OUTERS, "node_reduce": c.NODE_REDUCES, "hierarchical": c.HIERARCHICAL,
+            "average_optimizer_state": c.AVERAGE_OPTIMIZER_STATE, "async_adopt": c.ASYNC_ADOPTS}
+
+
 def _api_word(match) -> str:
     from flodl_mpi.config import TrainConfig
 
-    name = match.group(1).replace("-", "_")
+    name, word = match.group(1).replace("-", "_"), match.group(3)
+    if word is not None and word in _choices().get(name, ()):  # --on-non-finite stop: on_non_finite='stop'
+        return f"{name}={word!r}"
     if isinstance(getattr(TrainConfig(), name, None), bool):
-        return f"{name}=True"
-    return f"{name}=" if match.group(2) else name
+        text = f"{name}=True"
+    else:
+        text = f"{name}=" if match.group(2) else name
+    return text if word is None else f"{text} {word}"
 
 
 def api_words(exc: BaseException) -> BaseException:
     """``exc`` in the Python API's words: a :class:`CohortError` whose message names the
-    CLI's flags (``--run-dir 'x'``, ``--resume``) comes back as the same class naming the
-    keywords (``run_dir='x'``, ``resume=True``); anything else is returned as it is."""
+    CLI's flags (``--run-dir 'x'``, ``--resume``, ``--on-non-finite stop``) comes back as
+    the same class naming the keywords (``run_dir='x'``, ``resume=True``,
+    ``on_non_finite='stop'``); anything else is returned as it is."""
     import re
 
     if not isinstance(exc, CohortError) or "--" not in str(exc):
         return exc
-    text = re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)( (?=['\"\d(]))?", _api_word, str(exc))
+    text = re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)(?:( (?=['\"\d(]))| ([a-z][a-z0-9-]*\b))?", _api_word, str(exc))
     new = type(exc)(text)
     new.__cause__, new.__traceback__ = exc.__cause__, exc.__traceback__
     return new

@@ -443,3 +443,96 @@ def test_an_own_loop_failure_ends_train_log_with_the_reason(tmp_path):
     last = (tmp_path / "run" / "train.log").read_text().splitlines()[-1]
     assert last.split(" ", 1)[1].startswith(f"run failed: NonFiniteError: {why}"), last
     assert "finished" not in proc.stdout
+
+
+# ---- issue 7 left: a non-finite stop in the API's words; the cut-short epoch's batch rows -------------------------
+
+FIT_NAN = """
+    import torch, flodl_mpi
+    from flodl_mpi.launcher import launcher_rank
+
+    def step(model, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        return loss * float("nan") if launcher_rank() == 1 else loss   # rank 1 diverges at once
+
+    flodl_mpi.fit(train_step=step, epochs=2, on_non_finite="stop", eval_every=0).wait()
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("shape", ["own-loop", "fit"])
+def test_a_non_finite_stop_names_the_api_keyword(tmp_path, shape):
+    """Issue 7 left: the stop's message named the CLI's `--on-non-finite stop` in the API."""
+    if shape == "fit":
+        proc, took = _run(tmp_path, FIT_NAN)
+        first = "non-finite values in round 0: rank(s) 1 (loss"
+    else:
+        script = NAN_LOOP.replace("run_dir=run_dir)", "run_dir=run_dir, on_non_finite='stop')")
+        proc, took = _run(tmp_path, script, str(tmp_path / "run"), "one")
+        first = "non-finite values in round 5: rank(s) 1 (loss"
+    assert took < 120
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    words = "had NaN or infinite values; on_non_finite='stop', so the job stops (training diverged? lower the learning"
+    assert proc.stderr.count(f"flodl-mpi: error: {first}") == 1, proc.stderr[-2000:]  # the path: the stop verdict
+    assert proc.stderr.count(words) == 1 and "--on-non-finite" not in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "not reached" not in proc.stdout and "finished" not in proc.stdout
+    if shape == "own-loop":
+        last = (tmp_path / "run" / "train.log").read_text().splitlines()[-1]
+        assert f"run failed: NonFiniteError: {first}" in last and words in last, last
+
+
+def _assert_every_batch_is_recorded(run_dir, global_steps: dict[int, int]) -> None:
+    """metrics.h5's batches table holds one row per realized step of each rank: steps 1..global_step."""
+    from flodl_mpi.metrics import read_table
+
+    b = read_table(run_dir / "metrics.h5", "batches")
+    for rank, n in global_steps.items():
+        np.testing.assert_array_equal(np.sort(b["step"][b["rank"] == rank]), np.arange(1, n + 1))
+    assert len(b["step"]) == sum(global_steps.values())
+
+
+def test_a_stopped_own_loop_records_the_batches_of_the_epoch_it_cut_short(tmp_path):
+    """Issue 7 left: the stop's epoch had its rounds in metrics.h5 but not its batches."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint, read_rank_state
+
+    proc, run_dir, marker = _start_until_marked(tmp_path, OWN_LOOP)
+    try:
+        assert marker.exists(), "the run did not start"
+        for pid in rank_pids(proc, str(run_dir)):
+            os.kill(pid, signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 4
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    meta = read_checkpoint(latest).meta
+    assert not meta["epoch_complete"]  # a step()'s round carried the stop: always within an epoch
+    steps = {r: read_rank_state(latest, r)[1]["global_step"] for r in (0, 1)}
+    assert steps[0] == steps[1] > 8 * meta["epoch"]  # steps of the epoch cut short
+    _assert_every_batch_is_recorded(run_dir, steps)
+    assert meta["metrics_rows"]["batches"] == sum(steps.values())  # a resume keeps them
+
+
+UNEVEN_WITH = """
+    import sys
+    import torch, flodl_mpi
+    from flodl_mpi.launcher import launcher_rank
+    with flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=sys.argv[1]) as avg:
+        for epoch in range(2):
+            for i in range(8 if launcher_rank() == 0 or epoch == 0 else 7):   # rank 1's loader is one short
+                avg.step(0.5)
+            avg.end_epoch()
+    print("not reached", flush=True)
+"""
+
+
+def test_uneven_step_counts_record_the_batches_each_rank_trained(tmp_path):
+    """Issue 7 left: the epoch the uneven counts ended had no batch rows; each rank's are there now."""
+    proc, took = _run(tmp_path, UNEVEN_WITH, str(tmp_path / "run"))
+    assert took < 120
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.count("flodl-mpi: error: the ranks called step() a different number of times in this epoch "
+                             "(rank 0 in step() call 8; rank 1 in end_epoch() after 7 step() call(s))") == 1
+    _assert_every_batch_is_recorded(tmp_path / "run", {0: 16, 1: 15})

@@ -344,3 +344,32 @@ def test_an_rmsprop_factory_is_recorded_inspected_and_resumed(tmp_path, capsys):
     resumed = _fit_opt(tmp_path, "rmsprop", "2", "resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "epochs [2]" in resumed.stdout and "note:" not in (tmp_path / "run" / "train.log").read_text()
+
+
+CLOSE_MID_EPOCH = """
+import torch, flodl_mpi
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with flodl_mpi.Averager(model, optimizer=opt, run_dir="own") as avg:
+    for epoch in range(2):
+        for i in range(5 if epoch == 0 else 3):
+            opt.zero_grad(); loss = model(torch.ones(4, 2)).pow(2).mean(); loss.backward(); opt.step()
+            avg.step(loss, samples=4)
+        if epoch == 0:
+            avg.end_epoch()
+    # the loop leaves epoch 2 after 3 steps without end_epoch(): close() ends the run
+"""
+
+
+@pytest.mark.slow
+def test_an_own_loop_closed_mid_epoch_records_every_batch(tmp_path):
+    """Issue 7 left: the steps after the last end_epoch() had rounds in metrics.h5 but no batch rows."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+
+    _python(tmp_path, CLOSE_MID_EPOCH)
+    b = read_table(tmp_path / "own" / "metrics.h5", "batches")
+    assert b["step"].tolist() == list(range(1, 9)) and b["epoch"].tolist() == [1] * 5 + [2] * 3
+    assert np.isfinite(b["loss"]).all() and (b["rank"] == 0).all()
+    assert len(read_table(tmp_path / "own" / "metrics.h5", "epochs")["epoch"]) == 1  # epoch 2 did not end
+    meta = read_checkpoint(latest_checkpoint(tmp_path / "own" / "checkpoints")).meta
+    assert not meta["epoch_complete"] and meta["metrics_rows"]["batches"] == 8  # a resume keeps all eight
