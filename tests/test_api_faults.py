@@ -536,3 +536,70 @@ def test_uneven_step_counts_record_the_batches_each_rank_trained(tmp_path):
     assert proc.stderr.count("flodl-mpi: error: the ranks called step() a different number of times in this epoch "
                              "(rank 0 in step() call 8; rank 1 in end_epoch() after 7 step() call(s))") == 1
     _assert_every_batch_is_recorded(tmp_path / "run", {0: 16, 1: 15})
+
+
+# ---- issue 7 left: a stop signal after the import, before the run opens --------------------------------------------
+
+BEFORE_RUN = """
+    import sys, time
+    from pathlib import Path
+    import flodl_mpi   # under a launcher: MPI starts here
+    run_dir, marker = sys.argv[1], Path(sys.argv[2])
+    if flodl_mpi.launcher.launcher_rank() == 0:
+        marker.write_text("imported")
+    time.sleep(100)    # the script's own setup: loading its data
+    flodl_mpi.fit(epochs=2, run_dir=run_dir).wait()
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signame, target", [("SIGTERM", "ranks"), ("SIGUSR1", "ranks"), ("SIGINT", "launcher")],
+                         ids=["sigterm-every-rank", "sigusr1-every-rank", "ctrl-c-launcher"])
+def test_a_stop_signal_before_the_run_opens_exits_4_at_once(tmp_path, signame, target):
+    """Issue 7 left: between `import flodl_mpi` and fit(), Ctrl-C was exit 1 and SIGTERM 15: a job script that
+    requeues on 4 dropped the job. Nothing is trained yet: the job ends now, status 4, one line."""
+    if target == "launcher" and launcher_kind() != "hydra":
+        pytest.skip("Open MPI's mpirun ends the job itself on a signal (its own status)")
+    proc, run_dir, marker = _start_until_marked(tmp_path, BEFORE_RUN)
+    try:
+        assert marker.exists(), "the script did not import flodl_mpi"
+        time.sleep(1)  # every rank past its import
+        if target == "launcher":
+            proc.send_signal(getattr(signal, signame))  # Hydra forwards it to every rank
+        else:  # as scancel and Slurm's --signal do
+            for pid in rank_pids(proc, str(run_dir)):
+                os.kill(pid, getattr(signal, signame))
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert took < 30  # not the 100 s of setup: the path is the handler installed at the import
+    assert proc.returncode == 4, err[-3000:]
+    assert err.count(f"flodl-mpi: {signame} before the run opened (flodl_mpi.fit or Averager): nothing trained, "
+                     "nothing to save; exit status 4") == 1, err[-3000:]
+    assert "Traceback" not in err and "not reached" not in out and "BAD TERMINATION" not in out + err
+    assert not run_dir.exists()
+
+
+def test_the_scripts_own_handlers_come_back_after_the_run(tmp_path):
+    """The import's handler lasts until the first run opens; after the last run, the script's own come back."""
+    proc, took = _run(tmp_path, """
+        import signal
+        import torch
+        def mine(signum, frame):
+            pass
+        signal.signal(signal.SIGTERM, mine)
+        import flodl_mpi
+        from flodl_mpi.session import _stop_before_run
+        assert signal.getsignal(signal.SIGTERM) is _stop_before_run
+        assert signal.getsignal(signal.SIGINT) is _stop_before_run
+        with flodl_mpi.Averager(torch.nn.Linear(2, 1)) as avg:
+            avg.step()
+        print("after", signal.getsignal(signal.SIGTERM) is mine,
+              signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+    """)
+    assert took < 120
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("after True True") == 2, proc.stdout
