@@ -507,11 +507,11 @@ def _setup(session, a: dict) -> Run:
     from flodl_mpi.signals import StopRequest
     from flodl_mpi.train import (
         _check_same_model,
-        _find_resume,
         _log_to_stdout,
         _make_run_dir,
         _setup_logging,
         pick_device,
+        resume_point,
         start_trainer,
     )
     from flodl_mpi.worker import Replica
@@ -632,15 +632,10 @@ def _setup(session, a: dict) -> Run:
         if world.rank == 0:
             train_log = _setup_logging(run_dir, world.rank)  # train.log, as the CLI's; closed with the run
             log.setLevel(min(log.level or logging.INFO, logging.INFO))
-        if cfg.resume:
-            ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n)
-            if ckpt is not None and world.rank == 0:
-                kept = _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))
-                keep_rows = {**keep_rows, "scalars": kept}
-            if ckpt is not None:
-                from flodl_mpi.checkpoint import load_state_dict
-
-                agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+        ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
+        if ckpt is not None and world.rank == 0:
+            kept = _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))
+            keep_rows = {**keep_rows, "scalars": kept}
 
     def reset_groups(trainer) -> None:  # resume set the config's lr and weight decay: the factory's are the run's
         fresh = task.make_optimizer(cfg, model)  # a new optimizer over the same params, no state

@@ -237,7 +237,7 @@ class Averager:
     def _setup(self, broadcast: bool) -> None:
         from flodl_mpi.bridge import Bridge
         from flodl_mpi.metrics import MetricsWriter
-        from flodl_mpi.train import _check_same_model, _find_resume, _make_run_dir, _run_attrs
+        from flodl_mpi.train import _check_same_model, _make_run_dir, _run_attrs, resume_point
         from flodl_mpi.worker import Replica
         from flodl_mpi.world import agree
 
@@ -267,14 +267,8 @@ class Averager:
         self._train_log = None
         if self.cfg.run_dir is not None:
             self.run_dir = _make_run_dir(self.cfg, comm, watchdog)
-            keep_rows = None
-            if self.cfg.resume:
-                ckpt, keep_rows = _find_resume(self.cfg, self.run_dir, world, watchdog, 0,
-                                               check_optimizer=self.optimizer is not None)
-                if ckpt is not None:
-                    from flodl_mpi.checkpoint import load_state_dict
-
-                    agree(comm, "resume", lambda: self.model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+            ckpt, keep_rows = resume_point(self.cfg, self.run_dir, world, watchdog, self.model, 0,
+                                           check_optimizer=self.optimizer is not None)
             if world.rank == 0:
                 import json
 

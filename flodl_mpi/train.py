@@ -302,6 +302,22 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     return ckpt, ckpt.meta["metrics_rows"]
 
 
+def resume_point(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, model: torch.nn.Module,
+                 data_n: int, check_optimizer: bool = True):
+    """Where a run in ``run_dir`` goes on: ``(checkpoint or None, keep_rows or None)``, ``(None, None)`` without ``resume``.
+
+    The CLI's, ``fit``'s and the ``Averager``'s one way: `_find_resume` (the checks, the
+    rows to keep), then the checkpoint's consensus loaded into ``model`` on every rank.
+    Collective. Raises as `_find_resume`.
+    """
+    if not cfg.resume:
+        return None, None
+    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data_n, check_optimizer)
+    if ckpt is not None:  # the consensus, on every rank alike
+        agree(world.comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+    return ckpt, keep_rows
+
+
 def _check_optimizer(cfg: TrainConfig, path: Path, recorded: str | None, held: str | None, rank: int) -> None:
     """Refuse a resume whose optimizer is not the one whose state ``path`` holds.
 
@@ -488,9 +504,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
     _setup_logging(run_dir, world.rank)
     log.info(threads_line)
-    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n) if cfg.resume else (None, None)
-    if ckpt is not None:  # the consensus, on every rank alike
-        agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+    ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
     try:
         return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows, stop,
                       _progress_mode(args, world.rank))

@@ -383,6 +383,11 @@ def test_the_api_names_its_keywords_not_the_cli_flags():
     text = str(api_words(InputError("--run-dir '/x' holds a flodl-mpi run: add --resume to continue it; "
                                     "--batch-size 32 (was 16)")))
     assert text == "run_dir='/x' holds a flodl-mpi run: add resume=True to continue it; batch_size=32 (was 16)"
+    # a choice's bare value is the keyword's string (issue 7 left: `--on-non-finite stop` in an own loop)
+    text = str(api_words(InputError("--average-optimizer-state mean is not supported with --policy async; use "
+                                    "--average-optimizer-state off; --on-non-finite stop, so; add --resume to go on")))
+    assert text == ("average_optimizer_state='mean' is not supported with policy='async'; use "
+                    "average_optimizer_state='off'; on_non_finite='stop', so; add resume=True to go on")
     plain = ValueError("--run-dir")
     assert api_words(plain) is plain
 

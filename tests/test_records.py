@@ -373,3 +373,30 @@ def test_an_own_loop_closed_mid_epoch_records_every_batch(tmp_path):
     assert len(read_table(tmp_path / "own" / "metrics.h5", "epochs")["epoch"]) == 1  # epoch 2 did not end
     meta = read_checkpoint(latest_checkpoint(tmp_path / "own" / "checkpoints")).meta
     assert not meta["epoch_complete"] and meta["metrics_rows"]["batches"] == 8  # a resume keeps all eight
+
+
+@pytest.mark.slow
+def test_the_cli_checks_the_optimizer_against_the_saved_state(tmp_path):
+    """The CLI's resume check reads the same fact (the rank state's class): one line naming both, exit 2."""
+    import time
+
+    from flodl_mpi.checkpoint import latest_checkpoint
+    from tests.conftest import run_flodl
+
+    run = str(tmp_path / "run")
+    first = run_flodl(1, "train", "--optimizer", "sgd", "--epochs", "1", "--run-dir", run)
+    assert first.returncode == 0, first.stderr[-2000:]
+    path = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    t0 = time.monotonic()
+    again = run_flodl(1, "train", "--optimizer", "adam", "--epochs", "2", "--run-dir", run, "--resume")
+    assert time.monotonic() - t0 < 120
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert again.stderr.count(f"flodl-mpi: error: --resume: {path} holds the optimizer state of SGD, this run builds "
+                              "Adam (--optimizer 'adam'); resume with the optimizer the run was started with") == 1
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints") == path
+    config = tmp_path / "opt.toml"
+    config.write_text('optimizer = "torch.optim.rmsprop:RMSprop"\n')  # an API run's record is not a CLI choice
+    bad = run_flodl(1, "train", "--config", str(config), "--epochs", "1", "--run-dir", str(tmp_path / "new"))
+    assert bad.returncode == 2
+    assert bad.stderr.count("flodl-mpi: error: --optimizer 'torch.optim.rmsprop:RMSprop': must be one of sgd, adam, "
+                            "adamw") == 1, bad.stderr[-2000:]
