@@ -198,6 +198,10 @@ class Run:
             raise
         except BaseException as exc:
             self._fail(exc)
+            from flodl_mpi.session import api_words
+
+            if api_words(exc) is not exc:  # a cohort error naming the CLI's flags (--on-non-finite stop)
+                raise api_words(exc) from exc.__cause__
             raise
         self.close()
         if not self._trainer.done:  # a stop round ended the epochs (gathered: every rank alike)
@@ -330,8 +334,12 @@ def _describe(obj) -> str | None:
     return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
-def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, task: UserTask) -> dict:
-    """config.json of a :func:`fit` run (`flodl_mpi.run_record`): the model, optimizer and loss as built."""
+def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, optimizer) -> dict:
+    """config.json of a :func:`fit` run (`flodl_mpi.run_record`): the model, optimizer and loss as built.
+
+    ``optimizer``: the run's optimizer as the trainer builds it (a throwaway, no
+    state; None when the factory failed: the trainer reports that on every rank).
+    """
     from flodl_mpi.config import BALANCED_POLICIES
     from flodl_mpi.run_record import api_config
 
@@ -352,28 +360,35 @@ def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, task: UserTask) -
         off.add("easgd_alpha")
     if cfg.outer == "avg":
         off |= {"outer_lr", "outer_momentum", "outer_reset_inner"}
-    try:
-        optimizer = task.make_optimizer(cfg, model)  # as the trainer will build it (a throwaway: no state)
-    except Exception:  # noqa: BLE001 - the trainer builds it next on every rank, and fails there alike
-        optimizer = None
     return api_config(cfg.to_dict(), "fit", loss=loss, model=model, optimizer=optimizer, not_applicable=off)
 
 
-def _as_built(cfg: TrainConfig, task: UserTask, model: nn.Module) -> TrainConfig:
-    """``cfg`` with the hyperparameters of the optimizer the factory builds (no factory: ``cfg`` unchanged).
+def _probe_optimizer(cfg: TrainConfig, task: UserTask, model: nn.Module):
+    """The run's optimizer as the trainer will build it, a throwaway over ``model``'s parameters (no state).
 
-    ``lr``, ``weight_decay`` and ``momentum`` (SGD's) from ``param_groups[0]``, and
-    ``optimizer`` from its class when it is one the config names (sgd, adam, adamw);
-    so train.log, metrics.h5's attributes and the checkpoints' config tell the
-    rates the run used, and a resume sets those same rates. The optimizer is a
-    throwaway over ``model``'s parameters (no state); a value the config would
-    refuse (a learning rate of 0, a tensor) keeps the config's.
+    None when the factory fails: the trainer builds it next on every rank, and fails there alike.
     """
-    if task.optimizer_factory is None:
-        return cfg
-    from flodl_mpi.config import OPTIMIZERS
+    try:
+        return task.make_optimizer(cfg, model)
+    except Exception:  # noqa: BLE001 - reported by the trainer, on every rank
+        return None
 
-    opt = task.make_optimizer(cfg, model)
+
+def _as_built(cfg: TrainConfig, opt) -> TrainConfig:
+    """``cfg`` with the optimizer a factory built, ``opt`` (None: no factory, ``cfg`` unchanged).
+
+    ``lr``, ``weight_decay`` and ``momentum`` (SGD's, RMSprop's) from
+    ``param_groups[0]``, and ``optimizer`` from its class: ``sgd``, ``adam``,
+    ``adamw`` for those, else ``module:Class`` (RMSprop: ``torch.optim.rmsprop:RMSprop``);
+    so train.log, metrics.h5's attributes and the checkpoints' config tell the
+    optimizer and rates the run used, a resume sets those same rates and
+    checks that class. A value the config would refuse (a learning rate of 0,
+    a tensor) keeps the config's.
+    """
+    if opt is None:
+        return cfg
+    from flodl_mpi.run_record import optimizer_name
+
     group = opt.param_groups[0]
     changes = {}
     for name in ("lr", "weight_decay", "momentum"):
@@ -381,9 +396,7 @@ def _as_built(cfg: TrainConfig, task: UserTask, model: nn.Module) -> TrainConfig
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
                 and (v > 0 if name == "lr" else v >= 0):
             changes[name] = float(v)
-    kind = type(opt).__name__.lower()
-    if kind in OPTIMIZERS:
-        changes["optimizer"] = kind
+    changes["optimizer"] = optimizer_name(opt)
     return dataclasses.replace(cfg, **changes)
 
 
@@ -494,11 +507,11 @@ def _setup(session, a: dict) -> Run:
     from flodl_mpi.signals import StopRequest
     from flodl_mpi.train import (
         _check_same_model,
-        _find_resume,
         _log_to_stdout,
         _make_run_dir,
         _setup_logging,
         pick_device,
+        resume_point,
         start_trainer,
     )
     from flodl_mpi.worker import Replica
@@ -605,7 +618,9 @@ def _setup(session, a: dict) -> Run:
         return built
 
     model = agree(comm, "model", make_model, watchdog)
-    cfg = _as_built(cfg, task, model)  # the factory's lr, weight decay, momentum, not the CLI's defaults
+    probe = _probe_optimizer(cfg, task, model)  # one throwaway: the config's and the record's optimizer
+    # the factory's optimizer, lr, weight decay, momentum, not the CLI's defaults
+    cfg = _as_built(cfg, probe if task.optimizer_factory is not None else None)
     _check_same_model(model, comm)
     replica = Replica(model, device)
 
@@ -617,15 +632,10 @@ def _setup(session, a: dict) -> Run:
         if world.rank == 0:
             train_log = _setup_logging(run_dir, world.rank)  # train.log, as the CLI's; closed with the run
             log.setLevel(min(log.level or logging.INFO, logging.INFO))
-        if cfg.resume:
-            ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n)
-            if ckpt is not None and world.rank == 0:
-                kept = _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))
-                keep_rows = {**keep_rows, "scalars": kept}
-            if ckpt is not None:
-                from flodl_mpi.checkpoint import load_state_dict
-
-                agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+        ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
+        if ckpt is not None and world.rank == 0:
+            kept = _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))
+            keep_rows = {**keep_rows, "scalars": kept}
 
     def reset_groups(trainer) -> None:  # resume set the config's lr and weight decay: the factory's are the run's
         fresh = task.make_optimizer(cfg, model)  # a new optimizer over the same params, no state
@@ -635,7 +645,7 @@ def _setup(session, a: dict) -> Run:
     trainer, bridge, writer = start_trainer(
         cfg, world, watchdog, data, replica, run_dir, ckpt, keep_rows,
         session.stop if session.stop is not None else StopRequest("resume=True"),
-        record=lambda: _record(cfg, a, data, model, task), task=task, late_header=threads_line,
+        record=lambda: _record(cfg, a, data, model, probe), task=task, late_header=threads_line,
         on_resume=reset_groups if callable(opt) else None, remove_bad_new_run=False)
     _scalars.activate(book)
     bridge.start()

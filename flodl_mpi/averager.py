@@ -67,6 +67,13 @@ def _model_name(model: nn.Module) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def _optimizer_name(optimizer) -> str:
+    """The resume config's ``optimizer`` (a resume checks it against the saved state); none: the default."""
+    from flodl_mpi.run_record import optimizer_name
+
+    return TrainConfig.optimizer if optimizer is None else optimizer_name(optimizer)
+
+
 class Averager:
     """Average a model across ranks from your own loop: call :meth:`step` after each optimizer step.
 
@@ -188,7 +195,8 @@ class Averager:
                                    run_dir=None if run_dir is None else str(run_dir),
                                    checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                                    stall_timeout=float(stall_timeout), on_non_finite=on_non_finite,
-                                   chunk_elems=chunk_elems, optimizer="adam", resume=bool(resume))
+                                   chunk_elems=chunk_elems, optimizer=_optimizer_name(optimizer),
+                                   resume=bool(resume))
             except TypeError as exc:  # the wrong kind is bad input too (agree: ValueError is input)
                 raise ValueError(str(exc)) from None
 
@@ -229,7 +237,7 @@ class Averager:
     def _setup(self, broadcast: bool) -> None:
         from flodl_mpi.bridge import Bridge
         from flodl_mpi.metrics import MetricsWriter
-        from flodl_mpi.train import _check_same_model, _find_resume, _make_run_dir, _run_attrs
+        from flodl_mpi.train import _check_same_model, _make_run_dir, _run_attrs, resume_point
         from flodl_mpi.worker import Replica
         from flodl_mpi.world import agree
 
@@ -259,13 +267,8 @@ class Averager:
         self._train_log = None
         if self.cfg.run_dir is not None:
             self.run_dir = _make_run_dir(self.cfg, comm, watchdog)
-            keep_rows = None
-            if self.cfg.resume:
-                ckpt, keep_rows = _find_resume(self.cfg, self.run_dir, world, watchdog, 0)
-                if ckpt is not None:
-                    from flodl_mpi.checkpoint import load_state_dict
-
-                    agree(comm, "resume", lambda: self.model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+            ckpt, keep_rows = resume_point(self.cfg, self.run_dir, world, watchdog, self.model, 0,
+                                           check_optimizer=self.optimizer is not None)
             if world.rank == 0:
                 import json
 
@@ -445,8 +448,10 @@ class Averager:
         try:
             return self._round()
         except BaseException as exc:
-            self._note_failure(exc)
-            raise
+            words = self._failing(exc)
+            if words is exc:
+                raise
+            raise words from exc.__cause__
 
     def _round(self, final: bool = False):
         self.replica.snapshot(self.bridge)
@@ -477,6 +482,7 @@ class Averager:
         # An epoch the stop cut short (end_epoch() not called) is saved incomplete, named as the CLI's
         # mid-epoch stop: the epoch it stopped in, "epoch" counting the epochs done.
         complete = self._epoch_calls == 0
+        self._write_cut_rows()  # the batches of the epoch the stop cut short, before the save counts them
         if self.run_dir is not None:
             self._save(None, "graceful_shutdown", complete=complete)
         where = (f"checkpoint saved in {self.run_dir / 'checkpoints'}; run the same script with resume=True "
@@ -527,8 +533,10 @@ class Averager:
         try:
             return self._end_epoch(sums)
         except BaseException as exc:
-            self._note_failure(exc)
-            raise
+            words = self._failing(exc)
+            if words is exc:
+                raise
+            raise words from exc.__cause__
 
     def _end_epoch(self, sums: dict[str, tuple[float, float]]) -> EpochResult:
         from flodl_mpi.reporting import EpochReport
@@ -638,8 +646,10 @@ class Averager:
         try:
             self._close()
         except BaseException as exc:
-            self._note_failure(exc)
-            raise
+            words = self._failing(exc)
+            if words is exc:
+                raise
+            raise words from exc.__cause__
 
     def _close(self) -> None:
         self.bridge.boundary(2, self._epoch_calls)  # every rank here after as many step() calls, or an error
@@ -647,6 +657,8 @@ class Averager:
         if self._calls:  # the same count on every rank: a last round for the pending steps
             self._round(final=True)  # a stop asked now ends nothing: the run is done
             self._flush_round()  # its row reaches metrics.h5 before the writer closes
+        if self._epoch_calls:  # the same count on every rank: steps after the last end_epoch()
+            self._write_cut_rows()
         if self.run_dir is not None and self.bridge.version != self._saved_version:
             self._save(None, "checkpoint", complete=self._epoch_calls == 0)
         last = None
@@ -671,6 +683,58 @@ class Averager:
 
         close_train_log(self._train_log)
         self._train_log = None
+
+    def _write_cut_rows(self) -> None:
+        """Collective: the batch rows of an epoch :meth:`end_epoch` did not close reach metrics.h5.
+
+        A stop, :meth:`close` after more steps, or a cohort-wide error cut the epoch
+        short; its batches were trained, so the ``batches`` table holds them (the
+        ``epochs`` table gets no row: the epoch did not end). Every rank calls it at
+        the same point: after a round or boundary check that every rank passed, or
+        that raised the same :class:`CohortError` on every rank (then the bridge is
+        done, on every rank, and the rows go over its communicator directly).
+        """
+        from flodl_mpi.errors import RoundError
+        from flodl_mpi.reporting import BATCH_COLUMNS
+
+        if self.run_dir is None:  # no rows were kept (the same on every rank: the run dir is agreed)
+            return
+        rows = np.array(self._rows, dtype=np.float64).reshape(-1, len(BATCH_COLUMNS))
+        self._rows = []
+        try:
+            gathered = self.bridge.gather_to_root(rows)
+        except RoundError:  # the bridge failed (before any collective): its thread is done
+            from mpi4py.util import pkl5
+
+            gathered = pkl5.Intracomm(self.bridge.comm).gather(rows, root=0)
+        if gathered is None:  # not rank 0
+            return
+        table = np.concatenate(gathered)
+        self._metrics_rows["batches"] += len(table)  # rank 0's count: the checkpoints' metrics_rows
+        if self._writer is not None and len(table):
+            from flodl_mpi.recorder import batch_columns
+
+            self._writer.append("batches", batch_columns(table))
+
+    def _failing(self, exc: BaseException) -> BaseException:
+        """An error leaves :meth:`step`, :meth:`end_epoch` or :meth:`close`: the exception to raise.
+
+        A :class:`CohortError` (the same on every rank, decided from a gathered
+        verdict: unequal step counts, non-finite values) writes the cut-short
+        epoch's batch rows first, and names ``fit``'s keywords, not the CLI's flags
+        (``on_non_finite='stop'``); train.log ends with it.
+        """
+        import contextlib
+
+        from flodl_mpi.errors import CohortError
+        from flodl_mpi.session import api_words
+
+        if isinstance(exc, CohortError) and not self._closed:
+            with contextlib.suppress(Exception):  # the error is the news: the rows are a courtesy
+                self._write_cut_rows()
+        words = api_words(exc)
+        self._note_failure(words)
+        return words
 
     def _note_failure(self, exc: BaseException) -> None:
         """train.log ends with why the run failed, as the CLI's (a cohort error: rank 0's line; a rank's own: its)."""

@@ -42,6 +42,7 @@ from flodl_mpi.config import (
     OUTPUT_OPTIONS,
     POLICIES,
     PROGRESS,
+    ConfigError,
     TrainConfig,
     read_config_file,
 )
@@ -258,6 +259,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values.update(flags)
     if values.get("window", 1) != 1 and "policy" not in flags and (window_from_flag or "policy" not in values):
         values["policy"] = "window"
+    if values.get("optimizer", OPTIMIZERS[0]) not in OPTIMIZERS:  # "module:Class" is a Python API run's record
+        raise ConfigError(f"--optimizer {values['optimizer']!r}: must be one of {', '.join(OPTIMIZERS)}")
     return TrainConfig(**values)
 
 

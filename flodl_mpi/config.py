@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
-           "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OUTERS", "OUTPUT_OPTIONS", "POLICIES", "PROGRESS",
-           "ConfigError", "TrainConfig", "check_output_option", "read_config_file"]
+           "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OUTERS", "OUTPUT_OPTIONS", "POLICIES",
+           "PROGRESS", "ConfigError", "TrainConfig", "check_output_option", "optimizer_class", "read_config_file"]
 
 POLICIES = ("sync", "window", "cadence", "async")
 #: Policies whose quotas the ElChe balancer sets (SPEC §4).
@@ -29,6 +30,8 @@ BALANCED_POLICIES = ("cadence", "async")
 #: How ``async`` adopts a consensus (``--async-adopt``; flodl_mpi.worker.Replica.adopt).
 ASYNC_ADOPTS = ("delta", "easgd")
 OPTIMIZERS = ("sgd", "adam", "adamw")
+#: The class each of `OPTIMIZERS` builds (flodl_mpi.worker.make_optimizer).
+OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 DEVICES = ("auto", "cpu", "cuda")
 #: What a round does with a rank whose loss or parameters are NaN/Inf (``--on-non-finite``).
 ON_NON_FINITE = ("quarantine", "stop")
@@ -73,7 +76,7 @@ class TrainConfig:
     batch_size: int = 32              # samples per batch, per rank
     drop_last: bool = False           # drop each epoch's short last batch (else a lone sample is folded in)
     lr: float = 1e-3                  # learning rate
-    optimizer: str = "adam"           # one of OPTIMIZERS
+    optimizer: str = "adam"           # one of OPTIMIZERS; a Python API run's own optimizer: "module:Class"
     momentum: float = 0.9             # sgd only
     weight_decay: float = 0.0
     policy: str = "sync"              # one of POLICIES
@@ -130,7 +133,8 @@ class TrainConfig:
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, name, v, "a finite number >= 0")
         need(isinstance(self.gamma, (int, float)) and math.isfinite(self.gamma), "gamma", self.gamma, "a finite number")
-        need(self.optimizer in OPTIMIZERS, "optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
+        need(self.optimizer in OPTIMIZERS or _is_class_path(self.optimizer), "optimizer", self.optimizer,
+             f"one of {', '.join(OPTIMIZERS)}")
         need(self.policy in POLICIES, "policy", self.policy, f"one of {', '.join(POLICIES)}")
         need(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
         need(self.on_non_finite in ON_NON_FINITE, "on_non_finite", self.on_non_finite,
@@ -256,6 +260,19 @@ class TrainConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def _is_class_path(value: Any) -> bool:
+    """``module:Class``: how a Python API run records an optimizer that is none of `OPTIMIZERS` (RMSprop...)."""
+    return isinstance(value, str) and re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.<>]*", value) is not None
+
+
+def optimizer_class(optimizer: str) -> str:
+    """The optimizer's class name for a config's ``optimizer``: ``"sgd"`` is ``"SGD"``,
+    ``"torch.optim.rmsprop:RMSprop"`` is ``"RMSprop"`` (what a checkpoint's rank state records)."""
+    if optimizer in OPTIMIZER_CLASSES:
+        return OPTIMIZER_CLASSES[optimizer]
+    return optimizer.rpartition(":")[2].rpartition(".")[2]
 
 
 def check_output_option(name: str, value: Any, where: str) -> Any:

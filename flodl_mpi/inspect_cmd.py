@@ -58,6 +58,16 @@ def _short(value: Any, width: int = 100) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _optimizer_line(value: Any) -> str:
+    """A run record's optimizer in full: its class, then each param group's hyperparameters
+    (`flodl_mpi.run_record.describe_optimizer`), not cut at the line's width."""
+    if not (isinstance(value, dict) and isinstance(value.get("param_groups"), list)):
+        return _short(value)
+    groups = "; ".join(", ".join(f"{k} {json.dumps(v)}" for k, v in g.items() if k != "params")
+                       + f" ({g.get('params', '?')} tensors)" for g in value["param_groups"] if isinstance(g, dict))
+    return f"{value.get('class')}: {groups}"
+
+
 def describe_checkpoint(path: Path) -> tuple[str, bool]:
     """The text report on a checkpoint, and whether it is sound (loads as a whole).
 
@@ -100,7 +110,7 @@ def describe_checkpoint(path: Path) -> tuple[str, bool]:
             lines.append(f"  run record (config.json of this {record.get('api', 'API')} run: what it used; "
                          "fields it did not use are left out):")
             for key in sorted(record):
-                lines.append(f"    {key:<24} {_short(record[key])}")
+                lines.append(f"    {key:<24} {_optimizer_line(record[key]) if key == 'optimizer' else _short(record[key])}")
         arrays = {**ckpt.params, **ckpt.buffers}
         lines.append(f"  state dict: {len(ckpt.order)} tensors "
                      f"({sum(int(a.size) for a in ckpt.params.values())} parameter values)")

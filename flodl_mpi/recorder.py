@@ -15,7 +15,7 @@ import numpy as np
 
 from flodl_mpi.reporting import BATCH_COLUMNS, EpochSummary
 
-__all__ = ["NoRecorder", "Recorder", "recorder_for"]
+__all__ = ["NoRecorder", "Recorder", "batch_columns", "recorder_for"]
 
 
 class NoRecorder:
@@ -67,12 +67,17 @@ class Recorder(NoRecorder):
     def epoch(self, summary: EpochSummary, batch_table: np.ndarray | None, time_s: float) -> None:
         """Append the gathered batch records ``(k, len(BATCH_COLUMNS))`` and the epoch's row."""
         if batch_table is not None and len(batch_table):
-            cols = {name: batch_table[:, i] for i, name in enumerate(BATCH_COLUMNS)}
-            for name in ("rank", "epoch", "step"):
-                cols[name] = cols[name].astype(np.int64)
-            cols["rank"] = cols["rank"].astype(np.int32)
-            self._writer.append("batches", cols)
+            self._writer.append("batches", batch_columns(batch_table))
         self._writer.append("epochs", _epoch_row(summary, time_s))
+
+
+def batch_columns(batch_table: np.ndarray) -> dict[str, np.ndarray]:
+    """The ``batches`` table's columns of gathered batch records, float64 ``(k, len(BATCH_COLUMNS))``."""
+    cols = {name: batch_table[:, i] for i, name in enumerate(BATCH_COLUMNS)}
+    for name in ("rank", "epoch", "step"):
+        cols[name] = cols[name].astype(np.int64)
+    cols["rank"] = cols["rank"].astype(np.int32)
+    return cols
 
 
 def recorder_for(rank: int, writer) -> NoRecorder:

@@ -15,10 +15,12 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["HYPERPARAMETERS", "OWN_LOOP_OPTIONS", "api_config", "describe_model", "describe_optimizer"]
+__all__ = ["HYPERPARAMETERS", "OWN_LOOP_OPTIONS", "api_config", "describe_model", "describe_optimizer",
+           "optimizer_name"]
 
 #: Optimizer hyperparameters recorded per param group, when the group has them.
-HYPERPARAMETERS = ("lr", "betas", "momentum", "dampening", "nesterov", "weight_decay", "eps", "alpha", "amsgrad")
+HYPERPARAMETERS = ("lr", "betas", "momentum", "dampening", "nesterov", "weight_decay", "eps", "alpha", "centered",
+                   "amsgrad")
 
 #: TrainConfig fields that an own loop (:class:`flodl_mpi.Averager`) sets; every other one does not apply.
 OWN_LOOP_OPTIONS = ("data", "model", "policy", "window", "gamma", "checkpoint_every", "keep_checkpoints", "run_dir",
@@ -44,6 +46,16 @@ def _plain(value: Any) -> Any:
 def _class_name(obj: Any) -> str:
     cls = type(obj)
     return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The config's ``optimizer`` for a built optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` for
+    those classes, else ``"module:Class"`` (``torch.optim.rmsprop:RMSprop``). A resume checks
+    it against the class of the state the checkpoint holds (`flodl_mpi.train._check_optimizer`)."""
+    from flodl_mpi.config import OPTIMIZERS
+
+    cls = type(optimizer)
+    return cls.__name__.lower() if cls.__name__.lower() in OPTIMIZERS else _class_name(optimizer)
 
 
 def describe_model(model: Any) -> dict[str, Any]:

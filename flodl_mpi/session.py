@@ -183,6 +183,53 @@ class Session:
 #: The stop request of the open sessions, and the handlers it replaced.
 _stop = None
 _previous: dict = {}
+#: The script's stop-signal handlers before ``import flodl_mpi`` set `_stop_before_run` (under a launcher).
+_original: dict = {}
+
+
+def _stop_before_run(signum, frame) -> None:
+    """A stop signal after ``import flodl_mpi`` started MPI, before the first run opened: exit status 4 now.
+
+    Why now, not at the run's first round: nothing is trained yet, so nothing can
+    be saved or lost (the last checkpoint, if any, stays the one to resume), and
+    the script's own setup (data loading) before ``fit`` or ``Averager`` may
+    outlast a preemption's grace period; a job killed then would end with 137, not
+    the 4 its job script requeues on. The launchers signal every rank alike, so
+    every rank leaves here. Raises :class:`flodl_mpi.Stopped` (``SystemExit(4)``:
+    no traceback; MPI finalizes at exit); later stop signals are ignored.
+    """
+    import signal
+
+    from flodl_mpi.errors import Stopped
+    from flodl_mpi.launcher import launcher_rank
+    from flodl_mpi.signals import StopRequest
+
+    for sig in StopRequest.SIGNALS:  # exit status 4 is decided: a second signal changes nothing
+        signal.signal(sig, signal.SIG_IGN)
+    name = signal.Signals(signum).name
+    if launcher_rank() == 0:
+        try:  # os.write, not print: a handler may run in the middle of a print
+            os.write(2, f"flodl-mpi: {name} before the run opened (flodl_mpi.fit or Averager): nothing trained, "
+                        "nothing to save; exit status 4 (run the same script again to go on; with resume=True "
+                        "it continues from the last checkpoint)\n".encode())
+        except OSError:
+            pass
+    raise Stopped(name, 0)
+
+
+def _install_stop_before_run() -> None:
+    """Under a launcher, from the import until the first run opens: stop signals end the job with status 4."""
+    import signal
+
+    from flodl_mpi.signals import StopRequest
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in StopRequest.SIGNALS:
+        current = signal.getsignal(sig)
+        if current is not _stop_before_run:
+            _original[sig] = current
+        signal.signal(sig, _stop_before_run)
 
 
 def _stop_request():
@@ -201,7 +248,9 @@ def _stop_request():
     if _stop is None:
         _stop = StopRequest("resume=True")
         _previous.clear()
-        _previous.update({sig: signal.getsignal(sig) for sig in StopRequest.SIGNALS})
+        # the script's own handlers come back after the last run (not the import's `_stop_before_run`)
+        _previous.update({sig: _original.get(sig) if signal.getsignal(sig) is _stop_before_run
+                          else signal.getsignal(sig) for sig in StopRequest.SIGNALS})
     _stop.install()
     return _stop
 
@@ -292,7 +341,10 @@ def start_at_import() -> None:
     in MPI_Init or in their first collective forever. Started here, such an error
     reaches the world's exception hook and aborts the job (exit status 1), and a
     rank that failed before even importing flodl_mpi is caught by the start-up
-    bound (:func:`start_timeout`).
+    bound (:func:`start_timeout`). A stop signal (SIGUSR1, SIGTERM, Ctrl-C) from
+    here until the first run opens ends the job with exit status 4 and one line
+    (`_stop_before_run`: nothing is trained yet, so nothing is lost); once a run
+    is open, it stops after a round with its checkpoint (:mod:`flodl_mpi.signals`).
 
     Nothing is done without a launcher (plain ``python``: a world of 1, started on
     first use), under the CLI (it starts MPI itself), in a multiprocessing child
@@ -307,12 +359,14 @@ def start_at_import() -> None:
         return
     if "mpi4py.MPI" in sys.modules and _initialized():
         return
+    _install_stop_before_run()  # before MPI starts: a signal during a slow start-up is kept, then exits 4
     try:
         MPI = _start_mpi()
     except InputError as exc:
         if env.rank == 0:
             print(exc, file=sys.stderr, flush=True)
         raise SystemExit(EXIT_INPUT) from None
+    _install_stop_before_run()  # again: the MPI library may have set handlers of its own while starting
     _install_hooks(MPI.COMM_WORLD.rank)
 
 
@@ -345,24 +399,38 @@ def _close_open_sessions() -> None:
         session.close()
 
 
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The options whose value is one of a few words, by config name."""
+    from flodl_mpi import config as c
+
+    return {"policy": c.POLICIES, "optimizer": c.OPTIMIZERS, "device": c.DEVICES, "on_non_finite": c.ON_NON_FINITE,
+            "outer": c.OUTERS, "node_reduce": c.NODE_REDUCES, "hierarchical": c.HIERARCHICAL,
+            "average_optimizer_state": c.AVERAGE_OPTIMIZER_STATE, "async_adopt": c.ASYNC_ADOPTS}
+
+
 def _api_word(match) -> str:
     from flodl_mpi.config import TrainConfig
 
-    name = match.group(1).replace("-", "_")
+    name, word = match.group(1).replace("-", "_"), match.group(3)
+    if word is not None and word in _choices().get(name, ()):  # --on-non-finite stop: on_non_finite='stop'
+        return f"{name}={word!r}"
     if isinstance(getattr(TrainConfig(), name, None), bool):
-        return f"{name}=True"
-    return f"{name}=" if match.group(2) else name
+        text = f"{name}=True"
+    else:
+        text = f"{name}=" if match.group(2) else name
+    return text if word is None else f"{text} {word}"
 
 
 def api_words(exc: BaseException) -> BaseException:
     """``exc`` in the Python API's words: a :class:`CohortError` whose message names the
-    CLI's flags (``--run-dir 'x'``, ``--resume``) comes back as the same class naming the
-    keywords (``run_dir='x'``, ``resume=True``); anything else is returned as it is."""
+    CLI's flags (``--run-dir 'x'``, ``--resume``, ``--on-non-finite stop``) comes back as
+    the same class naming the keywords (``run_dir='x'``, ``resume=True``,
+    ``on_non_finite='stop'``); anything else is returned as it is."""
     import re
 
     if not isinstance(exc, CohortError) or "--" not in str(exc):
         return exc
-    text = re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)( (?=['\"\d(]))?", _api_word, str(exc))
+    text = re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)(?:( (?=['\"\d(]))| ([a-z][a-z0-9-]*\b))?", _api_word, str(exc))
     new = type(exc)(text)
     new.__cause__, new.__traceback__ = exc.__cause__, exc.__traceback__
     return new

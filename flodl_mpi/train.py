@@ -35,7 +35,7 @@ from flodl_mpi.checkpoint import (
     set_aside_damaged,
 )
 from flodl_mpi.cli import config_from_args
-from flodl_mpi.config import TrainConfig
+from flodl_mpi.config import TrainConfig, optimizer_class
 from flodl_mpi.data import (
     DEFAULT_NAMES,
     Dataset,
@@ -222,12 +222,14 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
 
 #: Options a resumed run must share with the checkpoint's run: they decide the
 #: model, the data order, the windows and the optimizer state's meaning. The world
-#: size may change (see `Trainer.resume` for how per-rank state is remapped).
+#: size may change (see `Trainer.resume` for how per-rank state is remapped). The
+#: optimizer is checked against the state the checkpoint holds (`_check_optimizer`).
 RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "drop_last", "seed",
                      "policy", "window", "gamma", "optimizer", "outer", "average_optimizer_state")
 
 
-def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, data_n: int):
+def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, data_n: int,
+                 check_optimizer: bool = True):
     """The checkpoint to resume from and the metrics rows to keep (``--resume``).
 
     Rank 0 surveys the checkpoints once: every dataset of the newest one is read
@@ -237,6 +239,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
 
     Args:
         data_n: training samples (a checkpoint of an older batch plan is checked against it).
+        check_optimizer: the run restores the saved optimizer state (False: an own loop
+            without an optimizer), so its class must be the saved state's.
 
     Returns:
         ``(checkpoint or None, keep_rows or None)``: no checkpoint in a run dir
@@ -247,6 +251,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
         InputError: the checkpoint is unreadable on some rank, was written by a
             run with other options in ``RESUME_MUST_MATCH`` (an option its config
             lacks counts as its default), or by a flodl-mpi whose batch plan differs.
+            The optimizer is checked against the class of the state the checkpoint
+            holds (`_check_optimizer`), not against its config's record.
     """
     comm = world.comm
 
@@ -275,18 +281,64 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     # (Runs from before --average-optimizer-state kept each rank's own state.)
     saved = {**TrainConfig().to_dict(), "average_optimizer_state": "off", **saved}
     differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {saved.get(k)!r})"
-              for k in RESUME_MUST_MATCH if saved.get(k) != getattr(cfg, k)]
+              for k in RESUME_MUST_MATCH if k != "optimizer" and saved.get(k) != getattr(cfg, k)]
     if differ:
         raise InputError(f"--resume: the run in {run_dir} was started with other options: {'; '.join(differ)}")
     old_size = int(ckpt.meta["world_size"])
     source = comm.rank % old_size
-    ckpt.ranks = {source: agree(comm, "resume", lambda: read_rank_state(latest, source), watchdog)}
+
+    def rank_state():  # every rank reads the state of the same class: every rank fails alike
+        state = read_rank_state(latest, source)
+        if check_optimizer:
+            _check_optimizer(cfg, latest, saved.get("optimizer"), state[1].get("optimizer_class"), comm.rank)
+        return state
+
+    ckpt.ranks = {source: agree(comm, "resume", rank_state, watchdog)}
     if int(ckpt.meta.get("cursor", 0)) and "epoch_reports" not in ckpt.meta:
         # Schema 1 kept the stopped epoch's report in each rank's own state.
         ckpt.meta["epoch_reports"] = agree(
             comm, "resume", lambda: [read_rank_state(latest, r)[1]["epoch_report"] for r in range(old_size)]
             if old_size != world.size else None, watchdog)
     return ckpt, ckpt.meta["metrics_rows"]
+
+
+def resume_point(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, model: torch.nn.Module,
+                 data_n: int, check_optimizer: bool = True):
+    """Where a run in ``run_dir`` goes on: ``(checkpoint or None, keep_rows or None)``, ``(None, None)`` without ``resume``.
+
+    The CLI's, ``fit``'s and the ``Averager``'s one way: `_find_resume` (the checks, the
+    rows to keep), then the checkpoint's consensus loaded into ``model`` on every rank.
+    Collective. Raises as `_find_resume`.
+    """
+    if not cfg.resume:
+        return None, None
+    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data_n, check_optimizer)
+    if ckpt is not None:  # the consensus, on every rank alike
+        agree(world.comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+    return ckpt, keep_rows
+
+
+def _check_optimizer(cfg: TrainConfig, path: Path, recorded: str | None, held: str | None, rank: int) -> None:
+    """Refuse a resume whose optimizer is not the one whose state ``path`` holds.
+
+    Decided from what the checkpoint holds, its rank state's optimizer class
+    (``held``: ``"SGD"``, ``"RMSprop"``...; None: no optimizer state, nothing to
+    check), not from its config's record: ``fit`` before the record named the
+    factory's class recorded ``"adam"`` for every optimizer factory (SGD,
+    RMSprop...), and such a run resumes.
+
+    Raises:
+        ValueError: the run builds another optimizer class (one line; bad input).
+    """
+    if held is None:
+        return
+    uses = optimizer_class(cfg.optimizer)
+    if held != uses:
+        raise ValueError(f"--resume: {path} holds the optimizer state of {held}, this run builds {uses} "
+                         f"(--optimizer {cfg.optimizer!r}); resume with the optimizer the run was started with")
+    if recorded is not None and optimizer_class(recorded) != held and rank == 0:
+        log.info(f"note: {path.name}'s config records optimizer {recorded!r}, but its state is {held}'s "
+                 f"(recorded so by an earlier flodl_mpi.fit); resumed with {held}")
 
 
 def _note_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
@@ -452,9 +504,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
     _setup_logging(run_dir, world.rank)
     log.info(threads_line)
-    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n) if cfg.resume else (None, None)
-    if ckpt is not None:  # the consensus, on every rank alike
-        agree(comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
+    ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
     try:
         return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows, stop,
                       _progress_mode(args, world.rank))

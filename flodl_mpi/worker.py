@@ -40,7 +40,13 @@ PARAM_NORM_EVERY = 10
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """The inner optimizer named by ``cfg.optimizer``."""
+    """The inner optimizer named by ``cfg.optimizer`` (one of ``OPTIMIZERS``).
+
+    Raises:
+        ValueError: ``cfg.optimizer`` records another class (``module:Class``: a factory's, built by its task).
+    """
+    if cfg.optimizer not in ("sgd", "adam", "adamw"):
+        raise ValueError(f"optimizer {cfg.optimizer!r} is built by the optimizer factory given to flodl_mpi.fit")
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adam":

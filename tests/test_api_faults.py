@@ -383,6 +383,11 @@ def test_the_api_names_its_keywords_not_the_cli_flags():
     text = str(api_words(InputError("--run-dir '/x' holds a flodl-mpi run: add --resume to continue it; "
                                     "--batch-size 32 (was 16)")))
     assert text == "run_dir='/x' holds a flodl-mpi run: add resume=True to continue it; batch_size=32 (was 16)"
+    # a choice's bare value is the keyword's string (issue 7 left: `--on-non-finite stop` in an own loop)
+    text = str(api_words(InputError("--average-optimizer-state mean is not supported with --policy async; use "
+                                    "--average-optimizer-state off; --on-non-finite stop, so; add --resume to go on")))
+    assert text == ("average_optimizer_state='mean' is not supported with policy='async'; use "
+                    "average_optimizer_state='off'; on_non_finite='stop', so; add resume=True to go on")
     plain = ValueError("--run-dir")
     assert api_words(plain) is plain
 
@@ -443,3 +448,163 @@ def test_an_own_loop_failure_ends_train_log_with_the_reason(tmp_path):
     last = (tmp_path / "run" / "train.log").read_text().splitlines()[-1]
     assert last.split(" ", 1)[1].startswith(f"run failed: NonFiniteError: {why}"), last
     assert "finished" not in proc.stdout
+
+
+# ---- issue 7 left: a non-finite stop in the API's words; the cut-short epoch's batch rows -------------------------
+
+FIT_NAN = """
+    import torch, flodl_mpi
+    from flodl_mpi.launcher import launcher_rank
+
+    def step(model, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        return loss * float("nan") if launcher_rank() == 1 else loss   # rank 1 diverges at once
+
+    flodl_mpi.fit(train_step=step, epochs=2, on_non_finite="stop", eval_every=0).wait()
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("shape", ["own-loop", "fit"])
+def test_a_non_finite_stop_names_the_api_keyword(tmp_path, shape):
+    """Issue 7 left: the stop's message named the CLI's `--on-non-finite stop` in the API."""
+    if shape == "fit":
+        proc, took = _run(tmp_path, FIT_NAN)
+        first = "non-finite values in round 0: rank(s) 1 (loss"
+    else:
+        script = NAN_LOOP.replace("run_dir=run_dir)", "run_dir=run_dir, on_non_finite='stop')")
+        proc, took = _run(tmp_path, script, str(tmp_path / "run"), "one")
+        first = "non-finite values in round 5: rank(s) 1 (loss"
+    assert took < 120
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    words = "had NaN or infinite values; on_non_finite='stop', so the job stops (training diverged? lower the learning"
+    assert proc.stderr.count(f"flodl-mpi: error: {first}") == 1, proc.stderr[-2000:]  # the path: the stop verdict
+    assert proc.stderr.count(words) == 1 and "--on-non-finite" not in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "not reached" not in proc.stdout and "finished" not in proc.stdout
+    if shape == "own-loop":
+        last = (tmp_path / "run" / "train.log").read_text().splitlines()[-1]
+        assert f"run failed: NonFiniteError: {first}" in last and words in last, last
+
+
+def _assert_every_batch_is_recorded(run_dir, global_steps: dict[int, int]) -> None:
+    """metrics.h5's batches table holds one row per realized step of each rank: steps 1..global_step."""
+    from flodl_mpi.metrics import read_table
+
+    b = read_table(run_dir / "metrics.h5", "batches")
+    for rank, n in global_steps.items():
+        np.testing.assert_array_equal(np.sort(b["step"][b["rank"] == rank]), np.arange(1, n + 1))
+    assert len(b["step"]) == sum(global_steps.values())
+
+
+def test_a_stopped_own_loop_records_the_batches_of_the_epoch_it_cut_short(tmp_path):
+    """Issue 7 left: the stop's epoch had its rounds in metrics.h5 but not its batches."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint, read_rank_state
+
+    proc, run_dir, marker = _start_until_marked(tmp_path, OWN_LOOP)
+    try:
+        assert marker.exists(), "the run did not start"
+        for pid in rank_pids(proc, str(run_dir)):
+            os.kill(pid, signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 4
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    meta = read_checkpoint(latest).meta
+    assert not meta["epoch_complete"]  # a step()'s round carried the stop: always within an epoch
+    steps = {r: read_rank_state(latest, r)[1]["global_step"] for r in (0, 1)}
+    assert steps[0] == steps[1] > 8 * meta["epoch"]  # steps of the epoch cut short
+    _assert_every_batch_is_recorded(run_dir, steps)
+    assert meta["metrics_rows"]["batches"] == sum(steps.values())  # a resume keeps them
+
+
+UNEVEN_WITH = """
+    import sys
+    import torch, flodl_mpi
+    from flodl_mpi.launcher import launcher_rank
+    with flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=sys.argv[1]) as avg:
+        for epoch in range(2):
+            for i in range(8 if launcher_rank() == 0 or epoch == 0 else 7):   # rank 1's loader is one short
+                avg.step(0.5)
+            avg.end_epoch()
+    print("not reached", flush=True)
+"""
+
+
+def test_uneven_step_counts_record_the_batches_each_rank_trained(tmp_path):
+    """Issue 7 left: the epoch the uneven counts ended had no batch rows; each rank's are there now."""
+    proc, took = _run(tmp_path, UNEVEN_WITH, str(tmp_path / "run"))
+    assert took < 120
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.count("flodl-mpi: error: the ranks called step() a different number of times in this epoch "
+                             "(rank 0 in step() call 8; rank 1 in end_epoch() after 7 step() call(s))") == 1
+    _assert_every_batch_is_recorded(tmp_path / "run", {0: 16, 1: 15})
+
+
+# ---- issue 7 left: a stop signal after the import, before the run opens --------------------------------------------
+
+BEFORE_RUN = """
+    import sys, time
+    from pathlib import Path
+    import flodl_mpi   # under a launcher: MPI starts here
+    run_dir, marker = sys.argv[1], Path(sys.argv[2])
+    if flodl_mpi.launcher.launcher_rank() == 0:
+        marker.write_text("imported")
+    time.sleep(100)    # the script's own setup: loading its data
+    flodl_mpi.fit(epochs=2, run_dir=run_dir).wait()
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signame, target", [("SIGTERM", "ranks"), ("SIGUSR1", "ranks"), ("SIGINT", "launcher")],
+                         ids=["sigterm-every-rank", "sigusr1-every-rank", "ctrl-c-launcher"])
+def test_a_stop_signal_before_the_run_opens_exits_4_at_once(tmp_path, signame, target):
+    """Issue 7 left: between `import flodl_mpi` and fit(), Ctrl-C was exit 1 and SIGTERM 15: a job script that
+    requeues on 4 dropped the job. Nothing is trained yet: the job ends now, status 4, one line."""
+    if target == "launcher" and launcher_kind() != "hydra":
+        pytest.skip("Open MPI's mpirun ends the job itself on a signal (its own status)")
+    proc, run_dir, marker = _start_until_marked(tmp_path, BEFORE_RUN)
+    try:
+        assert marker.exists(), "the script did not import flodl_mpi"
+        time.sleep(1)  # every rank past its import
+        if target == "launcher":
+            proc.send_signal(getattr(signal, signame))  # Hydra forwards it to every rank
+        else:  # as scancel and Slurm's --signal do
+            for pid in rank_pids(proc, str(run_dir)):
+                os.kill(pid, getattr(signal, signame))
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert took < 30  # not the 100 s of setup: the path is the handler installed at the import
+    assert proc.returncode == 4, err[-3000:]
+    assert err.count(f"flodl-mpi: {signame} before the run opened (flodl_mpi.fit or Averager): nothing trained, "
+                     "nothing to save; exit status 4") == 1, err[-3000:]
+    assert "Traceback" not in err and "not reached" not in out and "BAD TERMINATION" not in out + err
+    assert not run_dir.exists()
+
+
+def test_the_scripts_own_handlers_come_back_after_the_run(tmp_path):
+    """The import's handler lasts until the first run opens; after the last run, the script's own come back."""
+    proc, took = _run(tmp_path, """
+        import signal
+        import torch
+        def mine(signum, frame):
+            pass
+        signal.signal(signal.SIGTERM, mine)
+        import flodl_mpi
+        from flodl_mpi.session import _stop_before_run
+        assert signal.getsignal(signal.SIGTERM) is _stop_before_run
+        assert signal.getsignal(signal.SIGINT) is _stop_before_run
+        with flodl_mpi.Averager(torch.nn.Linear(2, 1)) as avg:
+            avg.step()
+        print("after", signal.getsignal(signal.SIGTERM) is mine,
+              signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+    """)
+    assert took < 120
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("after True True") == 2, proc.stdout

@@ -211,7 +211,8 @@ def test_inspect_shows_an_api_runs_record_not_the_cli_defaults(tmp_path, capsys)
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     record = out.split("  run record", 1)[1].split("  state dict", 1)[0]
-    assert "torch.optim.sgd:SGD" in record and '"lr": 0.05' in record and "Averager" in record
+    assert "torch.optim.sgd:SGD: lr 0.05, momentum 0.5, dampening 0, nesterov false, weight_decay 0.0001 (2 tensors)" \
+        in record and "Averager" in record
     for cli_default in ("adam", '"lr": 0.001', "train/x", '"epochs": 10', "    batch_size ", "    seed "):
         assert cli_default not in out.split("  state dict", 1)[0], cli_default
     assert "    not_applicable " in record  # the fields the run did not use are named, not filled
@@ -236,3 +237,166 @@ def test_the_last_round_and_the_test_figures_reach_the_records(tmp_path):
         assert meta["metrics_rows"]["rounds"] == meta["round"]
     log = (run / "train.log").read_text().splitlines()
     assert "1 epoch(s) of your loop, 2 rounds" in log[-1]
+
+
+# ---- the optimizer a resume checks: what the checkpoint holds, recorded as built ---------------------------------
+
+FIT_OPT = """
+import sys, time, numpy as np, torch, flodl_mpi
+from torch import nn
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 3)).astype(np.float32); y = x.sum(1, keepdims=True)
+make = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.5),
+        "rmsprop": lambda p: torch.optim.RMSprop(p, lr=2e-3, momentum=0.1, weight_decay=1e-4),
+        "adam": lambda p: torch.optim.Adam(p, lr=1e-3)}[sys.argv[1]]
+t0 = time.monotonic()
+try:
+    run = flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_shape[0], target_shape[0]), make,
+                        data=((x, y), (x, y)), batch_size=8, epochs=int(sys.argv[2]), run_dir="run",
+                        resume=sys.argv[3] == "resume")
+finally:
+    print(f"setup took {time.monotonic() - t0:.1f} s", flush=True)
+print("epochs", [r.epoch for r in run.wait()], flush=True)
+"""
+
+
+def _fit_opt(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "fit_opt.py").write_text(textwrap.dedent(FIT_OPT))
+    return subprocess.run([sys.executable, "fit_opt.py", *args], cwd=tmp_path, capture_output=True, text=True,
+                          env=launch_env(), timeout=300, check=False)
+
+
+def _as_the_previous_release_wrote_it(path) -> None:
+    """The checkpoint's config as ``fit`` wrote it before it recorded the factory's optimizer (deb12d2^):
+    ``optimizer`` 'adam' for any factory, the CLI's lr, momentum and weight decay (checked once by running
+    that release: an SGD factory at lr 0.01, momentum 0.5 saved 'adam', 0.001, 0.9, 0.0; its state SGD's)."""
+    import h5py
+
+    with h5py.File(path, "r+") as f:
+        cfg = json.loads(f.attrs["config"])
+        cfg.update(optimizer="adam", lr=1e-3, momentum=0.9, weight_decay=0.0)
+        f.attrs["config"] = json.dumps(cfg)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_previous_fit_with_an_sgd_factory_resumes(tmp_path):
+    """Issue 7 left: the previous release recorded 'adam' for any factory; resuming its SGD run was refused."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint, read_rank_state
+
+    first = _fit_opt(tmp_path, "sgd", "1", "new")
+    assert first.returncode == 0, first.stderr[-3000:]
+    path = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    _as_the_previous_release_wrote_it(path)
+    assert read_checkpoint(path).meta["config"]["optimizer"] == "adam"
+    assert read_rank_state(path, 0)[1]["optimizer_class"] == "SGD"  # what the checkpoint holds
+    resumed = _fit_opt(tmp_path, "sgd", "2", "resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]  # was 2: "started with other options: optimizer='sgd'"
+    assert "epochs [2]" in resumed.stdout
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert f"note: {path.name}'s config records optimizer 'adam', but its state is SGD's" in log  # the path taken
+    saved = read_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints")).meta["config"]
+    assert (saved["optimizer"], saved["lr"], saved["momentum"]) == ("sgd", 0.01, 0.5)  # the record is true again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then, held, uses", [("sgd", "adam", "SGD", "Adam"),
+                                                     ("rmsprop", "adam", "RMSprop", "Adam"),
+                                                     ("adam", "rmsprop", "Adam", "RMSprop")])
+def test_a_resume_with_another_optimizer_is_refused_in_one_line(tmp_path, first, then, held, uses):
+    from flodl_mpi.checkpoint import latest_checkpoint
+
+    assert _fit_opt(tmp_path, first, "1", "new").returncode == 0
+    path = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    if first == "sgd":
+        _as_the_previous_release_wrote_it(path)  # an old record ('adam') does not let Adam resume SGD's state
+    before = path.read_bytes()
+    refused = _fit_opt(tmp_path, then, "2", "resume")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    took = float(refused.stdout.split("setup took ")[1].split()[0])
+    assert took < 120
+    name = {"Adam": "'adam'", "RMSprop": "'torch.optim.rmsprop:RMSprop'"}[uses]
+    line = (f"flodl-mpi: error: resume=True: run/checkpoints/{path.name} holds the optimizer state of {held}, this run builds {uses} "
+            f"(optimizer={name}); resume with the optimizer the run was started with")
+    assert refused.stderr.count(line) == 1, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+    assert path.read_bytes() == before and latest_checkpoint(tmp_path / "run" / "checkpoints") == path
+
+
+@pytest.mark.slow
+def test_an_rmsprop_factory_is_recorded_inspected_and_resumed(tmp_path, capsys):
+    """Issue 7 left: an RMSprop factory's run recorded 'adam' in its resume config (and so checked 'adam')."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.inspect_cmd import main
+
+    assert _fit_opt(tmp_path, "rmsprop", "1", "new").returncode == 0
+    path = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    saved = read_checkpoint(path).meta["config"]
+    assert (saved["optimizer"], saved["lr"], saved["momentum"], saved["weight_decay"]) == \
+        ("torch.optim.rmsprop:RMSprop", 2e-3, 0.1, 1e-4)
+    record = json.loads((tmp_path / "run" / "config.json").read_text())["optimizer"]
+    assert record["class"] == "torch.optim.rmsprop:RMSprop"
+    assert {k: record["param_groups"][0][k] for k in ("lr", "momentum", "weight_decay", "alpha", "centered")} == \
+        {"lr": 2e-3, "momentum": 0.1, "weight_decay": 1e-4, "alpha": 0.99, "centered": False}
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert ("    optimizer                torch.optim.rmsprop:RMSprop: lr 0.002, momentum 0.1, weight_decay 0.0001, "
+            "eps 1e-08, alpha 0.99, centered false (2 tensors)\n") in out  # whole, not cut at 100 characters
+    resumed = _fit_opt(tmp_path, "rmsprop", "2", "resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "epochs [2]" in resumed.stdout and "note:" not in (tmp_path / "run" / "train.log").read_text()
+
+
+CLOSE_MID_EPOCH = """
+import torch, flodl_mpi
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with flodl_mpi.Averager(model, optimizer=opt, run_dir="own") as avg:
+    for epoch in range(2):
+        for i in range(5 if epoch == 0 else 3):
+            opt.zero_grad(); loss = model(torch.ones(4, 2)).pow(2).mean(); loss.backward(); opt.step()
+            avg.step(loss, samples=4)
+        if epoch == 0:
+            avg.end_epoch()
+    # the loop leaves epoch 2 after 3 steps without end_epoch(): close() ends the run
+"""
+
+
+@pytest.mark.slow
+def test_an_own_loop_closed_mid_epoch_records_every_batch(tmp_path):
+    """Issue 7 left: the steps after the last end_epoch() had rounds in metrics.h5 but no batch rows."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+
+    _python(tmp_path, CLOSE_MID_EPOCH)
+    b = read_table(tmp_path / "own" / "metrics.h5", "batches")
+    assert b["step"].tolist() == list(range(1, 9)) and b["epoch"].tolist() == [1] * 5 + [2] * 3
+    assert np.isfinite(b["loss"]).all() and (b["rank"] == 0).all()
+    assert len(read_table(tmp_path / "own" / "metrics.h5", "epochs")["epoch"]) == 1  # epoch 2 did not end
+    meta = read_checkpoint(latest_checkpoint(tmp_path / "own" / "checkpoints")).meta
+    assert not meta["epoch_complete"] and meta["metrics_rows"]["batches"] == 8  # a resume keeps all eight
+
+
+@pytest.mark.slow
+def test_the_cli_checks_the_optimizer_against_the_saved_state(tmp_path):
+    """The CLI's resume check reads the same fact (the rank state's class): one line naming both, exit 2."""
+    import time
+
+    from flodl_mpi.checkpoint import latest_checkpoint
+    from tests.conftest import run_flodl
+
+    run = str(tmp_path / "run")
+    first = run_flodl(1, "train", "--optimizer", "sgd", "--epochs", "1", "--run-dir", run)
+    assert first.returncode == 0, first.stderr[-2000:]
+    path = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    t0 = time.monotonic()
+    again = run_flodl(1, "train", "--optimizer", "adam", "--epochs", "2", "--run-dir", run, "--resume")
+    assert time.monotonic() - t0 < 120
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert again.stderr.count(f"flodl-mpi: error: --resume: {path} holds the optimizer state of SGD, this run builds "
+                              "Adam (--optimizer 'adam'); resume with the optimizer the run was started with") == 1
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints") == path
+    config = tmp_path / "opt.toml"
+    config.write_text('optimizer = "torch.optim.rmsprop:RMSprop"\n')  # an API run's record is not a CLI choice
+    bad = run_flodl(1, "train", "--config", str(config), "--epochs", "1", "--run-dir", str(tmp_path / "new"))
+    assert bad.returncode == 2
+    assert bad.stderr.count("flodl-mpi: error: --optimizer 'torch.optim.rmsprop:RMSprop': must be one of sgd, adam, "
+                            "adamw") == 1, bad.stderr[-2000:]
