@@ -48,7 +48,6 @@ own atomics are full fences).
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import secrets
@@ -57,9 +56,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from flodl_mpi.node_reduce import CACHE_PIECE, slices
+from flodl_mpi.node_reduce import slices
 from flodl_mpi.realized_work import is_realized
-from flodl_mpi.wire import WireLayout, sum_squares, sum_squares_pieces
+from flodl_mpi.slice_kernel import KERNELS, STEPS, consensus_slice, default_kernel, warm_up
+from flodl_mpi.wire import WireLayout, sum_squares_pieces
 
 __all__ = ["SHM_DIR", "InPlaceShmReduce"]
 
@@ -101,21 +101,36 @@ class InPlaceShmReduce:
         n, W, me = layout.n, node.size, node.rank
         seg = max(_PAGE, -(-4 * n // _PAGE) * _PAGE)
         self._all, own = _map_shared(node, seg)
-        self.segs = [np.frombuffer(self._all, dtype=np.float32, count=n, offset=k * seg) for k in range(W)]
+        #: every rank's segment, row r = node rank r, C-contiguous rows of ``seg / 4`` elements
+        self.rows = np.frombuffer(self._all, dtype=np.float32).reshape(W, seg // 4)
         self.staging = np.frombuffer(own, dtype=np.float32, count=n)
         #: the world ranks of this node, in node order (their masses scale the segments)
         self.members = node.allgather(comm.rank)
         self.me = me
         self.slice = slices(n, W)[me]
-        # Blocks of CACHE_PIECE elements, smaller for a small slice (at least four blocks
-        # per slice, so the scratch stays well under the model's size: 0.25x at 100k params).
-        a, b = self.slice
-        self.step = max(1, min(layout.chunk_elems, CACHE_PIECE, n, max(1024, -(-(b - a) // 4))))
-        self._acc = np.empty(self.step, dtype=np.float32)
-        self._tmp = np.empty(self.step, dtype=np.float32)
-        self.extra_bytes = self._acc.nbytes + self._tmp.nbytes + (seg - 4 * n)
+        self._seg_pad = seg - 4 * n
+        self.use_kernel(default_kernel())
         self._partial = np.zeros(W + 2, dtype=np.float64)
         self._gathered = np.zeros((W, W + 2), dtype=np.float64)
+
+    def use_kernel(self, kernel: str) -> None:
+        """Run the slice pass with ``kernel`` (:data:`~flodl_mpi.slice_kernel.KERNELS`; local, any time
+        between rounds; the default is the fastest installed). The consensus bits are the same for each."""
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        if kernel == "numba":
+            if default_kernel() != "numba":
+                raise ValueError("kernel 'numba' needs numba installed (pip install numba)")
+            warm_up()  # compiled (or loaded from numba's cache) here, not in the first round
+        #: the slice pass in use, ``"numba"`` or ``"numpy"``
+        self.kernel = kernel
+        # Blocks of the kernel's size, smaller for a small slice (at least four blocks per
+        # slice, so the scratch stays well under the model's size: 0.25x at 100k params).
+        a, b = self.slice
+        n = self.layout.n
+        self.step = max(1, min(self.layout.chunk_elems, STEPS[kernel], n, max(1024, -(-(b - a) // 4))))
+        self._scratch = np.empty(2 * self.step, dtype=np.float32)
+        self.extra_bytes = self._scratch.nbytes + self._seg_pad
 
     def free(self) -> None:
         """Unmap the other ranks' segments and free the node communicator (collective over ``comm``).
@@ -123,7 +138,7 @@ class InPlaceShmReduce:
         This rank's own segment stays mapped as long as :attr:`staging` (or a
         view of it: bound parameters) is referenced.
         """
-        self.segs = None
+        self.rows = None
         try:
             self._all.close()
         except BufferError:  # a view of it is still referenced somewhere: unmapped when that goes
@@ -169,7 +184,10 @@ class InPlaceShmReduce:
             return
         partial = self._partial
         partial[:] = 0.0
-        write_s = self._pass(scales, total, partial)
+        a, b = self.slice
+        t_pass = clock()
+        consensus_slice(self.rows, np.array(scales, dtype=np.float32), total, a, b, self.step, self._scratch,
+                        partial, self.kernel)
         t1 = clock()
         self.node.Allgather([partial, MPI.DOUBLE], [self._gathered, MPI.DOUBLE])
         sums = np.zeros(W + 2, dtype=np.float64)
@@ -179,48 +197,8 @@ class InPlaceShmReduce:
         stats.post_sq += float(sums[W])
         stats.post_finite = bool(sums[W + 1] == 0.0)
         t2 = clock()
-        stats.allreduce_ms += 1e3 * (t1 - t0 - write_s + (t2 - t1))
-        stats.unpack_ms += 1e3 * write_s
-
-    def _pass(self, scales, total: np.float32, partial: np.ndarray) -> float:
-        """This rank's slice, block by block, last block first, into ``partial``; returns the seconds
-        spent on the divergence sums and the writes (the rest of the pass is the sum)."""
-        a, b = self.slice
-        segs, step, W = self.segs, self.step, len(self.segs)
-        live = [(segs[r], s) for r, s in enumerate(scales) if s != 0.0]
-        first, rest = live[0], live[1:]
-        acc, tmp = self._acc, self._tmp
-        clock = time.perf_counter
-        write_s = 0.0
-        # Dividing by a power of two (equal masses at W = 2, 4, 8...) is multiplying by its
-        # reciprocal, exactly (both are the correctly rounded x·2^-k), at half the cost here.
-        inverse = None
-        if math.frexp(float(total))[0] == 0.5 and np.finfo(np.float32).tiny <= 1.0 / float(total) < 2.0**127:
-            inverse = np.float32(1.0 / float(total))  # a normal float32, exact
-        for lo in reversed(range(a, b, step)):
-            hi = min(lo + step, b)
-            k = hi - lo
-            c = np.multiply(first[0][lo:hi], first[1], out=acc[:k])
-            for seg, s in rest:
-                np.add(c, np.multiply(seg[lo:hi], s, out=tmp[:k]), out=c)
-            if inverse is None:
-                np.divide(c, total, out=c)
-            else:  # the same bits: a power of two's reciprocal is exact
-                np.multiply(c, inverse, out=c)
-            t = clock()
-            post = sum_squares(c)
-            if not math.isfinite(post):  # never written; every rank learns it from the gathered flag
-                partial[W + 1] = 1.0
-                write_s += clock() - t
-                break
-            partial[W] += post
-            d = tmp[:k]
-            for r, seg in enumerate(segs):
-                x = seg[lo:hi]
-                partial[r] += sum_squares(np.subtract(x, c, out=d))
-                np.copyto(x, c)
-            write_s += clock() - t
-        return write_s
+        stats.allreduce_ms += 1e3 * (t_pass - t0 + t2 - t1)
+        stats.unpack_ms += 1e3 * (t1 - t_pass)
 
     def _check(self, staging: np.ndarray) -> None:
         if staging is not self.staging and (staging.size != self.layout.n or not np.shares_memory(staging,
