@@ -1,0 +1,112 @@
+"""The in-place node reduce's slice pass alone: numba kernel vs numpy pass vs torch ops, one process.
+
+    python benchmarks/bench_slice_pass.py [--params 16000000] [--world 2] [--repeats 5]
+
+Rank 0's slice of a W-rank node (``[0, P/W)`` of W segments of P float32 each,
+random values, unequal masses): the pass of ``flodl_mpi.slice_kernel`` (sum in
+rank order, one divide, ``‖c‖²`` and each rank's ``‖x_r − c‖²``, the consensus
+written into every segment) as the numba kernel and as the numpy pass, both at
+their own block sizes and at others, and the same operations as torch CPU ops
+(``mul``, ``add_(alpha=)``, ``div_``, ``dot``, ``sub``, ``copy_``; torch's
+``add_`` with alpha may fuse a multiply-add, so its bits can differ). For
+scale: a plain copy of the same bytes (read P, write P: the pass's traffic) and
+the read-only pre-round pass over one rank's P (``wire.sum_squares_pieces``).
+Times are this thread's CPU time (``time.thread_time``, best of the repeats), so
+other jobs on the machine inflate them less than wall time; before timing, each
+variant's consensus is compared bit for bit with the numpy pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+from flodl_mpi.slice_kernel import KERNELS, STEPS, consensus_slice, default_kernel
+from flodl_mpi.wire import WireLayout, sum_squares_pieces
+
+
+def torch_pass(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: int, b: int, step: int) -> np.ndarray:
+    """The pass as torch CPU ops (one thread), block by block, last block first; returns the partial sums."""
+    W = segs.shape[0]
+    T = torch.from_numpy(segs)
+    acc, tmp = torch.empty(step), torch.empty(step)
+    partial = np.zeros(W + 2)
+    sc, tot = [float(s) for s in scales], float(total)
+    for lo in reversed(range(a, b, step)):
+        hi = min(lo + step, b)
+        c = torch.mul(T[0, lo:hi], sc[0], out=acc[: hi - lo])
+        for r in range(1, W):
+            c.add_(T[r, lo:hi], alpha=sc[r])
+        c.div_(tot)
+        partial[W] += float(torch.dot(c, c))
+        d = tmp[: hi - lo]
+        for r in range(W):
+            x = T[r, lo:hi]
+            torch.sub(x, c, out=d)
+            partial[r] += float(torch.dot(d, d))
+            x.copy_(c)
+    return partial
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=int, default=16_000_000, help="P, float32 elements per rank")
+    ap.add_argument("--world", type=int, default=2, help="W, ranks of the node (segments)")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    P, W = args.params, args.world
+    base = np.random.default_rng(0).standard_normal((W, P)).astype(np.float32)
+    segs = base.copy()
+    a, b = 0, -(-P // W)
+    scales = np.array([W * (1.0 + 0.5 * r) for r in range(W)], dtype=np.float32)
+    total = np.float32(0.0)
+    for s in scales:
+        total = np.float32(total + s)
+
+    def run(kernel, step):
+        consensus_slice(segs, scales, total, a, b, step, np.empty(2 * step, np.float32), np.zeros(W + 2), kernel)
+
+    def timed(fn) -> float:
+        best = math.inf
+        for _ in range(args.repeats):
+            segs[:] = base
+            t = time.thread_time()
+            fn()
+            best = min(best, time.thread_time() - t)
+        return 1e3 * best
+
+    segs[:] = base
+    run("numpy", STEPS["numpy"])
+    want = segs.copy()
+    layout = WireLayout([(P,)])
+    rows = [("copy of the slice pair (read P, write P)",
+             lambda: [np.copyto(segs[r, a:b], base[(r + 1) % W, a:b]) for r in range(W)], None),
+            ("pre-round pass over one rank's P (read only)", lambda: sum_squares_pieces(segs[0], layout), None)]
+    kernels = [k for k in KERNELS if k != "numba" or default_kernel() == "numba"]
+    for kernel in kernels:
+        for step in sorted({1 << 10, 1 << 12, 1 << 14, 1 << 16, STEPS[kernel]}):
+            mark = " (its default)" if step == STEPS[kernel] else ""
+            rows.append((f"{kernel} pass, blocks of {step}{mark}", lambda k=kernel, s=step: run(k, s), True))
+    rows.append(("torch ops, blocks of 65536", lambda: torch_pass(segs, scales, total, a, b, 1 << 16), True))
+    print(f"P = {P:,} float32 per rank, W = {W}, slice [{a}, {b}); ms of this thread's CPU time, best of "
+          f"{args.repeats}; 1-min load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores); numba "
+          f"{'installed' if default_kernel() == 'numba' else 'not installed'}")
+    for name, fn, check in rows:
+        ms = timed(fn)
+        same = ""
+        if check:
+            segs[:] = base
+            fn()
+            same = "  same bits as numpy" if np.array_equal(segs, want) else \
+                f"  differs from numpy by up to {float(np.abs(segs - want).max()):.1e}"
+        print(f"{name:<48} {ms:8.2f}{same}")
+
+
+if __name__ == "__main__":
+    main()
