@@ -6,21 +6,33 @@ tensors anywhere. The staging (where bound parameters live, see
 that every rank of the node maps. A round is then one pass per rank over its
 slice ``k`` of the frame (:func:`flodl_mpi.node_reduce.slices`), block by
 cache-sized block (the several operations per block run from cache, not from
-memory):
+memory; :mod:`flodl_mpi.slice_kernel`: one compiled numba call per slice, or
+the numpy pass where numba is not installed):
 
 1. ``c = (Σ_r W·m_r·θ_r) / Σ_r W·m_r``: the segments scaled by their masses
    and added in rank order in float32, then the one divide (SPEC §2 step 4; the
    same float32 operations, in the same order, as the packing shared-memory
    reduce, :class:`flodl_mpi.node_reduce.ShmReduce`). A rank of mass 0 (idle,
    quarantined) is skipped: true zeros, whatever its segment holds (SPEC §1);
-2. each rank's ``‖θ_r − c‖²`` and ``‖c‖²`` of the block (float32 dots of the
-   cached block, added in float64: SPEC §3's sums);
+2. each rank's ``‖θ_r − c‖²`` and ``‖c‖²`` of the block (float64 sums of the
+   cached block: SPEC §3's sums);
 3. ``c`` written into every rank's segment: the unpack of all ranks at once.
 
 Then one small ``Allgather`` of the slices' partial sums (``W + 2`` float64 per
 rank), added in rank order on every rank: the same bits everywhere. Per rank
 that is one read and one write of the model's bytes (W slices of 1/W each),
-instead of the pack's, the sum's and the unpack's three of each.
+instead of the pack's, the sum's and the unpack's three of each. Before the
+control gather, :meth:`InPlaceShmReduce.prepare` reads the rank's own segment
+once more (the NaN/Inf check and the pre-round norm), so that quarantine is
+decided from gathered values before any segment is overwritten. (Measured and
+not kept: the consensus into a private scratch of ``P/W`` floats first, the
+check riding the partial sums, then a copy into every segment: no pre-pass,
+but a write and a read of the scratch, about 1.7x the CPU time of pre-pass
+plus pass at 16M params, W = 2; ``benchmarks/README.md``.)
+
+Phases in :class:`~flodl_mpi.reduce.ReduceStats`: ``unpack_ms`` is the pass
+(sum, divide, divergence sums, writes), ``allreduce_ms`` the masses and the
+partial sums' ``Allgather`` (waiting for the slowest rank's pass included).
 
 Invariants:
   * every element of the consensus is computed by exactly one rank and copied
@@ -82,6 +94,8 @@ class InPlaceShmReduce:
             tensors live here and the consensus lands here.
         extra_bytes: memory beyond the staging (two blocks of scratch and the
             segment's padding to a page).
+        kernel: the slice pass in use (:meth:`use_kernel`), ``"numba"`` where
+            numba is installed, else ``"numpy"``.
 
     Raises:
         OSError: identically on every rank of ``node``: the shared file could
