@@ -14,6 +14,13 @@ the read-only pre-round pass over one rank's P (``wire.sum_squares_pieces``).
 Times are this thread's CPU time (``time.thread_time``, best of the repeats), so
 other jobs on the machine inflate them less than wall time; before timing, each
 variant's consensus is compared bit for bit with the numpy pass.
+
+Also timed, not kept (issue 9, idea "drop the pre-pass"): the consensus into a
+private scratch of P/W floats with every rank's slice norm (whose finiteness
+would ride the partial sums' Allgather instead of the control gather), then a
+second pass copying it into every segment. Per rank it reads (1 + 1/W)·P and
+writes (1 + 1/W)·P floats, against 2P read and P written by the pre-round pass
+plus the pass, and holds P/W floats more.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ import time
 
 import numpy as np
 import torch
+
+try:
+    import numba
+except ImportError:  # the scratch variant needs it
+    numba = None
 
 from flodl_mpi.slice_kernel import KERNELS, STEPS, consensus_slice, default_kernel
 from flodl_mpi.wire import WireLayout, sum_squares_pieces
@@ -51,6 +63,51 @@ def torch_pass(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: int, 
             partial[r] += float(torch.dot(d, d))
             x.copy_(c)
     return partial
+
+
+if numba is not None:
+    @numba.njit(nogil=True, fastmath={"reassoc", "nsz", "contract"})
+    def _sq(x, k):
+        s = 0.0
+        for i in range(k):
+            v = np.float64(x[i])
+            s += v * v
+        return s
+
+    @numba.njit(nogil=True, fastmath={"reassoc", "nsz", "contract"})
+    def _dsq(x, c, k):
+        s = 0.0
+        for i in range(k):
+            d = np.float64(x[i] - c[i])
+            s += d * d
+        return s
+
+    @numba.njit(nogil=True)
+    def scratch_pass(segs, scales, total, a, b, step, out, partial):
+        """Measured, not kept: the consensus of the slice into ``out`` (P/W floats) with every rank's
+        slice norm (its finiteness: the check that would ride the partial sums) and divergence sums;
+        the segments untouched until a second pass copies ``out`` into each."""
+        W = segs.shape[0]
+        blocks = (b - a + step - 1) // step
+        for j in range(blocks - 1, -1, -1):
+            lo = a + j * step
+            hi = min(lo + step, b)
+            k = hi - lo
+            c = out[lo - a : hi - a]
+            for r in range(W):
+                x = segs[r, lo:hi]
+                partial[W + 2 + r] += _sq(x, k)
+                if r == 0:
+                    for i in range(k):
+                        c[i] = x[i] * scales[r]
+                else:
+                    for i in range(k):
+                        c[i] = c[i] + x[i] * scales[r]
+            for i in range(k):
+                c[i] = c[i] / total
+            partial[W] += _sq(c, k)
+            for r in range(W):
+                partial[r] += _dsq(segs[r, lo:hi], c, k)
 
 
 def main() -> None:
@@ -94,6 +151,13 @@ def main() -> None:
             mark = " (its default)" if step == STEPS[kernel] else ""
             rows.append((f"{kernel} pass, blocks of {step}{mark}", lambda k=kernel, s=step: run(k, s), True))
     rows.append(("torch ops, blocks of 65536", lambda: torch_pass(segs, scales, total, a, b, 1 << 16), True))
+    if numba is not None:  # no pre-round pass: consensus into a scratch of P/W, then copied into every segment
+        out = np.empty(b - a, np.float32)
+        first = lambda: scratch_pass(segs, scales, total, a, b, STEPS["numba"], out, np.zeros(2 * W + 2))  # noqa: E731
+        second = lambda: [np.copyto(segs[r, a:b], out) for r in range(W)]  # noqa: E731
+        rows += [("scratch variant: pass 1 (no write to segments)", first, None),
+                 ("scratch variant: pass 2 (copy into W segments)", second, None),
+                 ("scratch variant: both passes", lambda: (first(), second()), True)]
     print(f"P = {P:,} float32 per rank, W = {W}, slice [{a}, {b}); ms of this thread's CPU time, best of "
           f"{args.repeats}; 1-min load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores); numba "
           f"{'installed' if default_kernel() == 'numba' else 'not installed'}")
