@@ -57,6 +57,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from flodl_mpi.bridge import Bridge
 from flodl_mpi.reduce import Reducer, WireOptions
 from flodl_mpi.round_profile import PHASES
+from flodl_mpi.slice_kernel import default_kernel
 from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout
 
 MIB_ELEMS = 1 << 18  # float32 elements in 1 MiB
@@ -113,6 +114,7 @@ def _timed(fn) -> float:
 def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
     rank, world = comm.rank, comm.size
     say = print if rank == 0 else (lambda *a, **k: None)
+    load_start = os.getloadavg()[0]
     shapes = model_shapes(P)
     gen = torch.Generator().manual_seed(1234 + rank)  # different inputs per rank
     inputs = [torch.randn(s, generator=gen) for s in shapes]
@@ -149,10 +151,18 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
     flat_of_params = lambda: np.concatenate([p.detach().numpy().ravel() for p in params])  # noqa: E731
     add("ours: Bridge.round + copies", ours_copies, flat_of_params, 4 * P + reducer_bytes(copies))
 
-    wires = [(nr, bf) for nr in args.node_reduce for bf in ((False, True) if args.bf16 else (False,))]
-    for nr, bf in wires:
+    wires = [(nr, bf, None) for nr in args.node_reduce for bf in ((False, True) if args.bf16 else (False,))]
+    if "shm" in args.node_reduce and default_kernel() != "numpy":  # the in-place round's numpy pass beside
+        wires.insert(wires.index(("shm", False, None)) + 1, ("shm", False, "numpy"))
+    for nr, bf, kernel in wires:
         b = Bridge(comm.Dup(), shapes, wire=WireOptions(nr, "auto", bf))
-        name = f"ours: bound, {nr}{' bf16' if bf else ''} ({b._p.reducer.path})"
+        path = b._p.reducer.path
+        if path == "shm-in-place":
+            for plane in (b._p, b._b):
+                if plane.reducer.staging is not None:
+                    plane.reducer._impl.use_kernel(kernel or default_kernel())
+            path += f", {kernel or default_kernel()} pass"
+        name = f"ours: bound, {nr}{' bf16' if bf else ''} ({path})"
         bridges[name] = b
         with torch.no_grad():  # Replica.bind: the params are views of the staging
             bound = [torch.nn.Parameter(view) for view in b.param_tensors]
@@ -167,7 +177,8 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
     red_comm = comm.Dup()
     reducer = Reducer(red_comm, layout, WireOptions(args.node_reduce[-1]), in_place=True)
     staging = reducer.staging if reducer.staging is not None else layout.new_staging()
-    add(f"ours: Reducer.reduce only ({reducer.path})", lambda: reducer.reduce(staging, 1.0), lambda: staging,
+    only = reducer.path + (f", {reducer._impl.kernel} pass" if reducer.path == "shm-in-place" else "")
+    add(f"ours: Reducer.reduce only ({only})", lambda: reducer.reduce(staging, 1.0), lambda: staging,
         reducer.extra_bytes)
 
     raw = np.empty(P, dtype=np.float32)
@@ -239,7 +250,8 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
     med = {n: statistics.median(t) for n, t in times.items()}
     say(f"\nP = {P:,} float32 ({4 * P / 2**20:.1f} MiB) in {len(shapes)} tensors, {world} ranks, "
         f"{args.repeats} repeats after {args.warmup} warm-up, torch threads {torch.get_num_threads()}, "
-        f"{MPI.Get_library_version().splitlines()[0].strip()}, torch {torch.__version__}")
+        f"{MPI.Get_library_version().splitlines()[0].strip()}, torch {torch.__version__}; "
+        f"1-min load average {load_start:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
     width = max(len(n) for n, _ in methods)
     say(f"{'method':<{width}}  {'median ms':>9}  {'min ms':>8}  {'x floor':>7}  {'PMA/row':>7}")
     for name, _ in methods:

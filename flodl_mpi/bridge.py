@@ -527,8 +527,8 @@ class Bridge:
         control_ms = 1e3 * (t_gathered - t_gather)
         steps = int(head[ROUND_HEAD.index("steps")])
         # -- decide, from the gathered matrix only: every rank takes the same branch
-        verdict = self._take_acks(cols, batch_ms=cols["batch_ms"], window=cols["window"],
-                                  anchor=int(np.nan_to_num(cols["anchor"]).max()))
+        anchor = int(np.nan_to_num(cols["anchor"]).max())
+        verdict = self._take_acks(cols, batch_ms=cols["batch_ms"], window=cols["window"], anchor=anchor)
         all_steps, flags = cols["steps"], cols["non_finite"].astype(np.int64)
         if flags.all() or (flags.any() and self.on_non_finite == "stop"):
             raise NonFiniteError(_non_finite_message(self.version, flags, self.on_non_finite))
@@ -604,7 +604,7 @@ class Bridge:
             round=round_index, version=self.version, time_s=self.elapsed, skipped=skipped,
             steps=all_steps.astype(np.int64), mass=np.asarray(masses.mass), quarantined=quarantined,
             window=cols["window"].astype(np.int64), quota=cols["quota"].astype(np.int64),
-            anchor=int(np.nan_to_num(cols["anchor"]).max()), batch_ms=cols["batch_ms"].copy(),
+            anchor=anchor, batch_ms=cols["batch_ms"].copy(),
         )
         return RoundUpdate(
             version=self.version,
@@ -715,6 +715,8 @@ def boundary_verdict(ending: np.ndarray, calls: np.ndarray) -> str | None:
         after as many ``step()`` calls; else one line naming each rank, where it is
         and its ``step()`` count.
     """
+    if np.isnan(ending).all():  # every rank in a round: the common case, at a small model's per-round cost
+        return None
     at = np.nan_to_num(ending, nan=0.0)
     if not at.any():
         return None

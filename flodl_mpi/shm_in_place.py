@@ -6,21 +6,33 @@ tensors anywhere. The staging (where bound parameters live, see
 that every rank of the node maps. A round is then one pass per rank over its
 slice ``k`` of the frame (:func:`flodl_mpi.node_reduce.slices`), block by
 cache-sized block (the several operations per block run from cache, not from
-memory):
+memory; :mod:`flodl_mpi.slice_kernel`: one compiled numba call per slice, or
+the numpy pass where numba is not installed):
 
 1. ``c = (Σ_r W·m_r·θ_r) / Σ_r W·m_r``: the segments scaled by their masses
    and added in rank order in float32, then the one divide (SPEC §2 step 4; the
    same float32 operations, in the same order, as the packing shared-memory
    reduce, :class:`flodl_mpi.node_reduce.ShmReduce`). A rank of mass 0 (idle,
    quarantined) is skipped: true zeros, whatever its segment holds (SPEC §1);
-2. each rank's ``‖θ_r − c‖²`` and ``‖c‖²`` of the block (float32 dots of the
-   cached block, added in float64: SPEC §3's sums);
+2. each rank's ``‖θ_r − c‖²`` and ``‖c‖²`` of the block (float64 sums of the
+   cached block: SPEC §3's sums);
 3. ``c`` written into every rank's segment: the unpack of all ranks at once.
 
 Then one small ``Allgather`` of the slices' partial sums (``W + 2`` float64 per
 rank), added in rank order on every rank: the same bits everywhere. Per rank
 that is one read and one write of the model's bytes (W slices of 1/W each),
-instead of the pack's, the sum's and the unpack's three of each.
+instead of the pack's, the sum's and the unpack's three of each. Before the
+control gather, :meth:`InPlaceShmReduce.prepare` reads the rank's own segment
+once more (the NaN/Inf check and the pre-round norm), so that quarantine is
+decided from gathered values before any segment is overwritten. (Measured and
+not kept: the consensus into a private scratch of ``P/W`` floats first, the
+check riding the partial sums, then a copy into every segment: no pre-pass,
+but a write and a read of the scratch, about 1.7x the CPU time of pre-pass
+plus pass at 16M params, W = 2; ``benchmarks/README.md``.)
+
+Phases in :class:`~flodl_mpi.reduce.ReduceStats`: ``unpack_ms`` is the pass
+(sum, divide, divergence sums, writes), ``allreduce_ms`` the masses and the
+partial sums' ``Allgather`` (waiting for the slowest rank's pass included).
 
 Invariants:
   * every element of the consensus is computed by exactly one rank and copied
@@ -48,7 +60,6 @@ own atomics are full fences).
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import secrets
@@ -57,9 +68,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from flodl_mpi.node_reduce import CACHE_PIECE, slices
+from flodl_mpi.node_reduce import slices
 from flodl_mpi.realized_work import is_realized
-from flodl_mpi.wire import WireLayout, sum_squares, sum_squares_pieces
+from flodl_mpi.slice_kernel import KERNELS, STEPS, consensus_slice, default_kernel, warm_up
+from flodl_mpi.wire import WireLayout, sum_squares_pieces
 
 __all__ = ["SHM_DIR", "InPlaceShmReduce"]
 
@@ -82,6 +94,8 @@ class InPlaceShmReduce:
             tensors live here and the consensus lands here.
         extra_bytes: memory beyond the staging (two blocks of scratch and the
             segment's padding to a page).
+        kernel: the slice pass in use (:meth:`use_kernel`), ``"numba"`` where
+            numba is installed, else ``"numpy"``.
 
     Raises:
         OSError: identically on every rank of ``node``: the shared file could
@@ -101,21 +115,36 @@ class InPlaceShmReduce:
         n, W, me = layout.n, node.size, node.rank
         seg = max(_PAGE, -(-4 * n // _PAGE) * _PAGE)
         self._all, own = _map_shared(node, seg)
-        self.segs = [np.frombuffer(self._all, dtype=np.float32, count=n, offset=k * seg) for k in range(W)]
+        #: every rank's segment, row r = node rank r, C-contiguous rows of ``seg / 4`` elements
+        self.rows = np.frombuffer(self._all, dtype=np.float32).reshape(W, seg // 4)
         self.staging = np.frombuffer(own, dtype=np.float32, count=n)
         #: the world ranks of this node, in node order (their masses scale the segments)
         self.members = node.allgather(comm.rank)
         self.me = me
         self.slice = slices(n, W)[me]
-        # Blocks of CACHE_PIECE elements, smaller for a small slice (at least four blocks
-        # per slice, so the scratch stays well under the model's size: 0.25x at 100k params).
-        a, b = self.slice
-        self.step = max(1, min(layout.chunk_elems, CACHE_PIECE, n, max(1024, -(-(b - a) // 4))))
-        self._acc = np.empty(self.step, dtype=np.float32)
-        self._tmp = np.empty(self.step, dtype=np.float32)
-        self.extra_bytes = self._acc.nbytes + self._tmp.nbytes + (seg - 4 * n)
+        self._seg_pad = seg - 4 * n
+        self.use_kernel(default_kernel())
         self._partial = np.zeros(W + 2, dtype=np.float64)
         self._gathered = np.zeros((W, W + 2), dtype=np.float64)
+
+    def use_kernel(self, kernel: str) -> None:
+        """Run the slice pass with ``kernel`` (:data:`~flodl_mpi.slice_kernel.KERNELS`; local, any time
+        between rounds; the default is the fastest installed). The consensus bits are the same for each."""
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        if kernel == "numba":
+            if default_kernel() != "numba":
+                raise ValueError("kernel 'numba' needs numba installed (pip install numba)")
+            warm_up()  # compiled (or loaded from numba's cache) here, not in the first round
+        #: the slice pass in use, ``"numba"`` or ``"numpy"``
+        self.kernel = kernel
+        # Blocks of the kernel's size, smaller for a small slice (at least four blocks per
+        # slice, so the scratch stays well under the model's size: 0.25x at 100k params).
+        a, b = self.slice
+        n = self.layout.n
+        self.step = max(1, min(self.layout.chunk_elems, STEPS[kernel], n, max(1024, -(-(b - a) // 4))))
+        self._scratch = np.empty(2 * self.step, dtype=np.float32)
+        self.extra_bytes = self._scratch.nbytes + self._seg_pad
 
     def free(self) -> None:
         """Unmap the other ranks' segments and free the node communicator (collective over ``comm``).
@@ -123,7 +152,7 @@ class InPlaceShmReduce:
         This rank's own segment stays mapped as long as :attr:`staging` (or a
         view of it: bound parameters) is referenced.
         """
-        self.segs = None
+        self.rows = None
         try:
             self._all.close()
         except BufferError:  # a view of it is still referenced somewhere: unmapped when that goes
@@ -169,7 +198,10 @@ class InPlaceShmReduce:
             return
         partial = self._partial
         partial[:] = 0.0
-        write_s = self._pass(scales, total, partial)
+        a, b = self.slice
+        t_pass = clock()
+        consensus_slice(self.rows, np.array(scales, dtype=np.float32), total, a, b, self.step, self._scratch,
+                        partial, self.kernel)
         t1 = clock()
         self.node.Allgather([partial, MPI.DOUBLE], [self._gathered, MPI.DOUBLE])
         sums = np.zeros(W + 2, dtype=np.float64)
@@ -179,48 +211,8 @@ class InPlaceShmReduce:
         stats.post_sq += float(sums[W])
         stats.post_finite = bool(sums[W + 1] == 0.0)
         t2 = clock()
-        stats.allreduce_ms += 1e3 * (t1 - t0 - write_s + (t2 - t1))
-        stats.unpack_ms += 1e3 * write_s
-
-    def _pass(self, scales, total: np.float32, partial: np.ndarray) -> float:
-        """This rank's slice, block by block, last block first, into ``partial``; returns the seconds
-        spent on the divergence sums and the writes (the rest of the pass is the sum)."""
-        a, b = self.slice
-        segs, step, W = self.segs, self.step, len(self.segs)
-        live = [(segs[r], s) for r, s in enumerate(scales) if s != 0.0]
-        first, rest = live[0], live[1:]
-        acc, tmp = self._acc, self._tmp
-        clock = time.perf_counter
-        write_s = 0.0
-        # Dividing by a power of two (equal masses at W = 2, 4, 8...) is multiplying by its
-        # reciprocal, exactly (both are the correctly rounded x·2^-k), at half the cost here.
-        inverse = None
-        if math.frexp(float(total))[0] == 0.5 and np.finfo(np.float32).tiny <= 1.0 / float(total) < 2.0**127:
-            inverse = np.float32(1.0 / float(total))  # a normal float32, exact
-        for lo in reversed(range(a, b, step)):
-            hi = min(lo + step, b)
-            k = hi - lo
-            c = np.multiply(first[0][lo:hi], first[1], out=acc[:k])
-            for seg, s in rest:
-                np.add(c, np.multiply(seg[lo:hi], s, out=tmp[:k]), out=c)
-            if inverse is None:
-                np.divide(c, total, out=c)
-            else:  # the same bits: a power of two's reciprocal is exact
-                np.multiply(c, inverse, out=c)
-            t = clock()
-            post = sum_squares(c)
-            if not math.isfinite(post):  # never written; every rank learns it from the gathered flag
-                partial[W + 1] = 1.0
-                write_s += clock() - t
-                break
-            partial[W] += post
-            d = tmp[:k]
-            for r, seg in enumerate(segs):
-                x = seg[lo:hi]
-                partial[r] += sum_squares(np.subtract(x, c, out=d))
-                np.copyto(x, c)
-            write_s += clock() - t
-        return write_s
+        stats.allreduce_ms += 1e3 * (t_pass - t0 + t2 - t1)
+        stats.unpack_ms += 1e3 * (t1 - t_pass)
 
     def _check(self, staging: np.ndarray) -> None:
         if staging is not self.staging and (staging.size != self.layout.n or not np.shares_memory(staging,

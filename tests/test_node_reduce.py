@@ -16,16 +16,18 @@ from mpi4py import MPI
 from flodl_mpi.node_reduce import slices
 from flodl_mpi.realized_work import gamma_mass
 from flodl_mpi.reduce import Reducer, WireOptions
+from flodl_mpi.slice_kernel import KERNELS
 from flodl_mpi.wire import WireLayout
 
 pytestmark = pytest.mark.mpi
 
 SHAPES = [(17, 5), (5,), (3, 3, 3), (1,), (40,), (33,)]
 
-# (node_reduce, hierarchical, bf16, simulated node size or None for the machine's[, in place])
+# (node_reduce, hierarchical, bf16, simulated node size or None for the machine's[, in place: its slice kernel])
 PATHS = [
-    ("shm", "off", False, None, True),
-    ("shm", "auto", False, None, True),
+    ("shm", "off", False, None, "numba"),
+    ("shm", "auto", False, None, "numba"),
+    ("shm", "off", False, None, "numpy"),
     ("mpi", "off", False, None),
     ("shm", "off", False, None),
     ("shm", "auto", False, None),
@@ -36,7 +38,7 @@ PATHS = [
     ("shm", "off", True, None),
     ("shm", "on", True, 2),
 ]
-IDS = [f"{a}-{b}{'-bf16' if c else ''}{f'-nodes-of-{d}' if d else ''}{'-in-place' if e else ''}"
+IDS = [f"{a}-{b}{'-bf16' if c else ''}{f'-nodes-of-{d}' if d else ''}{f'-in-place-{e[0]}' if e else ''}"
        for a, b, c, d, *e in PATHS]
 
 
@@ -53,6 +55,8 @@ def make(comm, path, chunk):
     node = comm.Split(comm.rank // node_size, key=comm.rank) if node_size else None
     red = Reducer(comm, layout, WireOptions(node_reduce, hier, bf16), node_comm=node, in_place=bool(in_place))
     assert (red.staging is not None) == bool(in_place) and (red.path == "shm-in-place") == bool(in_place)
+    if in_place:
+        red._impl.use_kernel(in_place[0])
     return layout, red
 
 
@@ -236,9 +240,10 @@ def test_auto_resolves_the_same_on_every_rank_and_shm_is_refused_without_room(co
         Reducer(comm, layout, WireOptions("shm"))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("equal", [False, True], ids=["unequal", "equal"])
 @pytest.mark.parametrize("chunk", [3, 64, 1 << 18])
-def test_in_place_equals_the_packing_shm_reduce_bit_for_bit(comm, chunk, equal):
+def test_in_place_equals_the_packing_shm_reduce_bit_for_bit(comm, chunk, equal, kernel):
     # The same float32 operations in the same order (scale, add in rank order, one
     # divide; equal masses at W = 2, 4: a power-of-two total, divided by multiplying):
     # the in-place reduce and the packing one give the same bits.
@@ -250,6 +255,8 @@ def test_in_place_equals_the_packing_shm_reduce_bit_for_bit(comm, chunk, equal):
     for in_place in (False, True):
         layout = WireLayout(SHAPES, chunk_elems=chunk)
         red = Reducer(comm, layout, WireOptions("shm", "off"), in_place=in_place)
+        if in_place:
+            red._impl.use_kernel(kernel)
         try:
             staging = stage(red, rank_flat(comm.rank))
             stats = reduce(red, staging, masses[comm.rank], masses, prepared=True)

@@ -1,0 +1,92 @@
+"""The in-place reduce's slice pass (flodl_mpi.slice_kernel): numba and numpy against a float64 reference."""
+
+import numpy as np
+import pytest
+
+from flodl_mpi.slice_kernel import KERNELS, STEPS, consensus_slice, default_kernel
+
+pytestmark = pytest.mark.skipif(default_kernel() != "numba", reason="numba is not installed")
+
+
+def case(W, n, seed=0, masses=None):
+    rng = np.random.default_rng(seed)
+    segs = np.zeros((W, n + 5), dtype=np.float32)  # rows longer than the frame, as the segments' padding
+    segs[:, :n] = rng.standard_normal((W, n)).astype(np.float32)
+    masses = masses if masses is not None else [1.0 + r * 0.7 for r in range(W)]
+    scales = np.array([np.float32(W * m) for m in masses], dtype=np.float32)
+    total = np.float32(0.0)
+    for s in scales:
+        total = np.float32(total + s)
+    return segs, scales, total
+
+
+def run(kernel, segs, scales, total, a, b, step):
+    out = segs.copy()
+    partial = np.zeros(segs.shape[0] + 2)
+    consensus_slice(out, scales, total, a, b, step, np.empty(2 * step, np.float32), partial, kernel)
+    return out, partial
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096])
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_both_kernels_equal_a_float64_reference_and_each_other_bit_for_bit(W, step):
+    n = 5000
+    masses = [1.0 + 0.7 * r for r in range(W)]
+    if W >= 3:
+        masses[1] = 0.0  # an idle rank with NaN in its segment: true zeros
+    segs, scales, total = case(W, n, masses=masses)
+    if W >= 3:
+        segs[1, :n] = np.nan
+    a, b = 1040, 4100  # a slice inside the frame: nothing outside it is touched
+    outs = {k: run(k, segs, scales, total, a, b, step) for k in KERNELS}
+    ref = sum(m * segs[r, a:b].astype(np.float64) for r, m in enumerate(masses) if m) / sum(masses)
+    for out, partial in outs.values():
+        for r in range(W):
+            np.testing.assert_array_equal(out[r, :a], segs[r, :a])
+            np.testing.assert_array_equal(out[r, b:], segs[r, b:])
+            np.testing.assert_array_equal(out[r, a:b], out[0, a:b])  # the consensus in every segment
+        np.testing.assert_allclose(out[0, a:b], ref, rtol=2e-6, atol=1e-6)
+        assert partial[W] == pytest.approx(float(np.sum(ref**2)), rel=1e-5)
+        for r in range(W):
+            if masses[r]:
+                want = float(np.sum((segs[r, a:b].astype(np.float64) - ref) ** 2))
+                assert partial[r] == pytest.approx(want, rel=1e-4)
+        assert partial[W + 1] == 0.0
+    (o1, p1), (o2, p2) = outs.values()
+    assert o1.tobytes() == o2.tobytes()  # the same float32 operations in the same order: no FMA
+    assert p1[W] == pytest.approx(p2[W], rel=1e-6)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_power_of_two_total_gives_the_divide_s_bits(kernel):
+    W, n = 4, 3000
+    segs, scales, total = case(W, n, masses=[1.0] * W)  # total 16: multiplied by 1/16
+    out, _ = run(kernel, segs, scales, total, 0, n, 512)
+    s = segs[0, :n] * scales[0]
+    for r in range(1, W):
+        s = s + segs[r, :n] * scales[r]
+    np.testing.assert_array_equal(out[2, :n], s / total)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_non_finite_block_is_never_written_and_stops_the_slice(kernel):
+    # Blocks go last to first: those after the bad one (higher) hold the consensus,
+    # the bad block and those before it keep their values; the flag is set.
+    W, n, step = 3, 1000, 100
+    segs, scales, total = case(W, n)
+    segs[2, 450] = np.inf
+    out, partial = run(kernel, segs, scales, total, 0, n, step)
+    assert partial[W + 1] == 1.0
+    np.testing.assert_array_equal(out[:, :500], segs[:, :500])
+    assert np.isfinite(out[:, 500:n]).all() and (out[0, 500:n] == out[1, 500:n]).all()
+    assert not np.array_equal(out[0, 500:n], segs[0, 500:n])
+
+
+def test_unknown_kernel_is_refused():
+    segs, scales, total = case(2, 10)
+    with pytest.raises(ValueError, match="kernel must be one of numba, numpy"):
+        run("cython", segs, scales, total, 0, 10, 4)
+
+
+def test_steps_are_positive():
+    assert set(STEPS) == set(KERNELS) and min(STEPS.values()) >= 1
