@@ -1,0 +1,133 @@
+"""Async's delta adoption of the optimizer state on hand-worked values (issue 6).
+
+The round averaged the state as the snapshot held it; the rank trained on since, so each
+entry becomes ``consensus + (live - kept)``, a second moment clamped at 0, step counters
+untouched. No MPI: a float32 frame stands in for the bridge's state staging.
+"""
+
+import pytest
+import torch
+
+from flodl_mpi.config import ConfigError, TrainConfig
+from flodl_mpi.optimizer_state import OptimizerStateAverager, adopt_delta
+from flodl_mpi.wire import WireLayout
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def test_adopt_delta_hand_worked():
+    live = torch.tensor([1.0, -2.0])
+    adopt_delta(live, torch.tensor([3.0, 4.0]), torch.tensor([0.5, 1.0]))
+    assert torch.equal(live, torch.tensor([3.5, 1.0]))  # [3 + (1 - 0.5), 4 + (-2 - 1)]
+    # A second moment: 0.2 + (0.1 - 0.4) = -0.1 -> 0; 0.1 + (0.5 - 0.2) = 0.4.
+    v = torch.tensor([0.1, 0.5])
+    adopt_delta(v, torch.tensor([0.2, 0.1]), torch.tensor([0.4, 0.2]), non_negative=True)
+    torch.testing.assert_close(v, torch.tensor([0.0, 0.4]), rtol=0, atol=1e-7)
+    assert v[0].item() == 0.0
+    # No state at the snapshot (the optimizer's zeros): consensus + live.
+    fresh = torch.tensor([0.25, 0.5])
+    adopt_delta(fresh, torch.tensor([1.0, 1.0]), None)
+    assert torch.equal(fresh, torch.tensor([1.25, 1.5]))
+    # Another dtype: computed in the live tensor's dtype.
+    half = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    adopt_delta(half, torch.tensor([1.0, 1.0]), torch.tensor([0.5, 0.5]))
+    assert torch.equal(half, torch.tensor([1.5, 2.5], dtype=torch.float64))
+
+
+def _adam():
+    """One 2-element parameter, Adam stepped once (so it holds state), then hand values set."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.Adam([w], lr=0.1)
+    w.grad = torch.tensor([1.0, 1.0])
+    opt.step()
+    st = opt.state[w]
+    st["exp_avg"].copy_(torch.tensor([0.5, -0.5]))
+    st["exp_avg_sq"].copy_(torch.tensor([0.04, 0.09]))
+    return w, opt, st
+
+
+def _frame(averager):
+    layout = WireLayout(averager.wire_shapes)
+    return [torch.from_numpy(v) for v in layout.views(layout.new_staging())]
+
+
+def test_mean_mode_delta_adoption_hand_worked_and_the_kept_state_never_aliases():
+    w, opt, st = _adam()
+    averager = OptimizerStateAverager(opt, "mean")
+    averager.keep_snapshot = True
+    views = _frame(averager)  # mean: exp_avg then exp_avg_sq travel
+    averager.fill(views)
+    m_kept, v_kept = averager.kept
+    assert torch.equal(m_kept, torch.tensor([0.5, -0.5])) and torch.equal(v_kept, torch.tensor([0.04, 0.09]))
+    for kept in (m_kept, v_kept):
+        for other in (st["exp_avg"], st["exp_avg_sq"], *views):
+            assert not _overlap(kept, other)
+    # Train on: the live state moves; the round's consensus lands in the frame.
+    step_before = st["step"].clone()
+    st["exp_avg"].copy_(torch.tensor([0.75, -0.25]))
+    st["exp_avg_sq"].copy_(torch.tensor([0.01, 0.16]))
+    assert torch.equal(averager.kept[0], torch.tensor([0.5, -0.5]))  # kept through the training
+    views[0].copy_(torch.tensor([1.0, 0.0]))
+    views[1].copy_(torch.tensor([0.02, 0.05]))
+    averager.adopt(views, delta=True)
+    # m: [1 + (0.75 - 0.5), 0 + (-0.25 + 0.5)] = [1.25, 0.25]
+    # v: [0.02 + (0.01 - 0.04), 0.05 + (0.16 - 0.09)] = [-0.01 -> 0, 0.12]
+    torch.testing.assert_close(st["exp_avg"], torch.tensor([1.25, 0.25]), rtol=0, atol=1e-7)
+    torch.testing.assert_close(st["exp_avg_sq"], torch.tensor([0.0, 0.12]), rtol=0, atol=1e-7)
+    assert st["exp_avg_sq"][0].item() == 0.0
+    assert torch.equal(st["step"], step_before)  # counters stay the rank's own
+    # The next step is finite (a negative second moment would be a NaN in the square root).
+    w.grad = torch.tensor([0.0, 1.0])
+    opt.step()
+    assert torch.isfinite(w).all()
+
+
+def test_corrected_mode_delta_adopts_the_rebuilt_second_moment():
+    _, opt, st = _adam()
+    averager = OptimizerStateAverager(opt, "corrected")
+    averager.keep_snapshot = True
+    views = _frame(averager)  # corrected: only exp_avg travels; exp_avg_sq is rebuilt
+    assert len(views) == 1
+    averager.fill(views)
+    st["exp_avg"].copy_(torch.tensor([0.75, -0.25]))
+    st["exp_avg_sq"].copy_(torch.tensor([0.05, 0.1]))
+    views[0].copy_(torch.tensor([1.0, 0.0]))
+    averager.v_prev[:] = [0.03, 0.02]  # what finish() rebuilt from the consensus
+    averager.adopt(views, delta=True)
+    torch.testing.assert_close(st["exp_avg"], torch.tensor([1.25, 0.25]), rtol=0, atol=1e-7)
+    # v: [0.03 + (0.05 - 0.04), 0.02 + (0.1 - 0.09)] = [0.04, 0.03]
+    torch.testing.assert_close(st["exp_avg_sq"], torch.tensor([0.04, 0.03]), rtol=0, atol=1e-7)
+
+
+def test_a_rank_that_trained_nothing_since_the_fill_takes_the_consensus():
+    _, opt, st = _adam()
+    averager = OptimizerStateAverager(opt, "mean")
+    averager.keep_snapshot = True
+    views = _frame(averager)
+    averager.fill(views)
+    views[0].copy_(torch.tensor([0.125, 0.25]))
+    views[1].copy_(torch.tensor([0.5, 0.75]))
+    averager.adopt(views, delta=True)
+    assert torch.equal(st["exp_avg"], torch.tensor([0.125, 0.25]))
+    assert torch.equal(st["exp_avg_sq"], torch.tensor([0.5, 0.75]))
+
+
+def test_delta_without_a_kept_state_is_refused():
+    _, opt, _ = _adam()
+    averager = OptimizerStateAverager(opt, "mean")
+    views = _frame(averager)
+    averager.fill(views)  # keep_snapshot not set
+    with pytest.raises(ValueError, match="needs the state kept at the last fill"):
+        averager.adopt(views, delta=True)
+
+
+def test_async_averages_the_state_under_delta_and_refuses_it_under_easgd():
+    TrainConfig(policy="async", average_optimizer_state="corrected")  # delta by default: accepted
+    TrainConfig(policy="async", average_optimizer_state="mean", async_adopt="delta")
+    with pytest.raises(ConfigError, match="--average-optimizer-state corrected is not supported with "
+                                          "--async-adopt easgd"):
+        TrainConfig(policy="async", average_optimizer_state="corrected", async_adopt="easgd")
+    TrainConfig(policy="async", async_adopt="easgd")  # auto: off under easgd
