@@ -30,6 +30,11 @@ VARIANTS = {
     "sync": ["--policy", "sync"],
     "cadence": ["--policy", "cadence"],
     "delta": ["--policy", "async", "--async-adopt", "delta"],
+    "delta, state mean": ["--policy", "async", "--average-optimizer-state", "mean"],
+    "delta, own state": ["--policy", "async", "--average-optimizer-state", "off"],
+    "delta, v own": ["--policy", "async", "EXPLORE_V=own"],
+    "delta, v consensus": ["--policy", "async", "EXPLORE_V=consensus"],
+    "delta, state mean, v consensus": ["--policy", "async", "--average-optimizer-state", "mean", "EXPLORE_V=consensus"],
     "easgd 0.5": ["--policy", "async", "--async-adopt", "easgd"],
     "easgd 1.0": ["--policy", "async", "--async-adopt", "easgd", "--easgd-alpha", "1.0"],
     "sync, own state": ["--policy", "sync", "--average-optimizer-state", "off"],
@@ -53,6 +58,11 @@ def main() -> None:
         for seed in args.seeds:
             argv = ["--data", str(mnist1d_file()), "--model", f"{SLOWED}:slowed_mnist1d_cnn", "--epochs",
                     str(args.epochs), "--batch-size", "32", "--seed", str(seed), *VARIANTS[name]]
+            explore = [a for a in argv if a.startswith("EXPLORE_V=")]
+            os.environ.pop("FLODL_EXPLORE_V", None)
+            for a in explore:
+                os.environ["FLODL_EXPLORE_V"] = a.split("=", 1)[1]
+                argv.remove(a)
             r = flodl(2, argv, args.factors, 10.0)
             finals.setdefault(name, []).append(r["test_accuracy"][-1])
             print(json.dumps({"run": name, "seed": seed, "acc": r["test_accuracy"][-1],

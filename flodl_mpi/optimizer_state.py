@@ -32,7 +32,7 @@ import torch
 from flodl_mpi.config import AVERAGE_OPTIMIZER_STATE
 
 __all__ = ["AVERAGE_OPTIMIZER_STATE", "COUNTER_KEYS", "NON_NEGATIVE_KEYS", "OptimizerStateAverager", "StateEntry",
-           "StatePlan", "adopt_delta", "rebuild_second_moment", "resolve_mode"]
+           "StatePlan", "adopt_delta", "decay_base", "rebuild_second_moment", "resolve_mode"]
 
 #: State keys that count, whatever their shape (Adam's ``step`` is a 0-d float
 #: tensor, NAdam's ``mu_product`` too: each would pass for a 0-d parameter's state).
@@ -125,6 +125,8 @@ class StatePlan:
     def __init__(self, optimizer: torch.optim.Optimizer, correct: bool = True) -> None:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         keys, groups = _probe(optimizer)
+        #: Each parameter's group settings (hyperparameters), by parameter index.
+        self.groups = groups
         self.wire: list[StateEntry] = []
         self.rebuilt: list[StateEntry] = []
         self.pairs: list[MomentPair] = []
@@ -231,28 +233,59 @@ def rebuild_second_moment(m_bar: np.ndarray, m_prev: np.ndarray, v_prev: np.ndar
     out += np.float32(1.0 - b2) * g * g
 
 
-@torch.no_grad()
-def adopt_delta(live: torch.Tensor, consensus: torch.Tensor, kept: torch.Tensor | None,
-                non_negative: bool = False) -> None:
-    """Async's delta adoption of one state tensor, in place: ``live = consensus + (live - kept)``.
+def decay_base(key: str, group: dict) -> float:
+    """Per-step decay of a state entry that is a running average: ``β`` in ``s ← β·s + (...)``.
 
-    The same rule as the parameters' (flodl_mpi.worker.Replica.adopt; Shen et al. 2019,
-    arXiv:1906.12043): the round averaged the state as it was at the snapshot (``kept``);
-    the rank's own change since then is put on top of the consensus. A second-moment
-    entry (``non_negative``) is clamped at 0 afterwards: ``consensus + (live - kept)``
-    can go below 0 where this rank's own average fell faster than the others', and a
-    negative ``exp_avg_sq`` is a NaN in Adam's square root.
+    Adam family: ``exp_avg`` ``betas[0]``, ``exp_avg_sq`` and ``max_exp_avg_sq`` ``betas[1]``
+    (Kingma & Ba 2015, Alg. 1); SGD's and RMSprop's ``momentum_buffer`` ``momentum``;
+    RMSprop's ``square_avg`` and ``grad_avg`` ``alpha`` (torch.optim docs). Anything else:
+    1.0 (the entry is treated as a sum that never forgets).
+    """
+    try:
+        if key == "exp_avg":
+            return float(group["betas"][0])
+        if key in ("exp_avg_sq", "max_exp_avg_sq"):
+            return float(group["betas"][1])
+        if key == "momentum_buffer":
+            return float(group["momentum"])
+        if key in ("square_avg", "grad_avg"):
+            return float(group["alpha"])
+    except (KeyError, TypeError, IndexError, ValueError):
+        pass
+    return 1.0
+
+
+@torch.no_grad()
+def adopt_delta(live: torch.Tensor, consensus: torch.Tensor, kept: torch.Tensor | None, decay: float = 1.0,
+                non_negative: bool = False) -> None:
+    """Async's delta adoption of one state tensor, in place: ``live += decay · (consensus - kept)``.
+
+    The round averaged the state as it was at the snapshot (``kept``); the rank took
+    ``n`` steps since. A running average ``s ← β·s + c·x`` after ``n`` steps from
+    ``kept`` is ``β^n·kept + (own part)``; had the rank held the consensus at the
+    snapshot, the same steps would give ``β^n·consensus + (own part)``. So
+    ``decay = β^n`` (:func:`decay_base`) gives exactly the state the rank would hold
+    had it adopted the consensus at the snapshot, the optimizer-state counterpart of
+    the parameters' ``consensus + (θ - θ_snapshot)`` (flodl_mpi.worker.Replica.adopt;
+    Shen et al. 2019, arXiv:1906.12043), where ``decay = 1``. With ``decay = 1`` a
+    momentum would get back the whole difference to the others' *stale* momentum,
+    which its own steps had already forgotten (measured: it loses 9 points,
+    benchmarks/README.md). For a second moment (``non_negative``) the result is
+    ``>= β^n·consensus >= 0`` in exact arithmetic; it is clamped at 0 against
+    rounding (a negative ``exp_avg_sq`` is a NaN in Adam's square root).
 
     Args:
         live: the optimizer's state tensor (any floating dtype, any device); written.
         consensus: float32, the same shape: the round's averaged (or rebuilt) value.
         kept: float32 copy of ``live`` at the snapshot (never a view of it), the same
             shape; None: the rank held no state then (the optimizer's zeros).
+        decay: ``β^n``, in [0, 1].
         non_negative: clamp the result at 0.
     """
+    diff = consensus.to(live.device, live.dtype)
     if kept is not None:
-        live.sub_(kept.to(live.device, live.dtype))
-    live.add_(consensus.to(live.device, live.dtype))
+        diff = diff - kept.to(live.device, live.dtype)
+    live.add_(diff, alpha=float(decay))
     if non_negative:
         live.clamp_(min=0.0)
 
@@ -392,35 +425,35 @@ class OptimizerStateAverager:
         self.v_prev, self._v_new = self._v_new, self.v_prev
 
     @torch.no_grad()
-    def adopt(self, views: Sequence[torch.Tensor], delta: bool = False) -> None:
+    def adopt(self, views: Sequence[torch.Tensor], delta: bool = False, steps: int = 0) -> None:
         """Overwrite the live state with the consensus (``views``) and the rebuilt second moments.
 
         Args:
             views: the state staging holding the round's consensus (float32, :attr:`wire_shapes`).
-            delta: async's delta adoption instead (:func:`adopt_delta`): each entry becomes
-                ``consensus + (live - kept)``, second moments clamped at 0. Needs a
-                :meth:`fill` with :attr:`keep_snapshot` before the round.
+            delta: async's delta adoption instead (:func:`adopt_delta`): each running
+                average becomes ``live + β^steps · (consensus - kept)``, second moments
+                clamped at 0. Needs a :meth:`fill` with :attr:`keep_snapshot` before the round.
+            steps: (``delta``) this rank's optimizer steps since that fill, >= 0.
 
         Raises:
-            ValueError: ``delta`` without a kept snapshot.
+            ValueError: ``delta`` without a kept snapshot, or ``steps < 0``.
         """
         if delta and not self.kept:
             raise ValueError("a delta adoption of the optimizer state needs the state kept at the last fill "
                              "(keep_snapshot = True before it)")
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps!r}")
         consensus = [*views, *(torch.from_numpy(self._v_view(self.v_prev, j)).reshape(e.shape)
-                                for j, e in enumerate(self.plan.rebuilt))]
+                               for j, e in enumerate(self.plan.rebuilt))]
         for i, (entry, src) in enumerate(zip([*self.plan.wire, *self.plan.rebuilt], consensus)):
             dst = self._live(entry)
             if dst is None:
                 continue
             if delta:
                 import os  # EXPLORE (temporary)
-                rule = os.environ.get("FLODL_EXPLORE_V", "delta")
-                if entry.key in NON_NEGATIVE_KEYS and rule == "own":
+                if entry.key in NON_NEGATIVE_KEYS and os.environ.get("FLODL_EXPLORE_V") == "own":
                     continue
-                if entry.key in NON_NEGATIVE_KEYS and rule == "consensus":
-                    dst.copy_(src)
-                    continue
-                adopt_delta(dst, src, self.kept[i], non_negative=entry.key in NON_NEGATIVE_KEYS)
+                decay = decay_base(entry.key, self.plan.groups[entry.index]) ** int(steps)
+                adopt_delta(dst, src, self.kept[i], decay, non_negative=entry.key in NON_NEGATIVE_KEYS)
             else:
                 dst.copy_(src)

@@ -712,7 +712,8 @@ class Trainer:
             whole = self.rank in update.quarantined
             self.replica.adopt(self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
             if self.state_average is not None:
-                self.state_average.adopt(self.bridge.state_tensors, delta=delta and not whole)
+                self.state_average.adopt(self.bridge.state_tensors, delta=delta and not whole,
+                                         steps=self.steps - update.steps_at_snapshot)
         if update.quarantined:
             if self.writer is not None:
                 self.log(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
