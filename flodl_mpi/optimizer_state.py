@@ -450,9 +450,6 @@ class OptimizerStateAverager:
             if dst is None:
                 continue
             if delta:
-                import os  # EXPLORE (temporary)
-                if entry.key in NON_NEGATIVE_KEYS and os.environ.get("FLODL_EXPLORE_V") == "own":
-                    continue
                 decay = decay_base(entry.key, self.plan.groups[entry.index]) ** int(steps)
                 adopt_delta(dst, src, self.kept[i], decay, non_negative=entry.key in NON_NEGATIVE_KEYS)
             else:
