@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,8 +51,10 @@ def _launch(ranks: int, argv: list[str], factors: str, slow_ms: float) -> None:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
 
 
-def flodl(ranks: int, args: list[str], factors: str, slow_ms: float) -> dict:
-    """One flodl-mpi run; its throughput, rounds, bytes, accuracy and overlap from metrics.h5."""
+def flodl(ranks: int, args: list[str], factors: str, slow_ms: float, keep: Path | None = None) -> dict:
+    """One flodl-mpi run; its throughput, rounds, bytes, accuracy and overlap from metrics.h5.
+
+    ``keep``: copy the run's metrics.h5 there (for benchmarks/guard_replay.py)."""
     from flodl_mpi.metrics import read_table
 
     with tempfile.TemporaryDirectory(prefix="flodl-het-") as tmp:
@@ -59,6 +62,9 @@ def flodl(ranks: int, args: list[str], factors: str, slow_ms: float) -> dict:
         _launch(ranks, ["-m", "flodl_mpi", "train", *args, "--run-dir", str(run_dir)], factors, slow_ms)
         ep = read_table(run_dir / "metrics.h5", "epochs")
         rd = read_table(run_dir / "metrics.h5", "rounds")
+        if keep is not None:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(run_dir / "metrics.h5", keep)
     wait, bridge = rd["wait_ms"], rd["bridge_ms"]
     # The rounds that do not end an epoch (before the carry, the epoch-end rounds were waited for whole).
     mid = ~np.isin(rd["round"], ep["rounds"] - 1)
