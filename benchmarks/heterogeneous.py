@@ -104,6 +104,8 @@ def main() -> None:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES), metavar="NAME",
                    help=f"which flodl-mpi runs (default all: {', '.join(POLICIES)})")
     p.add_argument("--no-ddp", action="store_true", help="leave out the DDP baseline")
+    p.add_argument("--keep-metrics", type=Path, metavar="DIR",
+                   help="copy each two-rank run's metrics.h5 to DIR/<dataset>-<slowdown>x-<run>.h5")
     p.add_argument("--solo-each-block", action="store_true",
                    help="measure the two solo throughputs again right before and right after each slowdown's "
                         "block, and divide by their mean (the load of a shared machine moves; default: once, "
@@ -135,7 +137,8 @@ def main() -> None:
             before = (solo_of(1.0), solo_of(s)) if args.solo_each_block else (solo[1.0], solo[s])
             rows = {}
             for k in args.policies:
-                rows[k] = flodl(2, [*common, *POLICIES[k]], factors, args.slow_ms)
+                keep = None if args.keep_metrics is None else args.keep_metrics / f"{name}-{s:g}x-{k.replace(' ', '_')}.h5"
+                rows[k] = flodl(2, [*common, *POLICIES[k]], factors, args.slow_ms, keep)
                 load.append(os.getloadavg()[0])
             if not args.no_ddp:
                 rows["DDP (gloo)"] = ddp(common, factors, args.slow_ms, n_train, epochs)

@@ -1,8 +1,8 @@
 """The guard's NudgeDown on a sustained rise (SPEC §3), on scripted divergence sequences (issue 6).
 
 A sustained rise: the whole ring (5 rounds) strictly rising, the latest above the threshold
-and at least ``NUDGE_RATIO`` times the ring's first. It outlives SuppressGrowth's three
-rounds, so the divergence keeps rising at an anchor that no longer grows: the anchor halves.
+and at least ``nudge_ratio`` times the ring's first; the anchor halves. Off in the policies
+``make_policy`` builds: healthy runs rise like that too (the last test).
 """
 
 import math
@@ -12,7 +12,8 @@ import pytest
 
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.divergence import TrendGuard, Verdict
-from flodl_mpi.policy import NUDGE_RATIO, RoundFacts, make_policy
+from flodl_mpi.elche import ElChe
+from flodl_mpi.policy import CadencePolicy, RoundFacts, make_policy
 
 S, G, N = Verdict.STABLE, Verdict.SUPPRESS_GROWTH, Verdict.NUDGE_DOWN
 
@@ -67,11 +68,10 @@ def _feed(policy, divergences, ms=(10.0, 30.0), round_ms=1.0):
     return anchors, got
 
 
-@pytest.mark.parametrize("policy", ["cadence", "async"])
-def test_the_default_policies_halve_the_anchor_on_a_sustained_rise(policy):
-    p = make_policy(TrainConfig(policy=policy, anchor=40), 2)
-    assert p.guard.nudge_rising and p.guard.nudge_ratio == NUDGE_RATIO
-    assert NUDGE_RATIO == 2.0
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_sustained_rise_halves_the_anchor(blocking):
+    guard = TrendGuard(0.05, nudge_rising=True, nudge_ratio=2.0)
+    p = CadencePolicy(2, ElChe(2, anchor=40), guard, blocking=blocking)
     # 0.03 < 0.035 < 0.045 < 0.055 < 0.061: rising over the ring, 0.061 > 0.05 and >= 2 x 0.03.
     anchors, got = _feed(p, [None, 0.03, 0.035, 0.045, 0.055, 0.061, 0.01])
     assert got == [None, S, S, S, G, N, S]
@@ -80,11 +80,21 @@ def test_the_default_policies_halve_the_anchor_on_a_sustained_rise(policy):
     assert p.plan().quotas == (60, 20)  # rank 0 three times as fast: 3 x 20
 
 
-def test_a_healthy_sequence_never_nudges():
-    """The max divergences of a healthy async MNIST-1D run (benchmarks/README.md, guard_replay.py):
-    a slow creep from 0.03 to 0.1 with noise, SuppressGrowth now and then, never NudgeDown."""
-    healthy = [0.032, 0.022, 0.035, 0.034, 0.04, 0.024, 0.039, 0.039, 0.043, 0.035, 0.034, 0.014, 0.047, 0.057,
-               0.057, 0.052, 0.053, 0.042, 0.057, 0.061, 0.05, 0.066, 0.064, 0.064, 0.07, 0.067, 0.068, 0.078,
-               0.083, 0.064, 0.073, 0.073, 0.081, 0.094, 0.097, 0.088]
-    got = verdicts(make_policy(TrainConfig(policy="async"), 2).guard, healthy)
-    assert N not in got and G in got
+#: The max divergences of a healthy async MNIST-1D run (async_adoption.py's "delta", seed 1: anchor 10
+#: throughout, final test accuracy 0.474; benchmarks/guard_replay.py): within an epoch they climb from
+#: 0.02-0.04 to 0.05-0.09, five rounds in a row at times, to 2-3x the ring's first.
+HEALTHY = [0.033, 0.023, 0.039, 0.035, 0.045, 0.022, 0.038, 0.033, 0.034, 0.036, 0.043, 0.062, 0.07, 0.083, 0.082,
+           0.051, 0.034, 0.054, 0.068, 0.065, 0.067, 0.04, 0.047, 0.056, 0.065, 0.067, 0.063, 0.068, 0.054, 0.0,
+           0.025, 0.03, 0.037, 0.047, 0.054, 0.044, 0.04, 0.045, 0.068, 0.086, 0.087, 0.03, 0.042, 0.063, 0.076,
+           0.069, 0.04, 0.032, 0.055, 0.065, 0.077, 0.062, 0.044, 0.021, 0.034, 0.046, 0.057, 0.063, 0.064, 0.007]
+
+
+def test_a_healthy_run_rises_like_a_sustained_rise_so_the_policies_leave_it_off():
+    for ratio in (2.0, 3.0):
+        rule = verdicts(TrendGuard(0.05, nudge_rising=True, nudge_ratio=ratio), HEALTHY)
+        assert N in rule  # the rule would halve a healthy run's anchor
+    for policy in ("cadence", "async"):
+        guard = make_policy(TrainConfig(policy=policy), 2).guard
+        assert not guard.nudge_rising and guard.nudge_above is None
+        got = verdicts(guard, HEALTHY)
+        assert N not in got and G in got
