@@ -33,6 +33,7 @@ GUARDS = {
     "rising 5": {"nudge_rising": True},
     "rising 5, x1.5": {"nudge_rising": True, "nudge_ratio": 1.5},
     "rising 5, x2": {"nudge_rising": True, "nudge_ratio": 2.0},
+    "rising 5, x3": {"nudge_rising": True, "nudge_ratio": 3.0},
 }
 
 
