@@ -52,14 +52,15 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--factors", default="1,2", help="per-rank slowdown factors (default 1,2)")
     p.add_argument("--keep-metrics", type=Path, metavar="DIR",
-                   help="copy each run's metrics.h5 to DIR/<variant>-seed<N>.h5 (benchmarks/guard_replay.py reads them)")
+                   help="copy each run's metrics.h5 to DIR/<variant>-seed<N>.h5 (for benchmarks/guard_replay.py)")
     args = p.parse_args()
     finals: dict[str, list[float]] = {}
     for name in args.variants:
         for seed in args.seeds:
             argv = ["--data", str(mnist1d_file()), "--model", f"{SLOWED}:slowed_mnist1d_cnn", "--epochs",
                     str(args.epochs), "--batch-size", "32", "--seed", str(seed), *VARIANTS[name]]
-            keep = None if args.keep_metrics is None else args.keep_metrics / f"{name.replace(', ', '-').replace(' ', '_')}-seed{seed}.h5"
+            stem = name.replace(", ", "-").replace(" ", "_")
+            keep = None if args.keep_metrics is None else args.keep_metrics / f"{stem}-seed{seed}.h5"
             r = flodl(2, argv, args.factors, 10.0, keep)
             finals.setdefault(name, []).append(r["test_accuracy"][-1])
             print(json.dumps({"run": name, "seed": seed, "acc": r["test_accuracy"][-1],

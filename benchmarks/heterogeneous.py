@@ -17,7 +17,8 @@ epoch's first window; only the last epoch's is waited for whole)::
 
     python benchmarks/heterogeneous.py                       # everything (about 20 minutes on 2 busy cores)
     python benchmarks/heterogeneous.py --datasets digits --slowdowns 4 --epochs-digits 3
-    python benchmarks/heterogeneous.py --datasets mnist1d --slowdowns 4 --policies sync cadence --no-ddp --solo-each-block
+    python benchmarks/heterogeneous.py --datasets mnist1d --slowdowns 4 --policies sync cadence --no-ddp \
+        --solo-each-block
 
 Numbers depend on the machine and its load: compare ratios within one run.
 """
@@ -137,7 +138,8 @@ def main() -> None:
             before = (solo_of(1.0), solo_of(s)) if args.solo_each_block else (solo[1.0], solo[s])
             rows = {}
             for k in args.policies:
-                keep = None if args.keep_metrics is None else args.keep_metrics / f"{name}-{s:g}x-{k.replace(' ', '_')}.h5"
+                stem = f"{name}-{s:g}x-{k.replace(' ', '_')}"
+                keep = None if args.keep_metrics is None else args.keep_metrics / f"{stem}.h5"
                 rows[k] = flodl(2, [*common, *POLICIES[k]], factors, args.slow_ms, keep)
                 load.append(os.getloadavg()[0])
             if not args.no_ddp:

@@ -270,8 +270,9 @@ def adopt_delta(live: torch.Tensor, consensus: torch.Tensor, kept: torch.Tensor 
     Shen et al. 2019, arXiv:1906.12043), where ``decay = 1``. With ``decay = 1`` a
     momentum would get back the whole difference to the others' *stale* momentum,
     which its own steps had already forgotten (measured on MNIST-1D: 9 points under
-    each rank's own state, one seed; benchmarks/README.md, "async_adoption.py"). For a second moment (``non_negative``) the result is
-    ``>= β^n·consensus >= 0`` in exact arithmetic; it is clamped at 0 against
+    each rank's own state, one seed; benchmarks/README.md, "async_adoption.py"). For
+    a second moment (``non_negative``) the result is ``>= β^n·consensus >= 0`` in
+    exact arithmetic (its own part is >= 0); it is clamped at 0 against
     rounding (a negative ``exp_avg_sq`` is a NaN in Adam's square root).
 
     Args:
