@@ -8,6 +8,7 @@ untouched. No MPI: a float32 frame stands in for the bridge's state staging.
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -193,3 +194,28 @@ def test_delta_adoption_equals_adopting_the_consensus_at_the_snapshot(opt_kind):
         torch.testing.assert_close(opt_a.state[a][entry.key], opt_ref.state[ref][entry.key], rtol=1e-6, atol=1e-7)
         assert decay_base(entry.key, opt_a.param_groups[0]) < 1.0  # every entry is a running average
     assert torch.equal(opt_a.state[a].get("step", torch.tensor(0.0)), opt_ref.state[ref].get("step", torch.tensor(0.0)))
+
+
+def test_an_async_run_averages_adams_first_moment_by_default_and_not_with_off(tmp_path):
+    """Two ranks on digits, 1 epoch: each realized round moves the params' frame, the buffers'
+    and, by default (``auto``: ``corrected``), a third frame the size of the params (Adam's
+    ``exp_avg``; ``exp_avg_sq`` is rebuilt, it does not travel); with ``off`` no third frame."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.metrics import read_table
+    from tests.conftest import run_flodl
+
+    for mode in ("auto", "off"):
+        d = tmp_path / mode
+        proc = run_flodl(2, "train", "--policy", "async", "--epochs", "1", "--optimizer", "adam",
+                         "--average-optimizer-state", mode, "--run-dir", str(d), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ckpt = read_checkpoint(latest_checkpoint(d / "checkpoints"))
+        params = sum(v.size for v in ckpt.params.values())
+        buffers = sum(v.size for v in ckpt.buffers.values() if v.dtype.kind == "f")
+        frames = (params, buffers) + ((params,) if mode == "auto" else ())
+        moved = read_table(d / "metrics.h5", "rounds")["bytes"]
+        assert moved.size and set(moved[moved > 0].tolist()) == {4 * sum(n + 1 for n in frames)}
+        for r in (0, 1):  # every rank kept finite Adam state (no negative second moment)
+            arrays, _ = ckpt.ranks[r]
+            sq = [v for k, v in arrays.items() if k.endswith("/exp_avg_sq")]
+            assert sq and all(np.all(np.isfinite(v)) and np.all(v >= 0) for v in sq)
