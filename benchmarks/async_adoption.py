@@ -2,12 +2,14 @@
 
 Two ranks, rank 1 slowed 2x (``benchmarks/slowed.py``), the MNIST-1D paper's CNN, batch 32 per rank,
 Adam 1e-3, 10 epochs, for each seed: the policies as a user runs them, and the same runs with the
-optimizer state each rank's own (``--average-optimizer-state off``, what async always does; sync and
-cadence average Adam's state by default) and with a fixed anchor (the same rounds for cadence and async).
-Prints one JSON line per run (final test accuracy, its curve, rounds, the share of round time hidden)
-and the mean final accuracy per variant::
+optimizer state each rank's own (``--average-optimizer-state off``; sync, cadence and async delta
+average Adam's state by default: rebuilt second moment, async adopting it by the decayed delta of
+``flodl_mpi.optimizer_state.adopt_delta``), with both moments averaged (``mean``), and with a fixed
+anchor (the same rounds for cadence and async). Prints one JSON line per run (final test accuracy,
+its curve, rounds, the share of round time hidden, the 1-minute load average after it) and the
+mean final accuracy per variant::
 
-    python benchmarks/async_adoption.py                        # every variant, seeds 0 and 1 (about 25 minutes)
+    python benchmarks/async_adoption.py                        # every variant, seeds 0 and 1 (about 30 minutes)
     python benchmarks/async_adoption.py --variants sync delta --seeds 0 1 2
 
 Accuracy is deterministic only for sync (the balanced policies' quotas follow measured speeds).
@@ -30,6 +32,8 @@ VARIANTS = {
     "sync": ["--policy", "sync"],
     "cadence": ["--policy", "cadence"],
     "delta": ["--policy", "async", "--async-adopt", "delta"],
+    "delta, state mean": ["--policy", "async", "--average-optimizer-state", "mean"],
+    "delta, own state": ["--policy", "async", "--average-optimizer-state", "off"],
     "easgd 0.5": ["--policy", "async", "--async-adopt", "easgd"],
     "easgd 1.0": ["--policy", "async", "--async-adopt", "easgd", "--easgd-alpha", "1.0"],
     "sync, own state": ["--policy", "sync", "--average-optimizer-state", "off"],
@@ -47,17 +51,22 @@ def main() -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--factors", default="1,2", help="per-rank slowdown factors (default 1,2)")
+    p.add_argument("--keep-metrics", type=Path, metavar="DIR",
+                   help="copy each run's metrics.h5 to DIR/<variant>-seed<N>.h5 (for benchmarks/guard_replay.py)")
     args = p.parse_args()
     finals: dict[str, list[float]] = {}
     for name in args.variants:
         for seed in args.seeds:
             argv = ["--data", str(mnist1d_file()), "--model", f"{SLOWED}:slowed_mnist1d_cnn", "--epochs",
                     str(args.epochs), "--batch-size", "32", "--seed", str(seed), *VARIANTS[name]]
-            r = flodl(2, argv, args.factors, 10.0)
+            stem = name.replace(", ", "-").replace(" ", "_")
+            keep = None if args.keep_metrics is None else args.keep_metrics / f"{stem}-seed{seed}.h5"
+            r = flodl(2, argv, args.factors, 10.0, keep)
             finals.setdefault(name, []).append(r["test_accuracy"][-1])
             print(json.dumps({"run": name, "seed": seed, "acc": r["test_accuracy"][-1],
                               "curve": [round(a, 3) for a in r["test_accuracy"]], "rounds": r["rounds"],
-                              "hidden": round(r["overlap"], 3), "anchor": r["anchor_last"]}), flush=True)
+                              "hidden": round(r["overlap"], 3), "anchor": r["anchor_last"],
+                              "load": round(os.getloadavg()[0], 1)}), flush=True)
     for name, accs in finals.items():
         print(f"{name:<24} mean final test accuracy {sum(accs) / len(accs):.4f} over seeds {args.seeds}")
 

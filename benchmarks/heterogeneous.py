@@ -17,6 +17,8 @@ epoch's first window; only the last epoch's is waited for whole)::
 
     python benchmarks/heterogeneous.py                       # everything (about 20 minutes on 2 busy cores)
     python benchmarks/heterogeneous.py --datasets digits --slowdowns 4 --epochs-digits 3
+    python benchmarks/heterogeneous.py --datasets mnist1d --slowdowns 4 --policies sync cadence --no-ddp \
+        --solo-each-block
 
 Numbers depend on the machine and its load: compare ratios within one run.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,8 +52,10 @@ def _launch(ranks: int, argv: list[str], factors: str, slow_ms: float) -> None:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
 
 
-def flodl(ranks: int, args: list[str], factors: str, slow_ms: float) -> dict:
-    """One flodl-mpi run; its throughput, rounds, bytes, accuracy and overlap from metrics.h5."""
+def flodl(ranks: int, args: list[str], factors: str, slow_ms: float, keep: Path | None = None) -> dict:
+    """One flodl-mpi run; its throughput, rounds, bytes, accuracy and overlap from metrics.h5.
+
+    ``keep``: copy the run's metrics.h5 there (for benchmarks/guard_replay.py)."""
     from flodl_mpi.metrics import read_table
 
     with tempfile.TemporaryDirectory(prefix="flodl-het-") as tmp:
@@ -58,6 +63,9 @@ def flodl(ranks: int, args: list[str], factors: str, slow_ms: float) -> dict:
         _launch(ranks, ["-m", "flodl_mpi", "train", *args, "--run-dir", str(run_dir)], factors, slow_ms)
         ep = read_table(run_dir / "metrics.h5", "epochs")
         rd = read_table(run_dir / "metrics.h5", "rounds")
+        if keep is not None:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(run_dir / "metrics.h5", keep)
     wait, bridge = rd["wait_ms"], rd["bridge_ms"]
     # The rounds that do not end an epoch (before the carry, the epoch-end rounds were waited for whole).
     mid = ~np.isin(rd["round"], ep["rounds"] - 1)
@@ -94,6 +102,15 @@ def main() -> None:
     p.add_argument("--slow-ms", type=float, default=10.0, help="ms a factor-1 forward sleeps (default 10)")
     p.add_argument("--out", help="JSON file for every number")
     p.add_argument("--solo-only", action="store_true", help="measure and print the solo throughputs only")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES), metavar="NAME",
+                   help=f"which flodl-mpi runs (default all: {', '.join(POLICIES)})")
+    p.add_argument("--no-ddp", action="store_true", help="leave out the DDP baseline")
+    p.add_argument("--keep-metrics", type=Path, metavar="DIR",
+                   help="copy each two-rank run's metrics.h5 to DIR/<dataset>-<slowdown>x-<run>.h5")
+    p.add_argument("--solo-each-block", action="store_true",
+                   help="measure the two solo throughputs again right before and right after each slowdown's "
+                        "block, and divide by their mean (the load of a shared machine moves; default: once, "
+                        "at the start)")
     args = p.parse_args()
 
     results = []
@@ -104,22 +121,37 @@ def main() -> None:
             data, model, n_train = ["--data", str(mnist1d_file())], "slowed_mnist1d_cnn", 4000
             epochs = args.epochs_mnist1d
         common = [*data, "--model", f"{SLOWED}:{model}", "--epochs", str(epochs), "--batch-size", "32"]
-        solo = {}
-        for f in sorted({1.0, *args.slowdowns}):
-            # One torch thread, as each of the two ranks gets on two cores (a lone rank would take both).
-            alone = [*data, "--model", f"{SLOWED}:{model}", "--epochs", "2", "--batch-size", "32", "--window", "1000",
-                     "--threads", "1"]
-            solo[f] = flodl(1, alone, f"{f}", args.slow_ms)["samples_per_s"]
+        # One torch thread, as each of the two ranks gets on two cores (a lone rank would take both).
+        alone = [*data, "--model", f"{SLOWED}:{model}", "--epochs", "2", "--batch-size", "32", "--window", "1000",
+                 "--threads", "1"]
+
+        def solo_of(f: float, alone: list[str] = alone) -> float:
+            return flodl(1, alone, f"{f}", args.slow_ms)["samples_per_s"]
+
+        solo = {f: solo_of(f) for f in sorted({1.0, *args.slowdowns})}
         if args.solo_only:
             print(f"{name}: solo samples/s by factor: " + ", ".join(f"{f:g}: {v:.0f}" for f, v in solo.items()))
             continue
         for s in args.slowdowns:
             factors = f"1,{s}"
-            both = solo[1.0] + solo[s]
-            rows = {k: flodl(2, [*common, *v], factors, args.slow_ms) for k, v in POLICIES.items()}
-            rows["DDP (gloo)"] = ddp(common, factors, args.slow_ms, n_train, epochs)
-            print(f"\n{name}, rank 1 slowed {s:g}x, {epochs} epochs; solo samples/s: rank 0 {solo[1.0]:.0f}, "
-                  f"rank 1 {solo[s]:.0f} (sum {both:.0f})")
+            load = [os.getloadavg()[0]]
+            before = (solo_of(1.0), solo_of(s)) if args.solo_each_block else (solo[1.0], solo[s])
+            rows = {}
+            for k in args.policies:
+                stem = f"{name}-{s:g}x-{k.replace(' ', '_')}"
+                keep = None if args.keep_metrics is None else args.keep_metrics / f"{stem}.h5"
+                rows[k] = flodl(2, [*common, *POLICIES[k]], factors, args.slow_ms, keep)
+                load.append(os.getloadavg()[0])
+            if not args.no_ddp:
+                rows["DDP (gloo)"] = ddp(common, factors, args.slow_ms, n_train, epochs)
+            after = (solo_of(1.0), solo_of(s)) if args.solo_each_block else before
+            load.append(os.getloadavg()[0])
+            r0, r1 = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+            both = r0 + r1
+            print(f"\n{name}, rank 1 slowed {s:g}x, {epochs} epochs; solo samples/s: rank 0 {r0:.0f}, "
+                  f"rank 1 {r1:.0f} (sum {both:.0f})"
+                  + (f"; before the block {sum(before):.0f}, after {sum(after):.0f}" if args.solo_each_block else "")
+                  + f"; 1-min load average {', '.join(f'{v:.1f}' for v in load)}")
             print(f"{'run':<12} {'samples/s':>10} {'x solo sum':>10} {'x sync':>7} {'rounds':>7} {'MB/rank':>8} "
                   f"{'test acc':>8} {'hidden (mid-epoch)':>18}")
             for k, r in rows.items():
@@ -127,12 +159,12 @@ def main() -> None:
                 if k.startswith("async"):
                     mid = r["overlap_mid_epoch"]
                     hidden = f"{100 * r['overlap']:.0f} % ({'-' if mid is None else f'{100 * mid:.0f} %'})"
-                print(f"{k:<12} {r['samples_per_s']:>10.0f} {r['samples_per_s'] / both:>10.2f} "
-                      f"{r['samples_per_s'] / rows['sync']['samples_per_s']:>7.2f} "
+                x_sync = f"{r['samples_per_s'] / rows['sync']['samples_per_s']:.2f}" if "sync" in rows else "-"
+                print(f"{k:<12} {r['samples_per_s']:>10.0f} {r['samples_per_s'] / both:>10.2f} {x_sync:>7} "
                       f"{'-' if r['rounds'] is None else r['rounds']:>7} {r['mb_per_rank']:>8.1f} "
                       f"{r['test_accuracy'][-1]:>8.4f} {hidden:>18}")
-            results.append({"dataset": name, "slowdown": s, "epochs": epochs, "solo": [solo[1.0], solo[s]],
-                            "runs": rows})
+            results.append({"dataset": name, "slowdown": s, "epochs": epochs, "solo": [r0, r1],
+                            "solo_before": list(before), "solo_after": list(after), "load": load, "runs": rows})
             sys.stdout.flush()
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

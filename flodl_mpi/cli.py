@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "keeps its own); mean (every floating state tensor shaped like its parameter); corrected "
                         "(as mean, but Adam's second moment is rebuilt from the mean gradient, as under "
                         "DistributedDataParallel, and does not travel); auto: corrected for Adam-family optimizers, "
-                        f"off otherwise (default {d.average_optimizer_state})")
+                        "off otherwise; async: with --async-adopt delta only, adopted by its own delta "
+                        f"(default {d.average_optimizer_state})")
     g.add_argument("--stall-timeout", type=float,
                    help="seconds without progress on any rank (or without the ranks' heartbeats) before the "
                         "watchdog ends the job with exit 3; a rank waiting for a slower one that still trains is "

@@ -93,10 +93,17 @@ class TrendGuard:
 
     Keeps the last ``history`` values; answers ``SUPPRESS_GROWTH`` when the last
     three are strictly rising and the latest exceeds ``threshold``, otherwise
-    ``STABLE``. With ``nudge_above`` set it is also rate-based: a latest value
-    above ``nudge_above`` answers ``NUDGE_DOWN`` (shrink the anchor by
-    ``nudge_factor``). It is deterministic in the gathered divergences, so every
-    rank that feeds it the same values reaches the same verdict.
+    ``STABLE``. Two rate-based ``NUDGE_DOWN`` rules (shrink the anchor by
+    ``nudge_factor``) may be added: ``nudge_above``, a latest value above a
+    level; and ``nudge_rising``, a sustained rise: the whole ring (``history``
+    rounds) strictly rising, the latest above ``threshold`` and at least
+    ``nudge_ratio`` times the ring's first. A sustained rise outlives the three
+    rounds ``SUPPRESS_GROWTH`` reads, so it keeps rising at an anchor that no
+    longer grows: the window itself is too long. After a ``NUDGE_DOWN`` the ring
+    restarts, so a further one needs a new sustained rise (the rounds already
+    in flight ran under the old anchor). It is deterministic in the gathered
+    divergences, so every rank that feeds it the same values reaches the same
+    verdict.
 
     Args:
         threshold: divergence above which a rising trend suppresses anchor
@@ -105,14 +112,17 @@ class TrendGuard:
         nudge_above: divergence above which the guard answers ``NUDGE_DOWN``,
             > ``threshold``; None (default): never.
         nudge_factor: the anchor's shrink factor of a ``NUDGE_DOWN``, in (0, 1).
+        nudge_rising: answer ``NUDGE_DOWN`` on a sustained rise (above); default off.
+        nudge_ratio: the sustained rise's least growth over the ring, latest / first, >= 1.
 
     Raises:
         ValueError: ``threshold`` is negative or not finite, ``history < 3``,
-            ``nudge_above <= threshold`` or ``nudge_factor`` outside (0, 1).
+            ``nudge_above <= threshold``, ``nudge_factor`` outside (0, 1) or
+            ``nudge_ratio`` below 1 or not finite.
     """
 
     def __init__(self, threshold: float = 0.05, history: int = 5, nudge_above: float | None = None,
-                 nudge_factor: float = 0.5) -> None:
+                 nudge_factor: float = 0.5, nudge_rising: bool = False, nudge_ratio: float = 1.0) -> None:
         if not (math.isfinite(threshold) and threshold >= 0):
             raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
         if history < 3:
@@ -121,9 +131,13 @@ class TrendGuard:
             raise ValueError(f"nudge_above must be a finite number > threshold ({threshold}), got {nudge_above!r}")
         if not 0 < nudge_factor < 1:
             raise ValueError(f"nudge_factor must be in (0, 1), got {nudge_factor!r}")
+        if not (math.isfinite(nudge_ratio) and nudge_ratio >= 1):
+            raise ValueError(f"nudge_ratio must be a finite number >= 1, got {nudge_ratio!r}")
         self.threshold = float(threshold)
         self.nudge_above = None if nudge_above is None else float(nudge_above)
         self.nudge_factor = float(nudge_factor)
+        self.nudge_rising = bool(nudge_rising)
+        self.nudge_ratio = float(nudge_ratio)
         self._ring: deque[float] = deque(maxlen=int(history))
 
     def observe(self, max_divergence: float) -> Verdict:
@@ -131,8 +145,13 @@ class TrendGuard:
         self._ring.append(float(max_divergence))
         if self.nudge_above is not None and self._ring[-1] > self.nudge_above:
             return Verdict.NUDGE_DOWN
-        if len(self._ring) >= 3:
-            a, b, c = list(self._ring)[-3:]
+        ring = list(self._ring)
+        if (self.nudge_rising and len(ring) == self._ring.maxlen and ring[-1] > self.threshold
+                and all(a < b for a, b in zip(ring, ring[1:])) and ring[-1] >= self.nudge_ratio * ring[0]):
+            self._ring.clear()
+            return Verdict.NUDGE_DOWN
+        if len(ring) >= 3:
+            a, b, c = ring[-3:]
             if a < b < c and c > self.threshold:
                 return Verdict.SUPPRESS_GROWTH
         return Verdict.STABLE

@@ -31,12 +31,17 @@ import torch
 
 from flodl_mpi.config import AVERAGE_OPTIMIZER_STATE
 
-__all__ = ["AVERAGE_OPTIMIZER_STATE", "COUNTER_KEYS", "OptimizerStateAverager", "StateEntry", "StatePlan",
-           "rebuild_second_moment", "resolve_mode"]
+__all__ = ["AVERAGE_OPTIMIZER_STATE", "COUNTER_KEYS", "NON_NEGATIVE_KEYS", "OptimizerStateAverager", "StateEntry",
+           "StatePlan", "adopt_delta", "decay_base", "rebuild_second_moment", "resolve_mode"]
 
 #: State keys that count, whatever their shape (Adam's ``step`` is a 0-d float
 #: tensor, NAdam's ``mu_product`` too: each would pass for a 0-d parameter's state).
 COUNTER_KEYS = frozenset({"step", "mu_product"})
+
+#: State keys that hold a running average of squares (or a maximum of them), never negative:
+#: Adam's ``exp_avg_sq`` and AMSGrad's ``max_exp_avg_sq``, Adamax's ``exp_inf``, RMSprop's
+#: ``square_avg``, Adagrad's ``sum``, Adadelta's ``acc_delta``. A delta adoption clamps them at 0.
+NON_NEGATIVE_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "sum", "acc_delta"})
 
 
 def resolve_mode(mode: str, optimizer: torch.optim.Optimizer) -> str:
@@ -120,6 +125,8 @@ class StatePlan:
     def __init__(self, optimizer: torch.optim.Optimizer, correct: bool = True) -> None:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         keys, groups = _probe(optimizer)
+        #: Each parameter's group settings (hyperparameters), by parameter index.
+        self.groups = groups
         self.wire: list[StateEntry] = []
         self.rebuilt: list[StateEntry] = []
         self.pairs: list[MomentPair] = []
@@ -226,6 +233,64 @@ def rebuild_second_moment(m_bar: np.ndarray, m_prev: np.ndarray, v_prev: np.ndar
     out += np.float32(1.0 - b2) * g * g
 
 
+def decay_base(key: str, group: dict) -> float:
+    """Per-step decay of a state entry that is a running average: ``β`` in ``s ← β·s + (...)``.
+
+    Adam family: ``exp_avg`` ``betas[0]``, ``exp_avg_sq`` and ``max_exp_avg_sq`` ``betas[1]``
+    (Kingma & Ba 2015, Alg. 1); SGD's and RMSprop's ``momentum_buffer`` ``momentum``;
+    RMSprop's ``square_avg`` and ``grad_avg`` ``alpha`` (torch.optim docs). Anything else:
+    1.0 (the entry is treated as a sum that never forgets).
+    """
+    try:
+        if key == "exp_avg":
+            return float(group["betas"][0])
+        if key in ("exp_avg_sq", "max_exp_avg_sq"):
+            return float(group["betas"][1])
+        if key == "momentum_buffer":
+            return float(group["momentum"])
+        if key in ("square_avg", "grad_avg"):
+            return float(group["alpha"])
+    except (KeyError, TypeError, IndexError, ValueError):
+        pass
+    return 1.0
+
+
+@torch.no_grad()
+def adopt_delta(live: torch.Tensor, consensus: torch.Tensor, kept: torch.Tensor | None, decay: float = 1.0,
+                non_negative: bool = False) -> None:
+    """Async's delta adoption of one state tensor, in place: ``live += decay · (consensus - kept)``.
+
+    The round averaged the state as it was at the snapshot (``kept``); the rank took
+    ``n`` steps since. A running average ``s ← β·s + c·x`` after ``n`` steps from
+    ``kept`` is ``β^n·kept + (own part)``; had the rank held the consensus at the
+    snapshot, the same steps would give ``β^n·consensus + (own part)``. So
+    ``decay = β^n`` (:func:`decay_base`) gives exactly the state the rank would hold
+    had it adopted the consensus at the snapshot, the optimizer-state counterpart of
+    the parameters' ``consensus + (θ - θ_snapshot)`` (flodl_mpi.worker.Replica.adopt;
+    Shen et al. 2019, arXiv:1906.12043), where ``decay = 1``. With ``decay = 1`` a
+    momentum would get back the whole difference to the others' *stale* momentum,
+    which its own steps had already forgotten (measured on MNIST-1D: 9 points under
+    each rank's own state, one seed; benchmarks/README.md, "async_adoption.py"). For
+    a second moment (``non_negative``) the result is ``>= β^n·consensus >= 0`` in
+    exact arithmetic (its own part is >= 0); it is clamped at 0 against
+    rounding (a negative ``exp_avg_sq`` is a NaN in Adam's square root).
+
+    Args:
+        live: the optimizer's state tensor (any floating dtype, any device); written.
+        consensus: float32, the same shape: the round's averaged (or rebuilt) value.
+        kept: float32 copy of ``live`` at the snapshot (never a view of it), the same
+            shape; None: the rank held no state then (the optimizer's zeros).
+        decay: ``β^n``, in [0, 1].
+        non_negative: clamp the result at 0.
+    """
+    diff = consensus.to(live.device, live.dtype)
+    if kept is not None:
+        diff = diff - kept.to(live.device, live.dtype)
+    live.add_(diff, alpha=float(decay))
+    if non_negative:
+        live.clamp_(min=0.0)
+
+
 class OptimizerStateAverager:
     """One rank's side of the optimizer-state average: fill the frame, finish, adopt.
 
@@ -270,6 +335,10 @@ class OptimizerStateAverager:
         self.m_prev = np.zeros(n, dtype=np.float32)
         self.v_prev = np.zeros(n, dtype=np.float32)
         self._v_new = np.zeros(n, dtype=np.float32)
+        #: Async's delta adoption: keep the state :meth:`fill` copied (its own copy, never a
+        #: view of the live state or of the staging), wire entries then rebuilt entries.
+        self.keep_snapshot = False
+        self.kept: list[torch.Tensor | None] = []
         self.start()
 
     @property
@@ -310,13 +379,30 @@ class OptimizerStateAverager:
 
     @torch.no_grad()
     def fill(self, views: Sequence[torch.Tensor]) -> None:
-        """Copy the live state into ``views`` (float32, :attr:`wire_shapes`); zeros where it has none."""
+        """Copy the live state into ``views`` (float32, :attr:`wire_shapes`); zeros where it has none.
+
+        With :attr:`keep_snapshot`, the live state (wire entries, then the rebuilt
+        second moments) is also copied into :attr:`kept`, float32 CPU tensors
+        allocated once (None where the rank holds no state yet).
+        """
         for entry, dst in zip(self.plan.wire, views):
             src = self._live(entry)
             if src is None:
                 dst.zero_()
             else:
                 dst.copy_(src.detach())
+        if self.keep_snapshot:
+            entries = [*self.plan.wire, *self.plan.rebuilt]
+            if not self.kept:
+                self.kept = [None] * len(entries)
+            for i, entry in enumerate(entries):
+                src = self._live(entry)
+                if src is None:
+                    self.kept[i] = None
+                    continue
+                if self.kept[i] is None:
+                    self.kept[i] = torch.empty(entry.shape, dtype=torch.float32)
+                self.kept[i].copy_(src.detach())
 
     def finish(self, staging: np.ndarray, offsets: Sequence[int], weights: Sequence[float],
                steps: Sequence[float]) -> None:
@@ -340,13 +426,32 @@ class OptimizerStateAverager:
         self.v_prev, self._v_new = self._v_new, self.v_prev
 
     @torch.no_grad()
-    def adopt(self, views: Sequence[torch.Tensor]) -> None:
-        """Overwrite the live state with the consensus (``views``) and the rebuilt second moments."""
-        for entry, src in zip(self.plan.wire, views):
+    def adopt(self, views: Sequence[torch.Tensor], delta: bool = False, steps: int = 0) -> None:
+        """Overwrite the live state with the consensus (``views``) and the rebuilt second moments.
+
+        Args:
+            views: the state staging holding the round's consensus (float32, :attr:`wire_shapes`).
+            delta: async's delta adoption instead (:func:`adopt_delta`): each running
+                average becomes ``live + β^steps · (consensus - kept)``, second moments
+                clamped at 0. Needs a :meth:`fill` with :attr:`keep_snapshot` before the round.
+            steps: (``delta``) this rank's optimizer steps since that fill, >= 0.
+
+        Raises:
+            ValueError: ``delta`` without a kept snapshot, or ``steps < 0``.
+        """
+        if delta and not self.kept:
+            raise ValueError("a delta adoption of the optimizer state needs the state kept at the last fill "
+                             "(keep_snapshot = True before it)")
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps!r}")
+        consensus = [*views, *(torch.from_numpy(self._v_view(self.v_prev, j)).reshape(e.shape)
+                               for j, e in enumerate(self.plan.rebuilt))]
+        for i, (entry, src) in enumerate(zip([*self.plan.wire, *self.plan.rebuilt], consensus)):
             dst = self._live(entry)
-            if dst is not None:
+            if dst is None:
+                continue
+            if delta:
+                decay = decay_base(entry.key, self.plan.groups[entry.index]) ** int(steps)
+                adopt_delta(dst, src, self.kept[i], decay, non_negative=entry.key in NON_NEGATIVE_KEYS)
+            else:
                 dst.copy_(src)
-        for j, entry in enumerate(self.plan.rebuilt):
-            dst = self._live(entry)
-            if dst is not None:
-                dst.copy_(torch.from_numpy(self._v_view(self.v_prev, j)).reshape(entry.shape))

@@ -206,6 +206,7 @@ def make_policy(cfg, world_size: int) -> Policy:
     """The policy ``cfg`` names (a :class:`~flodl_mpi.config.TrainConfig`), with its guard."""
     # The blend leaves each rank (1 - alpha) of its way from the consensus: the guard reads 0.3 then.
     alpha = cfg.easgd_alpha_value if cfg.policy == "async" and cfg.async_adopt_value == "easgd" else None
+    # No NudgeDown by default: healthy runs rise 5 rounds in a row to 2-3x (benchmarks/README.md, guard_replay.py).
     guard = TrendGuard(threshold=guard_threshold(alpha))
     if cfg.policy in ("sync", "window"):
         return FixedPolicy(world_size, cfg.window, guard)

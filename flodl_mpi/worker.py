@@ -424,16 +424,18 @@ class Trainer:
         self.optimizer = self.task.make_optimizer(cfg, replica.model)
         #: The next window's plan (quotas, anchor): the policy's, the same on every rank.
         self.plan = bridge.policy.plan()
-        #: Averages the optimizer state with the params (``--average-optimizer-state``), or None.
-        #: Blocking policies only (``auto`` is ``off`` under ``async``; the config refuses the rest).
-        self.state_average: OptimizerStateAverager | None = None
-        mode = resolve_mode(cfg.average_optimizer_state, self.optimizer) if bridge.policy.blocking else "off"
-        if mode != "off":
-            self.state_average = OptimizerStateAverager(self.optimizer, mode)
-            bridge.attach_optimizer_state(self.state_average)
         #: Async's adoption of a round it trained past: "delta" or "easgd" (None: blocking).
         self.adoption = None if bridge.policy.blocking else cfg.async_adopt_value
         replica.keep_snapshot = self.adoption == "delta"
+        #: Averages the optimizer state with the params (``--average-optimizer-state``), or None.
+        #: Blocking policies, and async with the delta adoption (the state adopted by delta
+        #: too); ``auto`` is ``off`` under ``--async-adopt easgd`` (the config refuses the rest).
+        self.state_average: OptimizerStateAverager | None = None
+        mode = resolve_mode(cfg.average_optimizer_state, self.optimizer) if self.adoption != "easgd" else "off"
+        if mode != "off":
+            self.state_average = OptimizerStateAverager(self.optimizer, mode)
+            self.state_average.keep_snapshot = self.adoption == "delta"
+            bridge.attach_optimizer_state(self.state_average)
         #: Async: an epoch's last round runs on while the next epoch's first window
         #: trains, and the epoch ends (evaluation, exchange, checkpoint) on its consensus
         #: when it arrives; the last epoch and a stop wait for it. ``flodl-mpi train``'s
@@ -680,6 +682,8 @@ class Trainer:
                 self._end_carried(update)
             self._adopt(update, alpha=self.cfg.easgd_alpha_value, delta=self.adoption == "delta")
         self.replica.snapshot(self.bridge)
+        if self.state_average is not None:
+            self.state_average.fill(self.bridge.state_tensors)
         self.bridge.submit(self.steps, window, stop=self.stop.requested, loss_finite=self.loss_finite, **facts)
         self.loss_finite = True
         return update
@@ -714,7 +718,8 @@ class Trainer:
             whole = self.rank in update.quarantined
             self.replica.adopt(self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
             if self.state_average is not None:
-                self.state_average.adopt(self.bridge.state_tensors)
+                self.state_average.adopt(self.bridge.state_tensors, delta=delta and not whole,
+                                         steps=self.steps - update.steps_at_snapshot)
         if update.quarantined:
             if self.writer is not None:
                 self.log(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
