@@ -451,6 +451,8 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     run_dir = _make_run_dir(cfg, comm, watchdog)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
     _setup_logging(run_dir, world.rank)
+    if world.rank == 0:  # a stall's verdict ends train.log too
+        watchdog.log_path = run_dir / "train.log"
     log.info(threads_line)
     ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data.train.n) if cfg.resume else (None, None)
     if ckpt is not None:  # the consensus, on every rank alike
