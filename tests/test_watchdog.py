@@ -96,6 +96,37 @@ def test_heartbeat_period_and_slack():
 
 
 @pytest.mark.mpi  # needs MPI started (COMM_SELF): the serial pytest process never starts it
+class _Rank0:
+    rank = 0
+
+
+def test_the_verdict_is_appended_to_the_run_log_and_a_hung_file_system_cannot_hold_the_exit(tmp_path):
+    from mpi4py import MPI
+
+    from flodl_mpi import world
+
+    watchdog = world.Watchdog(_Rank0(), stall_timeout=STALL, thread_level=MPI.THREAD_MULTIPLE)  # not started
+    watchdog._note("watchdog: nothing set: nothing written")  # no log_path (other ranks, before the run dir)
+    log = tmp_path / "train.log"
+    log.write_text("12:00:00 epoch 1/3\n")
+    watchdog.log_path = log
+    watchdog._note("watchdog: the verdict")
+    lines = log.read_text().splitlines()
+    assert lines[0] == "12:00:00 epoch 1/3" and re.fullmatch(r"\d\d:\d\d:\d\d run failed: watchdog: the verdict",
+                                                              lines[1]) and len(lines) == 2
+    # A log whose open never returns (a FIFO nobody reads: a hung file system's stand-in) delays
+    # the note by its bound, not forever.
+    fifo = tmp_path / "hung.log"
+    os.mkfifo(fifo)
+    watchdog.log_path = fifo
+    t0 = time.monotonic()
+    watchdog._note("watchdog: lost")
+    elapsed = time.monotonic() - t0
+    assert world._NOTE_WAIT_S <= elapsed < world._NOTE_WAIT_S + 5
+    with open(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK), closefd=True):  # let the writer thread finish
+        pass
+
+
 def test_below_thread_multiple_the_watchdog_says_so_once_and_times_local_waits(capfd):
     from mpi4py import MPI
 
