@@ -345,9 +345,16 @@ class _StdoutHandler(logging.StreamHandler):
 
 
 def _log_to_stdout(rank: int, level: int) -> None:
-    """Rank 0 prints the log on stdout from the start of setup (before the run dir exists)."""
+    """Rank 0 prints the log on stdout from the start of setup (before the run dir exists).
+
+    The other ranks print nothing of it: a NullHandler keeps logging's last resort
+    (bare warnings on stderr, for a logger with no handler) from printing their
+    copy of rank 0's warnings.
+    """
     log.setLevel(logging.DEBUG)
     log.propagate = False
+    if not any(type(h) is logging.NullHandler for h in log.handlers):
+        log.addHandler(logging.NullHandler())
     if rank == 0 and not any(getattr(h, "flodl_stdout", False) for h in log.handlers):
         handler = _StdoutHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))

@@ -1,5 +1,6 @@
 """The command as a user runs it: bad input, injected faults, never a hang."""
 
+import re
 import time
 
 import h5py
@@ -375,3 +376,24 @@ def test_train_keeps_training_when_its_reader_goes_away(tmp_path):
     assert proc.returncode == 0, err
     assert "Logging error" not in err and "BrokenPipeError" not in err
     assert (tmp_path / "r" / "train.log").read_text().splitlines()[-1].split(" ", 1)[1].startswith("done:")
+
+
+@pytest.mark.parametrize("quiet", [(), ("-q",)])
+def test_a_warning_is_printed_once(tmp_path, quiet):
+    """Rank 0 prints the run's warnings; the other ranks' copies never reach the console (logging's last resort)."""
+    from flodl_mpi.data import write_digits
+
+    digits = write_digits(tmp_path / "digits.h5")
+    tiny = tmp_path / "tiny.h5"
+    with h5py.File(digits, "r") as src, h5py.File(tiny, "w") as f:
+        for name in ("train/x", "train/y"):
+            f[name] = src[name][:3]  # 1 batch of 32 for 2 ranks: rank 1 never trains
+        for name in ("test/x", "test/y"):
+            f[name] = src[name][:]
+    proc = run_flodl(2, "train", "--epochs", "1", "--data", str(tiny), "--run-dir", str(tmp_path / "r"), *quiet,
+                     timeout=PROMPT_S)
+    assert proc.returncode == 0, proc.stderr
+    text = "warning: an epoch has 1 batch(es) of 32 for 2 ranks, so rank(s) 1..1 never train; lower --batch-size"
+    assert (proc.stdout + proc.stderr).count(text) == 1, (proc.stdout, proc.stderr)
+    assert re.search(rf"^\d\d:\d\d:\d\d {re.escape(text)}$", proc.stdout, re.M)  # rank 0's line, on stdout
+    assert (tmp_path / "r" / "train.log").read_text().count(text) == 1
