@@ -395,5 +395,5 @@ def test_a_warning_is_printed_once(tmp_path, quiet):
     assert proc.returncode == 0, proc.stderr
     text = "warning: an epoch has 1 batch(es) of 32 for 2 ranks, so rank(s) 1..1 never train; lower --batch-size"
     assert (proc.stdout + proc.stderr).count(text) == 1, (proc.stdout, proc.stderr)
-    assert re.search(rf"^\d\d:\d\d:\d\d {re.escape(text)}$", proc.stdout, re.M)  # rank 0's line, on stdout
+    assert re.search(rf"^\d\d:\d\d:\d\d {re.escape(text)}$", proc.stdout, re.MULTILINE)  # rank 0's line, on stdout
     assert (tmp_path / "r" / "train.log").read_text().count(text) == 1
