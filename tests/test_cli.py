@@ -80,6 +80,24 @@ def test_models_that_differ_across_ranks_are_refused(tmp_path):
     assert error_lines(proc) and "model differs across ranks" in error_lines(proc)[0]
 
 
+def test_a_parameter_free_layer_that_differs_across_ranks_is_refused(tmp_path):
+    # Same tensors on both ranks (Tanh and ReLU have none): only the module tree tells them apart.
+    module = tmp_path / "net.py"
+    module.write_text(
+        "import torch\n"
+        "from flodl_mpi.launcher import launcher_rank\n"
+        "def make(input_shape, num_classes):\n"
+        "    act = torch.nn.ReLU() if launcher_rank() == 0 else torch.nn.Tanh()\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), act,\n"
+        "                               torch.nn.Linear(8, num_classes))\n"
+    )
+    proc, elapsed = timed(2, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=PROMPT_S)
+    assert proc.returncode == EXIT_INPUT, proc.stderr
+    assert error_lines(proc) == ["flodl-mpi: error: the model differs across ranks: module '2' is ReLU on rank 0 but "
+                                 "Tanh on rank(s) 1 (every rank must build the same model)"]
+    assert elapsed < PROMPT_S and not (tmp_path / "r").exists()  # refused in setup: no run dir
+
+
 @pytest.mark.parametrize("earlier", ["metrics.h5", "checkpoints/ckpt-e000003-r000069.h5", "config.json"])
 def test_existing_run_dir_is_never_overwritten(tmp_path, earlier):
     run_dir = tmp_path / "r"
