@@ -93,8 +93,8 @@ def test_a_parameter_free_layer_that_differs_across_ranks_is_refused(tmp_path):
     )
     proc, elapsed = timed(2, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=PROMPT_S)
     assert proc.returncode == EXIT_INPUT, proc.stderr
-    assert error_lines(proc) == ["flodl-mpi: error: the model differs across ranks: module '2' is ReLU on rank 0 but "
-                                 "Tanh on rank(s) 1 (every rank must build the same model)"]
+    assert error_lines(proc) == [("flodl-mpi: error: the model differs across ranks: module '2' is ReLU on rank 0 but "
+                                  "Tanh on rank(s) 1 (every rank must build the same model)")]
     assert elapsed < PROMPT_S and not (tmp_path / "r").exists()  # refused in setup: no run dir
 
 
