@@ -338,6 +338,55 @@ def test_a_bad_config_file_is_refused_before_mpi_starts(tmp_path):
     assert "rank(s) up" not in proc.stdout                          # refused before MPI started
 
 
+@pytest.mark.parametrize("line, key, shown, allowed", [
+    ('epochs = "three"', "epochs", "'three'", "an integer >= 1"),
+    ("epochs = 1.7", "epochs", "1.7", "an integer >= 1"),
+    ('lr = "fast"', "lr", "'fast'", "a finite number > 0"),
+    ('scale-lr = "no"', "scale-lr", "'no'", "true or false"),
+    ("batch_size = 0", "batch_size", "0", "an integer >= 1"),
+    ("max-anchor = 5\npolicy = \"cadence\"", "max-anchor", "5", "an integer >= the anchor (10)"),
+])
+def test_a_bad_value_in_the_config_file_names_the_file_and_key(tmp_path, line, key, shown, allowed):
+    from flodl_mpi.cli import build_parser, config_from_args, settle_early
+    from flodl_mpi.config import ConfigError
+
+    toml = tmp_path / "run.toml"
+    toml.write_text(line + "\n")
+    expected = f"--config '{toml}': key '{key}': {shown}: must be {allowed}"
+    for check in (settle_early, config_from_args):  # before MPI starts, and the ranks' own check later
+        with pytest.raises(ConfigError) as info:
+            check(build_parser().parse_args(["train", "--config", str(toml)]))
+        assert str(info.value) == expected
+
+
+def test_a_flag_names_the_flag_and_overrides_the_file(tmp_path):
+    from flodl_mpi.cli import build_parser, config_from_args, settle_early
+    from flodl_mpi.config import ConfigError
+
+    toml = tmp_path / "run.toml"
+    toml.write_text("epochs = 0\n")
+    with pytest.raises(ConfigError, match=r"^--batch-size 0: must be an integer >= 1$"):
+        settle_early(build_parser().parse_args(["train", "--batch-size", "0"]))
+    # the flag's value is checked, not the file's it overrides
+    with pytest.raises(ConfigError, match=r"^--epochs -1: must be an integer >= 1$"):
+        settle_early(build_parser().parse_args(["train", "--config", str(toml), "--epochs", "-1"]))
+    assert config_from_args(build_parser().parse_args(["train", "--config", str(toml), "--epochs", "2"])).epochs == 2
+
+
+@pytest.mark.parametrize("case", ["file", "flag"])
+def test_a_bad_value_is_refused_before_mpi_starts(tmp_path, case):
+    toml = tmp_path / "run.toml"
+    toml.write_text('epochs = "three"\n')
+    argv = ("--config", str(toml)) if case == "file" else ("--batch-size", "0")
+    expected = {"file": f"flodl-mpi: error: --config '{toml}': key 'epochs': 'three': must be an integer >= 1",
+                "flag": "flodl-mpi: error: --batch-size 0: must be an integer >= 1"}[case]
+    proc, elapsed = timed(2, "train", *argv, "--run-dir", str(tmp_path / "r"), timeout=PROMPT_S)
+    assert proc.returncode == EXIT_INPUT and elapsed < PROMPT_S
+    assert error_lines(proc) == [expected]
+    assert "rank(s) up" not in proc.stdout and "loading PyTorch" not in proc.stdout   # MPI never started
+    assert not (tmp_path / "r").exists()
+
+
 def test_bare_command_lists_the_subcommands():
     import subprocess
     import sys
