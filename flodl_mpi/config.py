@@ -329,6 +329,6 @@ def config_key_text(path: str | Path, name: str) -> str:
     p = Path(path)
     try:
         spelled = next((key for key in _load(p) if key.replace("-", "_") == name), name.replace("_", "-"))
-    except ConfigError:  # changed since: the option's own spelling
+    except (ConfigError, OSError):  # changed or gone since: the option's own spelling
         spelled = name.replace("_", "-")
     return _key_text(p, spelled)
