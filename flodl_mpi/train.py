@@ -362,7 +362,7 @@ def _log_to_stdout(rank: int, level: int) -> None:
     """
     log.setLevel(logging.DEBUG)
     log.propagate = False
-    if not any(type(h) is logging.NullHandler for h in log.handlers):
+    if rank != 0 and not any(type(h) is logging.NullHandler for h in log.handlers):
         log.addHandler(logging.NullHandler())
     if rank == 0 and not any(getattr(h, "flodl_stdout", False) for h in log.handlers):
         handler = _StdoutHandler(sys.stdout)
