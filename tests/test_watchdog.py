@@ -95,7 +95,6 @@ def test_heartbeat_period_and_slack():
     assert stall_slack(600.0) == 5.0
 
 
-@pytest.mark.mpi  # needs MPI started (COMM_SELF): the serial pytest process never starts it
 class _Rank0:
     rank = 0
 
@@ -127,6 +126,7 @@ def test_the_verdict_is_appended_to_the_run_log_and_a_hung_file_system_cannot_ho
         pass
 
 
+@pytest.mark.mpi  # needs MPI started (COMM_SELF): the serial pytest process never starts it
 def test_below_thread_multiple_the_watchdog_says_so_once_and_times_local_waits(capfd):
     from mpi4py import MPI
 
