@@ -631,6 +631,7 @@ def _setup(session, a: dict) -> Run:
         cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
         if world.rank == 0:
             train_log = _setup_logging(run_dir, world.rank)  # train.log, as the CLI's; closed with the run
+            watchdog.log_path = run_dir / "train.log"  # a stall's verdict ends train.log too
             log.setLevel(min(log.level or logging.INFO, logging.INFO))
         ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
         if ckpt is not None and world.rank == 0:

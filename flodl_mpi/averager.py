@@ -322,6 +322,7 @@ class Averager:
         from flodl_mpi.train import _setup_logging, log
 
         self._train_log = _setup_logging(self.run_dir, 0)
+        self._session.watchdog.log_path = self.run_dir / "train.log"  # a stall's verdict ends train.log too
         log.setLevel(min(log.level or logging.INFO, logging.INFO))
         per = "every step() call" if self.cfg.window == 1 else f"every {self.cfg.window} step() calls"
         log.info(f"flodl-mpi {__version__}: {self.world_size} rank{'s' if self.world_size > 1 else ''}, your own "

@@ -44,6 +44,7 @@ from flodl_mpi.config import (
     PROGRESS,
     ConfigError,
     TrainConfig,
+    config_key_text,
     read_config_file,
 )
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
@@ -244,10 +245,16 @@ def _run_tool(argv: list[str]) -> int:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Config file values, overridden by the flags given on the command line.
 
+    Pure (no MPI, no torch): `settle_early` runs it before MPI starts, so a bad
+    value is refused there, with the same checks (:class:`TrainConfig`'s) as later.
+
     Raises:
-        ConfigError: a bad value or file.
+        ConfigError: a bad value or file. A bad value that came from the file names
+            the file and its key (``--config 'run.toml': key 'epochs': 'three': must
+            be an integer >= 1``); one from a flag names the flag.
     """
     values = read_config_file(args.config) if args.config else {}
+    from_file = set(values)
     for name in OUTPUT_OPTIONS:  # what rank 0 prints: settled by `settle_early`, not a training option
         values.pop(name, None)
     flags = {name: getattr(args, name) for name in TrainConfig.field_names() if getattr(args, name, None) is not None}
@@ -260,29 +267,40 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values.update(flags)
     if values.get("window", 1) != 1 and "policy" not in flags and (window_from_flag or "policy" not in values):
         values["policy"] = "window"
-    if values.get("optimizer", OPTIMIZERS[0]) not in OPTIMIZERS:  # "module:Class" is a Python API run's record
-        raise ConfigError(f"--optimizer {values['optimizer']!r}: must be one of {', '.join(OPTIMIZERS)}")
-    return TrainConfig(**values)
+    try:
+        if values.get("optimizer", OPTIMIZERS[0]) not in OPTIMIZERS:  # "module:Class" is a Python API run's record
+            allowed = f"one of {', '.join(OPTIMIZERS)}"
+            raise ConfigError(f"--optimizer {values['optimizer']!r}: must be {allowed}", "optimizer",
+                              values["optimizer"], allowed)
+        return TrainConfig(**values)
+    except ConfigError as exc:
+        name = exc.option
+        if name is None or name in flags or name not in from_file:
+            raise
+        raise ConfigError(f"{config_key_text(args.config, name)}: {exc.value!r}: must be {exc.allowed}",
+                          name, exc.value, exc.allowed) from None
 
 
 def settle_early(args: argparse.Namespace) -> None:
-    """What must be known before MPI and torch start: the output options and the thread request.
+    """What must be known before MPI and torch start: the output options, the values, the thread request.
 
     Sets ``args.verbose``, ``args.quiet``, ``args.progress`` from the flags, else the
-    config file, else the defaults (0, False, ``auto``). Checks ``OMP_NUM_THREADS``
+    config file, else the defaults (0, False, ``auto``). Checks every value of the
+    file and the flags (`config_from_args`: the same checks the ranks make later), so
+    a bad one is one line before MPI starts. Checks ``OMP_NUM_THREADS``
     now, before torch is imported: its OpenMP runtime (libgomp) reads the variable at
     load time on every rank and prints a warning of its own for a bad value.
 
     Raises:
-        ConfigError: an unreadable config file or a bad value in it.
+        ConfigError: an unreadable config file, a bad value in it or in a flag.
         ValueError: ``OMP_NUM_THREADS`` is not a positive integer (and ``--threads`` is not given).
     """
     values = read_config_file(args.config) if args.config else {}
     for name, default in (("verbose", 0), ("quiet", False), ("progress", "auto")):
         if getattr(args, name, None) is None:
             setattr(args, name, values.get(name, default))
-    threads = args.threads if args.threads is not None else values.get("threads")
-    thread_request(threads if isinstance(threads, int) else None)
+    cfg = config_from_args(args)  # every value, as every rank checks it again once MPI is up
+    thread_request(cfg.threads)
 
 
 def _say_once(text: str) -> None:

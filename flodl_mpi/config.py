@@ -22,7 +22,8 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
            "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OUTERS", "OUTPUT_OPTIONS", "POLICIES",
-           "PROGRESS", "ConfigError", "TrainConfig", "check_output_option", "optimizer_class", "read_config_file"]
+           "PROGRESS", "ConfigError", "TrainConfig", "check_output_option", "config_key_text", "optimizer_class",
+           "read_config_file"]
 
 POLICIES = ("sync", "window", "cadence", "async")
 #: Policies whose quotas the ElChe balancer sets (SPEC §4).
@@ -55,7 +56,17 @@ NOT_IN_FILE = {"config": "a config file cannot name another one (give one --conf
 
 
 class ConfigError(ValueError):
-    """A bad config value: one line naming the option, the value and what is allowed."""
+    """A bad config value: one line naming the option, the value and what is allowed.
+
+    Attributes:
+        option: the field whose own value is bad (``"batch_size"``), with ``value``
+            and ``allowed`` (the words after "must be"); None for a refusal of a
+            combination of options.
+    """
+
+    def __init__(self, message: str, option: str | None = None, value: Any = None, allowed: str | None = None):
+        super().__init__(message)
+        self.option, self.value, self.allowed = option, value, allowed
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         def need(cond: bool, option: str, value: Any, allowed: str) -> None:
             if not cond:
-                raise ConfigError(f"--{option.replace('_', '-')} {value!r}: must be {allowed}")
+                raise ConfigError(f"--{option.replace('_', '-')} {value!r}: must be {allowed}", option, value, allowed)
 
         for name in ("epochs", "batch_size", "window", "keep_checkpoints", "chunk_elems", "eval_batch_size"):
             v = getattr(self, name)
@@ -298,13 +309,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             (`NOT_IN_FILE`, with the reason), or a bad output option.
     """
     p = Path(path)
-    try:
-        with p.open("rb") as fh:
-            raw = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"--config {str(p)!r}: no such file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--config {str(p)!r}: not valid TOML ({exc})") from None
+    raw = _load(p)
     known = set(TrainConfig.field_names()) | set(OUTPUT_OPTIONS)
     out = {}
     for key, value in raw.items():
@@ -314,6 +319,35 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         if name not in known:
             raise ConfigError(f"--config {str(p)!r}: unknown key {key!r} (known: {', '.join(sorted(known))})")
         if name in OUTPUT_OPTIONS:
-            check_output_option(name, value, f"--config {str(p)!r}: key {key!r}")
+            check_output_option(name, value, _key_text(p, key))
         out[name] = value
     return out
+
+
+def _load(p: Path) -> dict[str, Any]:
+    try:
+        with p.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {str(p)!r}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {str(p)!r}: not valid TOML ({exc})") from None
+
+
+def _key_text(p: Path, key: str) -> str:
+    return f"--config {str(p)!r}: key {key!r}"
+
+
+def config_key_text(path: str | Path, name: str) -> str:
+    """``--config 'FILE': key 'KEY'``: where a config file sets field ``name``, the key as written there.
+
+    For messages about a value read by `read_config_file` (so the file was read once,
+    and is read again here only to spell the key as the user did: ``batch-size`` or
+    ``batch_size``).
+    """
+    p = Path(path)
+    try:
+        spelled = next((key for key in _load(p) if key.replace("-", "_") == name), name.replace("_", "-"))
+    except (ConfigError, OSError):  # changed or gone since: the option's own spelling
+        spelled = name.replace("_", "-")
+    return _key_text(p, spelled)

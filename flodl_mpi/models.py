@@ -2,7 +2,8 @@
 
 Invariant: ``build_model`` returns an ``nn.Module`` with at least one parameter, all
 parameters floating point, or raises ``ModelSpecError`` with one line saying why;
-``model_signature`` lets ranks check they all built the same structure.
+``module_structure``, ``model_signature`` and ``model_difference`` let ranks check
+they all built the same module tree and tensor layout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 __all__ = ["ModelSpecError", "build_model", "check_model_output", "check_training_step", "digits_mlp",
-           "model_signature"]
+           "model_difference", "model_signature", "module_structure"]
 
 
 class ModelSpecError(ValueError):
@@ -295,3 +296,62 @@ def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     """
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     return [(name, tuple(t.shape), _dtype(t)) for name, t in tensors]
+
+
+def module_structure(model: nn.Module) -> list[tuple[str, str]]:
+    """``(qualified name, class qualname)`` of every module, the model itself first (name ``""``).
+
+    In ``model.named_modules()`` order, e.g. ``[("", "Sequential"), ("0", "Flatten"),
+    ("1", "Linear"), ("2", "ReLU"), ...]``. Parameter-free layers (activations,
+    pooling, dropout) are in it, so a ReLU on one rank and a Tanh on another differ
+    here though `model_signature` matches. What ``forward()`` does with the modules
+    is not: two ranks running different code over the same modules look alike.
+    """
+    return [(name, type(module).__qualname__) for name, module in model.named_modules()]
+
+
+def _module_text(entry: tuple[str, str] | None) -> str:
+    if entry is None:
+        return "no further module"
+    name, kind = entry
+    return f"the model itself as {kind}" if name == "" else f"module {name!r} ({kind})"
+
+
+def _first_difference(a: list, b: list) -> tuple:
+    """The first pair of entries that differ, ``None`` padding the shorter list."""
+    return next((x, y) for x, y in zip([*a, None], [*b, None]) if x != y)
+
+
+def model_difference(gathered: Sequence[tuple[list[tuple[str, str]], list]]) -> str | None:
+    """Whether the ranks built the same model, decided from every rank's gathered description.
+
+    A pure function of the gathered values, so every rank decides alike.
+
+    Args:
+        gathered: row r is rank r's ``(module_structure(model), model_signature(model))``.
+
+    Returns:
+        None when every rank's equals rank 0's; else one line naming the first
+        module (or tensor) where the first differing rank departs from rank 0,
+        and every rank that departs alike, e.g. ``the model differs across ranks:
+        module '2' is ReLU on rank 0 but Tanh on rank(s) 1 (...)``. The module tree
+        is compared first, then the tensors' names, shapes and dtypes.
+    """
+    tail = " (every rank must build the same model)"
+    for part in (0, 1):
+        rows = [g[part] for g in gathered]
+        differ = [r for r, row in enumerate(rows) if row != rows[0]]
+        if not differ:
+            continue
+        alike = [r for r in differ if rows[r] == rows[differ[0]]]
+        ranks = f"rank(s) {', '.join(str(r) for r in alike[:8])}{' and more' if len(alike) > 8 else ''}"
+        x, y = _first_difference(rows[0], rows[differ[0]])
+        has = "has" if len(alike) == 1 else "have"
+        if part == 1:
+            return f"the model differs across ranks: rank 0 has {x} where {ranks} {has} {y}{tail}"
+        if x is not None and y is not None and x[0] == y[0]:
+            what = "the model itself" if x[0] == "" else f"module {x[0]!r}"
+            return f"the model differs across ranks: {what} is {x[1]} on rank 0 but {y[1]} on {ranks}{tail}"
+        return (f"the model differs across ranks: rank 0 has {_module_text(x)} where {ranks} {has} "
+                f"{_module_text(y)}{tail}")
+    return None

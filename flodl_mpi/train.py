@@ -49,7 +49,14 @@ from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, active_fault
 from flodl_mpi.launcher import clean_text, settle_threads, thread_request
 from flodl_mpi.metrics import MetricsWriter, WriterError
-from flodl_mpi.models import build_model, check_model_output, check_training_step, model_signature
+from flodl_mpi.models import (
+    build_model,
+    check_model_output,
+    check_training_step,
+    model_difference,
+    model_signature,
+    module_structure,
+)
 from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.policy import make_policy
 from flodl_mpi.progress import EpochProgress, stdout_is_terminal, write_above_bars
@@ -356,12 +363,14 @@ def _note_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
 
 
 def _check_same_model(model: torch.nn.Module, comm: MPI.Comm) -> None:
-    signatures = comm.allgather(model_signature(model))
-    for r, sig in enumerate(signatures):
-        if sig != signatures[0]:
-            first = next((a, b) for a, b in zip(signatures[0] + [None], sig + [None]) if a != b)
-            raise InputError(f"the model differs across ranks: rank 0 has {first[0]} where rank {r} has "
-                             f"{first[1]} (every rank must build the same model)")
+    """Every rank built the same module tree and tensors (`model_difference`); collective (one allgather).
+
+    Raises:
+        InputError: on every rank alike, naming the first difference and the ranks.
+    """
+    why = model_difference(comm.allgather((module_structure(model), model_signature(model))))
+    if why is not None:
+        raise InputError(why)
 
 
 def verbosity(args) -> int:
@@ -397,9 +406,16 @@ class _StdoutHandler(logging.StreamHandler):
 
 
 def _log_to_stdout(rank: int, level: int) -> None:
-    """Rank 0 prints the log on stdout from the start of setup (before the run dir exists)."""
+    """Rank 0 prints the log on stdout from the start of setup (before the run dir exists).
+
+    The other ranks print nothing of it: a NullHandler keeps logging's last resort
+    (bare warnings on stderr, for a logger with no handler) from printing their
+    copy of rank 0's warnings.
+    """
     log.setLevel(logging.DEBUG)
     log.propagate = False
+    if rank != 0 and not any(type(h) is logging.NullHandler for h in log.handlers):
+        log.addHandler(logging.NullHandler())
     if rank == 0 and not any(getattr(h, "flodl_stdout", False) for h in log.handlers):
         handler = _StdoutHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
@@ -503,6 +519,8 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     run_dir = _make_run_dir(cfg, comm, watchdog)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
     _setup_logging(run_dir, world.rank)
+    if world.rank == 0:  # a stall's verdict ends train.log too
+        watchdog.log_path = run_dir / "train.log"
     log.info(threads_line)
     ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
     try:

@@ -8,6 +8,7 @@ rounds end the whole world with a non-zero exit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import os
@@ -192,6 +193,9 @@ HEARTBEAT_MAX_S = 2.0
 _POLL_S = 0.05
 #: Longest wait, seconds, for the other ranks' stack dumps before the abort.
 _DUMP_WAIT_S = 5.0
+#: Longest wait, seconds, for the verdict's line to reach the run's log before the abort
+#: (a hung file system must not hold the exit).
+_NOTE_WAIT_S = 2.0
 _TEXT_BYTES = 200
 
 #: One rank's heartbeat, as exchanged (a fixed-size record sent as bytes):
@@ -332,7 +336,11 @@ class Watchdog:
     dumps every thread's stack (on every rank, for a cohort stall) and aborts
     the world: exit status 3 for a stall, 1 for a rank that did not exit. It
     ends the process with the world abort, never by raising in its own thread
-    (STYLE 16).
+    (STYLE 16). Before the abort, the rank that has a :attr:`log_path` (rank 0,
+    once the run's ``train.log`` exists) appends the verdict to it (waiting at
+    most ``_NOTE_WAIT_S`` seconds for the file system). A rank that is frozen
+    (SIGSTOP) or holds the interpreter lock in a hung native call cannot do so:
+    its watchdog thread cannot run either.
 
     Needs ``MPI.THREAD_MULTIPLE`` (the heartbeat runs beside the bridge's and the
     setup's collectives, on another communicator). With less, rank 0 says so
@@ -381,6 +389,10 @@ class Watchdog:
         self._closing = False
         self._hb_comm: MPI.Comm | None = None
         self._thread = threading.Thread(target=self._run, name="flodl-watchdog", daemon=True)
+        #: The run's log (``train.log``, rank 0's): firing appends ``HH:MM:SS run failed: [rank R: ]watchdog:
+        #: <verdict>`` (the line printed) to it before the abort. None: nothing written (the other ranks;
+        #: setup before the run dir exists).
+        self.log_path: str | os.PathLike | None = None
 
     # ---- what the rank tells its watchdog (any thread; cheap) -------------------
 
@@ -508,10 +520,31 @@ class Watchdog:
         if self._exit_by is not None and now > self._exit_by:
             self._fire(EXIT_ERROR, f"the rank did not exit within {self.exit_grace:g} s of an error")
 
+    def _note(self, verdict: str) -> None:
+        """Append ``verdict`` (as printed) to :attr:`log_path`, if set; waits at most ``_NOTE_WAIT_S`` seconds.
+
+        The append runs in a daemon thread: a file system that hangs delays the
+        abort by the wait, never more (the abort ends the thread with the process).
+        An ``OSError`` is ignored: stderr has the verdict.
+        """
+        path = self.log_path
+        if path is None:
+            return
+        line = f"{time.strftime('%H:%M:%S')} run failed: {verdict}\n"
+
+        def append() -> None:
+            with contextlib.suppress(OSError), open(path, "a") as fh:
+                fh.write(line)
+
+        writer = threading.Thread(target=append, name="flodl-watchdog-note", daemon=True)
+        writer.start()
+        writer.join(_NOTE_WAIT_S)
+
     def _fire(self, code: int, why: str) -> None:
         """This rank alone decided: say why, dump its stacks, abort the world."""
         print(f"flodl-mpi: rank {self.rank}: watchdog: {why}; stacks follow, then the job is aborted",
               file=sys.stderr, flush=True)
+        self._note(f"rank {self.rank}: watchdog: {why}")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         abort(code)
 
@@ -520,6 +553,7 @@ class Watchdog:
         if self.rank == 0:
             print(f"flodl-mpi: watchdog: {why}; every rank's stacks follow, then the job is aborted",
                   file=sys.stderr, flush=True)
+        self._note(f"watchdog: {why}")
         print(f"flodl-mpi: rank {self.rank}: watchdog: this rank's stacks:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()

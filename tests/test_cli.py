@@ -1,5 +1,6 @@
 """The command as a user runs it: bad input, injected faults, never a hang."""
 
+import re
 import time
 
 import h5py
@@ -77,6 +78,24 @@ def test_models_that_differ_across_ranks_are_refused(tmp_path):
     proc = run_flodl(2, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=120)
     assert proc.returncode == EXIT_INPUT, proc.stderr
     assert error_lines(proc) and "model differs across ranks" in error_lines(proc)[0]
+
+
+def test_a_parameter_free_layer_that_differs_across_ranks_is_refused(tmp_path):
+    # Same tensors on both ranks (Tanh and ReLU have none): only the module tree tells them apart.
+    module = tmp_path / "net.py"
+    module.write_text(
+        "import torch\n"
+        "from flodl_mpi.launcher import launcher_rank\n"
+        "def make(input_shape, num_classes):\n"
+        "    act = torch.nn.ReLU() if launcher_rank() == 0 else torch.nn.Tanh()\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), act,\n"
+        "                               torch.nn.Linear(8, num_classes))\n"
+    )
+    proc, elapsed = timed(2, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=PROMPT_S)
+    assert proc.returncode == EXIT_INPUT, proc.stderr
+    assert error_lines(proc) == [("flodl-mpi: error: the model differs across ranks: module '2' is ReLU on rank 0 but "
+                                  "Tanh on rank(s) 1 (every rank must build the same model)")]
+    assert elapsed < PROMPT_S and not (tmp_path / "r").exists()  # refused in setup: no run dir
 
 
 @pytest.mark.parametrize("earlier", ["metrics.h5", "checkpoints/ckpt-e000003-r000069.h5", "config.json"])
@@ -319,6 +338,55 @@ def test_a_bad_config_file_is_refused_before_mpi_starts(tmp_path):
     assert "rank(s) up" not in proc.stdout                          # refused before MPI started
 
 
+@pytest.mark.parametrize("line, key, shown, allowed", [
+    ('epochs = "three"', "epochs", "'three'", "an integer >= 1"),
+    ("epochs = 1.7", "epochs", "1.7", "an integer >= 1"),
+    ('lr = "fast"', "lr", "'fast'", "a finite number > 0"),
+    ('scale-lr = "no"', "scale-lr", "'no'", "true or false"),
+    ("batch_size = 0", "batch_size", "0", "an integer >= 1"),
+    ("max-anchor = 5\npolicy = \"cadence\"", "max-anchor", "5", "an integer >= the anchor (10)"),
+])
+def test_a_bad_value_in_the_config_file_names_the_file_and_key(tmp_path, line, key, shown, allowed):
+    from flodl_mpi.cli import build_parser, config_from_args, settle_early
+    from flodl_mpi.config import ConfigError
+
+    toml = tmp_path / "run.toml"
+    toml.write_text(line + "\n")
+    expected = f"--config '{toml}': key '{key}': {shown}: must be {allowed}"
+    for check in (settle_early, config_from_args):  # before MPI starts, and the ranks' own check later
+        with pytest.raises(ConfigError) as info:
+            check(build_parser().parse_args(["train", "--config", str(toml)]))
+        assert str(info.value) == expected
+
+
+def test_a_flag_names_the_flag_and_overrides_the_file(tmp_path):
+    from flodl_mpi.cli import build_parser, config_from_args, settle_early
+    from flodl_mpi.config import ConfigError
+
+    toml = tmp_path / "run.toml"
+    toml.write_text("epochs = 0\n")
+    with pytest.raises(ConfigError, match=r"^--batch-size 0: must be an integer >= 1$"):
+        settle_early(build_parser().parse_args(["train", "--batch-size", "0"]))
+    # the flag's value is checked, not the file's it overrides
+    with pytest.raises(ConfigError, match=r"^--epochs -1: must be an integer >= 1$"):
+        settle_early(build_parser().parse_args(["train", "--config", str(toml), "--epochs", "-1"]))
+    assert config_from_args(build_parser().parse_args(["train", "--config", str(toml), "--epochs", "2"])).epochs == 2
+
+
+@pytest.mark.parametrize("case", ["file", "flag"])
+def test_a_bad_value_is_refused_before_mpi_starts(tmp_path, case):
+    toml = tmp_path / "run.toml"
+    toml.write_text('epochs = "three"\n')
+    argv = ("--config", str(toml)) if case == "file" else ("--batch-size", "0")
+    expected = {"file": f"flodl-mpi: error: --config '{toml}': key 'epochs': 'three': must be an integer >= 1",
+                "flag": "flodl-mpi: error: --batch-size 0: must be an integer >= 1"}[case]
+    proc, elapsed = timed(2, "train", *argv, "--run-dir", str(tmp_path / "r"), timeout=PROMPT_S)
+    assert proc.returncode == EXIT_INPUT and elapsed < PROMPT_S
+    assert error_lines(proc) == [expected]
+    assert "rank(s) up" not in proc.stdout and "loading PyTorch" not in proc.stdout   # MPI never started
+    assert not (tmp_path / "r").exists()
+
+
 def test_bare_command_lists_the_subcommands():
     import subprocess
     import sys
@@ -375,3 +443,24 @@ def test_train_keeps_training_when_its_reader_goes_away(tmp_path):
     assert proc.returncode == 0, err
     assert "Logging error" not in err and "BrokenPipeError" not in err
     assert (tmp_path / "r" / "train.log").read_text().splitlines()[-1].split(" ", 1)[1].startswith("done:")
+
+
+@pytest.mark.parametrize("quiet", [(), ("-q",)])
+def test_a_warning_is_printed_once(tmp_path, quiet):
+    """Rank 0 prints the run's warnings; the other ranks' copies never reach the console (logging's last resort)."""
+    from flodl_mpi.data import write_digits
+
+    digits = write_digits(tmp_path / "digits.h5")
+    tiny = tmp_path / "tiny.h5"
+    with h5py.File(digits, "r") as src, h5py.File(tiny, "w") as f:
+        for name in ("train/x", "train/y"):
+            f[name] = src[name][:3]  # 1 batch of 32 for 2 ranks: rank 1 never trains
+        for name in ("test/x", "test/y"):
+            f[name] = src[name][:]
+    proc = run_flodl(2, "train", "--epochs", "1", "--data", str(tiny), "--run-dir", str(tmp_path / "r"), *quiet,
+                     timeout=PROMPT_S)
+    assert proc.returncode == 0, proc.stderr
+    text = "warning: an epoch has 1 batch(es) of 32 for 2 ranks, so rank(s) 1..1 never train; lower --batch-size"
+    assert (proc.stdout + proc.stderr).count(text) == 1, (proc.stdout, proc.stderr)
+    assert re.search(rf"^\d\d:\d\d:\d\d {re.escape(text)}$", proc.stdout, re.MULTILINE)  # rank 0's line, on stdout
+    assert (tmp_path / "r" / "train.log").read_text().count(text) == 1

@@ -4,8 +4,17 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 
-from flodl_mpi.models import ModelSpecError, build_model, check_training_step, digits_mlp, model_signature
+from flodl_mpi.models import (
+    ModelSpecError,
+    build_model,
+    check_training_step,
+    digits_mlp,
+    model_difference,
+    model_signature,
+    module_structure,
+)
 
 
 def model_file(tmp_path, body, name="usernet"):
@@ -303,3 +312,52 @@ def test_training_step_probe_names_any_error_and_undoes_a_swapped_buffer(tmp_pat
     _assert_same_state(model, before)
     check_training_step(model, torch.rand(3, 4), torch.tensor([0, 1, 2]), f"{path}:Net", "x")
     _assert_same_state(model, before)
+
+
+# --------------------------------------------------------------------------- the same model on every rank
+
+
+def _described(model):
+    return module_structure(model), model_signature(model)
+
+
+def _net(act=nn.ReLU, hidden=32, extra=False):
+    layers = [nn.Flatten(), nn.Linear(64, hidden), act(), nn.Linear(hidden, 10)]
+    return nn.Sequential(*layers, *([nn.Softmax(dim=1)] if extra else []))
+
+
+def test_module_structure_lists_every_module_with_its_class():
+    assert module_structure(_net()) == [("", "Sequential"), ("0", "Flatten"), ("1", "Linear"), ("2", "ReLU"),
+                                        ("3", "Linear")]
+
+
+def test_the_same_model_on_every_rank_is_no_difference():
+    assert model_difference([_described(_net()) for _ in range(3)]) is None
+
+
+def test_a_parameter_free_layer_that_differs_is_named_with_the_ranks():
+    # Same tensors (the signatures match); only the activation differs on ranks 1 and 3.
+    assert model_signature(_net(nn.Tanh)) == model_signature(_net())
+    gathered = [_described(_net(act)) for act in (nn.ReLU, nn.Tanh, nn.ReLU, nn.Tanh)]
+    assert model_difference(gathered) == ("the model differs across ranks: module '2' is ReLU on rank 0 but Tanh "
+                                          "on rank(s) 1, 3 (every rank must build the same model)")
+
+
+def test_an_extra_module_and_a_different_root_are_named():
+    assert model_difference([_described(_net()), _described(_net(extra=True))]) == (
+        "the model differs across ranks: rank 0 has no further module where rank(s) 1 has module '4' (Softmax) "
+        "(every rank must build the same model)")
+
+    class Net(nn.Sequential):
+        pass
+
+    assert model_difference([_described(_net()), _described(Net(*_net()))]) == (
+        "the model differs across ranks: the model itself is Sequential on rank 0 but "
+        "test_an_extra_module_and_a_different_root_are_named.<locals>.Net on rank(s) 1 "
+        "(every rank must build the same model)")
+
+
+def test_same_modules_with_other_shapes_name_the_first_tensor():
+    assert model_difference([_described(_net()), _described(_net(hidden=48))]) == (
+        "the model differs across ranks: rank 0 has ('1.weight', (32, 64), 'float32') where rank(s) 1 has "
+        "('1.weight', (48, 64), 'float32') (every rank must build the same model)")

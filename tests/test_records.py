@@ -398,5 +398,5 @@ def test_the_cli_checks_the_optimizer_against_the_saved_state(tmp_path):
     config.write_text('optimizer = "torch.optim.rmsprop:RMSprop"\n')  # an API run's record is not a CLI choice
     bad = run_flodl(1, "train", "--config", str(config), "--epochs", "1", "--run-dir", str(tmp_path / "new"))
     assert bad.returncode == 2
-    assert bad.stderr.count("flodl-mpi: error: --optimizer 'torch.optim.rmsprop:RMSprop': must be one of sgd, adam, "
-                            "adamw") == 1, bad.stderr[-2000:]
+    assert bad.stderr.count(f"flodl-mpi: error: --config {str(config)!r}: key 'optimizer': "
+                            "'torch.optim.rmsprop:RMSprop': must be one of sgd, adam, adamw") == 1, bad.stderr[-2000:]

@@ -95,6 +95,37 @@ def test_heartbeat_period_and_slack():
     assert stall_slack(600.0) == 5.0
 
 
+class _Rank0:
+    rank = 0
+
+
+def test_the_verdict_is_appended_to_the_run_log_and_a_hung_file_system_cannot_hold_the_exit(tmp_path):
+    from mpi4py import MPI
+
+    from flodl_mpi import world
+
+    watchdog = world.Watchdog(_Rank0(), stall_timeout=STALL, thread_level=MPI.THREAD_MULTIPLE)  # not started
+    watchdog._note("watchdog: nothing set: nothing written")  # no log_path (other ranks, before the run dir)
+    log = tmp_path / "train.log"
+    log.write_text("12:00:00 epoch 1/3\n")
+    watchdog.log_path = log
+    watchdog._note("watchdog: the verdict")
+    lines = log.read_text().splitlines()
+    assert lines[0] == "12:00:00 epoch 1/3" and re.fullmatch(r"\d\d:\d\d:\d\d run failed: watchdog: the verdict",
+                                                              lines[1]) and len(lines) == 2
+    # A log whose open never returns (a FIFO nobody reads: a hung file system's stand-in) delays
+    # the note by its bound, not forever.
+    fifo = tmp_path / "hung.log"
+    os.mkfifo(fifo)
+    watchdog.log_path = fifo
+    t0 = time.monotonic()
+    watchdog._note("watchdog: lost")
+    elapsed = time.monotonic() - t0
+    assert world._NOTE_WAIT_S <= elapsed < world._NOTE_WAIT_S + 5
+    with open(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK), closefd=True):  # let the writer thread finish
+        pass
+
+
 @pytest.mark.mpi  # needs MPI started (COMM_SELF): the serial pytest process never starts it
 def test_below_thread_multiple_the_watchdog_says_so_once_and_times_local_waits(capfd):
     from mpi4py import MPI
@@ -219,16 +250,38 @@ def test_a_rank_hung_in_setup_is_named_and_ends_the_job(tmp_path, digits):
     assert not (tmp_path / "r").exists()  # nothing was created before the stall
 
 
-def test_a_rank_hung_in_its_training_step_is_named_and_ends_the_job(tmp_path, digits):
+def last_log_line(run_dir):
+    """train.log's last line, without its time stamp."""
+    line = (run_dir / "train.log").read_text().splitlines()[-1]
+    assert re.match(r"\d\d:\d\d:\d\d ", line), line
+    return line[9:]
+
+
+def printed_verdict(stderr, prefix="flodl-mpi: watchdog: "):
+    """The watchdog's verdict as printed: from ``prefix`` to the text before the stacks."""
+    line = next(line for line in stderr.splitlines() if line.startswith(prefix))
+    return line[len("flodl-mpi: "):line.index("; every rank's stacks follow" if "every rank" in line
+                                                else "; stacks follow")]
+
+
+@pytest.mark.parametrize("hung", [1, 0])
+def test_a_rank_hung_in_its_training_step_is_named_and_ends_the_job(tmp_path, digits, hung):
+    # hung 0: rank 0, which writes train.log, is the hung one; its watchdog thread still runs.
+    run_dir = tmp_path / "r"
+    t0 = time.monotonic()
     proc = run_flodl(2, "train", "--data", digits, "--epochs", "1", "--batch-size", "64",
-                     "--run-dir", str(tmp_path / "r"), "--stall-timeout", f"{STALL:g}",
-                     env={"FLODL_MPI_FAULT": "hang@1:2"}, timeout=180)
-    assert "injected fault: rank 1 hangs in round 2" in proc.stderr  # the hang was the fault's, not another
+                     "--run-dir", str(run_dir), "--stall-timeout", f"{STALL:g}",
+                     env={"FLODL_MPI_FAULT": f"hang@{hung}:2"}, timeout=180)
+    elapsed = time.monotonic() - t0
+    assert f"injected fault: rank {hung} hangs in round 2" in proc.stderr  # the hang was the fault's, not another
     assert proc.returncode == EXIT_STALL, proc.stderr
-    assert "(stall timeout 4 s): rank 1 working on training (last progress: " in proc.stderr
-    assert "rank 0 waited for it" in proc.stderr
-    assert "in _fault_hook" in proc.stderr.split("rank 1: watchdog: this rank's stacks:")[1]  # hung where injected
+    assert f"(stall timeout 4 s): rank {hung} working on training (last progress: " in proc.stderr
+    assert f"rank {1 - hung} waited for it" in proc.stderr
+    assert "in _fault_hook" in proc.stderr.split(f"rank {hung}: watchdog: this rank's stacks:")[1]  # hung there
     assert STALL <= stall_age(proc.stderr) < STALL + stall_slack(STALL) + 10
+    assert elapsed < 150  # the note in train.log keeps the exit prompt
+    # train.log ends with the verdict rank 0 printed (README: it ends with the reason when a run fails)
+    assert last_log_line(run_dir) == f"run failed: {printed_verdict(proc.stderr)}"
 
 
 def test_a_frozen_rank_ends_the_job(tmp_path, digits):
@@ -259,6 +312,8 @@ def test_a_frozen_rank_ends_the_job(tmp_path, digits):
     assert proc.returncode == EXIT_STALL, err
     assert re.search(r"rank 0: watchdog: the watchdogs' heartbeat exchange has not completed for [0-9.]+ s "
                      r"\(stall timeout 4 s\): a rank is frozen .*; likely rank 1, at the last exchange", err), err
+    # rank 0 decided alone and noted its verdict as the run's last line
+    assert last_log_line(run_dir) == f"run failed: {printed_verdict(err, 'flodl-mpi: rank 0: watchdog: ')}"
     assert elapsed < STALL + stall_slack(STALL) + 30  # generous: includes the launcher's teardown
     print(f"frozen rank: job ended {elapsed:.1f} s after SIGSTOP")
 
