@@ -6,8 +6,8 @@ tensors anywhere. The staging (where bound parameters live, see
 that every rank of the node maps. A round is then one pass per rank over its
 slice ``k`` of the frame (:func:`flodl_mpi.node_reduce.slices`), block by
 cache-sized block (the several operations per block run from cache, not from
-memory; :mod:`flodl_mpi.slice_kernel`: one compiled numba call per slice, or
-the numpy pass where numba is not installed):
+memory; :mod:`flodl_mpi.slice_kernel`: one compiled numba call per slice of a
+large model, else the numpy pass):
 
 1. ``c = (Σ_r W·m_r·θ_r) / Σ_r W·m_r``: the segments scaled by their masses
    and added in rank order in float32, then the one divide (SPEC §2 step 4; the
@@ -70,7 +70,7 @@ from mpi4py import MPI
 
 from flodl_mpi.node_reduce import slices
 from flodl_mpi.realized_work import is_realized
-from flodl_mpi.slice_kernel import KERNELS, STEPS, consensus_slice, default_kernel, warm_up
+from flodl_mpi.slice_kernel import KERNELS, STEPS, compiled_available, consensus_slice, default_kernel, warm_up
 from flodl_mpi.wire import WireLayout, sum_squares_pieces
 
 __all__ = ["SHM_DIR", "InPlaceShmReduce"]
@@ -94,8 +94,9 @@ class InPlaceShmReduce:
             tensors live here and the consensus lands here.
         extra_bytes: memory beyond the staging (two blocks of scratch and the
             segment's padding to a page).
-        kernel: the slice pass in use (:meth:`use_kernel`), ``"numba"`` where
-            numba is installed, else ``"numpy"``.
+        kernel: the slice pass in use (:meth:`use_kernel`): ``"numba"`` for a
+            slice of at least :data:`~flodl_mpi.slice_kernel.COMPILED_MIN_ELEMENTS`
+            where numba is installed, else ``"numpy"`` (the same bits).
 
     Raises:
         OSError: identically on every rank of ``node``: the shared file could
@@ -123,17 +124,18 @@ class InPlaceShmReduce:
         self.me = me
         self.slice = slices(n, W)[me]
         self._seg_pad = seg - 4 * n
-        self.use_kernel(default_kernel())
+        self.use_kernel(default_kernel(self.slice[1] - self.slice[0]))
         self._partial = np.zeros(W + 2, dtype=np.float64)
         self._gathered = np.zeros((W, W + 2), dtype=np.float64)
 
     def use_kernel(self, kernel: str) -> None:
         """Run the slice pass with ``kernel`` (:data:`~flodl_mpi.slice_kernel.KERNELS`; local, any time
-        between rounds; the default is the fastest installed). The consensus bits are the same for each."""
+        between rounds; the default: :func:`~flodl_mpi.slice_kernel.default_kernel` for this slice). The consensus
+        bits are the same for each."""
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         if kernel == "numba":
-            if default_kernel() != "numba":
+            if not compiled_available():
                 raise ValueError("kernel 'numba' needs numba installed (pip install numba)")
             warm_up()  # compiled (or loaded from numba's cache) here, not in the first round
         #: the slice pass in use, ``"numba"`` or ``"numpy"``

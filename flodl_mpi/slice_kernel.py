@@ -34,12 +34,8 @@ import numpy as np
 
 from flodl_mpi.wire import sum_squares
 
-try:  # an optional speed-up: without it, the numpy pass
-    import numba
-except ImportError:  # pragma: no cover - exercised where numba is not installed
-    numba = None
-
-__all__ = ["KERNELS", "STEPS", "consensus_slice", "default_kernel", "warm_up"]
+__all__ = ["COMPILED_MIN_ELEMENTS", "KERNELS", "STEPS", "compiled_available", "consensus_slice", "default_kernel",
+           "warm_up"]
 
 #: Implementations of the pass, fastest first.
 KERNELS = ("numba", "numpy")
@@ -47,11 +43,39 @@ KERNELS = ("numba", "numpy")
 #: rank's block in L1 (16 KiB each; measured: 4096 beat 1024, 16384 and 65536), the
 #: numpy pass amortizes its per-call cost over 256 KiB blocks in L2.
 STEPS = {"numba": 1 << 12, "numpy": 1 << 16}
+#: The compiled pass is the default for a slice of at least this many elements (1 MiB
+#: of float32; a model of 512K parameters at W = 2): importing numba and loading the
+#: kernel cost about a second per process, which a small model's rounds never repay
+#: (the numpy pass costs well under a millisecond a round there; the test suite's
+#: models stay under it, so its hundreds of short runs do not pay the import).
+COMPILED_MIN_ELEMENTS = 1 << 18
+
+#: The compiled module once imported; False when numba is missing or fails to import.
+_compiled = None
 
 
-def default_kernel() -> str:
-    """``"numba"`` when numba is importable, else ``"numpy"``."""
-    return "numba" if numba is not None else "numpy"
+def compiled_available() -> bool:
+    """numba is installed and imports (it is imported here, once: about a second)."""
+    return _compiled_pass() is not None
+
+
+def _compiled_pass():
+    global _compiled
+    if _compiled is None:
+        try:
+            from flodl_mpi.slice_numba import numba_pass
+        except ImportError:  # numba is an install requirement; without it (or broken), the numpy pass
+            numba_pass = False
+        _compiled = numba_pass
+    return _compiled or None
+
+
+def default_kernel(n_elements: int | None = None) -> str:
+    """The pass for a slice of ``n_elements`` (None: any size): ``"numba"`` when the slice is at least
+    :data:`COMPILED_MIN_ELEMENTS` (or None) and numba imports, else ``"numpy"``. The bits are the same."""
+    if n_elements is not None and n_elements < COMPILED_MIN_ELEMENTS:
+        return "numpy"
+    return "numba" if compiled_available() else "numpy"
 
 
 def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: int, b: int, step: int,
@@ -87,16 +111,17 @@ def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: 
     if math.frexp(float(total))[0] == 0.5 and np.finfo(np.float32).tiny <= 1.0 / float(total) < 2.0**127:
         inverse = np.float32(1.0 / float(total))  # a normal float32, exact
     if kernel == "numba":
-        if numba is None:
+        compiled = _compiled_pass()
+        if compiled is None:
             raise ValueError("kernel 'numba' needs numba installed (pip install numba)")
-        _numba_pass(segs, scales, np.float32(total), inverse, a, b, step, c, partial)
+        compiled(segs, scales, np.float32(total), inverse, a, b, step, c, partial)
     else:
         _numpy_pass(segs, scales, np.float32(total), inverse, a, b, step, c, partial)
 
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) the kernel now, not in the first round; no-op without numba."""
-    if numba is None:
+    if not compiled_available():
         return
     segs = np.ones((2, 32), dtype=np.float32)
     consensus_slice(segs, np.ones(2, np.float32), np.float32(2.0), 0, 32, 16, np.empty(32, np.float32),
@@ -129,63 +154,3 @@ def _numpy_pass(segs, scales, total, inverse, a, b, step, scratch, partial) -> N
             x = segs[r, lo:hi]
             partial[r] += sum_squares(np.subtract(x, c, out=d))
             np.copyto(x, c)
-
-
-if numba is not None:
-    # Only the float64 sums of squares may be reassociated (vectorized); no nnan/ninf,
-    # so a NaN or an infinity still shows in the sum.
-    _SUMS = {"reassoc", "nsz", "contract"}
-
-    @numba.njit(cache=True, nogil=True, fastmath=_SUMS)
-    def _sum_sq(c, k):  # pragma: no cover - compiled
-        s = 0.0
-        for i in range(k):
-            v = np.float64(c[i])
-            s += v * v
-        return s
-
-    @numba.njit(cache=True, nogil=True, fastmath=_SUMS)
-    def _diff_sq_write(x, c, k):  # pragma: no cover - compiled
-        s = 0.0
-        for i in range(k):
-            d = np.float64(x[i] - c[i])  # the float32 difference, squared in float64
-            s += d * d
-            x[i] = c[i]
-        return s
-
-    @numba.njit(cache=True, nogil=True)
-    def _numba_pass(segs, scales, total, inverse, a, b, step, c, partial):  # pragma: no cover - compiled
-        W = segs.shape[0]
-        blocks = (b - a + step - 1) // step
-        for j in range(blocks - 1, -1, -1):
-            lo = a + j * step
-            hi = min(lo + step, b)
-            k = hi - lo
-            first = True
-            for r in range(W):
-                s = scales[r]
-                if s == 0.0:
-                    continue
-                x = segs[r, lo:hi]
-                if first:
-                    for i in range(k):
-                        c[i] = x[i] * s
-                    first = False
-                else:
-                    for i in range(k):
-                        c[i] = c[i] + x[i] * s
-            if inverse != 0.0:
-                for i in range(k):
-                    c[i] = c[i] * inverse
-            else:
-                for i in range(k):
-                    c[i] = c[i] / total
-            post = _sum_sq(c, k)
-            if not math.isfinite(post):
-                partial[W + 1] = 1.0
-                return
-            partial[W] += post
-            for r in range(W):
-                partial[r] += _diff_sq_write(segs[r, lo:hi], c, k)
-else:  # pragma: no cover
-    _numba_pass = None

@@ -90,3 +90,15 @@ def test_unknown_kernel_is_refused():
 
 def test_steps_are_positive():
     assert set(STEPS) == set(KERNELS) and min(STEPS.values()) >= 1
+
+
+def test_a_small_slice_takes_the_numpy_pass_without_importing_numba():
+    """numba's import costs about a second per process: a slice under COMPILED_MIN_ELEMENTS never pays it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from flodl_mpi import shm_in_place; from flodl_mpi.slice_kernel import "
+            "COMPILED_MIN_ELEMENTS as n, default_kernel as k; "
+            "print(k(n - 1), 'numba' in sys.modules, k(n), 'numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["numpy", "False", "numba", "True"]
