@@ -1,0 +1,165 @@
+"""A ``fit`` run stopped mid-epoch and resumed, against the same run never interrupted (the new-user trial).
+
+One script, three launches at 2 ranks: uninterrupted; stopped (rank 1 signals itself
+SIGUSR1 from inside its train step, at a fixed step of epoch 2: the stop rides the next
+round, so where it lands does not depend on timing); resumed. The loop body prints each
+epoch it is handed. What must hold: the loop never sees the epoch the stop cut short
+(Stopped at once, exit 4), and the resumed run's epochs and ``scalars`` rows equal the
+uninterrupted run's.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import launch_argv, launch_env
+
+pytestmark = pytest.mark.slow
+
+#: Rank 1's training step (its train_step calls with grad, counting fit's one check call) that signals.
+STOP_AT = 12
+BATCHES = 15  # 240 samples at 16: global batches per epoch
+
+FIT = """
+    import json, os, signal, sys
+    import numpy as np, torch, flodl_mpi
+    from torch import nn
+    from flodl_mpi.launcher import launcher_rank
+    run_dir, stop_at, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 8)).astype("float32")
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype("int64")
+    calls = [0]
+
+    def step(model, batch):
+        xb, yb = batch
+        out = model(xb)
+        flodl_mpi.record_scalar("acc_train", (out.argmax(1) == yb).float().mean())
+        flodl_mpi.record_scalar("rank_mark", float(launcher_rank() + 1) + 1e-3 * float(out.detach().sum()))
+        if torch.is_grad_enabled():  # training (and fit's check), not the evaluation
+            calls[0] += 1
+            if launcher_rank() == 1 and calls[0] == stop_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+        return nn.functional.cross_entropy(out, yb)
+
+    run = flodl_mpi.fit(lambda input_shape, num_classes: nn.Sequential(
+                            nn.Linear(input_shape[0], 16), nn.ReLU(), nn.Linear(16, num_classes)),
+                        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), train_step=step,
+                        data={"train": (x[:240], y[:240]), "test": (x[240:], y[240:])}, batch_size=16,
+                        epochs=3, run_dir=run_dir, resume=resume)
+    for ep in run:
+        s = ep.summary
+        print("EPOCH " + json.dumps({"epoch": ep.epoch, "avg_loss": s.avg_loss, "batches": int(s.batches),
+                                     "scalars": ep.scalars, "metrics": ep.metrics}), flush=True)
+    print("FINAL " + json.dumps([float(v.double().sum()) for v in run.model.state_dict().values()]), flush=True)
+"""
+
+
+def _launch(script, run_dir, stop_at: int, resume: bool):
+    proc = subprocess.run(launch_argv(2, sys.executable, str(script), str(run_dir), str(stop_at),
+                                      "resume" if resume else "new"),
+                          capture_output=True, text=True, timeout=300, env=launch_env(), check=False)
+    lines = proc.stdout.splitlines()
+    epochs = [json.loads(line[6:]) for line in lines if line.startswith("EPOCH ")]
+    final = [json.loads(line[6:]) for line in lines if line.startswith("FINAL ")]
+    return proc, epochs, final
+
+
+def _scalars(run_dir):
+    with h5py.File(run_dir / "metrics.h5", "r") as f:
+        return {k: f["scalars"][k][()] for k in f["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fit_stop")
+    script = tmp / "fit.py"
+    script.write_text(textwrap.dedent(FIT))
+    base = _launch(script, tmp / "base", 0, False)
+    stopped = _launch(script, tmp / "stopped", STOP_AT, False)
+    resumed = _launch(script, tmp / "stopped", 0, True)
+    return tmp, base, stopped, resumed
+
+
+def test_fit_never_hands_the_loop_an_epoch_a_stop_cut_short(runs):
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+
+    tmp, (base, base_epochs, _), (stopped, stopped_epochs, _), _ = runs
+    assert base.returncode == 0, base.stderr[-3000:]
+    assert [e["epoch"] for e in base_epochs] == [1, 2, 3]
+    assert all(e["batches"] == BATCHES for e in base_epochs)
+    assert stopped.returncode == 4, stopped.stderr[-3000:]
+    assert stopped.stderr.count("flodl-mpi: stopped on request (SIGUSR1)") == 1, stopped.stderr[-3000:]
+    # the path: the stop cut epoch 2 short (a mid-epoch checkpoint), and the loop saw epoch 1 only
+    meta = read_checkpoint(latest_checkpoint(tmp / "stopped" / "checkpoints")).meta
+    assert (meta["epoch"], meta["epoch_complete"]) == (1, False) and 0 < meta["cursor"] < BATCHES, meta
+    assert [e["epoch"] for e in stopped_epochs] == [1], stopped.stdout[-3000:]  # was: also a partial epoch 2
+    assert stopped_epochs[0] == base_epochs[0]
+    assert "FINAL" not in stopped.stdout
+
+
+def test_the_resumed_fit_equals_the_uninterrupted_one(runs):
+    tmp, (_, base_epochs, base_final), _, (resumed, resumed_epochs, resumed_final) = runs
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [e["epoch"] for e in resumed_epochs] == [2, 3]
+    # every number of the epochs the loop sees, the resumed epoch's scalars included (was: its first part lost)
+    assert resumed_epochs == base_epochs[1:]
+    assert resumed_final == base_final
+
+
+def test_the_resumed_scalars_rows_equal_the_uninterrupted_ones(runs):
+    """metrics.h5 reads like one run: each epoch's row covers all its batches, sums and counts per rank."""
+    tmp, (base, *_), _, (resumed, *_) = runs
+    assert base.returncode == 0 and resumed.returncode == 0
+    a, b = _scalars(tmp / "base"), _scalars(tmp / "stopped")
+    assert sorted(a) == sorted(b)
+    names = [n.decode() for n in a["name"]]
+    assert names == [n.decode() for n in b["name"]]
+    assert sorted(set(names)) == ["acc_train", "eval/accuracy", "eval/loss", "rank_mark"]
+    np.testing.assert_array_equal(a["epoch"], np.repeat([1, 2, 3], 4))
+    np.testing.assert_array_equal(a["epoch"], b["epoch"])
+    for col in ("count", "per_rank_count"):
+        np.testing.assert_array_equal(a[col], b[col], err_msg=col)  # was: epoch 2's count 25 of 45
+    for col in ("value", "per_rank_mean"):
+        np.testing.assert_array_equal(a[col], b[col], err_msg=col)  # the same sums in the same order
+    # the counts are every training batch of each rank (independent of the books: the batch plan)
+    train = np.array([n == "acc_train" for n in names])
+    assert (a["count"][train] == BATCHES).all() and (a["per_rank_count"][train] == [8, 7]).all()
+
+
+def test_a_checkpoint_without_the_scalar_books_resumes_and_says_they_restart(runs, tmp_path):
+    """An older mid-epoch checkpoint (no ``epoch_scalars``) still resumes; train.log says the scalars restart."""
+    import shutil
+
+    from flodl_mpi.checkpoint import latest_checkpoint
+
+    src, _, (stopped, *_), _ = runs
+    assert stopped.returncode == 4
+    script = src / "fit.py"
+    run_dir = tmp_path / "old"
+    again = _launch(script, run_dir, STOP_AT, False)[0]
+    assert again.returncode == 4, again.stderr[-3000:]
+    path = latest_checkpoint(run_dir / "checkpoints")
+    with h5py.File(path, "r+") as f:
+        assert "epoch_scalars" in f.attrs and "epoch_intents" in f.attrs  # what this version writes
+        cursor = int(f.attrs["cursor"])
+        for key in ("epoch_scalars", "epoch_intents"):
+            del f.attrs[key]
+        keys = json.loads(f.attrs["json_keys"])
+        f.attrs["json_keys"] = json.dumps([k for k in keys if k not in ("epoch_scalars", "epoch_intents")])
+    resumed, epochs, _ = _launch(script, run_dir, 0, True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert (f"the checkpoint holds no record_scalar sums of epoch 2 (written before flodl_mpi kept them): that "
+            f"epoch's scalars restart at batch {cursor}") in log
+    rows = _scalars(run_dir)
+    names = np.array([n.decode() for n in rows["name"]])
+    row = (rows["epoch"] == 2) & (names == "acc_train")
+    assert 0 < rows["count"][row][0] < BATCHES  # the batches after the resume only
+    assert [e["epoch"] for e in epochs] == [2, 3]
+    shutil.rmtree(run_dir)
