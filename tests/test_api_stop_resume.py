@@ -30,7 +30,7 @@ FIT = """
     import numpy as np, torch, flodl_mpi
     from torch import nn
     from flodl_mpi.launcher import launcher_rank
-    run_dir, stop_at, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
+    run_dir, stop_at, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, 8)).astype("float32")
     y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype("int64")
@@ -52,22 +52,29 @@ FIT = """
                         lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), train_step=step,
                         data={"train": (x[:240], y[:240]), "test": (x[240:], y[240:])}, batch_size=16,
                         epochs=3, run_dir=run_dir, resume=resume)
+    seen = open(f"{out}.r{run.rank}", "w")  # what the loop is handed, one line per epoch
     for ep in run:
         s = ep.summary
-        print("EPOCH " + json.dumps({"epoch": ep.epoch, "avg_loss": s.avg_loss, "batches": int(s.batches),
-                                     "scalars": ep.scalars, "metrics": ep.metrics}), flush=True)
-    print("FINAL " + json.dumps([float(v.double().sum()) for v in run.model.state_dict().values()]), flush=True)
+        seen.write("EPOCH " + json.dumps({"epoch": ep.epoch, "avg_loss": s.avg_loss, "batches": int(s.batches),
+                                          "scalars": ep.scalars, "metrics": ep.metrics}) + "\\n")
+        seen.flush()
+    seen.write("FINAL " + json.dumps([float(v.double().sum()) for v in run.model.state_dict().values()]) + "\\n")
 """
 
 
 def _launch(script, run_dir, stop_at: int, resume: bool):
+    """``(process, epochs the loop was handed, final weights' sums or [])``, the same on both ranks (checked)."""
+    out = run_dir.with_name(run_dir.name + ("-resumed" if resume else "-first"))
     proc = subprocess.run(launch_argv(2, sys.executable, str(script), str(run_dir), str(stop_at),
-                                      "resume" if resume else "new"),
+                                      "resume" if resume else "new", str(out)),
                           capture_output=True, text=True, timeout=300, env=launch_env(), check=False)
-    lines = proc.stdout.splitlines()
-    epochs = [json.loads(line[6:]) for line in lines if line.startswith("EPOCH ")]
-    final = [json.loads(line[6:]) for line in lines if line.startswith("FINAL ")]
-    return proc, epochs, final
+    seen = []
+    for r in (0, 1):
+        lines = out.with_name(f"{out.name}.r{r}").read_text().splitlines() if proc.returncode in (0, 4) else []
+        seen.append(([json.loads(line[6:]) for line in lines if line.startswith("EPOCH ")],
+                     [json.loads(line[6:]) for line in lines if line.startswith("FINAL ")]))
+    assert seen[0] == seen[1], seen  # every rank was handed the same epochs, and ends with the same model
+    return proc, seen[0][0], seen[0][1]
 
 
 def _scalars(run_dir):
@@ -82,25 +89,26 @@ def runs(tmp_path_factory):
     script.write_text(textwrap.dedent(FIT))
     base = _launch(script, tmp / "base", 0, False)
     stopped = _launch(script, tmp / "stopped", STOP_AT, False)
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+
+    path = latest_checkpoint(tmp / "stopped" / "checkpoints")
+    stopped_meta = read_checkpoint(path).meta if path is not None else {}
     resumed = _launch(script, tmp / "stopped", 0, True)
-    return tmp, base, stopped, resumed
+    return tmp, base, (*stopped, stopped_meta), resumed
 
 
 def test_fit_never_hands_the_loop_an_epoch_a_stop_cut_short(runs):
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
-
-    tmp, (base, base_epochs, _), (stopped, stopped_epochs, _), _ = runs
+    tmp, (base, base_epochs, _), (stopped, stopped_epochs, stopped_final, meta), _ = runs
     assert base.returncode == 0, base.stderr[-3000:]
     assert [e["epoch"] for e in base_epochs] == [1, 2, 3]
     assert all(e["batches"] == BATCHES for e in base_epochs)
     assert stopped.returncode == 4, stopped.stderr[-3000:]
-    assert stopped.stderr.count("flodl-mpi: stopped on request (SIGUSR1)") == 1, stopped.stderr[-3000:]
+    assert stopped.stderr.count("flodl-mpi: stopped on request (") == 1, stopped.stderr[-3000:]
     # the path: the stop cut epoch 2 short (a mid-epoch checkpoint), and the loop saw epoch 1 only
-    meta = read_checkpoint(latest_checkpoint(tmp / "stopped" / "checkpoints")).meta
     assert (meta["epoch"], meta["epoch_complete"]) == (1, False) and 0 < meta["cursor"] < BATCHES, meta
     assert [e["epoch"] for e in stopped_epochs] == [1], stopped.stdout[-3000:]  # was: also a partial epoch 2
     assert stopped_epochs[0] == base_epochs[0]
-    assert "FINAL" not in stopped.stdout
+    assert stopped_final == []
 
 
 def test_the_resumed_fit_equals_the_uninterrupted_one(runs):
@@ -114,8 +122,10 @@ def test_the_resumed_fit_equals_the_uninterrupted_one(runs):
 
 def test_the_resumed_scalars_rows_equal_the_uninterrupted_ones(runs):
     """metrics.h5 reads like one run: each epoch's row covers all its batches, sums and counts per rank."""
-    tmp, (base, *_), _, (resumed, *_) = runs
+    tmp, (base, *_), (*_, meta), (resumed, *_) = runs
     assert base.returncode == 0 and resumed.returncode == 0
+    # the path: the stop's checkpoint holds each rank's books so far (sync: the cursor's batches split evenly)
+    assert [book["acc_train"][1] for book in meta["epoch_scalars"]] == [meta["cursor"] // 2] * 2, meta
     a, b = _scalars(tmp / "base"), _scalars(tmp / "stopped")
     assert sorted(a) == sorted(b)
     names = [n.decode() for n in a["name"]]
