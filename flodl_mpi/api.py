@@ -202,7 +202,10 @@ class Run:
     after the same round; the checkpoint is saved (with a ``run_dir``), the run
     is closed, and the iteration (or :meth:`wait`) raises
     :class:`flodl_mpi.Stopped`, a ``SystemExit`` with code 4: uncaught, the
-    script exits with status 4 (resume with ``resume=True``).
+    script exits with status 4 (resume with ``resume=True``). An epoch the stop
+    cut short is never yielded: the iteration raises at once, and the resumed
+    run yields that epoch whole (its reports and ``record_scalar`` books are in
+    the checkpoint).
     """
 
     def __init__(self, session, trainer, boundary: _Boundary, writer, run_dir: Path | None) -> None:
@@ -681,10 +684,11 @@ def _setup(session, a: dict) -> Run:
         session.stop if session.stop is not None else StopRequest("resume=True"),
         record=lambda: _record(cfg, a, data, model, probe), task=task, late_header=threads_line,
         on_resume=reset_groups if callable(opt) else None, remove_bad_new_run=False)
-    if ckpt is not None and int(ckpt.meta.get("cursor", 0)):  # a stop cut the epoch short: its scalars go on
-        if not boundary.resume_scalars(ckpt.meta, world.rank, world.size) and world.rank == 0:
-            log.info(f"the checkpoint holds no record_scalar sums of epoch {int(ckpt.meta['epoch']) + 1} (written "
-                     f"before flodl_mpi kept them): that epoch's scalars restart at batch {int(ckpt.meta['cursor'])}")
+    resumed_mid_epoch = ckpt is not None and int(ckpt.meta.get("cursor", 0)) > 0
+    # a stop cut the epoch short: its scalars go on from the checkpoint's books
+    if resumed_mid_epoch and not boundary.resume_scalars(ckpt.meta, world.rank, world.size) and world.rank == 0:
+        log.info(f"the checkpoint holds no record_scalar sums of epoch {int(ckpt.meta['epoch']) + 1} (written "
+                 f"before flodl_mpi kept them): that epoch's scalars restart at batch {int(ckpt.meta['cursor'])}")
     _scalars.activate(book)
     bridge.start()
     run = Run(session, trainer, boundary, writer, run_dir)

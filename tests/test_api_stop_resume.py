@@ -98,7 +98,7 @@ def runs(tmp_path_factory):
 
 
 def test_fit_never_hands_the_loop_an_epoch_a_stop_cut_short(runs):
-    tmp, (base, base_epochs, _), (stopped, stopped_epochs, stopped_final, meta), _ = runs
+    _, (base, base_epochs, _), (stopped, stopped_epochs, stopped_final, meta), _ = runs
     assert base.returncode == 0, base.stderr[-3000:]
     assert [e["epoch"] for e in base_epochs] == [1, 2, 3]
     assert all(e["batches"] == BATCHES for e in base_epochs)
@@ -112,7 +112,7 @@ def test_fit_never_hands_the_loop_an_epoch_a_stop_cut_short(runs):
 
 
 def test_the_resumed_fit_equals_the_uninterrupted_one(runs):
-    tmp, (_, base_epochs, base_final), _, (resumed, resumed_epochs, resumed_final) = runs
+    _, (_, base_epochs, base_final), _, (resumed, resumed_epochs, resumed_final) = runs
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [e["epoch"] for e in resumed_epochs] == [2, 3]
     # every number of the epochs the loop sees, the resumed epoch's scalars included (was: its first part lost)
