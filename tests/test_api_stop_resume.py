@@ -173,3 +173,51 @@ def test_a_checkpoint_without_the_scalar_books_resumes_and_says_they_restart(run
     assert 0 < rows["count"][row][0] < BATCHES  # the batches after the resume only
     assert [e["epoch"] for e in epochs] == [2, 3]
     shutil.rmtree(run_dir)
+
+
+OWN_LOOP = """
+    import json, os, signal, sys
+    import torch, flodl_mpi
+    from flodl_mpi.launcher import launcher_rank
+    run_dir, stop_at, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(launcher_rank())
+    xs, ys = torch.randn(3, 6, 8, 4, generator=g), torch.randn(3, 6, 8, 1, generator=g)
+    calls = 0
+    with flodl_mpi.Averager(model, optimizer=opt, run_dir=run_dir, resume=resume) as avg:
+        seen = open(f"{out}.r{avg.rank}", "w")
+        for epoch in range(avg.epoch, 3):
+            for i in range(6):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(xs[epoch, i]), ys[epoch, i])
+                loss.backward()
+                opt.step()
+                flodl_mpi.record_scalar("loss_rec", loss)
+                calls += 1
+                if launcher_rank() == 1 and calls == stop_at:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                avg.step(loss, samples=8)
+            r = avg.end_epoch()
+            seen.write("EPOCH " + json.dumps({"epoch": r.epoch, "scalars": r.scalars}) + "\\n")
+            seen.flush()
+"""
+
+
+def test_an_own_loop_records_a_resumed_epoch_whole_too(tmp_path):
+    """The Averager: step() raises Stopped, no EpochResult of the cut-short epoch; on resume the epoch is
+    trained again from its start (avg.epoch), so its scalars row counts that attempt's steps only, all of them."""
+    script = tmp_path / "own.py"
+    script.write_text(textwrap.dedent(OWN_LOOP))
+    run_dir = tmp_path / "run"
+    first, first_epochs, _ = _launch(script, run_dir, 9, False)  # rank 1's 9th step: epoch 2's 3rd
+    assert first.returncode == 4, first.stderr[-3000:]
+    assert [e["epoch"] for e in first_epochs] == [1]
+    assert _scalars(run_dir)["epoch"].tolist() == [1]  # the cut-short attempt wrote no scalars row
+    again, again_epochs, _ = _launch(script, run_dir, 0, True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [e["epoch"] for e in again_epochs] == [2, 3]
+    rows = _scalars(run_dir)
+    assert rows["epoch"].tolist() == [1, 2, 3]
+    assert rows["count"].tolist() == [12, 12, 12] and rows["per_rank_count"].tolist() == [[6, 6]] * 3
