@@ -221,3 +221,21 @@ def test_an_own_loop_records_a_resumed_epoch_whole_too(tmp_path):
     rows = _scalars(run_dir)
     assert rows["epoch"].tolist() == [1, 2, 3]
     assert rows["count"].tolist() == [12, 12, 12] and rows["per_rank_count"].tolist() == [[6, 6]] * 3
+
+
+def test_a_stopped_epochs_books_go_back_per_rank_and_fold_at_another_world_size():
+    """meta -> books: rank r takes old ranks r' ≡ r (mod W), sums and counts added; intents raised again."""
+    from flodl_mpi.api import _Boundary
+    from flodl_mpi.scalars import ScalarBook
+
+    meta = {"epoch_scalars": [{"a": [1.5, 2]}, {"a": [4.0, 3], "b": [2.0, 1]}, {"a": [0.25, 1]}],
+            "epoch_intents": [[], ["eval"], ["checkpoint"]]}
+    got = []
+    for rank in (0, 1):
+        boundary = _Boundary(ScalarBook(), None, 1, 3, 8)
+        assert boundary.resume_scalars(meta, rank, 2)
+        boundary.book.record("a", 1.0)  # the resumed epoch records on
+        got.append(boundary.book.drain())
+    assert got[0] == ({"a": (1.5 + 0.25 + 1.0, 2 + 1 + 1)}, ("checkpoint",))
+    assert got[1] == ({"a": (4.0 + 1.0, 3 + 1), "b": (2.0, 1)}, ("eval",))
+    assert not _Boundary(ScalarBook(), None, 1, 3, 8).resume_scalars({"cursor": 5}, 0, 2)  # an older checkpoint
