@@ -130,6 +130,36 @@ class _Boundary:
                 trainer.writer.append("scalars", rows)
         self.latest = EpochResult(epoch, summary, dict(b.scalars), metrics, b.intents)
 
+    def stopped_epoch_meta(self, world_size: int) -> dict:
+        """What a checkpoint of an epoch a stop cut short keeps of it: every rank's scalar book.
+
+        ``epoch_scalars``: per rank, ``{name: [sum, count]}`` of :func:`flodl_mpi.record_scalar`
+        so far in the epoch; ``epoch_intents``: per rank, the intents it raised (as exchanged at
+        the stop's boundary, so the same on every rank). The resume puts them back
+        (:meth:`resume_scalars`), and the resumed epoch's ``scalars`` row covers all its batches.
+        """
+        b = self._pending[0] if self._pending is not None else None
+        books = b.books if b is not None and len(b.books) == world_size else [{}] * world_size
+        asked = b.asked_by if b is not None else {}
+        return {"epoch_scalars": [{k: [float(s), int(c)] for k, (s, c) in book.items()} for book in books],
+                "epoch_intents": [[i for i, ranks in asked.items() if r in ranks] for r in range(world_size)]}
+
+    def resume_scalars(self, meta: Mapping, rank: int, world_size: int) -> bool:
+        """Put back this rank's share of a stopped epoch's scalar books (``meta`` of a mid-epoch checkpoint).
+
+        Another world size: rank r takes the books of old ranks ``r' ≡ r (mod W)`` summed,
+        as the epoch's reports (`worker.Trainer.resume`). Returns False when the
+        checkpoint holds none (written before they were kept): the epoch's scalars restart.
+        """
+        books = meta.get("epoch_scalars")
+        if not isinstance(books, list):
+            return False
+        intents = meta.get("epoch_intents") or [[] for _ in books]
+        for old in range(len(books)):
+            if old % world_size == rank:
+                self.book.restore({k: (s, c) for k, (s, c) in books[old].items()}, intents[old])
+        return True
+
 
 def _check_eval(out) -> dict[str, tuple[float, float]]:
     if not isinstance(out, Mapping):
@@ -172,7 +202,10 @@ class Run:
     after the same round; the checkpoint is saved (with a ``run_dir``), the run
     is closed, and the iteration (or :meth:`wait`) raises
     :class:`flodl_mpi.Stopped`, a ``SystemExit`` with code 4: uncaught, the
-    script exits with status 4 (resume with ``resume=True``).
+    script exits with status 4 (resume with ``resume=True``). An epoch the stop
+    cut short is never yielded: the iteration raises at once, and the resumed
+    run yields that epoch whole (its reports and ``record_scalar`` books are in
+    the checkpoint).
     """
 
     def __init__(self, session, trainer, boundary: _Boundary, writer, run_dir: Path | None) -> None:
@@ -190,6 +223,10 @@ class Run:
     def __iter__(self) -> Iterator[EpochResult]:
         try:
             for _ in self._epochs:
+                if not self._trainer._epoch_complete:
+                    # A stop cut the epoch short (its cursor, the same on every rank): not an
+                    # epoch's result; the checkpoint is saved and the iteration ends, Stopped below.
+                    continue
                 result = self._boundary.latest
                 self.history.append(result)
                 yield result
@@ -648,6 +685,11 @@ def _setup(session, a: dict) -> Run:
         session.stop if session.stop is not None else StopRequest("resume=True"),
         record=lambda: _record(cfg, a, data, model, probe), task=task, late_header=threads_line,
         on_resume=reset_groups if callable(opt) else None, remove_bad_new_run=False)
+    resumed_mid_epoch = ckpt is not None and int(ckpt.meta.get("cursor", 0)) > 0
+    # a stop cut the epoch short: its scalars go on from the checkpoint's books
+    if resumed_mid_epoch and not boundary.resume_scalars(ckpt.meta, world.rank, world.size) and world.rank == 0:
+        log.info(f"the checkpoint holds no record_scalar sums of epoch {int(ckpt.meta['epoch']) + 1} (written "
+                 f"before flodl_mpi kept them): that epoch's scalars restart at batch {int(ckpt.meta['cursor'])}")
     _scalars.activate(book)
     bridge.start()
     run = Run(session, trainer, boundary, writer, run_dir)

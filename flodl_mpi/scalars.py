@@ -82,6 +82,19 @@ class ScalarBook:
             self._intents.clear()
         return sums, intents
 
+    def restore(self, sums: Mapping[str, tuple[float, int]], intents: Sequence[str] = ()) -> None:
+        """Add ``{name: (sum, count)}`` and ``intents`` to the book: an epoch's state saved before a stop.
+
+        A resumed epoch goes on from the sums its checkpoint holds, so its value adds
+        the same numbers in the same order as an uninterrupted epoch's.
+        """
+        with self._lock:
+            for name, (s, c) in sums.items():
+                entry = self._sums.setdefault(str(name), [0.0, 0])
+                entry[0] += float(s)
+                entry[1] += int(c)
+            self._intents.update(i for i in intents if i in INTENTS)
+
 
 _active: list[ScalarBook] = []
 
@@ -162,6 +175,7 @@ class Boundary:
         per_rank: ``{name: (means (W,), counts (W,))}``: NaN / 0 where a rank did not record it.
         intents: the intents any rank raised, sorted.
         asked_by: ``{intent: ranks that raised it}``.
+        books: per rank, the ``{name: (sum, count)}`` it drained (what a mid-epoch checkpoint keeps).
     """
 
     scalars: dict[str, float] = field(default_factory=dict)
@@ -171,6 +185,7 @@ class Boundary:
     asked_by: dict[str, tuple[int, ...]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     metric_counts: dict[str, float] = field(default_factory=dict)
+    books: list[dict[str, tuple[float, int]]] = field(default_factory=list)
 
     @property
     def eval_values(self) -> dict[str, float]:
@@ -213,6 +228,7 @@ def exchange(allgather, book: ScalarBook, batches: int,
         scalars={k: v for k, (v, _) in agg.items()}, counts={k: c for k, (_, c) in agg.items()}, per_rank=per_rank,
         intents=tuple(i for i in INTENTS if asked[i]), asked_by={i: r for i, r in asked.items() if r},
         metrics={k: v for k, (v, _) in totals.items()}, metric_counts={k: c for k, (_, c) in totals.items()},
+        books=[dict(s) for _, s, _ in gathered],
     )
 
 

@@ -71,6 +71,10 @@ class ClassificationTask:
     def after_epoch(self, trainer, summary) -> None:
         """Called on every rank after the epoch exchange, before the checkpoint decision."""
 
+    def stopped_epoch_meta(self) -> dict:
+        """Meta a mid-epoch checkpoint adds for the task's own epoch state (the CLI's: none)."""
+        return {}
+
     def epoch_words(self) -> str:
         """Extra words for the epoch's log line (the test loss and accuracy are the worker's)."""
         return ""
@@ -149,6 +153,10 @@ class UserTask(ClassificationTask):
 
     def after_epoch(self, trainer, summary) -> None:
         self.boundary.after_epoch(trainer, summary)
+
+    def stopped_epoch_meta(self) -> dict:
+        """A mid-epoch checkpoint's meta of the API's epoch state: the scalar books (``_Boundary``)."""
+        return self.boundary.stopped_epoch_meta(self.world_size)
 
     def epoch_words(self) -> str:
         """The user's evaluation metrics of the epoch (``loss`` and ``accuracy`` are in the line already)."""

@@ -833,6 +833,7 @@ class Trainer:
         }
         if cursor:  # stopped mid-epoch: the resumed run finishes this epoch's report
             meta["epoch_reports"] = [report for _, _, report in ranks]
+            meta.update(self.task.stopped_epoch_meta())  # the API's scalar books of the epoch so far
         outer = self.bridge.outer
         cohort = outer.state_dict() if outer is not None and outer.kind != "avg" else None
         return (checkpoint_name(s.epoch + 1, self.bridge.version), params, buffers, meta, order,

@@ -1,0 +1,241 @@
+"""A ``fit`` run stopped mid-epoch and resumed, against the same run never interrupted (the new-user trial).
+
+One script, three launches at 2 ranks: uninterrupted; stopped (rank 1 signals itself
+SIGUSR1 from inside its train step, at a fixed step of epoch 2: the stop rides the next
+round, so where it lands does not depend on timing); resumed. The loop body prints each
+epoch it is handed. What must hold: the loop never sees the epoch the stop cut short
+(Stopped at once, exit 4), and the resumed run's epochs and ``scalars`` rows equal the
+uninterrupted run's.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import launch_argv, launch_env
+
+pytestmark = pytest.mark.slow
+
+#: Rank 1's training step (its train_step calls with grad, counting fit's one check call) that signals.
+STOP_AT = 12
+BATCHES = 15  # 240 samples at 16: global batches per epoch
+
+FIT = """
+    import json, os, signal, sys
+    import numpy as np, torch, flodl_mpi
+    from torch import nn
+    from flodl_mpi.launcher import launcher_rank
+    run_dir, stop_at, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 8)).astype("float32")
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype("int64")
+    calls = [0]
+
+    def step(model, batch):
+        xb, yb = batch
+        out = model(xb)
+        flodl_mpi.record_scalar("acc_train", (out.argmax(1) == yb).float().mean())
+        flodl_mpi.record_scalar("rank_mark", float(launcher_rank() + 1) + 1e-3 * float(out.detach().sum()))
+        if torch.is_grad_enabled():  # training (and fit's check), not the evaluation
+            calls[0] += 1
+            if launcher_rank() == 1 and calls[0] == stop_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+        return nn.functional.cross_entropy(out, yb)
+
+    run = flodl_mpi.fit(lambda input_shape, num_classes: nn.Sequential(
+                            nn.Linear(input_shape[0], 16), nn.ReLU(), nn.Linear(16, num_classes)),
+                        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), train_step=step,
+                        data={"train": (x[:240], y[:240]), "test": (x[240:], y[240:])}, batch_size=16,
+                        epochs=3, run_dir=run_dir, resume=resume)
+    seen = open(f"{out}.r{run.rank}", "w")  # what the loop is handed, one line per epoch
+    for ep in run:
+        s = ep.summary
+        seen.write("EPOCH " + json.dumps({"epoch": ep.epoch, "avg_loss": s.avg_loss, "batches": int(s.batches),
+                                          "scalars": ep.scalars, "metrics": ep.metrics}) + "\\n")
+        seen.flush()
+    seen.write("FINAL " + json.dumps([float(v.double().sum()) for v in run.model.state_dict().values()]) + "\\n")
+"""
+
+
+def _launch(script, run_dir, stop_at: int, resume: bool):
+    """``(process, epochs the loop was handed, final weights' sums or [])``, the same on both ranks (checked)."""
+    out = run_dir.with_name(run_dir.name + ("-resumed" if resume else "-first"))
+    proc = subprocess.run(launch_argv(2, sys.executable, str(script), str(run_dir), str(stop_at),
+                                      "resume" if resume else "new", str(out)),
+                          capture_output=True, text=True, timeout=300, env=launch_env(), check=False)
+    seen = []
+    for r in (0, 1):
+        lines = out.with_name(f"{out.name}.r{r}").read_text().splitlines() if proc.returncode in (0, 4) else []
+        seen.append(([json.loads(line[6:]) for line in lines if line.startswith("EPOCH ")],
+                     [json.loads(line[6:]) for line in lines if line.startswith("FINAL ")]))
+    assert seen[0] == seen[1], seen  # every rank was handed the same epochs, and ends with the same model
+    return proc, seen[0][0], seen[0][1]
+
+
+def _scalars(run_dir):
+    with h5py.File(run_dir / "metrics.h5", "r") as f:
+        return {k: f["scalars"][k][()] for k in f["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fit_stop")
+    script = tmp / "fit.py"
+    script.write_text(textwrap.dedent(FIT))
+    base = _launch(script, tmp / "base", 0, False)
+    stopped = _launch(script, tmp / "stopped", STOP_AT, False)
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+
+    path = latest_checkpoint(tmp / "stopped" / "checkpoints")
+    stopped_meta = read_checkpoint(path).meta if path is not None else {}
+    resumed = _launch(script, tmp / "stopped", 0, True)
+    return tmp, base, (*stopped, stopped_meta), resumed
+
+
+def test_fit_never_hands_the_loop_an_epoch_a_stop_cut_short(runs):
+    _, (base, base_epochs, _), (stopped, stopped_epochs, stopped_final, meta), _ = runs
+    assert base.returncode == 0, base.stderr[-3000:]
+    assert [e["epoch"] for e in base_epochs] == [1, 2, 3]
+    assert all(e["batches"] == BATCHES for e in base_epochs)
+    assert stopped.returncode == 4, stopped.stderr[-3000:]
+    assert stopped.stderr.count("flodl-mpi: stopped on request (") == 1, stopped.stderr[-3000:]
+    # the path: the stop cut epoch 2 short (a mid-epoch checkpoint), and the loop saw epoch 1 only
+    assert (meta["epoch"], meta["epoch_complete"]) == (1, False) and 0 < meta["cursor"] < BATCHES, meta
+    assert [e["epoch"] for e in stopped_epochs] == [1], stopped.stdout[-3000:]  # was: also a partial epoch 2
+    assert stopped_epochs[0] == base_epochs[0]
+    assert stopped_final == []
+
+
+def test_the_resumed_fit_equals_the_uninterrupted_one(runs):
+    _, (_, base_epochs, base_final), _, (resumed, resumed_epochs, resumed_final) = runs
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [e["epoch"] for e in resumed_epochs] == [2, 3]
+    # every number of the epochs the loop sees, the resumed epoch's scalars included (was: its first part lost)
+    assert resumed_epochs == base_epochs[1:]
+    assert resumed_final == base_final
+
+
+def test_the_resumed_scalars_rows_equal_the_uninterrupted_ones(runs):
+    """metrics.h5 reads like one run: each epoch's row covers all its batches, sums and counts per rank."""
+    tmp, (base, *_), (*_, meta), (resumed, *_) = runs
+    assert base.returncode == 0 and resumed.returncode == 0
+    # the path: the stop's checkpoint holds each rank's books so far (sync: the cursor's batches split evenly)
+    assert [book["acc_train"][1] for book in meta["epoch_scalars"]] == [meta["cursor"] // 2] * 2, meta
+    a, b = _scalars(tmp / "base"), _scalars(tmp / "stopped")
+    assert sorted(a) == sorted(b)
+    names = [n.decode() for n in a["name"]]
+    assert names == [n.decode() for n in b["name"]]
+    assert sorted(set(names)) == ["acc_train", "eval/accuracy", "eval/loss", "rank_mark"]
+    np.testing.assert_array_equal(a["epoch"], np.repeat([1, 2, 3], 4))
+    np.testing.assert_array_equal(a["epoch"], b["epoch"])
+    for col in ("count", "per_rank_count"):
+        np.testing.assert_array_equal(a[col], b[col], err_msg=col)  # was: epoch 2's count 25 of 45
+    for col in ("value", "per_rank_mean"):
+        np.testing.assert_array_equal(a[col], b[col], err_msg=col)  # the same sums in the same order
+    # the counts are every training batch of each rank (independent of the books: the batch plan)
+    train = np.array([n == "acc_train" for n in names])
+    assert (a["count"][train] == BATCHES).all() and (a["per_rank_count"][train] == [8, 7]).all()
+
+
+def test_a_checkpoint_without_the_scalar_books_resumes_and_says_they_restart(runs, tmp_path):
+    """An older mid-epoch checkpoint (no ``epoch_scalars``) still resumes; train.log says the scalars restart."""
+    import shutil
+
+    from flodl_mpi.checkpoint import latest_checkpoint
+
+    src, _, (stopped, *_), _ = runs
+    assert stopped.returncode == 4
+    script = src / "fit.py"
+    run_dir = tmp_path / "old"
+    again = _launch(script, run_dir, STOP_AT, False)[0]
+    assert again.returncode == 4, again.stderr[-3000:]
+    path = latest_checkpoint(run_dir / "checkpoints")
+    with h5py.File(path, "r+") as f:
+        assert "epoch_scalars" in f.attrs and "epoch_intents" in f.attrs  # what this version writes
+        cursor = int(f.attrs["cursor"])
+        for key in ("epoch_scalars", "epoch_intents"):
+            del f.attrs[key]
+        keys = json.loads(f.attrs["json_keys"])
+        f.attrs["json_keys"] = json.dumps([k for k in keys if k not in ("epoch_scalars", "epoch_intents")])
+    resumed, epochs, _ = _launch(script, run_dir, 0, True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert (f"the checkpoint holds no record_scalar sums of epoch 2 (written before flodl_mpi kept them): that "
+            f"epoch's scalars restart at batch {cursor}") in log
+    rows = _scalars(run_dir)
+    names = np.array([n.decode() for n in rows["name"]])
+    row = (rows["epoch"] == 2) & (names == "acc_train")
+    assert 0 < rows["count"][row][0] < BATCHES  # the batches after the resume only
+    assert [e["epoch"] for e in epochs] == [2, 3]
+    shutil.rmtree(run_dir)
+
+
+OWN_LOOP = """
+    import json, os, signal, sys
+    import torch, flodl_mpi
+    from flodl_mpi.launcher import launcher_rank
+    run_dir, stop_at, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(launcher_rank())
+    xs, ys = torch.randn(3, 6, 8, 4, generator=g), torch.randn(3, 6, 8, 1, generator=g)
+    calls = 0
+    with flodl_mpi.Averager(model, optimizer=opt, run_dir=run_dir, resume=resume) as avg:
+        seen = open(f"{out}.r{avg.rank}", "w")
+        for epoch in range(avg.epoch, 3):
+            for i in range(6):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(xs[epoch, i]), ys[epoch, i])
+                loss.backward()
+                opt.step()
+                flodl_mpi.record_scalar("loss_rec", loss)
+                calls += 1
+                if launcher_rank() == 1 and calls == stop_at:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                avg.step(loss, samples=8)
+            r = avg.end_epoch()
+            seen.write("EPOCH " + json.dumps({"epoch": r.epoch, "scalars": r.scalars}) + "\\n")
+            seen.flush()
+"""
+
+
+def test_an_own_loop_records_a_resumed_epoch_whole_too(tmp_path):
+    """The Averager: step() raises Stopped, no EpochResult of the cut-short epoch; on resume the epoch is
+    trained again from its start (avg.epoch), so its scalars row counts that attempt's steps only, all of them."""
+    script = tmp_path / "own.py"
+    script.write_text(textwrap.dedent(OWN_LOOP))
+    run_dir = tmp_path / "run"
+    first, first_epochs, _ = _launch(script, run_dir, 9, False)  # rank 1's 9th step: epoch 2's 3rd
+    assert first.returncode == 4, first.stderr[-3000:]
+    assert [e["epoch"] for e in first_epochs] == [1]
+    assert _scalars(run_dir)["epoch"].tolist() == [1]  # the cut-short attempt wrote no scalars row
+    again, again_epochs, _ = _launch(script, run_dir, 0, True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [e["epoch"] for e in again_epochs] == [2, 3]
+    rows = _scalars(run_dir)
+    assert rows["epoch"].tolist() == [1, 2, 3]
+    assert rows["count"].tolist() == [12, 12, 12] and rows["per_rank_count"].tolist() == [[6, 6]] * 3
+
+
+def test_a_stopped_epochs_books_go_back_per_rank_and_fold_at_another_world_size():
+    """meta -> books: rank r takes old ranks r' ≡ r (mod W), sums and counts added; intents raised again."""
+    from flodl_mpi.api import _Boundary
+    from flodl_mpi.scalars import ScalarBook
+
+    meta = {"epoch_scalars": [{"a": [1.5, 2]}, {"a": [4.0, 3], "b": [2.0, 1]}, {"a": [0.25, 1]}],
+            "epoch_intents": [[], ["eval"], ["checkpoint"]]}
+    got = []
+    for rank in (0, 1):
+        boundary = _Boundary(ScalarBook(), None, 1, 3, 8)
+        assert boundary.resume_scalars(meta, rank, 2)
+        boundary.book.record("a", 1.0)  # the resumed epoch records on
+        got.append(boundary.book.drain())
+    assert got[0] == ({"a": (1.5 + 0.25 + 1.0, 2 + 1 + 1)}, ("checkpoint",))
+    assert got[1] == ({"a": (4.0 + 1.0, 3 + 1), "b": (2.0, 1)}, ("eval",))
+    assert not _Boundary(ScalarBook(), None, 1, 3, 8).resume_scalars({"cursor": 5}, 0, 2)  # an older checkpoint
