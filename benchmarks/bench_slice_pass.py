@@ -66,13 +66,7 @@ def torch_pass(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: int, 
 
 
 if numba is not None:
-    @numba.njit(nogil=True, fastmath={"reassoc", "nsz", "contract"})
-    def _sq(x, k):
-        s = 0.0
-        for i in range(k):
-            v = np.float64(x[i])
-            s += v * v
-        return s
+    from flodl_mpi.slice_numba import _sum_sq as _sq  # the kept kernel's sum of squares
 
     @numba.njit(nogil=True, fastmath={"reassoc", "nsz", "contract"})
     def _dsq(x, c, k):

@@ -155,6 +155,21 @@ def _start_until_marked(tmp_path, script):
     return proc, run_dir, marker
 
 
+def _stop_own_loop(tmp_path):
+    """Launch OWN_LOOP at 2 ranks, SIGTERM every rank once it trains (as scancel does); the run dir after exit 4."""
+    proc, run_dir, marker = _start_until_marked(tmp_path, OWN_LOOP)
+    try:
+        assert marker.exists(), "the run did not start"
+        for pid in rank_pids(proc, str(run_dir)):
+            os.kill(pid, signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 4
+    return run_dir
+
+
 @pytest.mark.parametrize("script, signame, target", [
     (OWN_LOOP, "SIGTERM", "launcher"), (OWN_LOOP, "SIGINT", "rank"), (FIT, "SIGTERM", "launcher"),
     (FIT, "SIGINT", "rank"),
@@ -214,15 +229,7 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
     """The stop's checkpoint is the resume's start: the consensus and the round count continue."""
     from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
 
-    proc, run_dir, _ = _start_until_marked(tmp_path, OWN_LOOP)
-    try:
-        for pid in rank_pids(proc, str(run_dir)):
-            os.kill(pid, signal.SIGTERM)
-        proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == 4
+    run_dir = _stop_own_loop(tmp_path)
     stopped = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     resume = tmp_path / "resume.py"
     resume.write_text(textwrap.dedent("""
@@ -501,16 +508,7 @@ def test_a_stopped_own_loop_records_the_batches_of_the_epoch_it_cut_short(tmp_pa
     """Issue 7 left: the stop's epoch had its rounds in metrics.h5 but not its batches."""
     from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint, read_rank_state
 
-    proc, run_dir, marker = _start_until_marked(tmp_path, OWN_LOOP)
-    try:
-        assert marker.exists(), "the run did not start"
-        for pid in rank_pids(proc, str(run_dir)):
-            os.kill(pid, signal.SIGTERM)
-        proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == 4
+    run_dir = _stop_own_loop(tmp_path)
     latest = latest_checkpoint(run_dir / "checkpoints")
     meta = read_checkpoint(latest).meta
     assert not meta["epoch_complete"]  # a step()'s round carried the stop: always within an epoch
