@@ -7,13 +7,13 @@ and at least ``nudge_ratio`` times the ring's first; the anchor halves. Off in t
 
 import math
 
-import numpy as np
 import pytest
 
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.divergence import TrendGuard, Verdict
 from flodl_mpi.elche import ElChe
-from flodl_mpi.policy import CadencePolicy, RoundFacts, make_policy
+from flodl_mpi.policy import CadencePolicy, make_policy
+from tests.test_policy import run
 
 S, G, N = Verdict.STABLE, Verdict.SUPPRESS_GROWTH, Verdict.NUDGE_DOWN
 
@@ -51,29 +51,14 @@ def test_off_by_default_in_the_guard_and_its_arguments_checked():
         TrendGuard(0.05, nudge_rising=True, nudge_ratio=math.nan)
 
 
-def _feed(policy, divergences, ms=(10.0, 30.0), round_ms=1.0):
-    """One round per divergence (None: the first round, no ack); the windows run as planned.
-
-    ``round_ms`` 1 ms against 300 ms windows: an overhead of 0.003, far under the 0.05
-    target, so the anchor never grows and every change comes from the guard.
-    """
-    anchors, got = [], []
-    plan = policy.plan()
-    for div in divergences:
-        facts = RoundFacts(batch_ms=np.array(ms), window=np.array(plan.quotas), anchor=plan.anchor,
-                           round_ms=math.nan if div is None else round_ms, max_divergence=div)
-        got.append(policy.observe(facts))
-        plan = policy.plan()
-        anchors.append(plan.anchor)
-    return anchors, got
-
-
 @pytest.mark.parametrize("blocking", [True, False])
 def test_a_sustained_rise_halves_the_anchor(blocking):
     guard = TrendGuard(0.05, nudge_rising=True, nudge_ratio=2.0)
     p = CadencePolicy(2, ElChe(2, anchor=40), guard, blocking=blocking)
     # 0.03 < 0.035 < 0.045 < 0.055 < 0.061: rising over the ring, 0.061 > 0.05 and >= 2 x 0.03.
-    anchors, got = _feed(p, [None, 0.03, 0.035, 0.045, 0.055, 0.061, 0.01])
+    # round_ms 1 ms against 300 ms windows: an overhead of 0.003, far under the 0.05 target, so the
+    # anchor never grows and every change comes from the guard
+    anchors, got = run(p, [None, 0.03, 0.035, 0.045, 0.055, 0.061, 0.01], round_ms=1.0)
     assert got == [None, S, S, S, G, N, S]
     # The verdict on a round comes with the next round's facts, which close a window: it acts at once.
     assert anchors == [40, 40, 40, 40, 40, 20, 20]  # floor(40 * 0.5); latched afterwards (no growth anyway)
