@@ -85,7 +85,7 @@ def test_a_spawned_worker_does_not_start_mpi(tmp_path):
 
         if __name__ == "__main__":
             with mp.get_context("spawn").Pool(1) as pool:
-                print("worker started MPI:", pool.map(work, [0])[0], flush=True)
+                print(f"worker started MPI: {pool.map(work, [0])[0]}", flush=True)  # one write: ranks share the pipe
             with flodl_mpi.Averager(torch.nn.Linear(2, 1)) as avg:
                 avg.step()
             print("done", flush=True)
@@ -238,7 +238,7 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
         import flodl_mpi
         model = torch.nn.Linear(4, 1)
         with flodl_mpi.Averager(model, run_dir=sys.argv[1], resume=True) as avg:
-            print("resumed", avg.epoch, avg.bridge.version, flush=True)
+            print(f"resumed {avg.epoch} {avg.bridge.version}", flush=True)
     """))
     done = subprocess.run(launch_argv(2, sys.executable, str(resume), str(run_dir)), capture_output=True, text=True,
                           timeout=180, env=launch_env(), check=False)
@@ -600,8 +600,8 @@ def test_the_scripts_own_handlers_come_back_after_the_run(tmp_path):
         assert signal.getsignal(signal.SIGINT) is _stop_before_run
         with flodl_mpi.Averager(torch.nn.Linear(2, 1)) as avg:
             avg.step()
-        print("after", signal.getsignal(signal.SIGTERM) is mine,
-              signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+        print(f"after {signal.getsignal(signal.SIGTERM) is mine} "
+              f"{signal.getsignal(signal.SIGINT) is signal.default_int_handler}", flush=True)
     """)
     assert took < 120
     assert proc.returncode == 0, proc.stderr[-2000:]

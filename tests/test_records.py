@@ -170,7 +170,7 @@ with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir
         err = ((model(x) - y) ** 2).sum()
     # float64 from the model's own values: the test loss the checkpoints must hold
     w, b = model.weight.detach().double().numpy(), model.bias.detach().double().numpy()
-    print("expected", float((((x.double().numpy() @ w.T + b) - y.double().numpy()) ** 2).sum() / 60), flush=True)
+    print(f"expected {float((((x.double().numpy() @ w.T + b) - y.double().numpy()) ** 2).sum() / 60)!r}", flush=True)
     avg.end_epoch({"loss": (err, 60)})
 """
 
@@ -256,7 +256,7 @@ try:
                         resume=sys.argv[3] == "resume")
 finally:
     print(f"setup took {time.monotonic() - t0:.1f} s", flush=True)
-print("epochs", [r.epoch for r in run.wait()], flush=True)
+print(f"epochs {[r.epoch for r in run.wait()]}", flush=True)
 """
 
 
