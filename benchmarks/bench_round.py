@@ -151,17 +151,26 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
     flat_of_params = lambda: np.concatenate([p.detach().numpy().ravel() for p in params])  # noqa: E731
     add("ours: Bridge.round + copies", ours_copies, flat_of_params, 4 * P + reducer_bytes(copies))
 
-    wires = [(nr, bf, None) for nr in args.node_reduce for bf in ((False, True) if args.bf16 else (False,))]
-    if "shm" in args.node_reduce and default_kernel() != "numpy":  # the in-place round's numpy pass beside
-        wires.insert(wires.index(("shm", False, None)) + 1, ("shm", False, "numpy"))
-    for nr, bf, kernel in wires:
+    wires = [(nr, bf, None, None) for nr in args.node_reduce for bf in ((False, True) if args.bf16 else (False,))]
+    if "shm" in args.node_reduce:  # beside the in-place round: its variants, measured in the same run
+        extra_rows = [("shm", False, "numpy", None)] if default_kernel() != "numpy" else []
+        if args.variants:
+            extra_rows += [("shm", False, None, "front"), ("shm", False, None, "nocheck")]
+        at = wires.index(("shm", False, None, None)) + 1
+        wires[at:at] = extra_rows
+    for nr, bf, kernel, variant in wires:
         b = Bridge(comm.Dup(), shapes, wire=WireOptions(nr, "auto", bf))
         path = b._p.reducer.path
         if path == "shm-in-place":
             for plane in (b._p, b._b):
                 if plane.reducer.staging is not None:
                     plane.reducer._impl.use_kernel(kernel or default_kernel())
+                    if variant == "front":  # the check before this change: the segment front to back
+                        plane.reducer._impl.own_slice_last = False
+                    elif variant == "nocheck":  # NOT a product path: what folding the check into the pass
+                        plane.reducer.prepare = lambda staging: 0.0  # could save at most (see README)
             path += f", {kernel or default_kernel()} pass"
+            path += {None: "", "front": ", check front to back", "nocheck": ", NO pre-round check"}[variant]
         name = f"ours: bound, {nr}{' bf16' if bf else ''} ({path})"
         bridges[name] = b
         with torch.no_grad():  # Replica.bind: the params are views of the staging
@@ -290,6 +299,8 @@ def main() -> int:
     ap.add_argument("--node-reduce", nargs="+", default=["mpi", "shm"], choices=["mpi", "shm"],
                     help="wires of the bound rows (the first also for the copies row)")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the --bf16-wire rows")
+    ap.add_argument("--no-variants", dest="variants", action="store_false",
+                    help="skip the in-place round's variant rows (check front to back; no pre-round check)")
     ap.add_argument("--quick", action="store_true", help="P = 100,000, 1 repeat, 1 warm-up: a smoke test")
     args = ap.parse_args()
     if args.quick:
