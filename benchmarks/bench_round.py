@@ -175,7 +175,7 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
     if "shm" in args.node_reduce:  # beside the in-place round: its variants, measured in the same run
         extra_rows = [("shm", False, "numpy", None)] if default_kernel() != "numpy" else []
         if args.variants:
-            extra_rows += [("shm", False, None, "front"), ("shm", False, None, "nocheck")]
+            extra_rows.append(("shm", False, None, "nocheck"))
             if default_kernel() == "numba":
                 extra_rows.append(("shm", False, None, "before"))
         at = wires.index(("shm", False, None, None)) + 1
@@ -187,15 +187,12 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
             for plane in (b._p, b._b):
                 if plane.reducer.staging is not None:
                     plane.reducer._impl.use_kernel(kernel or default_kernel())
-                    if variant in ("front", "before"):  # the check before: the segment front to back
-                        plane.reducer._impl.own_slice_last = False
-                    if variant == "before":  # and the compiled pass before its fused sweeps
+                    if variant == "before":  # the compiled pass before its fused sweeps
                         _BEFORE.add(id(plane.reducer._impl.rows))
                     elif variant == "nocheck":  # NOT a product path: what folding the check into the pass
                         plane.reducer.prepare = lambda staging: 0.0  # could save at most (see README)
             path += f", {kernel or default_kernel()} pass"
-            path += {None: "", "front": ", check front to back", "nocheck": ", NO pre-round check",
-                     "before": ", before: check front to back, unfused pass"}[variant]
+            path += {None: "", "nocheck": ", NO pre-round check", "before": ", before: unfused pass"}[variant]
         name = f"ours: bound, {nr}{' bf16' if bf else ''} ({path})"
         bridges[name] = b
         with torch.no_grad():  # Replica.bind: the params are views of the staging
@@ -325,7 +322,7 @@ def main() -> int:
                     help="wires of the bound rows (the first also for the copies row)")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the --bf16-wire rows")
     ap.add_argument("--no-variants", dest="variants", action="store_false",
-                    help="skip the in-place round's variant rows (check front to back; no pre-round check)")
+                    help="skip the in-place round's variant rows (no pre-round check; the unfused pass)")
     ap.add_argument("--quick", action="store_true", help="P = 100,000, 1 repeat, 1 warm-up: a smoke test")
     args = ap.parse_args()
     if args.quick:

@@ -71,7 +71,7 @@ from mpi4py import MPI
 from flodl_mpi.node_reduce import slices
 from flodl_mpi.realized_work import is_realized
 from flodl_mpi.slice_kernel import KERNELS, STEPS, compiled_available, consensus_slice, default_kernel, warm_up
-from flodl_mpi.wire import WireLayout, sum_squares
+from flodl_mpi.wire import WireLayout, sum_squares_pieces
 
 __all__ = ["SHM_DIR", "InPlaceShmReduce"]
 
@@ -124,8 +124,6 @@ class InPlaceShmReduce:
         self.me = me
         self.slice = slices(n, W)[me]
         self._seg_pad = seg - 4 * n
-        #: :meth:`prepare` reads this rank's own slice last (True, the default), else the segment front to back
-        self.own_slice_last = True
         self.use_kernel(default_kernel(self.slice[1] - self.slice[0]))
         self._partial = np.zeros(W + 2, dtype=np.float64)
         self._gathered = np.zeros((W, W + 2), dtype=np.float64)
@@ -167,23 +165,12 @@ class InPlaceShmReduce:
     def prepare(self, staging: np.ndarray) -> float:
         """``sum(staging ** 2)`` in float64, read only: not finite iff a NaN or infinity is there.
 
-        The pre-round check (:func:`~flodl_mpi.wire.sum_squares` piece by
-        piece): its finiteness rides the control gather, so a non-finite rank
-        gets mass 0 before any rank's segment is overwritten.
-
-        Order (:attr:`own_slice_last`, the default): the rest of the segment
-        first, then this rank's own slice front to back, so the slice pass
-        (last block first) starts on what this check read last: still in
-        the caches when the model does not fit them whole. Front to back
-        over the segment, the last-checked part is the *next* rank's slice,
-        and rank 0's pass re-reads everything from memory while the last
-        rank's hits the cache (measured in ``benchmarks/bench_round.py``).
+        The pre-round check (:func:`~flodl_mpi.wire.sum_squares_pieces`): its
+        finiteness rides the control gather, so a non-finite rank gets mass 0
+        before any rank's segment is overwritten.
         """
         self._check(staging)
-        n, piece = self.layout.n, self.layout.chunk_elems
-        a, b = self.slice if self.own_slice_last else (n, n)
-        return sum(sum_squares(staging[lo : min(lo + piece, hi)])
-                   for lo_, hi in ((b, n), (0, a), (a, b)) for lo in range(lo_, hi, piece))
+        return sum_squares_pieces(staging, self.layout)
 
     def reduce(self, staging: np.ndarray, mass: float, stats, masses=None) -> None:
         """Fill ``stats`` (a ``reduce.ReduceStats``); the consensus lands in :attr:`staging` when realized.
