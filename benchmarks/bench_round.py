@@ -40,6 +40,7 @@ mean of the ranks' inputs (bf16 rows: within 2**-8 relative norm).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import statistics
@@ -54,13 +55,32 @@ from mpi4py import MPI
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
+from flodl_mpi import shm_in_place
 from flodl_mpi.bridge import Bridge
 from flodl_mpi.reduce import Reducer, WireOptions
 from flodl_mpi.round_profile import PHASES
-from flodl_mpi.slice_kernel import default_kernel
+from flodl_mpi.slice_kernel import consensus_slice, default_kernel
 from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout
 
 MIB_ELEMS = 1 << 18  # float32 elements in 1 MiB
+
+#: ``id`` of the in-place reducers' segment arrays whose slice pass is the one before this
+#: branch's fused sweeps (``bench_slice_pass.before_pass``): the "before" row, same bits.
+_BEFORE: set[int] = set()
+
+
+def _dispatch_pass(segs, scales, total, a, b, step, c, partial, kernel="numba"):
+    if id(segs) in _BEFORE and kernel == "numba" and b > a:
+        from bench_slice_pass import before_pass  # this directory: the script's own
+
+        inverse = np.float32(0.0)
+        if math.frexp(float(total))[0] == 0.5 and np.finfo(np.float32).tiny <= 1.0 / float(total) < 2.0**127:
+            inverse = np.float32(1.0 / float(total))
+        return before_pass(segs, scales, np.float32(total), inverse, a, b, step, c, partial)
+    return consensus_slice(segs, scales, total, a, b, step, c, partial, kernel)
+
+
+shm_in_place.consensus_slice = _dispatch_pass  # bench only: the "before" row's pass beside the kept one
 FLOOR = "raw: Allreduce, 1 MiB pieces"
 PEER = "peer: PeriodicModelAverager (gloo)"
 
@@ -151,17 +171,28 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
     flat_of_params = lambda: np.concatenate([p.detach().numpy().ravel() for p in params])  # noqa: E731
     add("ours: Bridge.round + copies", ours_copies, flat_of_params, 4 * P + reducer_bytes(copies))
 
-    wires = [(nr, bf, None) for nr in args.node_reduce for bf in ((False, True) if args.bf16 else (False,))]
-    if "shm" in args.node_reduce and default_kernel() != "numpy":  # the in-place round's numpy pass beside
-        wires.insert(wires.index(("shm", False, None)) + 1, ("shm", False, "numpy"))
-    for nr, bf, kernel in wires:
+    wires = [(nr, bf, None, None) for nr in args.node_reduce for bf in ((False, True) if args.bf16 else (False,))]
+    if "shm" in args.node_reduce:  # beside the in-place round: its variants, measured in the same run
+        extra_rows = [("shm", False, "numpy", None)] if default_kernel() != "numpy" else []
+        if args.variants:
+            extra_rows.append(("shm", False, None, "nocheck"))
+            if default_kernel() == "numba":
+                extra_rows.append(("shm", False, None, "before"))
+        at = wires.index(("shm", False, None, None)) + 1
+        wires[at:at] = extra_rows
+    for nr, bf, kernel, variant in wires:
         b = Bridge(comm.Dup(), shapes, wire=WireOptions(nr, "auto", bf))
         path = b._p.reducer.path
         if path == "shm-in-place":
             for plane in (b._p, b._b):
                 if plane.reducer.staging is not None:
                     plane.reducer._impl.use_kernel(kernel or default_kernel())
+                    if variant == "before":  # the compiled pass before its fused sweeps
+                        _BEFORE.add(id(plane.reducer._impl.rows))
+                    elif variant == "nocheck":  # NOT a product path: what folding the check into the pass
+                        plane.reducer.prepare = lambda staging: 0.0  # could save at most (see README)
             path += f", {kernel or default_kernel()} pass"
+            path += {None: "", "nocheck": ", NO pre-round check", "before": ", before: unfused pass"}[variant]
         name = f"ours: bound, {nr}{' bf16' if bf else ''} ({path})"
         bridges[name] = b
         with torch.no_grad():  # Replica.bind: the params are views of the staging
@@ -290,6 +321,8 @@ def main() -> int:
     ap.add_argument("--node-reduce", nargs="+", default=["mpi", "shm"], choices=["mpi", "shm"],
                     help="wires of the bound rows (the first also for the copies row)")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the --bf16-wire rows")
+    ap.add_argument("--no-variants", dest="variants", action="store_false",
+                    help="skip the in-place round's variant rows (no pre-round check; the unfused pass)")
     ap.add_argument("--quick", action="store_true", help="P = 100,000, 1 repeat, 1 warm-up: a smoke test")
     args = ap.parse_args()
     if args.quick:

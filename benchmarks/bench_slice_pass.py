@@ -76,6 +76,46 @@ if numba is not None:
             s += d * d
         return s
 
+    from flodl_mpi.slice_numba import _diff_sq_write
+
+    @numba.njit(nogil=True)
+    def before_pass(segs, scales, total, inverse, a, b, step, c, partial):
+        """The compiled pass before its fused sweeps (issue 9, ``5d5da0e``): per block one sweep per
+        segment for the sum, one for the divide, one per segment for its difference and write. The same
+        float32 operations in the same order as the kept kernel: the same bits."""
+        W = segs.shape[0]
+        blocks = (b - a + step - 1) // step
+        for j in range(blocks - 1, -1, -1):
+            lo = a + j * step
+            hi = min(lo + step, b)
+            k = hi - lo
+            first = True
+            for r in range(W):
+                s = scales[r]
+                if s == 0.0:
+                    continue
+                x = segs[r, lo:hi]
+                if first:
+                    for i in range(k):
+                        c[i] = x[i] * s
+                    first = False
+                else:
+                    for i in range(k):
+                        c[i] = c[i] + x[i] * s
+            if inverse != 0.0:
+                for i in range(k):
+                    c[i] = c[i] * inverse
+            else:
+                for i in range(k):
+                    c[i] = c[i] / total
+            post = _sq(c, k)
+            if not math.isfinite(post):
+                partial[W + 1] = 1.0
+                return
+            partial[W] += post
+            for r in range(W):
+                partial[r] += _diff_sq_write(segs[r, lo:hi], c, k)
+
     @numba.njit(nogil=True)
     def scratch_pass(segs, scales, total, a, b, step, out, partial):
         """Measured, not kept: the consensus of the slice into ``out`` (P/W floats) with every rank's
@@ -144,6 +184,10 @@ def main() -> None:
         for step in sorted({1 << 10, 1 << 12, 1 << 14, 1 << 16, STEPS[kernel]}):
             mark = " (its default)" if step == STEPS[kernel] else ""
             rows.append((f"{kernel} pass, blocks of {step}{mark}", lambda k=kernel, s=step: run(k, s), True))
+    if numba is not None:
+        rows.append(("numba pass before its fused sweeps, blocks of 4096",
+                     lambda: before_pass(segs, scales, total, np.float32(0.0), a, b, 4096,
+                                         np.empty(2 * 4096, np.float32), np.zeros(W + 2)), True))
     rows.append(("torch ops, blocks of 65536", lambda: torch_pass(segs, scales, total, a, b, 1 << 16), True))
     if numba is not None:  # no pre-round pass: consensus into a scratch of P/W, then copied into every segment
         out = np.empty(b - a, np.float32)

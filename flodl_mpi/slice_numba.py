@@ -40,39 +40,96 @@ def _diff_sq_write(x, c, k):  # pragma: no cover - compiled
     return s
 
 
+@numba.njit(cache=True, nogil=True, fastmath=_SUMS)
+def _diff_sq_write2(x, y, c, k):  # pragma: no cover - compiled
+    sx = 0.0
+    sy = 0.0
+    for i in range(k):  # two segments in one sweep: c is read once for both
+        v = c[i]
+        dx = np.float64(x[i] - v)
+        dy = np.float64(y[i] - v)
+        sx += dx * dx
+        sy += dy * dy
+        x[i] = v
+        y[i] = v
+    return sx, sy
+
+
+# The consensus of a block, c = (s_0·x_0 + s_1·x_1 + ...) / total, float32, in rank order,
+# the last add fused with the divide (or the multiply by the exact reciprocal). Each
+# expression rounds every operation to float32 as the separate loops of the numpy pass
+# do (no fastmath here, so no fused multiply-add and no reordering): the same bits.
+@numba.njit(cache=True, nogil=True)
+def _one(x, s, total, inverse, c, k):  # pragma: no cover - compiled
+    if inverse != 0.0:
+        for i in range(k):
+            c[i] = (x[i] * s) * inverse
+    else:
+        for i in range(k):
+            c[i] = (x[i] * s) / total
+
+
+@numba.njit(cache=True, nogil=True)
+def _two(x, y, s, t, total, inverse, last, c, k):  # pragma: no cover - compiled
+    if not last:
+        for i in range(k):
+            c[i] = x[i] * s + y[i] * t
+    elif inverse != 0.0:
+        for i in range(k):
+            c[i] = (x[i] * s + y[i] * t) * inverse
+    else:
+        for i in range(k):
+            c[i] = (x[i] * s + y[i] * t) / total
+
+
+@numba.njit(cache=True, nogil=True)
+def _add(x, s, total, inverse, last, c, k):  # pragma: no cover - compiled
+    if not last:
+        for i in range(k):
+            c[i] = c[i] + x[i] * s
+    elif inverse != 0.0:
+        for i in range(k):
+            c[i] = (c[i] + x[i] * s) * inverse
+    else:
+        for i in range(k):
+            c[i] = (c[i] + x[i] * s) / total
+
+
 @numba.njit(cache=True, nogil=True)
 def _numba_pass(segs, scales, total, inverse, a, b, step, c, partial):  # pragma: no cover - compiled
     W = segs.shape[0]
+    live = np.empty(W, np.int64)  # the ranks with a scale, in rank order (0 skips: true zeros)
+    n_live = 0
+    for r in range(W):
+        if scales[r] != 0.0:
+            live[n_live] = r
+            n_live += 1
     blocks = (b - a + step - 1) // step
     for j in range(blocks - 1, -1, -1):
         lo = a + j * step
         hi = min(lo + step, b)
         k = hi - lo
-        first = True
-        for r in range(W):
-            s = scales[r]
-            if s == 0.0:
-                continue
-            x = segs[r, lo:hi]
-            if first:
-                for i in range(k):
-                    c[i] = x[i] * s
-                first = False
-            else:
-                for i in range(k):
-                    c[i] = c[i] + x[i] * s
-        if inverse != 0.0:
-            for i in range(k):
-                c[i] = c[i] * inverse
+        r0 = live[0]
+        if n_live == 1:
+            _one(segs[r0, lo:hi], scales[r0], total, inverse, c, k)
         else:
-            for i in range(k):
-                c[i] = c[i] / total
+            r1 = live[1]
+            _two(segs[r0, lo:hi], segs[r1, lo:hi], scales[r0], scales[r1], total, inverse, n_live == 2, c, k)
+            for q in range(2, n_live):
+                r = live[q]
+                _add(segs[r, lo:hi], scales[r], total, inverse, q == n_live - 1, c, k)
         post = _sum_sq(c, k)
         if not math.isfinite(post):
             partial[W + 1] = 1.0
             return
         partial[W] += post
-        for r in range(W):
+        r = 0
+        while r + 1 < W:  # the writes two segments per sweep
+            dx, dy = _diff_sq_write2(segs[r, lo:hi], segs[r + 1, lo:hi], c, k)
+            partial[r] += dx
+            partial[r + 1] += dy
+            r += 2
+        if r < W:
             partial[r] += _diff_sq_write(segs[r, lo:hi], c, k)
 
 

@@ -17,7 +17,9 @@ def test_bench_round_quick_mode_runs_and_every_method_is_correct():
     assert "correctness vs float64 mean (rtol 1e-5; bf16 rows 2**-8): all ok" in proc.stdout, out
     for row in ("ours: bound, shm (shm-in-place, numba pass)", "ours: bound, shm (shm-in-place, numpy pass)",
                 "ours: bound, mpi (allreduce)", "raw: Allreduce, 1 MiB pieces",
-                "peer: PeriodicModelAverager (gloo)", "where the time goes"):
+                "peer: PeriodicModelAverager (gloo)", "where the time goes",
+                "ours: bound, shm (shm-in-place, numba pass, NO pre-round check)",
+                "ours: bound, shm (shm-in-place, numba pass, before: unfused pass)"):
         assert row in proc.stdout, out
 
 

@@ -324,3 +324,40 @@ def test_a_failed_shared_file_raises_on_every_rank_naming_the_rank(comm, monkeyp
         monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match=rf"failed on node rank\(s\) {comm.size - 1}: OSError: .*No space left"):
         Reducer(comm, WireLayout(SHAPES), WireOptions("shm"), in_place=True)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_in_place_check_finds_a_non_finite_value_anywhere_and_the_quarantine_round_is_exact(comm, bad):
+    # The pre-round check reads the segment piece by piece: a value at any position (each
+    # slice's first and last element, piece edges, the frame's ends) of any rank is seen by
+    # that rank's check only; the round that quarantines the rank (mass 0, as the bridge
+    # decides from the gathered flags) equals the float64 mean of the others, is finite
+    # (the bad value is never written anywhere) and gives every rank the same bits.
+    W = comm.size
+    layout = WireLayout(SHAPES, chunk_elems=7)
+    red = Reducer(comm, layout, WireOptions("shm", "off"), in_place=True)
+    try:
+        n = layout.n
+        edges = {0, n - 1, 6, 7, 8}
+        for a, b in slices(n, W):
+            edges |= {a, max(a, b - 1), min(b, n - 1)}
+        for r in range(W):
+            for pos in sorted(edges):
+                flat = rank_flat(comm.rank)
+                if comm.rank == r:
+                    flat[pos] = bad
+                staging = stage(red, flat)
+                pre_sq = red.prepare(staging)
+                flags = comm.allgather(not np.isfinite(pre_sq))  # the control gather
+                assert flags == [q == r for q in range(W)], (r, pos)
+                if comm.rank != r:
+                    assert pre_sq == pytest.approx(float(np.sum(flat.astype(np.float64) ** 2)), rel=1e-6)
+                masses = [0.0 if flags[q] else 1.0 + q for q in range(W)]
+                stats = red.reduce(staging, masses[comm.rank], masses)
+                ref = sum(m * rank_flat(q).astype(np.float64) for q, m in enumerate(masses)) / sum(masses)
+                assert stats.realized and stats.post_finite
+                assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= 1e-6
+                assert np.isfinite(staging).all()
+                assert len(set(comm.allgather(digest(staging)))) == 1
+    finally:
+        red.free()

@@ -102,3 +102,30 @@ def test_a_small_slice_takes_the_numpy_pass_without_importing_numba():
             "print(k(n - 1), 'numba' in sys.modules, k(n), 'numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split() == ["numpy", "False", "numba", "True"]
+
+
+@pytest.mark.parametrize("equal", [False, True], ids=["unequal", "equal"])
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 5])
+def test_every_set_of_live_ranks_gives_the_numpy_pass_s_bits(W, equal):
+    # The compiled pass fuses the first two scaled segments and the last add with the divide
+    # (or the exact reciprocal's multiply, equal masses at a power-of-two total), and writes
+    # two segments per sweep (an odd one alone): for every set of live ranks (1 to W, idle
+    # ones holding NaN) the bits are the numpy pass's and the values the float64 mean's.
+    n, a, b = 300, 16, 290
+    for live in range(1, 2**W):
+        masses = [(1.0 if equal else 1.0 + 0.3 * r) if live >> r & 1 else 0.0 for r in range(W)]
+        segs, scales, total = case(W, n, seed=live, masses=masses)
+        for r in range(W):
+            if not masses[r]:
+                segs[r, :n] = np.nan
+        outs = {k: run(k, segs, scales, total, a, b, 64) for k in KERNELS}
+        (o1, p1), (o2, p2) = outs.values()
+        assert o1.tobytes() == o2.tobytes(), (W, live)
+        ref = sum(m * segs[r, a:b].astype(np.float64) for r, m in enumerate(masses) if m) / sum(masses)
+        np.testing.assert_allclose(o1[0, a:b], ref, rtol=2e-6, atol=1e-6)
+        for r in range(W):
+            np.testing.assert_array_equal(o1[r, a:b], o1[0, a:b])
+            if masses[r]:
+                want = float(np.sum((segs[r, a:b].astype(np.float64) - ref) ** 2))
+                assert p1[r] == pytest.approx(want, rel=1e-4, abs=1e-9)
+        assert p1[W + 1] == p2[W + 1] == 0.0
