@@ -5,12 +5,15 @@ Adam 1e-3, 10 epochs, for each seed: the policies as a user runs them, and the s
 optimizer state each rank's own (``--average-optimizer-state off``; sync, cadence and async delta
 average Adam's state by default: rebuilt second moment, async adopting it by the decayed delta of
 ``flodl_mpi.optimizer_state.adopt_delta``), with both moments averaged (``mean``), and with a fixed
-anchor (the same rounds for cadence and async). Prints one JSON line per run (final test accuracy,
+anchor (*20*: the same rounds for cadence and async before async's anchor shrank to what hides
+the round; now ``--max-anchor`` is only its ceiling), and async with small anchors (*delta 3*, *delta
+5*: ``--anchor N --max-anchor N``, what showed that short windows, not the adoption, were missing).
+Prints one JSON line per run (final test accuracy,
 its curve, rounds, the share of round time hidden, the 1-minute load average after it) and the
 mean final accuracy per variant::
 
     python benchmarks/async_adoption.py                        # every variant, seeds 0 and 1 (about 30 minutes)
-    python benchmarks/async_adoption.py --variants sync delta --seeds 0 1 2
+    python benchmarks/async_adoption.py --variants delta sync cadence --seeds 0 1 2 3   # README's table
 
 Accuracy is deterministic only for sync (the balanced policies' quotas follow measured speeds).
 """
@@ -41,6 +44,8 @@ VARIANTS = {
     "cadence 20, own state": ["--policy", "cadence", *FIXED, "--average-optimizer-state", "off"],
     "delta 20": ["--policy", "async", *FIXED],
     "easgd 0.5 20": ["--policy", "async", "--async-adopt", "easgd", *FIXED],
+    "delta 3": ["--policy", "async", "--anchor", "3", "--max-anchor", "3"],
+    "delta 5": ["--policy", "async", "--anchor", "5", "--max-anchor", "5"],
 }
 
 

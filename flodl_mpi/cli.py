@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batches each rank trains between rounds; above 1 it implies --policy window")
     g.add_argument("--anchor", type=int,
                    help="cadence/async: batches of the slowest rank in the first window; faster ranks run "
-                        "proportionally more, and the anchor grows with the round overhead (default 10)")
+                        "proportionally more, and the anchor grows with the round overhead (async: also shrinks to the "
+                        "shortest window that hides the round) (default 10)")
     g.add_argument("--max-anchor", type=int, help="cadence/async: the anchor never grows past this (default 1000)")
     g.add_argument("--overhead-target", type=float,
                    help="cadence/async: the anchor grows while a round takes more than this fraction of the "

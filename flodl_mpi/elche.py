@@ -14,7 +14,9 @@ speed ratio moved by more than ``dead_zone`` (relative), or the anchor changed, 
 does not churn them. The anchor grows when a round's overhead (reduce time over the
 anchor rank's window time) exceeds ``overhead_target``: the proposal is
 ``ceil(anchor · min(overhead / target, 2))``, capped at ``max_anchor``. A proposal is only
-committed by the divergence guard's ``Stable`` (see :meth:`ElChe.settle`).
+committed by the divergence guard's ``Stable`` (see :meth:`ElChe.settle`). Under
+``async`` the anchor also shrinks, towards the shortest window that still hides the
+round (:meth:`ElChe.propose_shrink`).
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from collections.abc import Sequence
 
 from flodl_mpi.divergence import Verdict
 
-__all__ = ["REARM_STABLE_ROUNDS", "ElChe"]
+__all__ = ["HIDE_HEADROOM", "REARM_STABLE_ROUNDS", "ElChe"]
 
 #: Stable verdicts in a row that re-arm anchor growth after a suppression (SPEC §4).
 REARM_STABLE_ROUNDS = 5
+
+#: Async: how many times over the anchor rank's window should outlast a round (see :meth:`ElChe.propose_shrink`).
+HIDE_HEADROOM = 2.0
 
 
 def _round_half_up(x: float) -> int:
@@ -165,6 +170,53 @@ class ElChe:
         base = self.anchor if window_anchor is None else int(window_anchor)
         grown = min(self.max_anchor, math.ceil(base * min(overhead / self.overhead_target, 2.0)))
         return grown if grown > self.anchor else None
+
+    def propose_shrink(self, round_ms: float, headroom: float = HIDE_HEADROOM) -> int | None:
+        """Async: the smaller anchor whose window still hides the round, or None when none is due.
+
+        Under ``async`` the round runs while the next window trains, so a window only
+        has to outlast the round; a longer one averages less often and the consensus a
+        rank adopts is a window old (measured on MNIST-1D: anchor 3 above the default,
+        benchmarks/README.md, "async_adoption.py"). The anchor rank trains ``anchor``
+        batches of ``slow_ms`` (its smoothed ms per batch) while the round runs, so it
+        hides a round of ``round_ms`` ``headroom`` times over from
+        ``need = ceil(headroom · round_ms / slow_ms)`` batches on.
+
+        Args:
+            round_ms: the round's time, ms (the slowest rank's reduce after the control gather).
+            headroom: how many times over a window should cover the round, >= 1.
+
+        Returns:
+            ``max(need, ceil(anchor / 2), 1)`` (at most halved per round, as growth at
+            most doubles) when that is below the current anchor; None otherwise, before
+            every rank has a speed reading, or when ``round_ms`` is not a finite number >= 0.
+
+        Raises:
+            ValueError: ``headroom < 1``.
+        """
+        if not (math.isfinite(headroom) and headroom >= 1):
+            raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}")
+        if not (math.isfinite(round_ms) and round_ms >= 0) or self.phase != "balanced":
+            return None
+        slow_ms = self.smoothed_ms()[self.anchor_rank]
+        need = math.ceil(headroom * round_ms / slow_ms)
+        target = max(need, math.ceil(self.anchor / 2), 1)
+        return target if target < self.anchor else None
+
+    def shrink(self, anchor: int) -> None:
+        """Lower the anchor to ``anchor`` (a :meth:`propose_shrink`), at least 1; the quotas follow.
+
+        Not gated by the guard: a shorter window averages more often, the guard's own
+        remedy (``NudgeDown``). The growth latch is left as it is.
+
+        Raises:
+            ValueError: ``anchor`` above the current anchor.
+        """
+        if anchor > self.anchor:
+            raise ValueError(f"shrink() lowers the anchor ({self.anchor}), got {anchor!r}")
+        if max(1, int(anchor)) != self.anchor:
+            self.anchor = max(1, int(anchor))
+            self._rebalance(force=True)
 
     def settle(self, proposal: int | None, verdict: Verdict, nudge_factor: float = 0.5) -> None:
         """Act on the guard's verdict (SPEC §3-§4); the same verdict on every rank, the same anchor.

@@ -130,10 +130,13 @@ class CadencePolicy(Policy):
     a window, that round's overhead (its reduce time over the anchor rank's window time;
     under ``async`` its *exposed* time, the longest wait of a training thread for it, over
     the anchor rank's window time: a round hidden behind compute costs nothing, so it
-    does not grow the anchor, and windows stay short, averaging often) may propose a
-    larger anchor, which the verdict commits (``Stable``), drops and
-    latches (``SuppressGrowth``), or which a ``NudgeDown`` replaces by a smaller anchor;
-    then the balancer takes the window's speeds and rebalances. Acting only when a window
+    does not grow the anchor) may propose a larger anchor, which the verdict commits
+    (``Stable``), drops and latches (``SuppressGrowth``), or which a ``NudgeDown``
+    replaces by a smaller anchor; under ``async``, when no growth is proposed, the
+    anchor shrinks towards the shortest window that still hides the round twice over
+    (:meth:`~flodl_mpi.elche.ElChe.propose_shrink`: at most halved per round), so the
+    consensus a rank adopts is as fresh as hiding the round allows; then the balancer
+    takes the window's speeds and rebalances. Acting only when a window
     closes keeps the plans the same whether or not an epoch exchange (or a stop and a
     resume, which adds one) came between two rounds: the verdict waits in the state.
     With ``act_on_guard=False`` (``--no-divergence-guard``) every verdict is still
@@ -157,8 +160,8 @@ class CadencePolicy(Policy):
         #: The anchor rank's latest window time, ms (the denominator of the next
         #: overhead), and the anchor that window ran under.
         self._window_ms, self._window_anchor = math.nan, 0
-        #: The last acked round's (verdict, round ms), waiting for the next window's close.
-        self._pending: tuple[int, float] | None = None
+        #: The last acked round's (verdict, cost ms, round ms), waiting for the next window's close.
+        self._pending: tuple[int, float, float] | None = None
 
     def plan(self) -> Plan:
         return Plan(tuple(self.elche.quotas()), self.elche.anchor)
@@ -167,18 +170,25 @@ class CadencePolicy(Policy):
         verdict = super().observe(facts)
         if verdict is not None:
             # What the round cost the training threads: its reduce time when they wait
-            # for it whole (cadence), the wait compute did not hide under async.
-            self._pending = (int(verdict), float(facts.round_ms if self.blocking else facts.wait_ms))
+            # for it whole (cadence), the wait compute did not hide under async; and the
+            # round's time (async sizes its windows to outlast it).
+            cost = facts.round_ms if self.blocking else facts.wait_ms
+            self._pending = (int(verdict), float(cost), float(facts.round_ms))
         if not facts.closes_window:
             return verdict
         if self._pending is not None:
             # The acked round closed the window timed last time: its overhead is read
             # against that window, before this window's speeds replace the anchor rank's.
-            acked, round_ms = self._pending
+            acked, cost, round_ms = self._pending
             self._pending = None
-            proposal = self.elche.propose(round_ms, self._window_ms, self._window_anchor or None)
+            proposal = self.elche.propose(cost, self._window_ms, self._window_anchor or None)
             self.elche.settle(proposal, Verdict(acked) if self.act_on_guard else Verdict.STABLE,
                               self.guard.nudge_factor)
+            if not self.blocking and proposal is None:
+                # Async: a window need only outlast the round; a shorter one averages more often.
+                shrunk = self.elche.propose_shrink(round_ms)
+                if shrunk is not None:
+                    self.elche.shrink(shrunk)
         ms = np.asarray(facts.batch_ms, dtype=np.float64)
         if np.isfinite(ms).any():
             self.elche.observe(ms)
@@ -199,7 +209,9 @@ class CadencePolicy(Policy):
             self._window_ms = float(state.get("window_ms", math.nan))
             self._window_anchor = int(state.get("window_anchor", 0))
             pending = state.get("pending")
-            self._pending = None if pending is None else (int(pending[0]), float(pending[1]))
+            if pending is not None and len(pending) == 2:  # an older checkpoint kept only the cost
+                pending = [*pending, pending[1] if self.blocking else math.nan]
+            self._pending = None if pending is None else (int(pending[0]), float(pending[1]), float(pending[2]))
 
 
 def make_policy(cfg, world_size: int) -> Policy:

@@ -58,7 +58,8 @@ def describe_policy(run: Run) -> str:
         return f"policy window ({k} {unit}{'' if k == 1 else 'es' if unit == 'batch' else 's'} per rank per round)"
     if policy in ("cadence", "async"):
         anchor, top = cfg.get("anchor") or 10, cfg.get("max_anchor") or max(1000, cfg.get("anchor") or 10)
-        text = f"policy {policy} (ElChe quotas per rank, anchor {anchor} to {top}"
+        span = f"{anchor}, 1 to {top}" if policy == "async" else f"{anchor} to {top}"  # async also shrinks it
+        text = f"policy {policy} (ElChe quotas per rank, anchor {span}"
         return text + (f", EASGD alpha {cfg.get('easgd_alpha') or 0.5:g})" if policy == "async" else ")")
     return f"policy {policy}"
 

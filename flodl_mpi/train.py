@@ -123,7 +123,8 @@ def _describe_policy(cfg: TrainConfig) -> str:
     if cfg.policy == "sync":
         text = "policy sync (a round after every batch)"
     elif cfg.policy in ("cadence", "async"):
-        text = (f"policy {cfg.policy} (ElChe quotas, anchor {cfg.anchor_value} to {cfg.max_anchor_value}, overhead "
+        low = f"{cfg.anchor_value}, 1" if cfg.policy == "async" else f"{cfg.anchor_value}"  # async also shrinks it
+        text = (f"policy {cfg.policy} (ElChe quotas, anchor {low} to {cfg.max_anchor_value}, overhead "
                 f"target {cfg.overhead_target_value:g}, divergence guard {'on' if cfg.divergence_guard else 'off'}"
                 + (_describe_adopt(cfg) if cfg.policy == "async" else ")"))
     else:

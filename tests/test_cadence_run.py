@@ -119,17 +119,41 @@ def test_async_a_stop_in_an_epochs_carried_round_ends_that_epoch_then_stops_afte
     """Async's plan is one round older: epoch 1 runs windows (4, 4), (4, 4), (12, 4) (speeds 1:3), and
     (10, 3) for the 13 batches left: rounds 0-3. Round 3 carries the stop and runs on while epoch 2's
     first window (12, 4) trains; epoch 1 then ends complete on its consensus, and epoch 2 stops after
-    that window's round 4 (cursor 16). The resumed run completes every epoch, each sample once."""
+    that window's round 4 (cursor 16). The resumed run completes every epoch, each sample once.
+    Rounds of 60 ms (scripted) need ceil(2 * 60 / 30) = 4 batches of rank 1 to hide: the anchor never
+    shrinks, and --max-anchor 4 keeps the (real) wait from growing it."""
     common = ("train", "--policy", "async", "--anchor", "4", "--max-anchor", "4", "--epochs", "3")
     run_dir = tmp_path / "run"
-    first = run_hooked(2, "--script-speeds", "1,3", "--stop-at-round", "4", "--", *common, "--run-dir", str(run_dir))
+    first = run_hooked(2, "--script-speeds", "1,3", "--script-round-ms", "60", "--stop-at-round", "4", "--", *common,
+                       "--run-dir", str(run_dir))
     assert first.returncode in STOPPED, first.stderr[-3000:]
     ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     assert (ckpt.meta["epoch"], ckpt.meta["cursor"], ckpt.meta["round"]) == (1, 16, 5)
     assert ckpt.meta["reason"] == "graceful_shutdown"
     epochs = read_table(run_dir / "metrics.h5", "epochs")
     np.testing.assert_array_equal(epochs["per_rank_batches"][0], [30, 15])  # epoch 1 whole, ended on its round
-    second = run_hooked(2, "--script-speeds", "1,3", "--", *common, "--run-dir", str(run_dir), "--resume")
+    second = run_hooked(2, "--script-speeds", "1,3", "--script-round-ms", "60", "--", *common, "--run-dir",
+                        str(run_dir), "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     epochs = read_table(run_dir / "metrics.h5", "epochs")
     np.testing.assert_array_equal(epochs["per_rank_batches"].sum(axis=1), [45] * 3)
+
+
+def test_async_shrinks_the_anchor_to_what_hides_the_round(tmp_path):
+    """Speeds 1:3 (rank 1: 30 ms a batch) and free rounds (0 ms, scripted): a window need not be long to
+    hide them, so async halves the anchor, 4 -> 2 -> 1, from the first rounds that close a window on (the
+    plan is one round older than cadence's). At the ceiling 4 no wait can grow it, so the first halving
+    is certain; the quotas follow the anchor: (6, 2) at 2. Cadence on the same facts keeps 4."""
+    for policy in ("async", "cadence"):
+        run_dir = tmp_path / policy
+        proc = run_hooked(2, "--script-speeds", "1,3", "--script-round-ms", "0", "--", "train", "--policy", policy,
+                          "--anchor", "4", "--max-anchor", "4", "--epochs", "2", "--run-dir", str(run_dir))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rounds = read_table(run_dir / "metrics.h5", "rounds")
+        anchors = rounds["anchor"].tolist()
+        if policy == "async":
+            assert anchors[:2] == [4, 4] and 2 in anchors, anchors
+            at2 = rounds["anchor"] == 2
+            np.testing.assert_array_equal(rounds["quota"][at2], [[6, 2]] * int(at2.sum()))
+        else:
+            assert anchors == [4] * len(anchors)

@@ -110,6 +110,40 @@ def test_nudge_down_shrinks_and_latches():
     assert elche.anchor == 1  # never below 1
 
 
+@pytest.mark.parametrize("anchor, round_ms, want", [
+    (10, 60.0, 5),     # needs ceil(2 * 60 / 30) = 4 batches; at most halved: ceil(10 / 2) = 5
+    (5, 60.0, 4),      # the next round: 4
+    (4, 60.0, None),   # there: no shrink
+    (3, 60.0, None),   # below what hides the round: async grows from the exposed wait, not here
+    (10, 0.0, 5),      # a free round: halving towards 1
+    (1, 0.0, None),    # never below 1
+    (40, 300.0, 20),   # ceil(600 / 30) = 20 = ceil(40 / 2)
+    (40, 330.0, 22),   # ceil(660 / 30) = 22
+    (10, math.nan, None),
+    (10, -1.0, None),
+])
+def test_shrink_proposal_for_async(anchor, round_ms, want):
+    """The anchor rank (30 ms a batch) hides a round of ``round_ms`` twice over from ceil(2 · round_ms / 30) on."""
+    elche = ElChe(2, anchor=anchor)
+    elche.observe([10.0, 30.0])
+    assert elche.propose_shrink(round_ms) == want
+
+
+def test_shrink_lowers_the_anchor_and_the_quotas_follow():
+    elche = ElChe(2, anchor=10)
+    assert elche.propose_shrink(60.0) is None  # warm-up: no speed known yet
+    elche.observe([10.0, 30.0])
+    assert elche.quotas() == [30, 10]
+    elche.settle(None, Verdict.SUPPRESS_GROWTH)  # latched: the shrink does not touch the latch
+    elche.shrink(elche.propose_shrink(60.0))
+    assert elche.anchor == 5 and elche.quotas() == [15, 5] and elche.latched
+    assert elche.propose_shrink(60.0, headroom=1.0) == 3  # ceil(60 / 30) = 2, at most halved: 3
+    with pytest.raises(ValueError, match="shrink\\(\\) lowers the anchor \\(5\\), got 6"):
+        elche.shrink(6)
+    with pytest.raises(ValueError, match="headroom must be a finite number >= 1, got 0.5"):
+        elche.propose_shrink(60.0, headroom=0.5)
+
+
 def test_state_round_trip_continues_identically():
     a = ElChe(2, anchor=10)
     for ms in ([10.0, 30.0], [11.0, 29.0], [9.0, 33.0]):

@@ -56,9 +56,11 @@ def test_a_sustained_rise_halves_the_anchor(blocking):
     guard = TrendGuard(0.05, nudge_rising=True, nudge_ratio=2.0)
     p = CadencePolicy(2, ElChe(2, anchor=40), guard, blocking=blocking)
     # 0.03 < 0.035 < 0.045 < 0.055 < 0.061: rising over the ring, 0.061 > 0.05 and >= 2 x 0.03.
-    # round_ms 1 ms against 300 ms windows: an overhead of 0.003, far under the 0.05 target, so the
-    # anchor never grows and every change comes from the guard
-    anchors, got = run(p, [None, 0.03, 0.035, 0.045, 0.055, 0.061, 0.01], round_ms=1.0)
+    # Cadence: round_ms 1 ms against 1200 ms windows, an overhead far under the 0.05 target, so the
+    # anchor never grows. Async grows from the wait (none here) and shrinks towards what hides the
+    # round twice over: 600 ms rounds need ceil(2 * 600 / 30) = 40 batches of rank 1, the anchor, so
+    # it never shrinks. Every change comes from the guard.
+    anchors, got = run(p, [None, 0.03, 0.035, 0.045, 0.055, 0.061, 0.01], round_ms=1.0 if blocking else 600.0)
     assert got == [None, S, S, S, G, N, S]
     # The verdict on a round comes with the next round's facts, which close a window: it acts at once.
     assert anchors == [40, 40, 40, 40, 40, 20, 20]  # floor(40 * 0.5); latched afterwards (no growth anyway)

@@ -149,18 +149,20 @@ def test_an_epoch_exchange_or_a_resume_between_two_rounds_changes_no_plan():
     assert len({p.anchor for p in plans}) > 2
 
 
-def test_async_grows_the_anchor_from_the_exposed_wait_not_the_round_time():
+def test_async_grows_the_anchor_from_the_exposed_wait_and_shrinks_it_to_what_hides_the_round():
     """Under async the round runs behind compute: what the user pays is the training thread's wait.
 
     Rank 1: 30 ms a batch, window 0 ran (10, 10): 300 ms. Every round takes 60 ms (overhead 0.2, cadence
-    would grow the anchor to 20 at r1). A fully hidden round (wait 0) grows nothing; a wait of 30 ms
-    (0.1 of the window) proposes ceil(10 * 2) = 20, and cadence on the same facts ignores the wait.
+    would grow the anchor to 20 at r1). A wait of 30 ms (0.1 of the window) proposes ceil(10 * 2) = 20,
+    and cadence on the same facts ignores the wait. With no growth proposed, the anchor shrinks towards
+    the shortest window that hides the round twice over, ceil(2 * 60 / 30) = 4 batches of rank 1, at
+    most halving per round: a fully hidden round gives 10 -> 5 -> 4, and stays there.
     """
-    def feed(policy, waits):
+    def feed(policy, waits, round_ms=60.0):
         plan, anchors = policy.plan(), []
         for i, wait in enumerate(waits):
             policy.observe(RoundFacts(batch_ms=np.array([10.0, 30.0]), window=np.array(plan.quotas),
-                                      anchor=plan.anchor, round_ms=math.nan if i == 0 else 60.0,
+                                      anchor=plan.anchor, round_ms=math.nan if i == 0 else round_ms,
                                       wait_ms=math.nan if i == 0 else wait, max_divergence=None if i == 0 else 0.01))
             plan = policy.plan()
             anchors.append(plan.anchor)
@@ -169,7 +171,33 @@ def test_async_grows_the_anchor_from_the_exposed_wait_not_the_round_time():
     def async_policy():
         return CadencePolicy(2, ElChe(2, anchor=10), TrendGuard(0.05), blocking=False)
 
-    assert feed(async_policy(), [None, 0.0, 0.0, 0.0, 0.0]) == [10] * 5
-    assert feed(async_policy(), [None, 30.0, 0.0, 0.0]) == [10, 20, 20, 20]
-    assert feed(async_policy(), [None, 15.0, 15.0]) == [10, 10, 10]  # 0.05: not above the target
+    p = async_policy()
+    assert feed(p, [None, 0.0, 0.0, 0.0, 0.0]) == [10, 5, 4, 4, 4]
+    assert p.plan().quotas == (12, 4)
+    assert feed(async_policy(), [None, 30.0, 0.0, 0.0]) == [10, 20, 10, 5]  # grown, then halved twice
+    # 15 ms over window 0's 300 ms is 0.05, not above the target: no growth, so the shrink.
+    assert feed(async_policy(), [None, 15.0, 15.0]) == [10, 5, 4]
+    assert feed(async_policy(), [None, 0.0, 0.0], round_ms=300.0) == [10, 10, 10]  # 20 batches needed: stays
     assert feed(cadence(), [None, 0.0, 0.0]) == [10, 20, 20]  # cadence: the round time, whatever the wait
+    assert feed(cadence(), [None, 0.0, 0.0], round_ms=0.0) == [10, 10, 10]  # and it never shrinks
+
+
+def test_an_async_policy_restored_mid_run_continues_and_reads_an_older_pending_cost():
+    facts = [RoundFacts(batch_ms=np.array([10.0, 30.0]), window=np.array([30, 10]), anchor=10, round_ms=60.0,
+                        wait_ms=0.0, max_divergence=0.01, closes_window=False)]
+    a = CadencePolicy(2, ElChe(2, anchor=10), TrendGuard(0.05), blocking=False)
+    a.observe(RoundFacts(batch_ms=np.array([10.0, 30.0]), window=np.array([10, 10]), anchor=10))
+    a.observe(facts[0])  # an epoch exchange: the verdict and the round's times wait for the next close
+    state = a.state_dict()
+    assert state["pending"] == [int(Verdict.STABLE), 0.0, 60.0]
+    old = {**state, "pending": state["pending"][:2]}  # a checkpoint written before the round's time was kept
+    b = CadencePolicy(2, ElChe(2, anchor=10), TrendGuard(0.05), blocking=False)
+    b.load_state_dict(state)
+    c = CadencePolicy(2, ElChe(2, anchor=10), TrendGuard(0.05), blocking=False)
+    c.load_state_dict(old)
+    # The next window's close: the exchange already took the last ack, so this round brings none.
+    close = RoundFacts(batch_ms=np.array([10.0, 30.0]), window=np.array([30, 10]), anchor=10)
+    for p in (a, b, c):
+        p.observe(close)
+    assert a.plan() == b.plan() and a.plan().anchor == 5 and a.state_dict() == b.state_dict()
+    assert c.plan().anchor == 10  # no round time known: no shrink on that round
