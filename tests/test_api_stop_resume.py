@@ -19,7 +19,8 @@ import pytest
 
 from tests.conftest import launch_argv, launch_env
 
-pytestmark = pytest.mark.slow
+#: xdist_group: the module's three runs (the `runs` fixture) are made once, on one pytest-xdist worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fit_stop_runs")]
 
 #: Rank 1's training step (its train_step calls with grad, counting fit's one check call) that signals.
 STOP_AT = 12

@@ -16,7 +16,9 @@ import pytest
 
 from flodl_mpi.report import differing_options, format_comparison, format_summary, main, summarize
 from flodl_mpi.runinfo import RunError, load_run
-from tests._runs import synthetic_rows, trained_run, write_synthetic
+from tests._runs import SHARED_RUNS, synthetic_rows, trained_run, write_synthetic
+
+pytestmark = SHARED_RUNS
 
 plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
 

@@ -72,8 +72,8 @@ def test_a_buffer_replaced_with_another_shape_ends_the_job_naming_it(tmp_path):
     (tmp_path / "reassigning.py").write_text(MODEL)
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--epochs", "1", "--model", "reassigning:make_bad", "--run-dir",
-                     str(tmp_path / "r"), timeout=120, env={"PYTHONPATH": str(tmp_path)})
-    assert time.monotonic() - t0 < 110
+                     str(tmp_path / "r"), timeout=400, env={"PYTHONPATH": str(tmp_path)})
+    assert time.monotonic() - t0 < 300  # no hang, no 600 s stall (generous: a loaded machine)
     assert proc.returncode == EXIT_ERROR, proc.stderr
     assert ("ReplacedTensorError: model buffer 'stat' was replaced by a (32,) torch.float32 tensor; it was (64,) "
             "torch.float32 when training started") in proc.stderr

@@ -238,7 +238,7 @@ def test_a_rank_hung_in_setup_is_named_and_ends_the_job(tmp_path, digits):
     # past the timeout while rank 0 waits for it.
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--data", digits, "--model", slow_model(tmp_path, factory_s=600),
-                     "--stall-timeout", f"{STALL:g}", "--run-dir", str(tmp_path / "r"), timeout=180)
+                     "--stall-timeout", f"{STALL:g}", "--run-dir", str(tmp_path / "r"), timeout=400)
     elapsed = time.monotonic() - t0
     assert proc.returncode == EXIT_STALL, proc.stderr
     assert ("(stall timeout 4 s): rank 1 working on setup step 'model' (last progress: setup step 'data' "
@@ -248,7 +248,7 @@ def test_a_rank_hung_in_setup_is_named_and_ends_the_job(tmp_path, digits):
     # dump at once into the shared stderr: the name alone is one piece, the other rank's stack never has it
     assert "make_slow_net" in proc.stderr.split("rank 1: watchdog: this rank's stacks:")[1]
     assert STALL <= stall_age(proc.stderr) < STALL + stall_slack(STALL) + 10  # printed to 0.1 s; generous bound
-    assert elapsed < 150
+    assert elapsed < 300  # no 600 s hang (generous: a loaded machine)
     assert not (tmp_path / "r").exists()  # nothing was created before the stall
 
 
@@ -277,7 +277,7 @@ def test_a_rank_hung_in_its_training_step_is_named_and_ends_the_job(tmp_path, di
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--data", digits, "--epochs", "1", "--batch-size", "64",
                      "--run-dir", str(run_dir), "--stall-timeout", f"{STALL:g}",
-                     env={"FLODL_MPI_FAULT": f"hang@{hung}:2"}, timeout=180)
+                     env={"FLODL_MPI_FAULT": f"hang@{hung}:2"}, timeout=400)
     elapsed = time.monotonic() - t0
     assert f"injected fault: rank {hung} hangs in round 2" in proc.stderr  # the hang was the fault's, not another
     assert proc.returncode == EXIT_STALL, proc.stderr
@@ -285,7 +285,7 @@ def test_a_rank_hung_in_its_training_step_is_named_and_ends_the_job(tmp_path, di
     assert f"rank {1 - hung} waited for it" in proc.stderr
     assert "_fault_hook" in proc.stderr.split(f"rank {hung}: watchdog: this rank's stacks:")[1]  # hung there (as above)
     assert STALL <= stall_age(proc.stderr) < STALL + stall_slack(STALL) + 10
-    assert elapsed < 150  # the note in train.log keeps the exit prompt
+    assert elapsed < 300  # the note in train.log keeps the exit prompt (generous: a loaded machine)
     # train.log ends with the verdict rank 0 printed (README: it ends with the reason when a run fails)
     assert last_log_line(run_dir) == f"run failed: {printed_verdict(proc.stderr)}"
 
@@ -299,7 +299,7 @@ def test_a_frozen_rank_ends_the_job(tmp_path, digits):
                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pid = None
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not (run_dir / "metrics.h5").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (run_dir / "metrics.h5").exists(), "the run did not start"
