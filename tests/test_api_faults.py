@@ -245,7 +245,7 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
             print(f"resumed {avg.epoch} {avg.bridge.version}", flush=True)
     """))
     done = subprocess.run(launch_argv(2, sys.executable, str(resume), str(run_dir)), capture_output=True, text=True,
-                          timeout=180, env=launch_env(), check=False)
+                          timeout=400, env=launch_env(), check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed {stopped.meta['epoch']} {stopped.meta['round']}" in done.stdout
     from flodl_mpi.report import summarize

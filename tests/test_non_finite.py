@@ -31,7 +31,7 @@ def error_lines(proc):
 @pytest.mark.parametrize(("n", "kind"), [(2, "nan"), (3, "nan"), (2, "nanloss")])
 def test_a_non_finite_rank_is_quarantined_and_the_run_goes_on(tmp_path, n, kind):
     run_dir = tmp_path / "r"
-    proc = run_flodl(n, "train", *QUICK, "--run-dir", str(run_dir), env=inject(f"{kind}@1:5"), timeout=180)
+    proc = run_flodl(n, "train", *QUICK, "--run-dir", str(run_dir), env=inject(f"{kind}@1:5"), timeout=400)
     assert proc.returncode == 0, proc.stderr
     assert "round 5: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined" in proc.stdout + proc.stderr
     rounds = read_table(run_dir / "metrics.h5", "rounds")

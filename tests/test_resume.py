@@ -58,7 +58,7 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
         pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
         for pid in (int(p) for p in pids if int(p) != proc.pid):
             os.kill(pid, signal.SIGUSR1)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
         proc.communicate()  # closes the pipes
@@ -96,7 +96,7 @@ def test_resume_refuses_other_options(tmp_path):
     run_dir = tmp_path / "r"
     assert run_flodl(2, "train", "--epochs", "1", "--run-dir", str(run_dir), timeout=300).returncode == 0
     other = run_flodl(2, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", "--gamma", "0.5",
-                      timeout=120)
+                      timeout=300)
     assert other.returncode == 2
     assert "--resume: the run in" in other.stderr and "--gamma 0.5 (was 1.0)" in other.stderr
     fresh = run_flodl(2, "train", "--epochs", "1", "--run-dir", str(tmp_path / "new"), "--resume", timeout=300)
@@ -116,7 +116,7 @@ def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
         pattern = f"--run-dir {run_dir}"
         pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
         os.kill(max(int(p) for p in pids if int(p) != proc.pid), signal.SIGKILL)
-        proc.communicate(timeout=120)
+        proc.communicate(timeout=300)
     finally:
         proc.kill()
         proc.communicate()  # closes the pipes

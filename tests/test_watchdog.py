@@ -307,7 +307,7 @@ def test_a_frozen_rank_ends_the_job(tmp_path, digits):
         pid = int((tmp_path / "pid-1").read_text())
         os.kill(pid, signal.SIGSTOP)
         t_stop = time.monotonic()
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=300)
         elapsed = time.monotonic() - t_stop
     finally:
         if pid is not None:
