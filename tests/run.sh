@@ -39,14 +39,14 @@ if mpiexec --version 2>/dev/null | grep -qi 'open mpi'; then
     fi
 fi
 
-# The serial tests run in two pytest-xdist workers (FLODL_TEST_WORKERS=N for N, 0
-# for one process): much of their time is spent waiting (launchers starting,
-# watchdog and stall timeouts, signals), so two overlap even on two cores.
-# --dist loadgroup keeps the tests that share an expensive module- or
-# session-scoped run (pytest.mark.xdist_group) on one worker. --durations: the
-# slowest tests, so a CI log shows where the time goes.
+# The serial tests run in one process, or in N pytest-xdist workers with
+# FLODL_TEST_WORKERS=N (part of their time is spent waiting: launchers starting,
+# watchdog and stall timeouts, signals; whether two workers gain on two cores is
+# not yet measured on a quiet machine). --dist loadgroup keeps the tests that
+# share an expensive module- or session-scoped run (pytest.mark.xdist_group) on
+# one worker. --durations: the slowest tests, so a CI log shows where time goes.
 echo "== serial tests ($(python -c 'from flodl_mpi.launcher import mpi_library; print(mpi_library())'))"
-python -m pytest -q -n "${FLODL_TEST_WORKERS:-2}" --dist loadgroup --durations=25 "${serial[@]}" "$@"
+python -m pytest -q -n "${FLODL_TEST_WORKERS:-0}" --dist loadgroup --durations=25 "${serial[@]}" "$@"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 for n in 2 3; do
