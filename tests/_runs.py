@@ -7,17 +7,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from flodl_mpi.metrics import MetricsFile, table_schema
 from tests.conftest import run_flodl
 
 _CACHE: dict[str, Path] = {}
-
-#: The mark of every module whose tests use :func:`trained_run`: the cache is one process's,
-#: so under pytest-xdist (tests/run.sh: ``-n 2 --dist loadgroup``) they all go to one worker,
-#: which trains each run once.
-SHARED_RUNS = pytest.mark.xdist_group("trained_run")
 
 
 def trained_run(tmp_path_factory, name: str, *args: str, ranks: int = 2) -> Path:

@@ -42,11 +42,12 @@ fi
 # The serial tests run in one process, or in N pytest-xdist workers with
 # FLODL_TEST_WORKERS=N (part of their time is spent waiting: launchers starting,
 # watchdog and stall timeouts, signals; whether two workers gain on two cores is
-# not yet measured on a quiet machine). --dist loadgroup keeps the tests that
-# share an expensive module- or session-scoped run (pytest.mark.xdist_group) on
-# one worker. --durations: the slowest tests, so a CI log shows where time goes.
+# not yet measured on a quiet machine). --dist loadscope keeps each module on one
+# worker, so a module-scoped run is made once (the session-scoped runs of
+# tests/_runs.py may be made once per worker). --durations: the slowest tests, so
+# a CI log shows where the time goes.
 echo "== serial tests ($(python -c 'from flodl_mpi.launcher import mpi_library; print(mpi_library())'))"
-python -m pytest -q -n "${FLODL_TEST_WORKERS:-0}" --dist loadgroup --durations=25 "${serial[@]}" "$@"
+python -m pytest -q -n "${FLODL_TEST_WORKERS:-0}" --dist loadscope --durations=25 "${serial[@]}" "$@"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 for n in 2 3; do

@@ -19,8 +19,7 @@ import pytest
 
 from tests.conftest import launch_argv, launch_env
 
-#: xdist_group: the module's three runs (the `runs` fixture) are made once, on one pytest-xdist worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fit_stop_runs")]
+pytestmark = pytest.mark.slow
 
 #: Rank 1's training step (its train_step calls with grad, counting fit's one check call) that signals.
 STOP_AT = 12

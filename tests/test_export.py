@@ -15,9 +15,7 @@ from torch import nn
 from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict, read_checkpoint, write_checkpoint
 from flodl_mpi.export import main
 from flodl_mpi.metrics import read_table
-from tests._runs import SHARED_RUNS, trained_run
-
-pytestmark = SHARED_RUNS
+from tests._runs import trained_run
 
 
 @pytest.fixture(scope="session")

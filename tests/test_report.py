@@ -16,9 +16,7 @@ import pytest
 
 from flodl_mpi.report import differing_options, format_comparison, format_summary, main, summarize
 from flodl_mpi.runinfo import RunError, load_run
-from tests._runs import SHARED_RUNS, synthetic_rows, trained_run, write_synthetic
-
-pytestmark = SHARED_RUNS
+from tests._runs import synthetic_rows, trained_run, write_synthetic
 
 plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
 
@@ -276,7 +274,7 @@ def test_report_while_the_run_writes(tmp_path):
     finally:
         if train.poll() is None:
             os.killpg(train.pid, signal.SIGTERM)
-        train.communicate(timeout=300)
+        train.communicate(timeout=120)
 
 
 # ---------------------------------------------------------------- what a run measured (issue 7)

@@ -5,9 +5,7 @@ import pytest
 
 from flodl_mpi.metrics import read_table
 from flodl_mpi.round_profile import PHASES, RunProfile
-from tests._runs import SHARED_RUNS, trained_run
-
-pytestmark = SHARED_RUNS
+from tests._runs import trained_run
 
 
 def _row(**over):
