@@ -21,9 +21,13 @@ pytestmark = pytest.mark.slow
 #: The launcher's rank, read without importing flodl_mpi (Hydra's and Open MPI's variables).
 RANK_BEFORE_IMPORT = "int(os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '0')))"
 RANK = "__import__('flodl_mpi.launcher').launcher.launcher_rank()"
+#: Upper bound on a job that must end promptly, start-up included: it guards against a hang (or the
+#: 600 s stall timeout), never measures speed; generous for a loaded machine (CI may be 2x slower,
+#: and the serial tests run two at a time).
+PROMPT_S = 300
 
 
-def _run(tmp_path, script: str, *args: str, env: dict | None = None, timeout: float = 180.0):
+def _run(tmp_path, script: str, *args: str, env: dict | None = None, timeout: float = 400.0):
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(script))
     t0 = time.monotonic()
@@ -46,7 +50,7 @@ def test_an_error_after_the_import_aborts_the_job_at_once(tmp_path):
             avg.step()
         print("not reached", flush=True)
     """)
-    assert took < 120
+    assert took < PROMPT_S
     assert proc.returncode == 1, proc.stderr[-2000:]
     # the world's hook aborted the job, with the line the README promises
     assert ("flodl-mpi: rank 1: error: FileNotFoundError: [Errno 2] No such file or directory: "
@@ -64,7 +68,7 @@ def test_an_error_before_the_import_ends_the_peers_start_up(tmp_path):
         import flodl_mpi
         print("not reached", flush=True)
     """, env={"FLODL_MPI_START_TIMEOUT": "5"})
-    assert took < 120
+    assert took < PROMPT_S
     assert proc.returncode != 0, proc.stderr[-2000:]
     assert "not reached" not in proc.stdout
     assert "rank 1 cannot open data.h5" in proc.stderr
@@ -90,14 +94,14 @@ def test_a_spawned_worker_does_not_start_mpi(tmp_path):
                 avg.step()
             print("done", flush=True)
     """)
-    assert took < 150
+    assert took < PROMPT_S
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("worker started MPI: False") == 2 and proc.stdout.count("done") == 2
 
 
 def test_a_bad_start_timeout_is_refused_in_one_line(tmp_path):
     proc, took = _run(tmp_path, "import flodl_mpi\nprint('not reached')\n", env={"FLODL_MPI_START_TIMEOUT": "soon"})
-    assert took < 120
+    assert took < PROMPT_S
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("flodl-mpi: error: FLODL_MPI_START_TIMEOUT='soon': must be a number of seconds > 0") == 1
     assert "not reached" not in proc.stdout and "Traceback" not in proc.stderr
@@ -149,7 +153,7 @@ def _start_until_marked(tmp_path, script):
     path.write_text(textwrap.dedent(script))
     proc = subprocess.Popen(launch_argv(2, sys.executable, str(path), str(run_dir), str(marker)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + PROMPT_S
     while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     return proc, run_dir, marker
@@ -162,7 +166,7 @@ def _stop_own_loop(tmp_path):
         assert marker.exists(), "the run did not start"
         for pid in rank_pids(proc, str(run_dir)):
             os.kill(pid, signal.SIGTERM)
-        proc.communicate(timeout=120)
+        proc.communicate(timeout=PROMPT_S)
     finally:
         proc.kill()
         proc.communicate()
@@ -190,12 +194,12 @@ def test_a_stop_signal_saves_and_exits_4(tmp_path, script, signame, target):
             assert len(ranks) == 2
             os.kill(ranks[-1], getattr(signal, signame))
         t0 = time.monotonic()
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=PROMPT_S)
         took = time.monotonic() - t0
     finally:
         proc.kill()
         proc.communicate()
-    assert took < 100
+    assert took < PROMPT_S - 100  # the run had 100000 epochs to go: it stopped
     assert proc.returncode == 4, err[-3000:]
     assert err.count("flodl-mpi: stopped on request") == 1, err[-3000:]  # rank 0's line, the path reached
     assert "run the same script with resume=True to go on; exit status 4" in err
@@ -241,7 +245,7 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
             print(f"resumed {avg.epoch} {avg.bridge.version}", flush=True)
     """))
     done = subprocess.run(launch_argv(2, sys.executable, str(resume), str(run_dir)), capture_output=True, text=True,
-                          timeout=180, env=launch_env(), check=False)
+                          timeout=400, env=launch_env(), check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed {stopped.meta['epoch']} {stopped.meta['round']}" in done.stdout
     from flodl_mpi.report import summarize
@@ -278,7 +282,7 @@ UNEVEN = """
 def test_uneven_step_counts_end_at_once_naming_the_ranks(tmp_path, window, where, line):
     """One rank's loader is shorter: every rank raises the same error at the next round (was: exit 3 after 600 s)."""
     proc, took = _run(tmp_path, UNEVEN, str(window), where)
-    assert took < 120  # the stall timeout is 600 s: the error came from the boundary check
+    assert took < PROMPT_S  # the stall timeout is 600 s: the error came from the boundary check
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.count("flodl-mpi: error: the ranks called step() a different number of times") == 1
     assert line in proc.stderr, proc.stderr[-2000:]
@@ -356,7 +360,7 @@ def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, call, 
         {call}
         print("not reached", flush=True)
     """)
-    assert took < 120
+    assert took < PROMPT_S
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("flodl-mpi: error:") == 1 and line in proc.stderr, proc.stderr[-2000:]
     assert "--run-dir" not in proc.stderr and "--resume" not in proc.stderr
@@ -446,7 +450,7 @@ def test_a_quarantine_in_an_own_loop_is_logged(tmp_path):
 def test_an_own_loop_failure_ends_train_log_with_the_reason(tmp_path):
     """Every rank's loss NaN in round 5: exit 1, and train.log's last line is the reason (was: nothing)."""
     proc, took = _run(tmp_path, NAN_LOOP, str(tmp_path / "run"), "all")
-    assert took < 120
+    assert took < PROMPT_S
     assert proc.returncode == 1, proc.stderr[-2000:]
     # the NaN loss's gradients made the step's parameters NaN too
     why = ("non-finite values in round 5: rank(s) 0 (loss and parameters/buffers), 1 (loss and parameters/buffers) "
@@ -483,7 +487,7 @@ def test_a_non_finite_stop_names_the_api_keyword(tmp_path, shape):
         script = NAN_LOOP.replace("run_dir=run_dir)", "run_dir=run_dir, on_non_finite='stop')")
         proc, took = _run(tmp_path, script, str(tmp_path / "run"), "one")
         first = "non-finite values in round 5: rank(s) 1 (loss"
-    assert took < 120
+    assert took < PROMPT_S
     assert proc.returncode == 1, proc.stderr[-2000:]
     words = "had NaN or infinite values; on_non_finite='stop', so the job stops (training diverged? lower the learning"
     assert proc.stderr.count(f"flodl-mpi: error: {first}") == 1, proc.stderr[-2000:]  # the path: the stop verdict
@@ -534,7 +538,7 @@ UNEVEN_WITH = """
 def test_uneven_step_counts_record_the_batches_each_rank_trained(tmp_path):
     """Issue 7 left: the epoch the uneven counts ended had no batch rows; each rank's are there now."""
     proc, took = _run(tmp_path, UNEVEN_WITH, str(tmp_path / "run"))
-    assert took < 120
+    assert took < PROMPT_S
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.count("flodl-mpi: error: the ranks called step() a different number of times in this epoch "
                              "(rank 0 in step() call 8; rank 1 in end_epoch() after 7 step() call(s))") == 1
@@ -573,12 +577,12 @@ def test_a_stop_signal_before_the_run_opens_exits_4_at_once(tmp_path, signame, t
             for pid in rank_pids(proc, str(run_dir)):
                 os.kill(pid, getattr(signal, signame))
         t0 = time.monotonic()
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=90)
         took = time.monotonic() - t0
     finally:
         proc.kill()
         proc.communicate()
-    assert took < 30  # not the 100 s of setup: the path is the handler installed at the import
+    assert took < 60  # not the 100 s of setup: the path is the handler installed at the import
     assert proc.returncode == 4, err[-3000:]
     assert err.count(f"flodl-mpi: {signame} before the run opened (flodl_mpi.fit or Averager): nothing trained, "
                      "nothing to save; exit status 4") == 1, err[-3000:]
@@ -603,6 +607,6 @@ def test_the_scripts_own_handlers_come_back_after_the_run(tmp_path):
         print(f"after {signal.getsignal(signal.SIGTERM) is mine} "
               f"{signal.getsignal(signal.SIGINT) is signal.default_int_handler}", flush=True)
     """)
-    assert took < 120
+    assert took < PROMPT_S
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("after True True") == 2, proc.stdout

@@ -193,7 +193,7 @@ def test_a_rank_runs_the_threads_it_was_given(tmp_path, env, args, expected):
     module = tmp_path / "net.py"
     module.write_text(THREADS_MODEL.format(out=str(tmp_path / "threads")))
     proc = run_flodl(1, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), *args,
-                     env=env, timeout=120)
+                     env=env, timeout=300)
     assert proc.returncode == EXIT_INPUT and "threads recorded" in proc.stderr, proc.stderr
     assert (tmp_path / "threads.0").read_text() == str(expected)
 

@@ -31,7 +31,7 @@ def error_lines(proc):
 @pytest.mark.parametrize(("n", "kind"), [(2, "nan"), (3, "nan"), (2, "nanloss")])
 def test_a_non_finite_rank_is_quarantined_and_the_run_goes_on(tmp_path, n, kind):
     run_dir = tmp_path / "r"
-    proc = run_flodl(n, "train", *QUICK, "--run-dir", str(run_dir), env=inject(f"{kind}@1:5"), timeout=180)
+    proc = run_flodl(n, "train", *QUICK, "--run-dir", str(run_dir), env=inject(f"{kind}@1:5"), timeout=400)
     assert proc.returncode == 0, proc.stderr
     assert "round 5: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined" in proc.stdout + proc.stderr
     rounds = read_table(run_dir / "metrics.h5", "rounds")
@@ -66,8 +66,8 @@ def test_every_rank_non_finite_ends_the_job_with_one_line_and_keeps_checkpoints(
     run_dir = tmp_path / "r"
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--epochs", "3", "--model", "diverging:make", "--run-dir", str(run_dir),
-                     timeout=180, env={"PYTHONPATH": str(tmp_path)})
-    assert time.monotonic() - t0 < 170
+                     timeout=400, env={"PYTHONPATH": str(tmp_path)})
+    assert time.monotonic() - t0 < 300  # no hang, no 600 s stall (generous: a loaded machine)
     assert proc.returncode == EXIT_ERROR, proc.stderr
     lines = error_lines(proc)
     assert len(lines) == 1, proc.stderr
@@ -82,8 +82,8 @@ def test_on_non_finite_stop_ends_every_rank_with_one_line_and_keeps_checkpoints(
     # Round 40 is in epoch 2 (23 rounds per epoch at batch 32): epoch 1's checkpoint must survive.
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--on-non-finite", "stop",
-                     env=inject("nan@0:40"), timeout=180)
-    assert time.monotonic() - t0 < 170
+                     env=inject("nan@0:40"), timeout=400)
+    assert time.monotonic() - t0 < 300  # as above
     assert proc.returncode == EXIT_ERROR, proc.stderr
     lines = error_lines(proc)
     assert lines == ["flodl-mpi: error: non-finite values in round 40: rank(s) 0 (parameters/buffers) had NaN or "

@@ -63,7 +63,7 @@ def test_a_run_stopped_mid_epoch_and_resumed_equals_the_uninterrupted_one(tmp_pa
     assert a_meta.meta["test_accuracy"] == b_meta.meta["test_accuracy"]
     # Resuming with another setting is refused: the saved state means something else.
     other = run_flodl(2, "train", "--epochs", "4", "--optimizer", "adam", "--average-optimizer-state", "off",
-                      "--run-dir", str(stopped), "--resume", timeout=120)
+                      "--run-dir", str(stopped), "--resume", timeout=300)
     assert other.returncode == 2
     assert "--average-optimizer-state 'off' (was 'corrected')" in other.stderr
 

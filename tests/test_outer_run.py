@@ -61,7 +61,7 @@ def test_outer_reset_inner_clears_every_ranks_optimizer_state(tmp_path, reset):
 
 
 def test_outer_options_are_refused_without_an_outer_optimizer(tmp_path):
-    proc = run_flodl(2, "train", "--outer-lr", "0.5", "--run-dir", str(tmp_path / "r"), timeout=120)
+    proc = run_flodl(2, "train", "--outer-lr", "0.5", "--run-dir", str(tmp_path / "r"), timeout=300)
     assert proc.returncode == EXIT_INPUT
     assert ("flodl-mpi: error: --outer-lr, --outer-momentum and --outer-reset-inner take effect with --outer "
             "slowmo or nesterov; --outer avg adopts the consensus as it is") in proc.stderr

@@ -121,9 +121,9 @@ def _train_in_pty(args: list[str], timeout: float = 300) -> tuple[int, str]:
 def test_terminal_gets_a_bar_through_mpiexec(tmp_path):
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    # Batches of 2: an epoch of several hundred rounds lasts well past the bar's
-    # 0.25 s redraw interval (at the default 32 an epoch can end within it).
-    rc, out = _train_in_pty(["--run-dir", str(tmp_path / "r"), "--epochs", "2", "--batch-size", "2"])
+    # Batches of 4: an epoch of 180 rounds lasts well past the bar's 0.25 s redraw
+    # interval (at the default 32 an epoch can end within it; batches of 2 took twice the time).
+    rc, out = _train_in_pty(["--run-dir", str(tmp_path / "r"), "--epochs", "2", "--batch-size", "4"])
     assert rc == 0, out
     assert "\r" in out and "batch/s" in out and "rounds/s" in out and "loss " in out
     assert re.search(r"epoch 1/2: +\d+%", out), out          # the bar's description and percentage

@@ -274,7 +274,7 @@ def test_report_while_the_run_writes(tmp_path):
     finally:
         if train.poll() is None:
             os.killpg(train.pid, signal.SIGTERM)
-        train.communicate(timeout=120)
+        train.communicate(timeout=300)
 
 
 # ---------------------------------------------------------------- what a run measured (issue 7)

@@ -49,7 +49,7 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
                              env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err = ""
     try:
-        deadline, rows = time.monotonic() + 120, 0
+        deadline, rows = time.monotonic() + 300, 0
         while rows < 30 and time.monotonic() < deadline:  # into epoch 2 (23 rounds an epoch)
             time.sleep(0.05)
             if (stopped / "metrics.h5").exists():
@@ -58,7 +58,7 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
         pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
         for pid in (int(p) for p in pids if int(p) != proc.pid):
             os.kill(pid, signal.SIGUSR1)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
         proc.communicate()  # closes the pipes
@@ -96,7 +96,7 @@ def test_resume_refuses_other_options(tmp_path):
     run_dir = tmp_path / "r"
     assert run_flodl(2, "train", "--epochs", "1", "--run-dir", str(run_dir), timeout=300).returncode == 0
     other = run_flodl(2, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", "--gamma", "0.5",
-                      timeout=120)
+                      timeout=300)
     assert other.returncode == 2
     assert "--resume: the run in" in other.stderr and "--gamma 0.5 (was 1.0)" in other.stderr
     fresh = run_flodl(2, "train", "--epochs", "1", "--run-dir", str(tmp_path / "new"), "--resume", timeout=300)
@@ -110,13 +110,13 @@ def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
                              "--run-dir", str(run_dir)),
                              env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
             time.sleep(0.05)
         pattern = f"--run-dir {run_dir}"
         pids = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
         os.kill(max(int(p) for p in pids if int(p) != proc.pid), signal.SIGKILL)
-        proc.communicate(timeout=120)
+        proc.communicate(timeout=300)
     finally:
         proc.kill()
         proc.communicate()  # closes the pipes
@@ -215,12 +215,12 @@ def test_a_model_the_checkpoint_cannot_store_is_refused_before_training(tmp_path
     module.write_text(ODD_MODEL)
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--model", f"{module}:make_complex", "--epochs", "1", "--run-dir",
-                     str(tmp_path / "r"), timeout=120)
+                     str(tmp_path / "r"), timeout=300)
     assert proc.returncode == EXIT_INPUT, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("flodl-mpi:")]
     assert errors == [("flodl-mpi: error: the model's state cannot be saved in a checkpoint: tensor 'phase' has "
                        "dtype complex64; expected floating, integer or bool")]
-    assert "epoch 1" not in proc.stdout and time.monotonic() - t0 < 100
+    assert "epoch 1" not in proc.stdout and time.monotonic() - t0 < 200  # generous: a loaded machine
     # Nothing left on disk (the run dir this run made is removed), so the same command can run again.
     assert not (tmp_path / "r").exists()
 
@@ -358,10 +358,10 @@ def test_a_final_save_slower_than_any_fixed_cap_completes(tmp_path):
 def test_a_hung_final_save_is_ended_by_the_watchdog(tmp_path):
     t0 = time.monotonic()
     proc = run_hooked(1, "--save-delay", "1e6", "--", "train", "--epochs", "1", "--stall-timeout", "3",
-                      "--run-dir", str(tmp_path / "r"), timeout=120)
+                      "--run-dir", str(tmp_path / "r"), timeout=300)
     assert proc.returncode == EXIT_STALL, proc.stderr[-3000:]
     assert "watchdog: no rank made progress" in proc.stderr and "in the final save" in proc.stderr
-    assert time.monotonic() - t0 < 90
+    assert time.monotonic() - t0 < 200  # the save never ends: the watchdog did (generous: load)
 
 
 # ---------------------------------------------------------------- checkpoints of an older flodl-mpi

@@ -61,7 +61,7 @@ def test_a_re_assigned_buffer_is_averaged_into_the_checkpoint(tmp_path):
     assert np.abs(means[0] - means[1]).max() > 0.1  # rank 0's own value would be visibly wrong
     run_dir = tmp_path / "r"
     proc = run_flodl(2, "train", "--epochs", "1", "--batch-size", str(batch_size), "--model", "reassigning:make",
-                     "--run-dir", str(run_dir), timeout=180, env={"PYTHONPATH": str(tmp_path)})
+                     "--run-dir", str(run_dir), timeout=400, env={"PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     # Buffers are averaged with equal weight among the ranks that moved (SPEC §1).
@@ -72,8 +72,8 @@ def test_a_buffer_replaced_with_another_shape_ends_the_job_naming_it(tmp_path):
     (tmp_path / "reassigning.py").write_text(MODEL)
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--epochs", "1", "--model", "reassigning:make_bad", "--run-dir",
-                     str(tmp_path / "r"), timeout=120, env={"PYTHONPATH": str(tmp_path)})
-    assert time.monotonic() - t0 < 110
+                     str(tmp_path / "r"), timeout=400, env={"PYTHONPATH": str(tmp_path)})
+    assert time.monotonic() - t0 < 300  # no hang, no 600 s stall (generous: a loaded machine)
     assert proc.returncode == EXIT_ERROR, proc.stderr
     assert ("ReplacedTensorError: model buffer 'stat' was replaced by a (32,) torch.float32 tensor; it was (64,) "
             "torch.float32 when training started") in proc.stderr

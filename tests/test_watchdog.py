@@ -188,13 +188,13 @@ def slow_model(tmp_path, forward_s=0.0, factory_s=0.0):
         f"        if self.training and MPI.COMM_WORLD.rank == 1 and {forward_s!r}:\n"
         f"            time.sleep({forward_s!r})\n"
         "        return super().forward(x)\n"
-        "def make(input_shape, num_classes):\n"
+        "def make_slow_net(input_shape, num_classes):\n"
         "    rank = MPI.COMM_WORLD.rank\n"
         f"    open(os.path.join({str(tmp_path)!r}, f'pid-{{rank}}'), 'w').write(str(os.getpid()))\n"
         f"    if rank == 1:\n"
         f"        time.sleep({factory_s!r})\n"
         "    return Net(input_shape[0], num_classes)\n")
-    return f"{module}:make"
+    return f"{module}:make_slow_net"
 
 
 def stall_age(stderr):
@@ -238,15 +238,17 @@ def test_a_rank_hung_in_setup_is_named_and_ends_the_job(tmp_path, digits):
     # past the timeout while rank 0 waits for it.
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--data", digits, "--model", slow_model(tmp_path, factory_s=600),
-                     "--stall-timeout", f"{STALL:g}", "--run-dir", str(tmp_path / "r"), timeout=180)
+                     "--stall-timeout", f"{STALL:g}", "--run-dir", str(tmp_path / "r"), timeout=400)
     elapsed = time.monotonic() - t0
     assert proc.returncode == EXIT_STALL, proc.stderr
     assert ("(stall timeout 4 s): rank 1 working on setup step 'model' (last progress: setup step 'data' "
             "finished)") in proc.stderr
     assert "rank 0 waited for it" in proc.stderr
-    assert "in make\n" in proc.stderr.split("rank 1: watchdog: this rank's stacks:")[1]  # rank 1's stack: the factory
+    # rank 1's stack: the factory. faulthandler writes " in ", the name and "\n" one write each, and both ranks
+    # dump at once into the shared stderr: the name alone is one piece, the other rank's stack never has it
+    assert "make_slow_net" in proc.stderr.split("rank 1: watchdog: this rank's stacks:")[1]
     assert STALL <= stall_age(proc.stderr) < STALL + stall_slack(STALL) + 10  # printed to 0.1 s; generous bound
-    assert elapsed < 150
+    assert elapsed < 300  # no 600 s hang (generous: a loaded machine)
     assert not (tmp_path / "r").exists()  # nothing was created before the stall
 
 
@@ -258,10 +260,14 @@ def last_log_line(run_dir):
 
 
 def printed_verdict(stderr, prefix="flodl-mpi: watchdog: "):
-    """The watchdog's verdict as printed: from ``prefix`` to the text before the stacks."""
-    line = next(line for line in stderr.splitlines() if line.startswith(prefix))
-    return line[len("flodl-mpi: "):line.index("; every rank's stacks follow" if "every rank" in line
-                                                else "; stacks follow")]
+    """The watchdog's verdict as printed: from ``prefix`` (less ``flodl-mpi: ``) to the text before the stacks.
+
+    Searched, not matched at a line's start: the other rank dumps its stacks at the same time
+    (faulthandler writes them piece by piece), and a piece may land just before this line.
+    """
+    printed = re.search(re.escape(prefix) + r"(.*?); (?:every rank's )?stacks follow", stderr)
+    assert printed is not None, stderr[-3000:]
+    return prefix[len("flodl-mpi: "):] + printed.group(1)
 
 
 @pytest.mark.parametrize("hung", [1, 0])
@@ -271,15 +277,15 @@ def test_a_rank_hung_in_its_training_step_is_named_and_ends_the_job(tmp_path, di
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--data", digits, "--epochs", "1", "--batch-size", "64",
                      "--run-dir", str(run_dir), "--stall-timeout", f"{STALL:g}",
-                     env={"FLODL_MPI_FAULT": f"hang@{hung}:2"}, timeout=180)
+                     env={"FLODL_MPI_FAULT": f"hang@{hung}:2"}, timeout=400)
     elapsed = time.monotonic() - t0
     assert f"injected fault: rank {hung} hangs in round 2" in proc.stderr  # the hang was the fault's, not another
     assert proc.returncode == EXIT_STALL, proc.stderr
     assert f"(stall timeout 4 s): rank {hung} working on training (last progress: " in proc.stderr
     assert f"rank {1 - hung} waited for it" in proc.stderr
-    assert "in _fault_hook" in proc.stderr.split(f"rank {hung}: watchdog: this rank's stacks:")[1]  # hung there
+    assert "_fault_hook" in proc.stderr.split(f"rank {hung}: watchdog: this rank's stacks:")[1]  # hung there (as above)
     assert STALL <= stall_age(proc.stderr) < STALL + stall_slack(STALL) + 10
-    assert elapsed < 150  # the note in train.log keeps the exit prompt
+    assert elapsed < 300  # the note in train.log keeps the exit prompt (generous: a loaded machine)
     # train.log ends with the verdict rank 0 printed (README: it ends with the reason when a run fails)
     assert last_log_line(run_dir) == f"run failed: {printed_verdict(proc.stderr)}"
 
@@ -293,7 +299,7 @@ def test_a_frozen_rank_ends_the_job(tmp_path, digits):
                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pid = None
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not (run_dir / "metrics.h5").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (run_dir / "metrics.h5").exists(), "the run did not start"
@@ -301,7 +307,7 @@ def test_a_frozen_rank_ends_the_job(tmp_path, digits):
         pid = int((tmp_path / "pid-1").read_text())
         os.kill(pid, signal.SIGSTOP)
         t_stop = time.monotonic()
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=300)
         elapsed = time.monotonic() - t_stop
     finally:
         if pid is not None:
