@@ -123,6 +123,8 @@ class Replica:
         #: The params as the last :meth:`snapshot` saw them, kept apart from the staging and
         #: from the live tensors (``keep_snapshot``: the ``delta`` adoption reads them).
         self.kept: list[torch.Tensor] = []
+        #: The floating buffers at the last snapshot, likewise (``keep_snapshot``).
+        self.kept_buffers: list[torch.Tensor] = []
         self.keep_snapshot = False
 
     def _plan_slots(self) -> None:
@@ -239,8 +241,11 @@ class Replica:
         if self.keep_snapshot:
             if not self.kept:  # allocated once, on the params' device, in their dtype: never a view of them
                 self.kept = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+                self.kept_buffers = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in buffers]
             for dst, src in zip(self.kept, params):
                 dst.copy_(src.detach())
+            for dst, src in zip(self.kept_buffers, buffers):
+                dst.copy_(src)
         _wait_for_device(params, buffers)
         self._live = (params, buffers)
 
@@ -254,15 +259,21 @@ class Replica:
 
         Args:
             alpha: the EASGD blend of the ``async`` policy (SPEC §2 step 8): each
-                param becomes ``theta + alpha * (consensus - theta)``, in place; 1.0
-                (default) overwrites. Buffers are always overwritten. Bound params
-                (which *are* the staging) take only 1.0.
+                param and floating buffer becomes ``theta + alpha * (consensus - theta)``,
+                in place; 1.0 (default) overwrites. Bound params (which *are* the
+                staging) take only 1.0.
             delta: the ``delta`` adoption of the ``async`` policy instead: each param
-                becomes ``consensus + (theta - theta_snapshot)``, the consensus plus
-                this rank's own steps since the snapshot the round averaged (delayed
-                averaging: Shen et al. 2019, "Faster Distributed Deep Net Training:
-                Computation and Communication Decoupled SGD", arXiv:1906.12043).
-                Needs ``keep_snapshot``; ``alpha`` must then be 1.
+                and floating buffer becomes ``consensus + (theta - theta_snapshot)``, the
+                consensus plus this rank's own steps since the snapshot the round
+                averaged (delayed averaging: Shen et al. 2019, "Faster Distributed Deep
+                Net Training: Computation and Communication Decoupled SGD",
+                arXiv:1906.12043). Needs ``keep_snapshot``; ``alpha`` must then be 1.
+
+        Buffers follow the params' rule: under async the rank trained on since the
+        snapshot, and its buffers (BatchNorm's running statistics) moved with it;
+        overwriting them with the consensus of the snapshot would throw those moves
+        away at every round, and the snapshot after the adoption would hold the
+        previous consensus again: the statistics would stay at the first round's.
 
         Raises:
             ValueError: ``alpha`` outside (0, 1], ``alpha != 1`` or ``delta`` with bound
@@ -297,8 +308,15 @@ class Replica:
         elif not self.bound:
             for dst, src in zip(params, bridge.param_tensors):
                 dst.copy_(src, non_blocking=True)
-        for dst, src in zip(buffers, bridge.buffer_tensors):
-            dst.copy_(src, non_blocking=True)
+        if delta:
+            for dst, src, kept in zip(buffers, bridge.buffer_tensors, self.kept_buffers):
+                dst.sub_(kept).add_(src.to(dst.device, dst.dtype, non_blocking=True))
+        elif alpha != 1.0:
+            for dst, src in zip(buffers, bridge.buffer_tensors):
+                dst.lerp_(src.to(dst.device, dst.dtype, non_blocking=True), alpha)
+        else:
+            for dst, src in zip(buffers, bridge.buffer_tensors):
+                dst.copy_(src, non_blocking=True)
 
     @contextlib.contextmanager
     def consensus_in_place(self, bridge: Bridge):
