@@ -29,7 +29,7 @@ from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num
 from flodl_mpi.faults import Fault, InjectedFault
 from flodl_mpi.optimizer_state import OptimizerStateAverager, resolve_mode
 from flodl_mpi.progress import EpochProgress
-from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
+from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch, excluded_words
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.task import ClassificationTask
 
@@ -531,7 +531,7 @@ class Trainer:
             reports = meta.get("epoch_reports") or {source: attrs["epoch_report"]}
             mine = [EpochReport(**reports[r]) for r in range(old_size) if r % self.world_size == self.rank]
             carried = EpochReport()
-            for f in ("loss_sum", "batches", "samples", "epoch_ms", "compute_ms", "data_ms"):
+            for f in ("loss_sum", "batches", "nonfinite_batches", "samples", "epoch_ms", "compute_ms", "data_ms"):
                 setattr(carried, f, sum((getattr(r, f) for r in mine), type(getattr(carried, f))()))
             self._carried = carried
         self.epoch_rows = int(meta["metrics_rows"]["epochs"])
@@ -611,7 +611,8 @@ class Trainer:
                 self._adopt(update)
             else:
                 update = self._async_round(len(mine), facts)
-            self.progress.update(cursor, report.loss_sum / max(report.batches, 1), self.bridge.version)
+            self.progress.update(cursor, report.loss_sum / max(report.batches - report.nonfinite_batches, 1),
+                                 self.bridge.version)
             if self.writer is not None:
                 self.writer.check()  # a disk error on rank 0 ends the job now, not at the epoch's end
             if update is not None and update.stop:
@@ -674,7 +675,10 @@ class Trainer:
         t2 = time.perf_counter()
         self.steps += 1
         self.global_step += 1
-        report.loss_sum += loss_value
+        if math.isfinite(loss_value):
+            report.loss_sum += loss_value
+        else:  # trained, quarantined by the round: left out of the epoch's loss, counted
+            report.nonfinite_batches += 1
         report.batches += 1
         report.samples += len(idx)
         report.data_ms += 1e3 * (t1 - t0)
@@ -769,7 +773,8 @@ class Trainer:
             # What was measured, no more: an epoch not evaluated has no test numbers, a regression no accuracy.
             tests = "".join(f"  {name} {value:.4f}" for name, value in
                             (("test_loss", s.test_loss), ("test_acc", s.test_accuracy)) if math.isfinite(value))
-            self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}{tests}"
+            self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}"
+                     f"{excluded_words(s.nonfinite_batches)}{tests}"
                      f"{self.task.epoch_words()}  rounds {s.rounds}  {s.epoch_ms / 1e3:.1f} s")
             self.log_detail("  per rank: " + "; ".join(
                 f"r{r} {s.per_rank_throughput[r]:.0f} samples/s, {s.per_rank_batches[r]} batches, "

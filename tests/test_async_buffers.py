@@ -76,7 +76,6 @@ def test_easgd_buffers_blend_like_the_params():
     assert _async_run("easgd", (1, 3), 3) == [4.0, 4.0]
 
 
-@pytest.mark.mpi
 def test_an_async_run_saves_running_statistics_that_follow_training(tmp_path):
     """Built-in MLP (BatchNorm) on digits, 2 ranks, async, 3 epochs: each checkpoint's
     running mean and variance differ from the previous one's (the trial saw them equal in
