@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["EPOCH_FIELDS", "BATCH_COLUMNS", "EpochReport", "EpochSummary", "aggregate_epoch"]
+__all__ = ["EPOCH_FIELDS", "BATCH_COLUMNS", "EpochReport", "EpochSummary", "aggregate_epoch", "excluded_words"]
 
 #: Columns of a per-batch record, in order (float64 on the wire).
 BATCH_COLUMNS = ("rank", "epoch", "step", "batch_ms", "data_ms", "loss", "lr", "param_norm")

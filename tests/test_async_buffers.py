@@ -5,10 +5,10 @@ each window's own updates were thrown away and the next snapshot held the previo
 consensus again: the statistics stayed at the first round's for the whole run.
 """
 
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 from torch import nn
 
@@ -97,6 +97,6 @@ def test_an_async_run_saves_running_statistics_that_follow_training(tmp_path):
     for s in stats:
         assert all(np.all(np.isfinite(v)) for v in s.values())
         assert all(np.all(v > 0) for k, v in s.items() if k.endswith("running_var"))
-    for before, after in zip(stats, stats[1:]):
+    for before, after in itertools.pairwise(stats):
         for k in before:
             assert not np.array_equal(before[k], after[k]), k
