@@ -372,6 +372,7 @@ class Averager:
     def _new_epoch(self) -> None:
         self._t_epoch = self._t_last = time.perf_counter()
         self._loss_sum, self._batches, self._samples, self._compute_ms = 0.0, 0, 0, 0.0
+        self._nonfinite = 0  # batches with a given loss that was NaN/Inf: out of _loss_sum, counted
         self._samples_known = True  # every realized step of the epoch gave samples=
         self._epoch_calls = 0  # step() calls in this epoch: end_epoch() and close() check they agree
         self._rows: list[tuple] = []
@@ -433,7 +434,10 @@ class Averager:
         self._epoch_calls += 1
         if n:
             self._batches += 1
-            self._loss_sum += loss_value  # NaN without a loss: avg_loss says "not recorded", not 0
+            if loss is not None and not math.isfinite(loss_value):
+                self._nonfinite += 1  # quarantined by the round: out of the epoch's loss, counted
+            else:
+                self._loss_sum += loss_value  # NaN without a loss: avg_loss says "not recorded", not 0
             if samples is None:
                 self._samples_known = False
             else:
@@ -540,11 +544,11 @@ class Averager:
             raise words from exc.__cause__
 
     def _end_epoch(self, sums: dict[str, tuple[float, float]]) -> EpochResult:
-        from flodl_mpi.reporting import EpochReport
+        from flodl_mpi.reporting import EpochReport, excluded_words
 
         # Shaped like a round: a peer still in step() sees this rank's end in its round (clear error, not a hang)
         self.bridge.boundary(1, self._epoch_calls)
-        report = EpochReport(loss_sum=self._loss_sum, batches=self._batches,
+        report = EpochReport(loss_sum=self._loss_sum, batches=self._batches, nonfinite_batches=self._nonfinite,
                              samples=self._samples if self._samples_known else -1,
                              epoch_ms=1e3 * (time.perf_counter() - self._t_epoch), compute_ms=self._compute_ms)
         _fill_test(report, sums)
@@ -565,7 +569,8 @@ class Averager:
         if self.run_dir is not None and (due or "checkpoint" in boundary.intents):
             path = self._save(summary, "checkpoint")
         tests = "".join(f"  test_{k} {v:.4f}" for k, v in boundary.metrics.items())
-        self._log(f"epoch {self.epoch}  loss {summary.avg_loss:.4f}{tests}  rounds {summary.rounds}  "
+        self._log(f"epoch {self.epoch}  loss {summary.avg_loss:.4f}{excluded_words(summary.nonfinite_batches)}"
+                  f"{tests}  rounds {summary.rounds}  "
                   f"{summary.epoch_ms / 1e3:.1f} s")
         self._new_epoch()
         return EpochResult(self.epoch, summary, dict(boundary.scalars), dict(boundary.metrics), boundary.intents,

@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", choices=POLICIES,
                    help="when ranks average: sync after every batch, window after every --window batches, cadence "
                         "after per-rank quotas that make uneven ranks arrive together (the ElChe balancer), async "
-                        "as cadence while training goes on during the round (EASGD blend on adoption) "
+                        "as cadence while training goes on during the round (its consensus adopted by --async-adopt) "
                         f"(default {d.policy})")
     g.add_argument("--window", type=int,
                    help="batches each rank trains between rounds; above 1 it implies --policy window")

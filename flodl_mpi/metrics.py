@@ -99,6 +99,7 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             "per_rank_compute_ms": (_F64, W), "per_rank_data_ms": (_F64, W),
             "per_rank_share_complete_ms": (_F64, W),  # compute + data wait (SPEC §5)
             "test_loss": (_F64, ()), "test_accuracy": (_F64, ()),
+            "nonfinite_batches": (_I64, ()),  # batches whose loss was NaN/Inf: not in the losses
         },
         "batches": {
             "rank": (_I32, ()), "epoch": (_I64, ()), "step": (_I64, ()),

@@ -46,6 +46,15 @@ def _or_zero(col: np.ndarray | None) -> np.ndarray:
     return np.zeros(0) if col is None else col
 
 
+def _async_adoption(cfg: dict) -> str:
+    """How an async run adopted, from its config.json: ``async_adopt`` (None: the default,
+    delta; a config written before the option existed: EASGD, then the only one)."""
+    adopt = cfg.get("async_adopt", "easgd") or "delta"
+    if adopt == "easgd":
+        return f"adopt easgd, alpha {cfg.get('easgd_alpha') or 0.5:g}"
+    return f"adopt {adopt}"
+
+
 def describe_policy(run: Run) -> str:
     """When the run's ranks averaged, in the policy's own words (a window is a fixed policy's notion)."""
     cfg = run.config
@@ -60,7 +69,7 @@ def describe_policy(run: Run) -> str:
         anchor, top = cfg.get("anchor") or 10, cfg.get("max_anchor") or max(1000, cfg.get("anchor") or 10)
         span = f"{anchor}, 1 to {top}" if policy == "async" else f"{anchor} to {top}"  # async also shrinks it
         text = f"policy {policy} (ElChe quotas per rank, anchor {span}"
-        return text + (f", EASGD alpha {cfg.get('easgd_alpha') or 0.5:g})" if policy == "async" else ")")
+        return text + (f", {_async_adoption(cfg)})" if policy == "async" else ")")
     return f"policy {policy}"
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["EPOCH_FIELDS", "BATCH_COLUMNS", "EpochReport", "EpochSummary", "aggregate_epoch"]
+__all__ = ["EPOCH_FIELDS", "BATCH_COLUMNS", "EpochReport", "EpochSummary", "aggregate_epoch", "excluded_words"]
 
 #: Columns of a per-batch record, in order (float64 on the wire).
 BATCH_COLUMNS = ("rank", "epoch", "step", "batch_ms", "data_ms", "loss", "lr", "param_norm")
@@ -21,8 +21,9 @@ BATCH_COLUMNS = ("rank", "epoch", "step", "batch_ms", "data_ms", "loss", "lr", "
 class EpochReport:
     """One rank's epoch, sent in the epoch exchange.
 
-    Attributes (all per rank, this epoch): ``loss_sum`` (sum of batch losses),
-    ``batches``, ``samples`` (-1: not recorded, an own loop whose ``step()``
+    Attributes (all per rank, this epoch): ``loss_sum`` (sum of the finite batch
+    losses), ``batches`` (trained), ``nonfinite_batches`` (of them, those whose loss was
+    NaN or infinite: left out of ``loss_sum``; the round quarantines such a rank), ``samples`` (-1: not recorded, an own loop whose ``step()``
     calls did not give ``samples=``), ``epoch_ms`` (wall ms of the epoch's windows and
     rounds, evaluation excluded), ``compute_ms`` (forward, backward, step), ``data_ms`` (waiting
     for batches), ``test_loss_sum``, ``test_correct`` and ``test_count`` (this
@@ -39,6 +40,7 @@ class EpochReport:
     test_loss_sum: float = 0.0
     test_correct: float = 0.0
     test_count: int = 0
+    nonfinite_batches: int = 0
 
     def to_row(self) -> np.ndarray:
         """float64 ``(len(EPOCH_FIELDS),)``."""
@@ -79,8 +81,16 @@ class EpochSummary:
     test_loss: float
     test_accuracy: float
     test_count: int
+    #: Batches whose loss was not finite, over all ranks: left out of the losses.
+    nonfinite_batches: int = 0
     #: Per-batch records gathered for this exchange (set by the bridge).
     batch_records: int = 0
+
+
+def excluded_words(nonfinite_batches: int) -> str:
+    """The log's note after the epoch's loss: `` (1 non-finite batch excluded)``; empty for none."""
+    n = int(nonfinite_batches)
+    return f" ({n} non-finite batch{'es' if n != 1 else ''} excluded)" if n else ""
 
 
 def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None) -> EpochSummary:
@@ -94,7 +104,8 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None
             None: each rank's share of the epoch's batches.
 
     Returns:
-        :class:`EpochSummary`: ``avg_loss = Σ loss_sum / Σ batches``; ``epoch_ms``
+        :class:`EpochSummary`: ``avg_loss = Σ loss_sum / Σ (batches - nonfinite_batches)``
+        (the finite batch losses' mean; NaN when there is none); ``epoch_ms``
         is the slowest rank's; a rank with no batches gets NaN loss and zero
         throughput (SPEC §5); a rank whose samples are not recorded (-1) NaN
         throughput; ``test_accuracy`` NaN unless every rank that evaluated
@@ -103,8 +114,10 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None
     col = {name: matrix[:, i] for i, name in enumerate(EPOCH_FIELDS)}
     batches = col["batches"].astype(np.int64)
     total = int(batches.sum())
+    nonfinite = col["nonfinite_batches"].astype(np.int64)
+    finite = batches - nonfinite  # the batches whose loss is in loss_sum
     with np.errstate(invalid="ignore", divide="ignore"):
-        per_rank_loss = np.where(batches > 0, col["loss_sum"] / np.maximum(batches, 1), np.nan)
+        per_rank_loss = np.where(finite > 0, col["loss_sum"] / np.maximum(finite, 1), np.nan)
         busy_s = (col["compute_ms"] + col["data_ms"]) / 1e3
         throughput = np.where(busy_s > 0, col["samples"] / np.where(busy_s > 0, busy_s, 1.0), 0.0)
     throughput = np.where(col["samples"] < 0, np.nan, throughput)
@@ -119,7 +132,7 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None
     return EpochSummary(
         epoch=int(epoch),
         rounds=int(rounds),
-        avg_loss=float(col["loss_sum"].sum() / total) if total else float("nan"),
+        avg_loss=float(col["loss_sum"].sum() / finite.sum()) if finite.sum() else float("nan"),
         epoch_ms=float(col["epoch_ms"].max()),
         batches=total,
         per_rank_loss=per_rank_loss,
@@ -134,4 +147,5 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None
         test_loss=float(col["test_loss_sum"].sum() / test_count) if test_count else float("nan"),
         test_accuracy=float(correct.sum() / test_count) if measured else float("nan"),
         test_count=test_count,
+        nonfinite_batches=int(nonfinite.sum()),
     )

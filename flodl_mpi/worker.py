@@ -29,7 +29,7 @@ from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num
 from flodl_mpi.faults import Fault, InjectedFault
 from flodl_mpi.optimizer_state import OptimizerStateAverager, resolve_mode
 from flodl_mpi.progress import EpochProgress
-from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
+from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch, excluded_words
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.task import ClassificationTask
 
@@ -123,6 +123,8 @@ class Replica:
         #: The params as the last :meth:`snapshot` saw them, kept apart from the staging and
         #: from the live tensors (``keep_snapshot``: the ``delta`` adoption reads them).
         self.kept: list[torch.Tensor] = []
+        #: The floating buffers at the last snapshot, likewise (``keep_snapshot``).
+        self.kept_buffers: list[torch.Tensor] = []
         self.keep_snapshot = False
 
     def _plan_slots(self) -> None:
@@ -239,8 +241,11 @@ class Replica:
         if self.keep_snapshot:
             if not self.kept:  # allocated once, on the params' device, in their dtype: never a view of them
                 self.kept = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+                self.kept_buffers = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in buffers]
             for dst, src in zip(self.kept, params):
                 dst.copy_(src.detach())
+            for dst, src in zip(self.kept_buffers, buffers):
+                dst.copy_(src)
         _wait_for_device(params, buffers)
         self._live = (params, buffers)
 
@@ -254,15 +259,21 @@ class Replica:
 
         Args:
             alpha: the EASGD blend of the ``async`` policy (SPEC §2 step 8): each
-                param becomes ``theta + alpha * (consensus - theta)``, in place; 1.0
-                (default) overwrites. Buffers are always overwritten. Bound params
-                (which *are* the staging) take only 1.0.
+                param and floating buffer becomes ``theta + alpha * (consensus - theta)``,
+                in place; 1.0 (default) overwrites. Bound params (which *are* the
+                staging) take only 1.0.
             delta: the ``delta`` adoption of the ``async`` policy instead: each param
-                becomes ``consensus + (theta - theta_snapshot)``, the consensus plus
-                this rank's own steps since the snapshot the round averaged (delayed
-                averaging: Shen et al. 2019, "Faster Distributed Deep Net Training:
-                Computation and Communication Decoupled SGD", arXiv:1906.12043).
-                Needs ``keep_snapshot``; ``alpha`` must then be 1.
+                and floating buffer becomes ``consensus + (theta - theta_snapshot)``, the
+                consensus plus this rank's own steps since the snapshot the round
+                averaged (delayed averaging: Shen et al. 2019, "Faster Distributed Deep
+                Net Training: Computation and Communication Decoupled SGD",
+                arXiv:1906.12043). Needs ``keep_snapshot``; ``alpha`` must then be 1.
+
+        Buffers follow the params' rule: under async the rank trained on since the
+        snapshot, and its buffers (BatchNorm's running statistics) moved with it;
+        overwriting them with the consensus of the snapshot would throw those moves
+        away at every round, and the snapshot after the adoption would hold the
+        previous consensus again: the statistics would stay at the first round's.
 
         Raises:
             ValueError: ``alpha`` outside (0, 1], ``alpha != 1`` or ``delta`` with bound
@@ -297,8 +308,15 @@ class Replica:
         elif not self.bound:
             for dst, src in zip(params, bridge.param_tensors):
                 dst.copy_(src, non_blocking=True)
-        for dst, src in zip(buffers, bridge.buffer_tensors):
-            dst.copy_(src, non_blocking=True)
+        if delta:
+            for dst, src, kept in zip(buffers, bridge.buffer_tensors, self.kept_buffers):
+                dst.sub_(kept).add_(src.to(dst.device, dst.dtype, non_blocking=True))
+        elif alpha != 1.0:
+            for dst, src in zip(buffers, bridge.buffer_tensors):
+                dst.lerp_(src.to(dst.device, dst.dtype, non_blocking=True), alpha)
+        else:
+            for dst, src in zip(buffers, bridge.buffer_tensors):
+                dst.copy_(src, non_blocking=True)
 
     @contextlib.contextmanager
     def consensus_in_place(self, bridge: Bridge):
@@ -513,7 +531,7 @@ class Trainer:
             reports = meta.get("epoch_reports") or {source: attrs["epoch_report"]}
             mine = [EpochReport(**reports[r]) for r in range(old_size) if r % self.world_size == self.rank]
             carried = EpochReport()
-            for f in ("loss_sum", "batches", "samples", "epoch_ms", "compute_ms", "data_ms"):
+            for f in ("loss_sum", "batches", "nonfinite_batches", "samples", "epoch_ms", "compute_ms", "data_ms"):
                 setattr(carried, f, sum((getattr(r, f) for r in mine), type(getattr(carried, f))()))
             self._carried = carried
         self.epoch_rows = int(meta["metrics_rows"]["epochs"])
@@ -593,7 +611,8 @@ class Trainer:
                 self._adopt(update)
             else:
                 update = self._async_round(len(mine), facts)
-            self.progress.update(cursor, report.loss_sum / max(report.batches, 1), self.bridge.version)
+            self.progress.update(cursor, report.loss_sum / max(report.batches - report.nonfinite_batches, 1),
+                                 self.bridge.version)
             if self.writer is not None:
                 self.writer.check()  # a disk error on rank 0 ends the job now, not at the epoch's end
             if update is not None and update.stop:
@@ -656,7 +675,10 @@ class Trainer:
         t2 = time.perf_counter()
         self.steps += 1
         self.global_step += 1
-        report.loss_sum += loss_value
+        if math.isfinite(loss_value):
+            report.loss_sum += loss_value
+        else:  # trained, quarantined by the round: left out of the epoch's loss, counted
+            report.nonfinite_batches += 1
         report.batches += 1
         report.samples += len(idx)
         report.data_ms += 1e3 * (t1 - t0)
@@ -751,7 +773,8 @@ class Trainer:
             # What was measured, no more: an epoch not evaluated has no test numbers, a regression no accuracy.
             tests = "".join(f"  {name} {value:.4f}" for name, value in
                             (("test_loss", s.test_loss), ("test_acc", s.test_accuracy)) if math.isfinite(value))
-            self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}{tests}"
+            self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}"
+                     f"{excluded_words(s.nonfinite_batches)}{tests}"
                      f"{self.task.epoch_words()}  rounds {s.rounds}  {s.epoch_ms / 1e3:.1f} s")
             self.log_detail("  per rank: " + "; ".join(
                 f"r{r} {s.per_rank_throughput[r]:.0f} samples/s, {s.per_rank_batches[r]} batches, "

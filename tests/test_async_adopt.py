@@ -44,7 +44,8 @@ def _round(replica, bridge, consensus, buffer_consensus, trained):
 
 def test_delta_adoption_is_the_consensus_plus_the_ranks_own_steps_since_the_snapshot():
     # snapshot [1, 2]; trained on to [1.5, 1]; consensus [3, 4]:
-    # delta: [3 + (1.5 - 1), 4 + (1 - 2)] = [3.5, 3]. The buffer is overwritten: [9].
+    # delta: [3 + (1.5 - 1), 4 + (1 - 2)] = [3.5, 3]. The buffer by the same rule:
+    # snapshot 5, trained on to 7, consensus 9: 9 + (7 - 5) = 11.
     replica = Replica(Tiny(), torch.device("cpu"))
     replica.keep_snapshot = True
     bridge = staging(replica)
@@ -54,18 +55,19 @@ def test_delta_adoption_is_the_consensus_plus_the_ranks_own_steps_since_the_snap
     assert not _overlap(kept, live) and not _overlap(kept, bridge.param_tensors[0])
     replica.adopt(bridge, delta=True)
     assert torch.equal(replica.params[0].detach(), torch.tensor([3.5, 3.0]))
-    assert torch.equal(replica.float_buffers[0], torch.tensor([9.0]))
+    assert torch.equal(replica.float_buffers[0], torch.tensor([11.0]))
     assert replica.params[0] is live  # in place: the optimizer's Parameter keeps its storage
 
 
 def test_easgd_adoption_blends_the_consensus_in():
-    # live [1.5, 1], consensus [3, 4], alpha 0.5: [1.5 + 0.5 (3 - 1.5), 1 + 0.5 (4 - 1)] = [2.25, 2.5].
+    # live [1.5, 1], consensus [3, 4], alpha 0.5: [1.5 + 0.5 (3 - 1.5), 1 + 0.5 (4 - 1)] = [2.25, 2.5];
+    # the buffer likewise: 7 + 0.5 (9 - 7) = 8.
     replica = Replica(Tiny(), torch.device("cpu"))
     bridge = staging(replica)
     _round(replica, bridge, [3.0, 4.0], [9.0], trained=[1.5, 1.0])
     replica.adopt(bridge, alpha=0.5)
     assert torch.equal(replica.params[0].detach(), torch.tensor([2.25, 2.5]))
-    assert torch.equal(replica.float_buffers[0], torch.tensor([9.0]))
+    assert torch.equal(replica.float_buffers[0], torch.tensor([8.0]))
 
 
 def test_delta_with_nothing_trained_since_the_snapshot_is_the_consensus_exactly():

@@ -61,7 +61,8 @@ def test_schema_shapes():
     assert schema["rounds"]["quota"] == (np.dtype(np.int64), (4,))
     for name in ("control_ms", "round_ms", "bridge_ms", "wait_ms"):  # where the round's time went (issues 6, 9)
         assert schema["rounds"][name] == (np.dtype(np.float64), (4,))
-    assert len(schema["rounds"]) == 24 and len(schema["epochs"]) == 17 and len(schema["batches"]) == 8
+    assert schema["epochs"]["nonfinite_batches"] == (np.dtype(np.int64), ())
+    assert len(schema["rounds"]) == 24 and len(schema["epochs"]) == 18 and len(schema["batches"]) == 8
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         table_schema(0)
 

@@ -1,0 +1,102 @@
+"""Async adopts floating buffers (BatchNorm's running statistics) by the params' rule, never frozen.
+
+Before: the buffers were overwritten with the consensus of the snapshot a window old, so
+each window's own updates were thrown away and the next snapshot held the previous
+consensus again: the statistics stayed at the first round's for the whole run.
+"""
+
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+from flodl_mpi.worker import Replica
+
+
+class Counter(nn.Module):
+    """One parameter (never moves here) and one floating buffer a "step" adds 1 to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+        self.register_buffer("count", torch.zeros(1))
+
+
+def _async_run(adoption: str, steps: tuple[int, ...], windows: int) -> list[float]:
+    """Two replicas under the async schedule: train a window, adopt the round in flight, snapshot, submit.
+
+    The stand-in round averages the buffers' snapshots equally (every rank moved: SPEC §2
+    step 6's mover mass); the last round is waited for and adopted whole (nothing trained
+    since its snapshot), as the epoch's end does.
+    """
+    replicas = [Replica(Counter(), torch.device("cpu")) for _ in steps]
+    stagings = []
+    for rep in replicas:
+        rep.keep_snapshot = adoption == "delta"
+        stagings.append(SimpleNamespace(param_tensors=[torch.zeros_like(p) for p in rep.params],
+                                        buffer_tensors=[torch.zeros_like(b) for b in rep.float_buffers]))
+    in_flight = False
+
+    def land() -> None:  # the round's consensus lands in every rank's staging
+        mean = sum(s.buffer_tensors[0] for s in stagings) / len(stagings)
+        for s in stagings:
+            s.buffer_tensors[0].copy_(mean)
+
+    for _ in range(windows):
+        for rep, n in zip(replicas, steps):
+            rep.float_buffers[0].add_(float(n))
+        if in_flight:
+            land()
+            for rep, s in zip(replicas, stagings):
+                rep.adopt(s, alpha=0.5 if adoption == "easgd" else 1.0, delta=adoption == "delta")
+        for rep, s in zip(replicas, stagings):
+            rep.snapshot(s)
+        in_flight = True
+    land()
+    for rep, s in zip(replicas, stagings):
+        rep.adopt(s)
+    return [float(rep.float_buffers[0]) for rep in replicas]
+
+
+def test_delta_buffers_end_at_the_mean_of_the_ranks_own_updates():
+    # Rank 0 adds 1 a window, rank 1 adds 3. Delta keeps the ranks' mean at each adoption
+    # (mean(consensus + own - snapshot) = mean(own)), so after 6 windows and the last
+    # round both hold (6 * 1 + 6 * 3) / 2 = 12. The old overwrite froze them at the
+    # first round's consensus, (1 + 3) / 2 = 2.
+    assert _async_run("delta", (1, 3), 6) == [12.0, 12.0]
+
+
+def test_easgd_buffers_blend_like_the_params():
+    # alpha 0.5, by hand (b: live, s: snapshot, c = mean(s)):
+    # w1: b = (1, 3), s = (1, 3), c = 2
+    # w2: b = (2, 6) -> b + 0.5 (2 - b) = (2, 4); s = (2, 4), c = 3
+    # w3: b = (3, 7) -> (3, 5); s = (3, 5), c = 4; last round: both 4.
+    assert _async_run("easgd", (1, 3), 3) == [4.0, 4.0]
+
+
+def test_an_async_run_saves_running_statistics_that_follow_training(tmp_path):
+    """Built-in MLP (BatchNorm) on digits, 2 ranks, async, 3 epochs: each checkpoint's
+    running mean and variance differ from the previous one's (the trial saw them equal in
+    every checkpoint of 30 epochs), and are finite with a positive variance."""
+    from flodl_mpi.checkpoint import read_checkpoint
+    from tests.conftest import run_flodl
+
+    proc = run_flodl(2, "train", "--policy", "async", "--epochs", "3", "--run-dir", str(tmp_path), "-q",
+                     timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    paths = sorted((tmp_path / "checkpoints").glob("*.h5"))
+    assert len(paths) >= 2, paths
+    stats = []
+    for path in paths:
+        bufs = read_checkpoint(path).buffers
+        names = sorted(k for k in bufs if k.endswith(("running_mean", "running_var")))
+        assert names, list(bufs)
+        stats.append({k: np.asarray(bufs[k]) for k in names})
+    for s in stats:
+        assert all(np.all(np.isfinite(v)) for v in s.values())
+        assert all(np.all(v > 0) for k, v in s.items() if k.endswith("running_var"))
+    for before, after in itertools.pairwise(stats):
+        for k in before:
+            assert not np.array_equal(before[k], after[k]), k
