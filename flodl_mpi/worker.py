@@ -27,7 +27,7 @@ from flodl_mpi.checkpoint import Checkpoint, checkpoint_name, read_cohort_state,
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.faults import Fault, InjectedFault
-from flodl_mpi.optimizer_state import OptimizerStateAverager, resolve_mode
+from flodl_mpi.optimizer_state import OptimizerStateAverager, adopt_delta, resolve_mode
 from flodl_mpi.progress import EpochProgress
 from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch, excluded_words
 from flodl_mpi.signals import StopRequest
@@ -71,6 +71,52 @@ def _wait_for_device(*groups) -> None:
     devices = {t.device for g in groups for t in g if t.device.type == "cuda"}
     for d in devices:
         torch.cuda.current_stream(d).synchronize()
+
+
+def running_stat_decay(momentum: float | None, count_then: int, count_now: int) -> float:
+    """How much of a norm layer's running statistic at a snapshot is left ``n`` updates later.
+
+    BatchNorm's (and InstanceNorm's) update is ``r <- (1 - m)·r + m·x`` with ``m`` its
+    ``momentum``, so after ``n = count_now - count_then`` training batches the value at
+    the snapshot is weighted by ``(1 - m)^n``; with ``momentum=None`` the statistic is the
+    cumulative mean, ``r_k = r_{k-1} + (x_k - r_{k-1}) / k``, which leaves
+    ``count_then / count_now`` of it (torch.nn.BatchNorm1d docs). Async's delta adoption
+    of the statistic, ``r += decay·(consensus - r_snapshot)``, then gives exactly the
+    value the rank would hold had it taken the consensus at the snapshot, as for the
+    optimizer's running averages (flodl_mpi.optimizer_state.adopt_delta).
+
+    Args:
+        momentum: the layer's ``momentum`` (a float in [0, 1]) or None.
+        count_then: its ``num_batches_tracked`` at the snapshot (int, >= 0).
+        count_now: its ``num_batches_tracked`` now.
+
+    Returns:
+        float in [0, 1]; 1.0 when no batch was tracked since the snapshot.
+    """
+    n = count_now - count_then
+    if n <= 0:
+        return 1.0
+    if momentum is None:
+        return count_then / count_now
+    return (1.0 - float(momentum)) ** n
+
+
+def _count_of(layer: nn.Module) -> int:
+    return int(layer.num_batches_tracked)
+
+
+def _running_stat_count(model: nn.Module, name: str) -> tuple[nn.Module, int] | None:
+    """(the norm layer, its ``num_batches_tracked``) when buffer ``name`` is a running statistic."""
+    path, _, attr = name.rpartition(".")
+    if attr not in ("running_mean", "running_var"):
+        return None
+    try:
+        layer = model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+    if not isinstance(layer, nn.modules.batchnorm._NormBase) or getattr(layer, "num_batches_tracked", None) is None:
+        return None
+    return layer, _count_of(layer)
 
 
 class Replica:
@@ -125,6 +171,9 @@ class Replica:
         self.kept: list[torch.Tensor] = []
         #: The floating buffers at the last snapshot, likewise (``keep_snapshot``).
         self.kept_buffers: list[torch.Tensor] = []
+        #: Per floating buffer at the last kept snapshot: (the norm layer whose running
+        #: statistic it is, its ``num_batches_tracked`` then), or None for any other buffer.
+        self._kept_counts: list[tuple[nn.Module, int] | None] = []
         self.keep_snapshot = False
 
     def _plan_slots(self) -> None:
@@ -246,6 +295,7 @@ class Replica:
                 dst.copy_(src.detach())
             for dst, src in zip(self.kept_buffers, buffers):
                 dst.copy_(src)
+            self._kept_counts = [_running_stat_count(self.model, name) for name in self.buffer_names]
         _wait_for_device(params, buffers)
         self._live = (params, buffers)
 
@@ -274,6 +324,10 @@ class Replica:
         overwriting them with the consensus of the snapshot would throw those moves
         away at every round, and the snapshot after the adoption would hold the
         previous consensus again: the statistics would stay at the first round's.
+        A norm layer's running mean and variance are running averages that forget the
+        snapshot as the rank trains on: ``delta`` adds ``decay·(consensus - snapshot)``
+        with the decay of its own updates since (:func:`running_stat_decay`), the value
+        it would hold had it taken the consensus at the snapshot (a variance stays >= 0).
 
         Raises:
             ValueError: ``alpha`` outside (0, 1], ``alpha != 1`` or ``delta`` with bound
@@ -309,8 +363,14 @@ class Replica:
             for dst, src in zip(params, bridge.param_tensors):
                 dst.copy_(src, non_blocking=True)
         if delta:
-            for dst, src, kept in zip(buffers, bridge.buffer_tensors, self.kept_buffers):
-                dst.sub_(kept).add_(src.to(dst.device, dst.dtype, non_blocking=True))
+            for name, dst, src, kept, then in zip(self.buffer_names, buffers, bridge.buffer_tensors,
+                                                  self.kept_buffers, self._kept_counts):
+                decay = 1.0 if then is None else running_stat_decay(
+                    then[0].momentum, then[1], _count_of(then[0]))
+                if decay == 1.0:  # the params' rule; exact consensus when nothing moved since the snapshot
+                    dst.sub_(kept).add_(src.to(dst.device, dst.dtype, non_blocking=True))
+                else:
+                    adopt_delta(dst, src, kept, decay, non_negative=name.endswith("running_var"))
         elif alpha != 1.0:
             for dst, src in zip(buffers, bridge.buffer_tensors):
                 dst.lerp_(src.to(dst.device, dst.dtype, non_blocking=True), alpha)

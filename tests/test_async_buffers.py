@@ -9,6 +9,7 @@ import itertools
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -100,3 +101,55 @@ def test_an_async_run_saves_running_statistics_that_follow_training(tmp_path):
     for before, after in itertools.pairwise(stats):
         for k in before:
             assert not np.array_equal(before[k], after[k]), k
+
+
+def _adopted_bn(momentum, batches: int, consensus_mean: float, consensus_var: float) -> tuple[nn.BatchNorm1d, list]:
+    """A BatchNorm replica: snapshot, ``batches`` training batches, then the delta adoption of a consensus."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3, momentum=momentum)
+    warm = [torch.randn(8, 3) * 2 + 1 for _ in range(3)]
+    later = [torch.randn(8, 3) * 0.5 - 2 for _ in range(batches)]
+    bn.train()
+    for x in warm:
+        bn(x)
+    rep = Replica(bn, torch.device("cpu"))
+    rep.keep_snapshot = True
+    staging = SimpleNamespace(param_tensors=[torch.zeros_like(p) for p in rep.params],
+                              buffer_tensors=[torch.zeros_like(b) for b in rep.float_buffers])
+    rep.snapshot(staging)
+    for x in later:
+        bn(x)
+    names = rep.buffer_names
+    staging.buffer_tensors[names.index("running_mean")].fill_(consensus_mean)
+    staging.buffer_tensors[names.index("running_var")].fill_(consensus_var)
+    for dst, src in zip(staging.param_tensors, rep.params):  # params: the rank's own (not under test)
+        dst.copy_(src.detach())
+    rep.adopt(staging, delta=True)
+    return bn, later, warm
+
+
+@pytest.mark.parametrize("momentum", [0.1, 0.5, None])
+@pytest.mark.parametrize("batches", [0, 1, 4])
+def test_delta_running_statistics_are_as_if_the_consensus_was_taken_at_the_snapshot(momentum, batches):
+    """The reference: a fresh BatchNorm that holds the consensus at the snapshot and trains
+    on the same batches (torch's own update, float64 compare)."""
+    bn, later, warm = _adopted_bn(momentum, batches, consensus_mean=0.25, consensus_var=1.5)
+    ref = nn.BatchNorm1d(3, momentum=momentum)
+    ref.train()
+    ref.running_mean.fill_(0.25)
+    ref.running_var.fill_(1.5)
+    ref.num_batches_tracked.fill_(len(warm))
+    for x in later:
+        ref(x)
+    np.testing.assert_allclose(bn.running_mean.double().numpy(), ref.running_mean.double().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bn.running_var.double().numpy(), ref.running_var.double().numpy(), rtol=1e-5, atol=1e-6)
+    if batches == 0:  # nothing trained since the snapshot: the consensus, bit for bit
+        assert torch.equal(bn.running_mean, torch.full((3,), 0.25))
+
+
+def test_a_running_variance_stays_positive_where_the_plain_delta_goes_negative():
+    # The snapshot's variance (about 4, from the warm batches of std 2) far above the
+    # consensus (0.1): the plain delta, consensus + (live - snapshot), would be about
+    # 0.1 + (0.9^4 * 4 + small) - 4 < 0; the decayed delta is 0.9^4 * 0.1 + small > 0.
+    bn, _, _ = _adopted_bn(0.1, 4, consensus_mean=0.0, consensus_var=0.1)
+    assert bool((bn.running_var > 0).all()), bn.running_var
