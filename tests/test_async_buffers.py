@@ -141,8 +141,9 @@ def test_delta_running_statistics_are_as_if_the_consensus_was_taken_at_the_snaps
     ref.num_batches_tracked.fill_(len(warm))
     for x in later:
         ref(x)
-    np.testing.assert_allclose(bn.running_mean.double().numpy(), ref.running_mean.double().numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(bn.running_var.double().numpy(), ref.running_var.double().numpy(), rtol=1e-5, atol=1e-6)
+    for stat in ("running_mean", "running_var"):
+        np.testing.assert_allclose(getattr(bn, stat).double().numpy(), getattr(ref, stat).double().numpy(),
+                                   rtol=1e-5, atol=1e-6)
     if batches == 0:  # nothing trained since the snapshot: the consensus, bit for bit
         assert torch.equal(bn.running_mean, torch.full((3,), 0.25))
 
