@@ -307,6 +307,9 @@ class Run:
             from flodl_mpi.train import close_train_log
 
             close_train_log(getattr(self, "_train_log", None))
+            from flodl_mpi import run_dir_lock
+
+            run_dir_lock.release(self.run_dir)  # the run is over: the directory is free for the next one
         self._session.close()
 
     def _fail(self, exc: BaseException) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from flodl_mpi import __version__
+from flodl_mpi import __version__, run_dir_lock
 from flodl_mpi.bridge import Bridge
 from flodl_mpi.checkpoint import (
     Checkpoint,
@@ -187,6 +187,11 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
 
     The default ``runs/<UTC time>`` is claimed with an exclusive ``mkdir`` (a
     suffix ``-1``, ``-2``, ... when several jobs start in the same second).
+    Rank 0 then holds the directory's lock (`flodl_mpi.run_dir_lock`) for the
+    rest of the run, taken before anything in it is cleaned up or written: a
+    second run on the same directory is refused (``InputError``, exit status 2)
+    and touches nothing of the first. Every rank learns the outcome from
+    `agree`'s gathered result.
     """
 
     def create() -> str | None:
@@ -196,7 +201,10 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
             run_dir = Path(cfg.run_dir)
             if run_dir.exists() and not run_dir.is_dir():
                 raise ValueError(f"--run-dir {cfg.run_dir!r}: exists and is not a directory")
-            if run_dir.is_dir() and any(run_dir.iterdir()):
+            claimed = run_dir.is_dir() and (run_dir / run_dir_lock.LOCK_NAME).exists()
+            if claimed:  # a run used it: another one still may; nothing is looked at before the lock is held
+                run_dir_lock.claim(run_dir, cfg.run_dir)
+            if run_dir.is_dir() and any(p.name != run_dir_lock.LOCK_NAME for p in run_dir.iterdir()):
                 if not cfg.resume and (run_dir / "config.json").is_file():
                     raise ValueError(f"--run-dir {cfg.run_dir!r} holds a flodl-mpi run: add --resume to continue "
                                      "it, or choose a new or empty directory (nothing in it was touched)")
@@ -212,6 +220,8 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
                 raise ValueError(f"--run-dir {cfg.run_dir!r}: cannot create it: {exc.strerror or exc}"
                                  + (f" ({exc.filename})" if exc.filename and str(exc.filename) != cfg.run_dir
                                     else "")) from exc
+            if not claimed:
+                run_dir_lock.claim(run_dir, cfg.run_dir)
         else:
             base = time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
             for k in itertools.count():
@@ -221,6 +231,7 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
                     break
                 except FileExistsError:
                     continue
+            run_dir_lock.claim(run_dir)
         (run_dir / "checkpoints").mkdir(exist_ok=cfg.resume)
         return str(run_dir)
 

@@ -1,0 +1,136 @@
+"""One run at a time in a run directory: a second run is refused (exit 2) and touches nothing of the first."""
+
+import fcntl
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flodl_mpi import run_dir_lock
+from flodl_mpi.checkpoint import latest_checkpoint
+from flodl_mpi.errors import EXIT_INPUT, EXIT_STOPPED
+from flodl_mpi.metrics import read_table
+from tests.conftest import MPIEXEC, launch_argv, launch_env, run_flodl
+
+pytestmark = pytest.mark.slow
+
+IN_USE = "is in use by another run (it holds .lock); wait for it to end or choose another directory"
+
+
+def _snapshot(run_dir: Path) -> dict[str, str]:
+    """Every file under ``run_dir`` (but the lock file) -> sha256 of its bytes."""
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != run_dir_lock.LOCK_NAME}
+
+
+class _Held:
+    """This test process holds ``run_dir``'s lock, as a live run's rank 0 does."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.fd = os.open(run_dir / run_dir_lock.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
+def test_claim_is_exclusive_across_processes_and_released_on_close(tmp_path):
+    """The lock module alone: a second process cannot claim a held directory; release frees it."""
+    run_dir_lock.claim(tmp_path)
+    code = ("import sys; from flodl_mpi import run_dir_lock as L\n"
+            "try:\n L.claim(sys.argv[1])\nexcept L.RunDirInUse as e:\n print(e); sys.exit(2)\n")
+    probe = [sys.executable, "-c", code, str(tmp_path)]
+    refused = subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and IN_USE in refused.stdout
+    assert run_dir_lock.in_use(tmp_path)
+    run_dir_lock.release(tmp_path)
+    assert subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False).returncode == 0
+    assert not run_dir_lock.in_use(tmp_path)
+
+
+def test_a_resume_of_a_run_dir_in_use_is_refused_and_touches_nothing(tmp_path):
+    """While another process holds the lock, ``--resume`` (and a fresh run) exit 2 with one line within the
+    time bound, and every file of the run, a leftover ``metrics.h5.resume-tmp`` included, stays byte-identical."""
+    run_dir = tmp_path / "r"
+    assert run_flodl(2, "train", "--epochs", "1", "--run-dir", str(run_dir), timeout=300).returncode == 0
+    live_tmp = run_dir / "metrics.h5.resume-tmp"  # as a live run's rebuild of metrics.h5 leaves it
+    live_tmp.write_bytes(b"a live run's unfinished copy")
+    before = _snapshot(run_dir)
+    with _Held(run_dir):
+        for extra in (("--resume",), ()):
+            t0 = time.monotonic()
+            second = run_flodl(2, "train", "--epochs", "2", "--run-dir", str(run_dir), *extra, timeout=120)
+            assert time.monotonic() - t0 < 120
+            assert second.returncode == EXIT_INPUT, second.stderr[-2000:]
+            assert f"--run-dir '{run_dir}' {IN_USE}" in second.stderr
+            assert second.stderr.count(IN_USE) == 1  # one line, from rank 0
+            assert "Traceback" not in second.stderr
+            assert _snapshot(run_dir) == before
+    assert live_tmp.read_bytes() == b"a live run's unfinished copy"
+
+
+def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_goes_on(tmp_path):
+    """Two real runs: the second (``--resume``) is refused while the first trains; the first then stops on
+    request and its metrics.h5 holds each epoch once, in order; train.log holds nothing of the second."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    run_dir = tmp_path / "r"
+    first = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--epochs", "400",
+                                         "--run-dir", str(run_dir)),
+                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.poll() is None, "the first run ended before the second could start"
+        second = run_flodl(2, "train", "--epochs", "400", "--run-dir", str(run_dir), "--resume", timeout=120)
+        assert second.returncode == EXIT_INPUT and IN_USE in second.stderr, second.stderr[-2000:]
+        assert first.poll() is None, "the first run ended before the second was refused"
+        pids = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], check=False, capture_output=True,
+                              text=True).stdout.split()
+        for pid in (int(p) for p in pids if int(p) != first.pid):
+            os.kill(pid, signal.SIGUSR1)
+        _, err = first.communicate(timeout=180)
+    finally:
+        first.kill()
+        first.communicate()
+    assert first.returncode == EXIT_STOPPED, err[-3000:]
+    epochs = read_table(run_dir / "metrics.h5", "epochs")["epoch"]
+    assert list(epochs) == list(range(1, len(epochs) + 1))
+    assert "in use" not in (run_dir / "train.log").read_text()
+    assert not run_dir_lock.in_use(run_dir)  # released at the end
+
+
+def test_a_run_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
+    """kill -9 of every rank: the operating system drops the lock; ``--resume`` goes on (exit 0)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    run_dir = tmp_path / "k"
+    proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3",
+                                        "--run-dir", str(run_dir)),
+                            env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run_dir_lock.in_use(run_dir)
+        pids = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], check=False, capture_output=True,
+                              text=True).stdout.split()
+        for pid in (int(p) for p in pids if int(p) != proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert not run_dir_lock.in_use(run_dir)
+    resumed = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
