@@ -9,8 +9,10 @@ races with a process that has just opened it).
 
 A ``flock`` on a network file system is only as good as that file system's
 support for it: NFSv4 and Lustre mounted with ``-o flock`` make it cluster-wide;
-Lustre mounted with ``localflock`` (or without ``flock``) makes it node-local,
-so two jobs on different nodes would not see each other's lock there.
+Lustre mounted with ``localflock`` makes it node-local, so two jobs on
+different nodes would not see each other's lock there; where ``flock`` fails
+outright (Lustre's ``noflock``: ENOSYS) a warning says so and the run goes on
+without the lock.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import sys
 from pathlib import Path
 
 __all__ = ["LOCK_NAME", "RunDirInUse", "claim", "in_use", "release"]
 
 #: The lock file's name inside a run directory.
 LOCK_NAME = ".lock"
+
+#: errno values of a file system that does not do ``flock`` (Lustre's ``noflock``: ENOSYS).
+_NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL}
 
 #: Locks this process holds: resolved run dir -> open file descriptor.
 _HELD: dict[str, int] = {}
@@ -69,8 +75,8 @@ def claim(run_dir: str | os.PathLike, shown: str | None = None) -> None:
 
     Raises:
         RunDirInUse: another process holds the lock (another run uses the directory).
-        OSError: the lock file cannot be created or locked (permissions, a file
-            system without ``flock``).
+        OSError: the lock file cannot be created (permissions, a read-only file
+            system). A file system without ``flock`` gets a warning on stderr, no lock.
     """
     run_dir = Path(run_dir)
     key = _key(run_dir)
@@ -84,6 +90,10 @@ def claim(run_dir: str | os.PathLike, shown: str | None = None) -> None:
             raise RunDirInUse(f"--run-dir {shown or str(run_dir)!r} is in use by another run (it holds "
                               f"{LOCK_NAME}); wait for it to end or choose another directory "
                               "(nothing in it was touched)") from None
+        if exc.errno in _NO_FLOCK:  # e.g. Lustre mounted without flock: run as before, unguarded, and say so
+            print(f"flodl-mpi: warning: {run_dir / LOCK_NAME}: this file system does not support flock "
+                  f"({exc.strerror}); the run goes on without the run dir lock", file=sys.stderr, flush=True)
+            return
         raise
     _HELD[key] = fd
 
