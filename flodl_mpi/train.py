@@ -106,6 +106,9 @@ def _smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str
     if k == 0:
         raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} leaves no batch: the training set has "
                          f"{n_samples} samples; lower --batch-size")
+    if k == n_samples:  # the whole set is one batch: no batch size or --drop-last makes it larger
+        return k, (f"the whole training set is {n_samples} sample{'s' if n_samples != 1 else ''}, one batch; "
+                   "this model needs a larger training set")
     if k < cfg.batch_size:  # the short last batch of an epoch
         return k, (f"it is the last batch of each epoch of {n_samples} samples; add --drop-last or change "
                    "--batch-size")
