@@ -18,3 +18,16 @@ def test_a_training_set_of_one_batch_suggests_no_batch_option(n, batch_size, dro
 def test_a_short_last_batch_still_suggests_drop_last():
     k, remedy = _smallest_training_batch(TrainConfig(batch_size=64), 100)
     assert k == 36 and "add --drop-last" in remedy
+
+
+def test_an_unwritable_data_dir_names_the_variable(tmp_path, monkeypatch):
+    """``FLODL_MPI_DATA_DIR=/proc/nope``: the message names the variable, its value and the OS's reason."""
+    from flodl_mpi.data import ensure_digits
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("FLODL_MPI_DATA_DIR", str(blocker / "nope"))
+    with pytest.raises(OSError) as err:
+        ensure_digits()
+    assert str(err.value) == (f"FLODL_MPI_DATA_DIR={str(blocker / 'nope')!r}: cannot write the built-in digits "
+                              "file digits.h5 there: Not a directory")
