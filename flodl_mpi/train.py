@@ -45,6 +45,8 @@ from flodl_mpi.data import (
     num_batches,
     smallest_batch,
 )
+from flodl_mpi.data_fingerprint import differences as data_differences
+from flodl_mpi.data_fingerprint import fingerprint as data_fingerprint
 from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, active_fault
 from flodl_mpi.launcher import clean_text, settle_threads, thread_request
@@ -323,6 +325,40 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     return ckpt, ckpt.meta["metrics_rows"]
 
 
+def check_resume_data(cfg: TrainConfig, run_dir: Path, data: Dataset, world: World, watchdog: Watchdog) -> str | None:
+    """Collective: with ``resume``, refuse data that differ from the run's (`flodl_mpi.data_fingerprint`).
+
+    Rank 0 compares the fingerprint of ``data`` with the one the run's newest record
+    (``config-resume-r*.json``, else ``config.json``) holds; every rank learns the outcome.
+    Reads only: call it before anything in ``run_dir`` is written.
+
+    Returns:
+        A note for train.log when the run's record holds no fingerprint (written by an
+        older flodl-mpi: the data cannot be checked), else None.
+
+    Raises:
+        InputError: the data differ (shapes, dtypes or content); the message names what.
+    """
+    def check() -> str | None:
+        if world.rank != 0 or not cfg.resume:
+            return None
+        records = sorted(run_dir.glob("config-resume-r*.json")) or [run_dir / "config.json"]
+        if not records[-1].is_file():
+            return None  # nothing to resume: a new run
+        saved = json.loads(records[-1].read_text()).get("data_fingerprint")
+        if saved is None:
+            return (f"note: {records[-1].name} holds no data fingerprint (written by an older flodl-mpi): "
+                    "whether the data changed since cannot be checked")
+        differ = data_differences(saved, data_fingerprint(data))
+        if differ:
+            raise ValueError(f"--resume: the data differ from the run's in {run_dir}: {'; '.join(differ)} "
+                             f"({data.source}); resume with the run's data, or start a new run "
+                             "(nothing in it was touched)")
+        return None
+
+    return world.comm.bcast(agree(world.comm, "data check", check, watchdog, name_ranks=False), root=0)
+
+
 def resume_point(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, model: torch.nn.Module,
                  data_n: int, check_optimizer: bool = True):
     """Where a run in ``run_dir`` goes on: ``(checkpoint or None, keep_rows or None)``, ``(None, None)`` without ``resume``.
@@ -532,10 +568,13 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     # -- outputs: nothing is created on disk before the input is known to be good
     run_dir = _make_run_dir(cfg, comm, watchdog)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
+    data_note = check_resume_data(cfg, run_dir, data, world, watchdog)
     _setup_logging(run_dir, world.rank)
     if world.rank == 0:  # a stall's verdict ends train.log too
         watchdog.log_path = run_dir / "train.log"
     log.info(threads_line)
+    if data_note:
+        log.info(data_note)
     ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
     try:
         return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows, stop,
@@ -590,6 +629,7 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
         if record is not None:  # what the user's factories built, not the CLI's defaults
             config = record()
             attrs.update(config=config, loss=config["loss"])
+        config = {**config, "data_fingerprint": data_fingerprint(data)}  # what a resume checks
         # config.json is the run's first config; each resume adds its own beside it.
         resumed_at = int(ckpt.meta["round"]) if ckpt is not None else 0
         name = "config.json" if keep_rows is None else f"config-resume-r{resumed_at:06d}.json"
