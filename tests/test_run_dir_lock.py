@@ -131,6 +131,25 @@ def test_a_run_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
         proc.kill()
         proc.communicate()
     assert not run_dir_lock.in_use(run_dir)
+    report = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_dir)], capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert "of 3 (not running: ended without a final record (crashed or killed))" in report.stdout, report.stdout
     resumed = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
+
+
+def test_report_tells_running_stopped_failed_and_killed_apart(tmp_path):
+    """report's word for a run with epochs left: its lock and train.log's last line decide."""
+    from flodl_mpi.report import _unfinished
+
+    assert _unfinished(tmp_path) == "running or stopped"  # no lock file: an older run, cannot tell
+    (tmp_path / "train.log").write_text("12:00:00 epoch 1/5 ...\n")
+    run_dir_lock.claim(tmp_path)
+    assert _unfinished(tmp_path) == "running"
+    run_dir_lock.release(tmp_path)
+    assert _unfinished(tmp_path) == "not running: ended without a final record (crashed or killed)"
+    (tmp_path / "train.log").write_text("12:00:01 stopped, not done (5 epochs asked); exit status 4: ...\n")
+    assert _unfinished(tmp_path) == "stopped"
+    (tmp_path / "train.log").write_text("12:00:01 run failed: CohortError: ...\n")
+    assert _unfinished(tmp_path) == "not running: failed (train.log's last line says why)"
