@@ -410,8 +410,11 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         watchdog.close()
         return exc.exit_code
     except BaseException as exc:  # the one place that decides to abort (STYLE 14)
-        print(f"flodl-mpi: rank {world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",
-              file=sys.stderr)
-        traceback.print_exc()
+        if getattr(exc, "plain", False):  # the message says it all (a full disk): one line
+            print(f"flodl-mpi: rank {world.rank}: error: {exc}; aborting the job", file=sys.stderr, flush=True)
+        else:
+            print(f"flodl-mpi: rank {world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",
+                  file=sys.stderr)
+            traceback.print_exc()
         abort(EXIT_ERROR)
 
