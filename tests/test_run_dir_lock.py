@@ -153,3 +153,48 @@ def test_report_tells_running_stopped_failed_and_killed_apart(tmp_path):
     assert _unfinished(tmp_path) == "stopped"
     (tmp_path / "train.log").write_text("12:00:01 run failed: CohortError: ...\n")
     assert _unfinished(tmp_path) == "not running: failed (train.log's last line says why)"
+
+
+_API = """
+import sys
+import torch
+from torch import nn
+import flodl_mpi
+from flodl_mpi.errors import InputError
+
+run_dir, kind = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = nn.Linear(4, 3)
+try:
+    if kind == "averager":
+        with flodl_mpi.Averager(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), run_dir=run_dir,
+                                resume=True) as avg:
+            pass
+    else:
+        x, y = torch.rand(32, 4), torch.randint(0, 3, (32,))
+        flodl_mpi.fit(lambda: nn.Linear(4, 3), data={"train": (x, y), "test": (x, y)}, epochs=1,
+                      batch_size=8, run_dir=run_dir, resume=True).wait()
+except InputError as exc:
+    print("REFUSED", exc)
+    sys.exit(2)
+print("RAN")
+"""
+
+
+@pytest.mark.parametrize("kind", ["averager", "fit"])
+def test_the_api_refuses_a_run_dir_in_use_too(tmp_path, kind):
+    """``Averager`` and ``fit`` share the CLI's run-dir claim: refused (InputError) while the lock is held,
+    nothing touched; once it is free, the same call runs."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    argv = [sys.executable, "-c", _API, str(run_dir), kind]
+    with _Held(run_dir):
+        t0 = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False,
+                              env=launch_env())
+        assert time.monotonic() - t0 < 120
+        assert proc.returncode == 2 and "REFUSED" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+        assert "is in use by another run (it holds .lock)" in proc.stdout
+        assert sorted(p.name for p in run_dir.iterdir()) == [run_dir_lock.LOCK_NAME]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False, env=launch_env())
+    assert proc.returncode == 0 and "RAN" in proc.stdout, proc.stdout + proc.stderr[-2000:]
