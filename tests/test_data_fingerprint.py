@@ -94,3 +94,49 @@ def test_a_resume_on_changed_data_is_refused_and_an_old_run_resumes_with_a_note(
     assert "config.json holds no data fingerprint" in (run_dir / "train.log").read_text()
     again = run_flodl(2, "train", "--epochs", "3", "--resume", *common, timeout=300)  # the resume's record has one
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+_FIT = """
+import sys
+import torch
+from torch import nn
+import flodl_mpi
+from flodl_mpi.errors import InputError
+
+run_dir, relabel, epochs = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+g = torch.Generator().manual_seed(0)
+x, y = torch.rand(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
+if relabel:
+    y = (y + 1) % 3
+try:
+    flodl_mpi.fit(lambda: nn.Linear(4, 3), data={"train": (x, y), "test": (x[:16], y[:16])}, epochs=epochs,
+                  batch_size=8, run_dir=run_dir, resume=True).wait()
+except InputError as exc:
+    print("REFUSED", exc)
+    sys.exit(2)
+print("RAN")
+"""
+
+
+@pytest.mark.slow
+def test_fit_with_tensors_refuses_changed_tensors_on_resume(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import launch_env
+
+    run_dir = tmp_path / "r"
+
+    def fit(relabel, epochs):
+        return subprocess.run([sys.executable, "-c", _FIT, str(run_dir), "1" if relabel else "0", str(epochs)],
+                              capture_output=True, text=True, timeout=300, check=False, env=launch_env())
+
+    first = fit(False, 1)
+    assert first.returncode == 0 and "RAN" in first.stdout, first.stdout + first.stderr[-2000:]
+    before = _snapshot(run_dir)
+    changed = fit(True, 2)
+    assert changed.returncode == 2, changed.stdout + changed.stderr[-2000:]
+    assert "the data differ from the run's in" in changed.stdout and "train data content" in changed.stdout
+    assert _snapshot(run_dir) == before
+    same = fit(False, 2)
+    assert same.returncode == 0 and "RAN" in same.stdout, same.stdout + same.stderr[-2000:]
