@@ -307,6 +307,9 @@ class Run:
             from flodl_mpi.train import close_train_log
 
             close_train_log(getattr(self, "_train_log", None))
+            from flodl_mpi import run_dir_lock
+
+            run_dir_lock.release(self.run_dir)  # the run is over: the directory is free for the next one
         self._session.close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -547,6 +550,7 @@ def _setup(session, a: dict) -> Run:
         _log_to_stdout,
         _make_run_dir,
         _setup_logging,
+        check_resume_data,
         pick_device,
         resume_point,
         start_trainer,
@@ -666,10 +670,13 @@ def _setup(session, a: dict) -> Run:
     if cfg.run_dir is not None:
         run_dir = _make_run_dir(cfg, comm, watchdog)
         cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+        data_note = check_resume_data(cfg, run_dir, data, world, watchdog)  # before anything is written
         if world.rank == 0:
             train_log = _setup_logging(run_dir, world.rank)  # train.log, as the CLI's; closed with the run
             watchdog.log_path = run_dir / "train.log"  # a stall's verdict ends train.log too
             log.setLevel(min(log.level or logging.INFO, logging.INFO))
+            if data_note:
+                log.info(data_note)
         ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
         if ckpt is not None and world.rank == 0:
             kept = _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))

@@ -689,6 +689,10 @@ class Averager:
 
         close_train_log(self._train_log)
         self._train_log = None
+        if self.run_dir is not None:
+            from flodl_mpi import run_dir_lock
+
+            run_dir_lock.release(self.run_dir)  # the run is over: the directory is free for the next one
 
     def _write_cut_rows(self) -> None:
         """Collective: the batch rows of an epoch :meth:`end_epoch` did not close reach metrics.h5.

@@ -367,11 +367,24 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     mixed = mixed_install()
     if mixed:
         _say_once(f"flodl-mpi: warning: {mixed}")
+    from flodl_mpi.errors import InputError
+    from flodl_mpi.session import _StartBound, start_timeout
+
+    try:  # the API's check and words (flodl_mpi.session): honoured below, or refused here
+        timeout = start_timeout()
+    except InputError as exc:
+        return _refuse(str(exc))
     _clear_stale_shm(library)
     from mpi4py import MPI
 
     if not MPI.Is_initialized():  # `python -m mpi4py` started it already
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        env = launch_env()
+        bound = _StartBound(timeout, env.rank) if env.launcher is not None and env.size > 1 else None
+        try:
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        finally:
+            if bound is not None:
+                bound.done()
     stop.install()  # again, in case the MPI library set handlers of its own while starting
     refusal = check_world_size(MPI.COMM_WORLD.size, library)
     if refusal:  # every process is rank 0 of its own world: the launcher's rank 0 says it
@@ -398,8 +411,11 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         watchdog.close()
         return exc.exit_code
     except BaseException as exc:  # the one place that decides to abort (STYLE 14)
-        print(f"flodl-mpi: rank {world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",
-              file=sys.stderr)
-        traceback.print_exc()
+        if getattr(exc, "plain", False):  # the message says it all (a full disk): one line
+            print(f"flodl-mpi: rank {world.rank}: error: {exc}; aborting the job", file=sys.stderr, flush=True)
+        else:
+            print(f"flodl-mpi: rank {world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",
+                  file=sys.stderr)
+            traceback.print_exc()
         abort(EXIT_ERROR)
 

@@ -300,6 +300,10 @@ def ensure_digits(path: str | os.PathLike | None = None) -> Path:
 
     It is written with ``write_digits`` only if it is missing or fails to load with
     ``load_dataset`` (a corrupt or foreign file is replaced).
+
+    Raises:
+        OSError: the file cannot be written; its message names ``FLODL_MPI_DATA_DIR``
+            when that variable chose the place.
     """
     path = default_digits_path() if path is None else Path(path)
     if path.exists():
@@ -308,7 +312,16 @@ def ensure_digits(path: str | os.PathLike | None = None) -> Path:
             return path
         except DataError:
             pass  # corrupt or partial: rewrite below
-    return write_digits(path)
+    try:
+        return write_digits(path)
+    except OSError as exc:  # one line naming where the path came from
+        data_dir = os.environ.get("FLODL_MPI_DATA_DIR")
+        where = (f"FLODL_MPI_DATA_DIR={data_dir!r}" if data_dir and path == default_digits_path()
+                 else f"the built-in digits file {str(path)!r}")
+        raise OSError(f"{where}: cannot write the built-in digits file {path.name} there: "
+                                 f"{exc.strerror or exc}" + ("" if data_dir else
+                                                             "; set FLODL_MPI_DATA_DIR to a writable directory")
+                      ) from exc
 
 
 # --------------------------------------------------------------------------- sample order

@@ -14,6 +14,7 @@ attribute; root attributes (config, world size, hosts, ...) are written at creat
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import queue
@@ -391,7 +392,22 @@ def read_table(path: str | os.PathLike, table: str) -> dict[str, np.ndarray]:
 
 
 class WriterError(RuntimeError):
-    """The writer thread failed; the original exception is chained as ``__cause__``."""
+    """The writer thread failed; the original exception is chained as ``__cause__``.
+
+    ``plain`` is True when the message says it all (a full disk): no traceback is shown.
+    """
+
+    plain = False
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it chains) is ENOSPC; h5py reports it as text in a RuntimeError."""
+    while exc is not None:
+        if getattr(exc, "errno", None) == errno.ENOSPC or "errno = 28," in str(exc) \
+                or "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 _CLOSE = object()
@@ -476,6 +492,12 @@ class MetricsWriter:
     def check(self) -> None:
         """Raise `WriterError` (chained to the thread's exception) if the thread failed."""
         if self._error is not None:
+            if _disk_full(self._error):  # a fact about the run dir, not a bug: one line, no traceback
+                err = WriterError(f"run dir {self.run_dir}: No space left on device: the writer could not write "
+                                  "metrics.h5 or a checkpoint; free space there, then go on with --resume (the "
+                                  "newest complete checkpoint is kept)")
+                err.plain = True
+                raise err from self._error
             raise WriterError(f"writer thread failed: {type(self._error).__name__}: {self._error}") from self._error
 
     def _put(self, item: tuple) -> None:

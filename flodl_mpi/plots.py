@@ -318,6 +318,24 @@ FIGURES = {
 }
 
 
+def _bundled_fonts() -> None:
+    """Make matplotlib's own fonts (mpl-data/fonts/ttf) known to its font manager if its cache lacks them.
+
+    A font cache (``~/.cache/matplotlib/fontlist-*.json``) written by another
+    matplotlib install can list only the system's fonts; log-scale tick labels are
+    mathtext, whose STIX and Computer Modern fonts ship with matplotlib, and each
+    missing one printed "findfont: Font family ['STIXGeneral'] not found". Added in
+    this process only (the cache file is not rewritten); other warnings are untouched.
+    """
+    import matplotlib
+    from matplotlib import font_manager
+
+    known = {os.path.realpath(f.fname) for f in font_manager.fontManager.ttflist}
+    for path in sorted((Path(matplotlib.get_data_path()) / "fonts" / "ttf").glob("*.ttf")):
+        if os.path.realpath(path) not in known:
+            font_manager.fontManager.addfont(str(path))
+
+
 def write_plots(runs: Sequence[Run], out_dir: str | os.PathLike, dpi: int = 100) -> list[Path]:
     """Draw every figure that has data and save it as ``out_dir/<name>.png``.
 
@@ -326,6 +344,7 @@ def write_plots(runs: Sequence[Run], out_dir: str | os.PathLike, dpi: int = 100)
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _bundled_fonts()
     written = []
     for name, draw in FIGURES.items():
         fig = draw(runs)

@@ -213,6 +213,26 @@ def _metric_words(values: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.4g}" for k, v in values.items())
 
 
+def _unfinished(run_dir: Path) -> str:
+    """What a run with epochs left is: from its lock (`flodl_mpi.run_dir_lock`) and train.log's last line."""
+    from flodl_mpi import run_dir_lock
+
+    if run_dir_lock.in_use(run_dir):
+        return "running"
+    try:
+        lines = [ln for ln in (run_dir / "train.log").read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    last = lines[-1] if lines else ""
+    if " stopped, not done" in last:
+        return "stopped"
+    if " failed: " in last:
+        return "not running: failed (train.log's last line says why)"
+    if not (run_dir / run_dir_lock.LOCK_NAME).exists():
+        return "running or stopped"  # a run of an older flodl-mpi, without the lock: cannot tell
+    return "not running: ended without a final record (crashed or killed)"
+
+
 def format_summary(run: Run) -> str:
     """The text summary of one run: several lines, no trailing newline."""
     s = summarize(run)
@@ -221,7 +241,7 @@ def format_summary(run: Run) -> str:
     if s["own_loop"]:
         epochs = f"  epochs        {s['epochs']} (end_epoch() calls of your own loop; it plans no count)"
     else:
-        status = "finished" if planned is not None and s["epochs"] >= planned else "running or stopped"
+        status = "finished" if planned is not None and s["epochs"] >= planned else _unfinished(Path(run.path))
         epochs = f"  epochs        {s['epochs']} of {planned if planned is not None else '?'} ({status})"
     lines = [f"run {run.path}  ({run.world_size} ranks, {describe_policy(run)}, gamma {cfg.get('gamma', '?')})",
              epochs]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from flodl_mpi import __version__
+from flodl_mpi import __version__, run_dir_lock
 from flodl_mpi.bridge import Bridge
 from flodl_mpi.checkpoint import (
     Checkpoint,
@@ -45,6 +45,8 @@ from flodl_mpi.data import (
     num_batches,
     smallest_batch,
 )
+from flodl_mpi.data_fingerprint import differences as data_differences
+from flodl_mpi.data_fingerprint import fingerprint as data_fingerprint
 from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, active_fault
 from flodl_mpi.launcher import clean_text, settle_threads, thread_request
@@ -106,6 +108,9 @@ def _smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str
     if k == 0:
         raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} leaves no batch: the training set has "
                          f"{n_samples} samples; lower --batch-size")
+    if k == n_samples:  # the whole set is one batch: no batch size or --drop-last makes it larger
+        return k, (f"the whole training set is {n_samples} sample{'s' if n_samples != 1 else ''}, one batch; "
+                   "this model needs a larger training set")
     if k < cfg.batch_size:  # the short last batch of an epoch
         return k, (f"it is the last batch of each epoch of {n_samples} samples; add --drop-last or change "
                    "--batch-size")
@@ -188,6 +193,11 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
 
     The default ``runs/<UTC time>`` is claimed with an exclusive ``mkdir`` (a
     suffix ``-1``, ``-2``, ... when several jobs start in the same second).
+    Rank 0 then holds the directory's lock (`flodl_mpi.run_dir_lock`) for the
+    rest of the run, taken before anything in it is cleaned up or written: a
+    second run on the same directory is refused (``InputError``, exit status 2)
+    and touches nothing of the first. Every rank learns the outcome from
+    `agree`'s gathered result.
     """
 
     def create() -> str | None:
@@ -197,7 +207,10 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
             run_dir = Path(cfg.run_dir)
             if run_dir.exists() and not run_dir.is_dir():
                 raise ValueError(f"--run-dir {cfg.run_dir!r}: exists and is not a directory")
-            if run_dir.is_dir() and any(run_dir.iterdir()):
+            claimed = run_dir.is_dir() and (run_dir / run_dir_lock.LOCK_NAME).exists()
+            if claimed:  # a run used it: another one still may; nothing is looked at before the lock is held
+                run_dir_lock.claim(run_dir, cfg.run_dir)
+            if run_dir.is_dir() and any(p.name != run_dir_lock.LOCK_NAME for p in run_dir.iterdir()):
                 if not cfg.resume and (run_dir / "config.json").is_file():
                     raise ValueError(f"--run-dir {cfg.run_dir!r} holds a flodl-mpi run: add --resume to continue "
                                      "it, or choose a new or empty directory (nothing in it was touched)")
@@ -213,6 +226,8 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
                 raise ValueError(f"--run-dir {cfg.run_dir!r}: cannot create it: {exc.strerror or exc}"
                                  + (f" ({exc.filename})" if exc.filename and str(exc.filename) != cfg.run_dir
                                     else "")) from exc
+            if not claimed:
+                run_dir_lock.claim(run_dir, cfg.run_dir)
         else:
             base = time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
             for k in itertools.count():
@@ -222,6 +237,7 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
                     break
                 except FileExistsError:
                     continue
+            run_dir_lock.claim(run_dir)
         (run_dir / "checkpoints").mkdir(exist_ok=cfg.resume)
         return str(run_dir)
 
@@ -308,6 +324,40 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
             comm, "resume", lambda: [read_rank_state(latest, r)[1]["epoch_report"] for r in range(old_size)]
             if old_size != world.size else None, watchdog)
     return ckpt, ckpt.meta["metrics_rows"]
+
+
+def check_resume_data(cfg: TrainConfig, run_dir: Path, data: Dataset, world: World, watchdog: Watchdog) -> str | None:
+    """Collective: with ``resume``, refuse data that differ from the run's (`flodl_mpi.data_fingerprint`).
+
+    Rank 0 compares the fingerprint of ``data`` with the one the run's newest record
+    (``config-resume-r*.json``, else ``config.json``) holds; every rank learns the outcome.
+    Reads only: call it before anything in ``run_dir`` is written.
+
+    Returns:
+        A note for train.log when the run's record holds no fingerprint (written by an
+        older flodl-mpi: the data cannot be checked), else None.
+
+    Raises:
+        InputError: the data differ (shapes, dtypes or content); the message names what.
+    """
+    def check() -> str | None:
+        if world.rank != 0 or not cfg.resume:
+            return None
+        records = sorted(run_dir.glob("config-resume-r*.json")) or [run_dir / "config.json"]
+        if not records[-1].is_file():
+            return None  # nothing to resume: a new run
+        saved = json.loads(records[-1].read_text()).get("data_fingerprint")
+        if saved is None:
+            return (f"note: {records[-1].name} holds no data fingerprint (written by an older flodl-mpi): "
+                    "whether the data changed since cannot be checked")
+        differ = data_differences(saved, data_fingerprint(data))
+        if differ:
+            raise ValueError(f"--resume: the data differ from the run's in {run_dir}: {'; '.join(differ)} "
+                             f"({data.source}); resume with the run's data, or start a new run "
+                             "(nothing in it was touched)")
+        return None
+
+    return world.comm.bcast(agree(world.comm, "data check", check, watchdog, name_ranks=False), root=0)
 
 
 def resume_point(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, model: torch.nn.Module,
@@ -519,10 +569,13 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     # -- outputs: nothing is created on disk before the input is known to be good
     run_dir = _make_run_dir(cfg, comm, watchdog)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # as run
+    data_note = check_resume_data(cfg, run_dir, data, world, watchdog)
     _setup_logging(run_dir, world.rank)
     if world.rank == 0:  # a stall's verdict ends train.log too
         watchdog.log_path = run_dir / "train.log"
     log.info(threads_line)
+    if data_note:
+        log.info(data_note)
     ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
     try:
         return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows, stop,
@@ -577,6 +630,7 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
         if record is not None:  # what the user's factories built, not the CLI's defaults
             config = record()
             attrs.update(config=config, loss=config["loss"])
+        config = {**config, "data_fingerprint": data_fingerprint(data)}  # what a resume checks
         # config.json is the run's first config; each resume adds its own beside it.
         resumed_at = int(ckpt.meta["round"]) if ckpt is not None else 0
         name = "config.json" if keep_rows is None else f"config-resume-r{resumed_at:06d}.json"

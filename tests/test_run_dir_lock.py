@@ -1,0 +1,200 @@
+"""One run at a time in a run directory: a second run is refused (exit 2) and touches nothing of the first."""
+
+import fcntl
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flodl_mpi import run_dir_lock
+from flodl_mpi.checkpoint import latest_checkpoint
+from flodl_mpi.errors import EXIT_INPUT, EXIT_STOPPED
+from flodl_mpi.metrics import read_table
+from tests.conftest import MPIEXEC, launch_argv, launch_env, run_flodl
+
+pytestmark = pytest.mark.slow
+
+IN_USE = "is in use by another run (it holds .lock); wait for it to end or choose another directory"
+
+
+def _snapshot(run_dir: Path) -> dict[str, str]:
+    """Every file under ``run_dir`` (but the lock file) -> sha256 of its bytes."""
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != run_dir_lock.LOCK_NAME}
+
+
+class _Held:
+    """This test process holds ``run_dir``'s lock, as a live run's rank 0 does."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.fd = os.open(run_dir / run_dir_lock.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
+def test_claim_is_exclusive_across_processes_and_released_on_close(tmp_path):
+    """The lock module alone: a second process cannot claim a held directory; release frees it."""
+    run_dir_lock.claim(tmp_path)
+    code = ("import sys; from flodl_mpi import run_dir_lock as L\n"
+            "try:\n L.claim(sys.argv[1])\nexcept L.RunDirInUse as e:\n print(e); sys.exit(2)\n")
+    probe = [sys.executable, "-c", code, str(tmp_path)]
+    refused = subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and IN_USE in refused.stdout
+    assert run_dir_lock.in_use(tmp_path)
+    run_dir_lock.release(tmp_path)
+    assert subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False).returncode == 0
+    assert not run_dir_lock.in_use(tmp_path)
+
+
+def test_a_resume_of_a_run_dir_in_use_is_refused_and_touches_nothing(tmp_path):
+    """While another process holds the lock, ``--resume`` (and a fresh run) exit 2 with one line within the
+    time bound, and every file of the run, a leftover ``metrics.h5.resume-tmp`` included, stays byte-identical."""
+    run_dir = tmp_path / "r"
+    assert run_flodl(2, "train", "--epochs", "1", "--run-dir", str(run_dir), timeout=300).returncode == 0
+    live_tmp = run_dir / "metrics.h5.resume-tmp"  # as a live run's rebuild of metrics.h5 leaves it
+    live_tmp.write_bytes(b"a live run's unfinished copy")
+    before = _snapshot(run_dir)
+    with _Held(run_dir):
+        for extra in (("--resume",), ()):
+            t0 = time.monotonic()
+            second = run_flodl(2, "train", "--epochs", "2", "--run-dir", str(run_dir), *extra, timeout=120)
+            assert time.monotonic() - t0 < 120
+            assert second.returncode == EXIT_INPUT, second.stderr[-2000:]
+            assert f"--run-dir '{run_dir}' {IN_USE}" in second.stderr
+            assert second.stderr.count(IN_USE) == 1  # one line, from rank 0
+            assert "Traceback" not in second.stderr
+            assert _snapshot(run_dir) == before
+    assert live_tmp.read_bytes() == b"a live run's unfinished copy"
+
+
+def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_goes_on(tmp_path):
+    """Two real runs: the second (``--resume``) is refused while the first trains; the first then stops on
+    request and its metrics.h5 holds each epoch once, in order; train.log holds nothing of the second."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    run_dir = tmp_path / "r"
+    first = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--epochs", "400",
+                                         "--run-dir", str(run_dir)),
+                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.poll() is None, "the first run ended before the second could start"
+        second = run_flodl(2, "train", "--epochs", "400", "--run-dir", str(run_dir), "--resume", timeout=120)
+        assert second.returncode == EXIT_INPUT and IN_USE in second.stderr, second.stderr[-2000:]
+        assert first.poll() is None, "the first run ended before the second was refused"
+        pids = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], check=False, capture_output=True,
+                              text=True).stdout.split()
+        for pid in (int(p) for p in pids if int(p) != first.pid):
+            os.kill(pid, signal.SIGUSR1)
+        _, err = first.communicate(timeout=180)
+    finally:
+        first.kill()
+        first.communicate()
+    assert first.returncode == EXIT_STOPPED, err[-3000:]
+    epochs = read_table(run_dir / "metrics.h5", "epochs")["epoch"]
+    assert list(epochs) == list(range(1, len(epochs) + 1))
+    assert "in use" not in (run_dir / "train.log").read_text()
+    assert not run_dir_lock.in_use(run_dir)  # released at the end
+
+
+def test_a_run_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
+    """kill -9 of every rank: the operating system drops the lock; ``--resume`` goes on (exit 0)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    run_dir = tmp_path / "k"
+    proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3",
+                                        "--run-dir", str(run_dir)),
+                            env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run_dir_lock.in_use(run_dir)
+        pids = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], check=False, capture_output=True,
+                              text=True).stdout.split()
+        for pid in (int(p) for p in pids if int(p) != proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert not run_dir_lock.in_use(run_dir)
+    report = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_dir)], capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert "of 3 (not running: ended without a final record (crashed or killed))" in report.stdout, report.stdout
+    resumed = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+
+
+def test_report_tells_running_stopped_failed_and_killed_apart(tmp_path):
+    """report's word for a run with epochs left: its lock and train.log's last line decide."""
+    from flodl_mpi.report import _unfinished
+
+    assert _unfinished(tmp_path) == "running or stopped"  # no lock file: an older run, cannot tell
+    (tmp_path / "train.log").write_text("12:00:00 epoch 1/5 ...\n")
+    run_dir_lock.claim(tmp_path)
+    assert _unfinished(tmp_path) == "running"
+    run_dir_lock.release(tmp_path)
+    assert _unfinished(tmp_path) == "not running: ended without a final record (crashed or killed)"
+    (tmp_path / "train.log").write_text("12:00:01 stopped, not done (5 epochs asked); exit status 4: ...\n")
+    assert _unfinished(tmp_path) == "stopped"
+    (tmp_path / "train.log").write_text("12:00:01 run failed: CohortError: ...\n")
+    assert _unfinished(tmp_path) == "not running: failed (train.log's last line says why)"
+
+
+_API = """
+import sys
+import torch
+from torch import nn
+import flodl_mpi
+from flodl_mpi.errors import InputError
+
+run_dir, kind = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = nn.Linear(4, 3)
+try:
+    if kind == "averager":
+        with flodl_mpi.Averager(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), run_dir=run_dir,
+                                resume=True) as avg:
+            pass
+    else:
+        x, y = torch.rand(32, 4), torch.randint(0, 3, (32,))
+        flodl_mpi.fit(lambda: nn.Linear(4, 3), data={"train": (x, y), "test": (x, y)}, epochs=1,
+                      batch_size=8, run_dir=run_dir, resume=True).wait()
+except InputError as exc:
+    print("REFUSED", exc)
+    sys.exit(2)
+print("RAN")
+"""
+
+
+@pytest.mark.parametrize("kind", ["averager", "fit"])
+def test_the_api_refuses_a_run_dir_in_use_too(tmp_path, kind):
+    """``Averager`` and ``fit`` share the CLI's run-dir claim: refused (InputError) while the lock is held,
+    nothing touched; once it is free, the same call runs."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    argv = [sys.executable, "-c", _API, str(run_dir), kind]
+    with _Held(run_dir):
+        t0 = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False,
+                              env=launch_env())
+        assert time.monotonic() - t0 < 120
+        assert proc.returncode == 2 and "REFUSED" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+        assert "is in use by another run (it holds .lock)" in proc.stdout
+        assert sorted(p.name for p in run_dir.iterdir()) == [run_dir_lock.LOCK_NAME]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False, env=launch_env())
+    assert proc.returncode == 0 and "RAN" in proc.stdout, proc.stdout + proc.stderr[-2000:]
