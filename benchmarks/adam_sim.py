@@ -44,7 +44,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -291,7 +290,7 @@ def key(cfg: dict) -> str:
 
 def grid(name: str) -> list[dict]:
     """Named groups of runs, in the order the study ran them."""
-    S3, S2 = (0, 1, 2), (0, 1)
+    S2 = (0, 1)
     g: list[dict] = []
     if name in ("p1", "p1s0", "p1s1"):  # Adam: DDP vs A (params) vs B (state), and the oracle (F)
         for s in {"p1": S2, "p1s0": (0,), "p1s1": (1,)}[name]:
