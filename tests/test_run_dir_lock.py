@@ -15,7 +15,7 @@ from flodl_mpi import run_dir_lock
 from flodl_mpi.checkpoint import latest_checkpoint
 from flodl_mpi.errors import EXIT_INPUT, EXIT_STOPPED
 from flodl_mpi.metrics import read_table
-from tests.conftest import MPIEXEC, launch_argv, launch_env, run_flodl
+from tests.conftest import launch_env, rank_pids, run_flodl, start_flodl
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +26,15 @@ def _snapshot(run_dir: Path) -> dict[str, str]:
     """Every file under ``run_dir`` (but the lock file) -> sha256 of its bytes."""
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != run_dir_lock.LOCK_NAME}
+
+
+def _start_until_a_checkpoint(run_dir: Path, epochs: int) -> subprocess.Popen:
+    """A 2-rank run in ``run_dir`` in the background, returned once its first checkpoint is on disk (<= 180 s)."""
+    proc = start_flodl(2, "train", "--epochs", str(epochs), "--run-dir", str(run_dir))
+    deadline = time.monotonic() + 180
+    while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
 
 
 class _Held:
@@ -80,23 +89,14 @@ def test_a_resume_of_a_run_dir_in_use_is_refused_and_touches_nothing(tmp_path):
 def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_goes_on(tmp_path):
     """Two real runs: the second (``--resume``) is refused while the first trains; the first then stops on
     request and its metrics.h5 holds each epoch once, in order; train.log holds nothing of the second."""
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
     run_dir = tmp_path / "r"
-    first = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--epochs", "400",
-                                         "--run-dir", str(run_dir)),
-                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = _start_until_a_checkpoint(run_dir, 400)
     try:
-        deadline = time.monotonic() + 180
-        while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert first.poll() is None, "the first run ended before the second could start"
         second = run_flodl(2, "train", "--epochs", "400", "--run-dir", str(run_dir), "--resume", timeout=120)
         assert second.returncode == EXIT_INPUT and IN_USE in second.stderr, second.stderr[-2000:]
         assert first.poll() is None, "the first run ended before the second was refused"
-        pids = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], check=False, capture_output=True,
-                              text=True).stdout.split()
-        for pid in (int(p) for p in pids if int(p) != first.pid):
+        for pid in rank_pids(first, f"--run-dir {run_dir}"):
             os.kill(pid, signal.SIGUSR1)
         _, err = first.communicate(timeout=180)
     finally:
@@ -111,20 +111,11 @@ def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_goes_on(tmp_pat
 
 def test_a_run_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
     """kill -9 of every rank: the operating system drops the lock; ``--resume`` goes on (exit 0)."""
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
     run_dir = tmp_path / "k"
-    proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3",
-                                        "--run-dir", str(run_dir)),
-                            env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start_until_a_checkpoint(run_dir, 3)
     try:
-        deadline = time.monotonic() + 180
-        while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert run_dir_lock.in_use(run_dir)
-        pids = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], check=False, capture_output=True,
-                              text=True).stdout.split()
-        for pid in (int(p) for p in pids if int(p) != proc.pid):
+        for pid in rank_pids(proc, f"--run-dir {run_dir}"):
             os.kill(pid, signal.SIGKILL)
         proc.communicate(timeout=120)
     finally:
