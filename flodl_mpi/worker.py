@@ -101,12 +101,8 @@ def running_stat_decay(momentum: float | None, count_then: int, count_now: int) 
     return (1.0 - float(momentum)) ** n
 
 
-def _count_of(layer: nn.Module) -> int:
-    return int(layer.num_batches_tracked)
-
-
-def _running_stat_count(model: nn.Module, name: str) -> tuple[nn.Module, int] | None:
-    """(the norm layer, its ``num_batches_tracked``) when buffer ``name`` is a running statistic."""
+def _norm_layer_of(model: nn.Module, name: str) -> nn.Module | None:
+    """The norm layer whose running statistic buffer ``name`` is (it tracks its batches), else None."""
     path, _, attr = name.rpartition(".")
     if attr not in ("running_mean", "running_var"):
         return None
@@ -116,7 +112,16 @@ def _running_stat_count(model: nn.Module, name: str) -> tuple[nn.Module, int] | 
         return None
     if not isinstance(layer, nn.modules.batchnorm._NormBase) or getattr(layer, "num_batches_tracked", None) is None:
         return None
-    return layer, _count_of(layer)
+    return layer
+
+
+def _tracked_counts(layers: list[nn.Module | None]) -> list[int | None]:
+    """Each layer's ``num_batches_tracked`` (None for None), read in one transfer from the device."""
+    counts = [layer.num_batches_tracked for layer in layers if layer is not None]
+    if not counts:
+        return [None] * len(layers)
+    values = iter(torch.stack([c.to(counts[0].device) for c in counts]).tolist())
+    return [None if layer is None else next(values) for layer in layers]
 
 
 class Replica:
@@ -171,9 +176,9 @@ class Replica:
         self.kept: list[torch.Tensor] = []
         #: The floating buffers at the last snapshot, likewise (``keep_snapshot``).
         self.kept_buffers: list[torch.Tensor] = []
-        #: Per floating buffer at the last kept snapshot: (the norm layer whose running
-        #: statistic it is, its ``num_batches_tracked`` then), or None for any other buffer.
-        self._kept_counts: list[tuple[nn.Module, int] | None] = []
+        #: At the last kept snapshot, per floating buffer: the norm layer whose running
+        #: statistic it is (else None) and that layer's ``num_batches_tracked`` then.
+        self._kept_norms: tuple[list[nn.Module | None], list[int | None]] = ([], [])
         self.keep_snapshot = False
 
     def _plan_slots(self) -> None:
@@ -188,6 +193,8 @@ class Replica:
 
         self._param_slots = [owner(n, "_parameters") for n in self.param_names]
         self._buffer_slots = [owner(n, "_buffers") for n in self.buffer_names]
+        #: Per floating buffer, the norm layer whose running statistic it is (async's delta decays those).
+        self._norm_layers = [_norm_layer_of(self.model, n) for n in self.buffer_names]
         self._edges = [(m._modules, name, child) for m in self.model.modules() for name, child in m._modules.items()]
 
     @property
@@ -295,7 +302,7 @@ class Replica:
                 dst.copy_(src.detach())
             for dst, src in zip(self.kept_buffers, buffers):
                 dst.copy_(src)
-            self._kept_counts = [_running_stat_count(self.model, name) for name in self.buffer_names]
+            self._kept_norms = (self._norm_layers, _tracked_counts(self._norm_layers))
         _wait_for_device(params, buffers)
         self._live = (params, buffers)
 
@@ -363,10 +370,11 @@ class Replica:
             for dst, src in zip(params, bridge.param_tensors):
                 dst.copy_(src, non_blocking=True)
         if delta:
-            for name, dst, src, kept, then in zip(self.buffer_names, buffers, bridge.buffer_tensors,
-                                                  self.kept_buffers, self._kept_counts):
-                decay = 1.0 if then is None else running_stat_decay(
-                    then[0].momentum, then[1], _count_of(then[0]))
+            layers, then = self._kept_norms
+            now = _tracked_counts(layers)
+            for name, dst, src, kept, layer, k0, k in zip(self.buffer_names, buffers, bridge.buffer_tensors,
+                                                          self.kept_buffers, layers, then, now):
+                decay = 1.0 if layer is None else running_stat_decay(layer.momentum, k0, k)
                 if decay == 1.0:  # the params' rule; exact consensus when nothing moved since the snapshot
                     dst.sub_(kept).add_(src.to(dst.device, dst.dtype, non_blocking=True))
                 else:
