@@ -1,9 +1,11 @@
-"""Runs trained once per test session and shared by the report/inspect/export tests,
-and a synthetic metrics.h5 whose numbers are known exactly."""
+"""Runs trained once per test session and shared by the report/inspect/export tests (and, copied,
+by the tests that need a finished run to resume or refuse), and a synthetic metrics.h5 whose
+numbers are known exactly."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,24 @@ def trained_run(tmp_path_factory, name: str, *args: str, ranks: int = 2) -> Path
         assert proc.returncode == 0, proc.stdout + proc.stderr
         _CACHE[name] = run_dir
     return _CACHE[name]
+
+
+#: The finished run several modules share: ``mpiexec -n 2 flodl-mpi train --epochs 2`` (the defaults:
+#: Adam, window 1, gamma 1; 1437 digits samples, batch 32: 45 batches, 23 rounds an epoch at 2 ranks).
+RUN_A = ("A", "--epochs", "2")
+
+
+def session_run_a(tmp_path_factory) -> Path:
+    """The session's run `RUN_A` (trained on first use): read it, never write into it."""
+    return trained_run(tmp_path_factory, *RUN_A)
+
+
+def copy_of_run_a(tmp_path_factory, dest: Path) -> Path:
+    """A copy at ``dest`` of `session_run_a`, for a test that resumes it or writes into it (the shared run
+    stays as trained). A resume does not compare the run dir's path (`flodl_mpi.train.RESUME_MUST_MATCH`),
+    so the copy resumes as the run would in place."""
+    shutil.copytree(session_run_a(tmp_path_factory), dest)
+    return dest
 
 
 def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, ...] = ()) -> dict[str, dict]:

@@ -15,12 +15,12 @@ from torch import nn
 from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict, read_checkpoint, write_checkpoint
 from flodl_mpi.export import main
 from flodl_mpi.metrics import read_table
-from tests._runs import trained_run
+from tests._runs import session_run_a
 
 
 @pytest.fixture(scope="session")
 def run_a(tmp_path_factory):
-    return trained_run(tmp_path_factory, "A", "--epochs", "2")
+    return session_run_a(tmp_path_factory)
 
 
 def _plain_mlp() -> nn.Module:

@@ -376,23 +376,23 @@ def test_an_own_loop_closed_mid_epoch_records_every_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_cli_checks_the_optimizer_against_the_saved_state(tmp_path):
+def test_the_cli_checks_the_optimizer_against_the_saved_state(tmp_path, tmp_path_factory):
     """The CLI's resume check reads the same fact (the rank state's class): one line naming both, exit 2."""
     import time
 
-    from flodl_mpi.checkpoint import latest_checkpoint
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from tests._runs import copy_of_run_a
     from tests.conftest import run_flodl
 
-    run = str(tmp_path / "run")
-    first = run_flodl(1, "train", "--optimizer", "sgd", "--epochs", "1", "--run-dir", run)
-    assert first.returncode == 0, first.stderr[-2000:]
+    run = str(copy_of_run_a(tmp_path_factory, tmp_path / "run"))  # a finished run with Adam (its own copy)
     path = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert read_checkpoint(path).meta["config"]["optimizer"] == "adam"
     t0 = time.monotonic()
-    again = run_flodl(1, "train", "--optimizer", "adam", "--epochs", "2", "--run-dir", run, "--resume", timeout=400)
+    again = run_flodl(2, "train", "--optimizer", "sgd", "--epochs", "3", "--run-dir", run, "--resume", timeout=400)
     assert time.monotonic() - t0 < 300  # refused in setup, not after training (generous: a loaded machine)
     assert again.returncode == 2, again.stderr[-2000:]
-    assert again.stderr.count(f"flodl-mpi: error: --resume: {path} holds the optimizer state of SGD, this run builds "
-                              "Adam (--optimizer 'adam'); resume with the optimizer the run was started with") == 1
+    assert again.stderr.count(f"flodl-mpi: error: --resume: {path} holds the optimizer state of Adam, this run builds "
+                              "SGD (--optimizer 'sgd'); resume with the optimizer the run was started with") == 1
     assert latest_checkpoint(tmp_path / "run" / "checkpoints") == path
     config = tmp_path / "opt.toml"
     config.write_text('optimizer = "torch.optim.rmsprop:RMSprop"\n')  # an API run's record is not a CLI choice

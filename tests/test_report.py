@@ -16,7 +16,7 @@ import pytest
 
 from flodl_mpi.report import differing_options, format_comparison, format_summary, main, summarize
 from flodl_mpi.runinfo import RunError, load_run
-from tests._runs import synthetic_rows, trained_run, write_synthetic
+from tests._runs import session_run_a, synthetic_rows, trained_run, write_synthetic
 
 plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
 
@@ -184,7 +184,7 @@ def test_write_plots_gives_valid_pngs(tmp_path):
 
 @pytest.fixture(scope="session")
 def run_a(tmp_path_factory):
-    return trained_run(tmp_path_factory, "A", "--epochs", "2")
+    return session_run_a(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict, read_checkp
 from flodl_mpi.data import default_digits_path, load_dataset
 from flodl_mpi.errors import EXIT_INPUT, EXIT_STALL, EXIT_STOPPED
 from flodl_mpi.metrics import read_table
+from tests._runs import copy_of_run_a
 from tests.conftest import MPIEXEC, flip_data_byte, launch_argv, launch_env, run_flodl
 
 pytestmark = pytest.mark.slow
@@ -92,10 +93,9 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
     assert (stopped / "config.json").exists() and list(stopped.glob("config-resume-r*.json"))
 
 
-def test_resume_refuses_other_options(tmp_path):
-    run_dir = tmp_path / "r"
-    assert run_flodl(2, "train", "--epochs", "1", "--run-dir", str(run_dir), timeout=300).returncode == 0
-    other = run_flodl(2, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", "--gamma", "0.5",
+def test_resume_refuses_other_options(tmp_path, tmp_path_factory):
+    run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")  # a finished 2-epoch run at gamma 1 (its own copy)
+    other = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", "--gamma", "0.5",
                       timeout=300)
     assert other.returncode == 2
     assert "--resume: the run in" in other.stderr and "--gamma 0.5 (was 1.0)" in other.stderr
@@ -326,18 +326,17 @@ def test_resume_at_another_world_size(tmp_path, old, new):
 
 
 
-def test_resume_passes_over_a_checkpoint_whose_weights_fail_their_checksum(tmp_path):
-    run_dir = tmp_path / "r"
-    assert run_flodl(1, "train", "--epochs", "2", "--run-dir", str(run_dir), timeout=300).returncode == 0
+def test_resume_passes_over_a_checkpoint_whose_weights_fail_their_checksum(tmp_path, tmp_path_factory):
+    run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")  # 2 epochs at 2 ranks: 23 rounds an epoch
     newest = latest_checkpoint(run_dir / "checkpoints")
-    assert newest.name == "ckpt-e000002-r000090.h5"
+    assert newest.name == "ckpt-e000002-r000046.h5"
     flip_data_byte(newest, "params", "1.weight")
-    resumed = run_flodl(1, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", timeout=300)
+    resumed = run_flodl(2, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"warning: {newest.name} is damaged (unreadable data in 'params/1.weight'" in resumed.stdout
-    assert "resuming from ckpt-e000001-r000045.h5" in resumed.stdout
+    assert "resuming from ckpt-e000001-r000023.h5" in resumed.stdout
     assert newest.with_name(newest.name + ".damaged").exists()
-    assert read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta["round"] == 90  # epoch 2 redone
+    assert read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta["round"] == 46  # epoch 2 redone
 
 
 # ---------------------------------------------------------------- the final save

@@ -5,7 +5,7 @@ import pytest
 
 from flodl_mpi.metrics import read_table
 from flodl_mpi.round_profile import PHASES, RunProfile
-from tests._runs import trained_run
+from tests._runs import session_run_a
 
 
 def _row(**over):
@@ -41,7 +41,7 @@ def test_world_size_is_checked():
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
-    return trained_run(tmp_path_factory, "A", "--epochs", "2")
+    return session_run_a(tmp_path_factory)
 
 
 def test_the_logged_lines_are_the_sums_of_the_rounds_table(run_a):
