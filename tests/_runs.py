@@ -13,7 +13,8 @@ import numpy as np
 from flodl_mpi.metrics import MetricsFile, table_schema
 from tests.conftest import run_flodl
 
-_CACHE: dict[str, Path] = {}
+#: name -> (the run's arguments, its run dir, what it printed on stdout)
+_CACHE: dict[str, tuple[tuple, Path, str]] = {}
 
 
 def trained_run(tmp_path_factory, name: str, *args: str, ranks: int = 2) -> Path:
@@ -22,8 +23,14 @@ def trained_run(tmp_path_factory, name: str, *args: str, ranks: int = 2) -> Path
         run_dir = tmp_path_factory.mktemp("runs") / name
         proc = run_flodl(ranks, "train", "--run-dir", str(run_dir), *args)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        _CACHE[name] = run_dir
-    return _CACHE[name]
+        _CACHE[name] = ((ranks, *args), run_dir, proc.stdout)
+    assert _CACHE[name][0] == (ranks, *args), f"run {name} was trained with {_CACHE[name][0]}"
+    return _CACHE[name][1]
+
+
+def trained_stdout(name: str) -> str:
+    """What the session's run ``name`` (`trained_run`, already trained) printed on stdout."""
+    return _CACHE[name][2]
 
 
 #: The finished run several modules share: ``mpiexec -n 2 flodl-mpi train --epochs 2`` (the defaults:
@@ -42,6 +49,16 @@ def copy_of_run_a(tmp_path_factory, dest: Path) -> Path:
     so the copy resumes as the run would in place."""
     shutil.copytree(session_run_a(tmp_path_factory), dest)
     return dest
+
+
+#: The session's window-policy run: the report's second run, and test_end_to_end's fixed-window case
+#: (3 epochs at window 4 and gamma 0.5: its asserted windows, masses and accuracy are for these).
+RUN_B = ("B", "--epochs", "3", "--window", "4", "--gamma", "0.5")
+
+
+def session_run_b(tmp_path_factory) -> Path:
+    """The session's run `RUN_B` (trained on first use; its stdout: ``trained_stdout("B")``): read it only."""
+    return trained_run(tmp_path_factory, *RUN_B)
 
 
 def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, ...] = ()) -> dict[str, dict]:

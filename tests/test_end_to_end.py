@@ -12,6 +12,7 @@ from flodl_mpi.data import default_digits_path, load_dataset
 from flodl_mpi.metrics import read_table
 from flodl_mpi.models import digits_mlp
 from flodl_mpi.worker import evaluate
+from tests._runs import RUN_B, session_run_b, trained_stdout
 from tests.conftest import run_flodl
 
 pytestmark = pytest.mark.slow
@@ -84,12 +85,11 @@ def test_train_digits(tmp_path, world_size):
     assert correct / count == final_accuracy == ckpt.meta["test_accuracy"]
 
 
-def test_fixed_window_policy(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = run_flodl(2, "train", "--epochs", "3", "--window", "4", "--gamma", "0.5", "--run-dir", str(run_dir),
-                     timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "policy window (4 batches per rank per round)" in proc.stdout
+def test_fixed_window_policy(tmp_path_factory):
+    # The session's run B (tests/_runs.py, shared with test_report): 2 ranks, 3 epochs, --window 4 --gamma 0.5.
+    assert RUN_B[1:] == ("--epochs", "3", "--window", "4", "--gamma", "0.5")
+    run_dir = session_run_b(tmp_path_factory)
+    assert "policy window (4 batches per rank per round)" in trained_stdout("B")
     data = load_dataset(default_digits_path())
     windows = expected_windows(2, 4, math.ceil(data.train.n / 32)) * 3
     rounds = read_table(run_dir / "metrics.h5", "rounds")

@@ -16,7 +16,7 @@ import pytest
 
 from flodl_mpi.report import differing_options, format_comparison, format_summary, main, summarize
 from flodl_mpi.runinfo import RunError, load_run
-from tests._runs import session_run_a, synthetic_rows, trained_run, write_synthetic
+from tests._runs import session_run_a, session_run_b, synthetic_rows, write_synthetic
 
 plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
 
@@ -189,7 +189,7 @@ def run_a(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def run_b(tmp_path_factory):
-    return trained_run(tmp_path_factory, "B", "--epochs", "2", "--window", "4")
+    return session_run_b(tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -239,7 +239,8 @@ def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_a), str(run_b), "--out", str(out)],
                           capture_output=True, text=True, check=False, timeout=180)
     assert proc.returncode == 0, proc.stderr
-    assert "options that differ: --policy 'sync' vs 'window'; --window 1 vs 4" in proc.stdout
+    assert ("options that differ: --epochs 2 vs 3; --gamma 1.0 vs 0.5; --policy 'sync' vs 'window'; --window 1 vs 4"
+            in proc.stdout)
     header = next(line for line in proc.stdout.splitlines() if line.split() == ["A", "B"])
     assert header
     assert len(list(out.glob("*.png"))) == len(plots.FIGURES)
