@@ -21,7 +21,7 @@ def trained_run(tmp_path_factory, name: str, *args: str, ranks: int = 2) -> Path
     """``mpiexec -n ranks flodl-mpi train --run-dir <tmp>/name ARGS``, once per session."""
     if name not in _CACHE:
         run_dir = tmp_path_factory.mktemp("runs") / name
-        proc = run_flodl(ranks, "train", "--run-dir", str(run_dir), *args)
+        proc = run_flodl(ranks, "train", "--run-dir", str(run_dir), *args, timeout=400)  # generous: a loaded machine
         assert proc.returncode == 0, proc.stdout + proc.stderr
         _CACHE[name] = ((ranks, *args), run_dir, proc.stdout)
     assert _CACHE[name][0] == (ranks, *args), f"run {name} was trained with {_CACHE[name][0]}"
@@ -33,13 +33,17 @@ def trained_stdout(name: str) -> str:
     return _CACHE[name][2]
 
 
-#: The finished run several modules share: ``mpiexec -n 2 flodl-mpi train --epochs 2`` (the defaults:
-#: Adam, window 1, gamma 1; 1437 digits samples, batch 32: 45 batches, 23 rounds an epoch at 2 ranks).
-RUN_A = ("A", "--epochs", "2")
+#: The finished run several modules share: ``mpiexec -n 2 flodl-mpi train --epochs 5`` (the defaults:
+#: Adam, window 1, gamma 1; 1437 digits samples, batch 32: 45 batches, 23 rounds an epoch at 2 ranks;
+#: the newest 3 checkpoints kept). It is test_end_to_end's 2-rank case, read by the report, export
+#: and round-profile tests and copied by the tests that resume or refuse a finished run.
+RUN_A_EPOCHS = 5
+RUN_A = ("A", "--epochs", str(RUN_A_EPOCHS))
 
 
 def session_run_a(tmp_path_factory) -> Path:
-    """The session's run `RUN_A` (trained on first use): read it, never write into it."""
+    """The session's run `RUN_A` (trained on first use; its stdout: ``trained_stdout("A")``). Read it; never
+    change what it holds (``flodl-mpi report`` adds its plots/ there, as it does in any run dir)."""
     return trained_run(tmp_path_factory, *RUN_A)
 
 

@@ -388,7 +388,7 @@ def test_the_cli_checks_the_optimizer_against_the_saved_state(tmp_path, tmp_path
     path = latest_checkpoint(tmp_path / "run" / "checkpoints")
     assert read_checkpoint(path).meta["config"]["optimizer"] == "adam"
     t0 = time.monotonic()
-    again = run_flodl(2, "train", "--optimizer", "sgd", "--epochs", "3", "--run-dir", run, "--resume", timeout=400)
+    again = run_flodl(2, "train", "--optimizer", "sgd", "--epochs", "6", "--run-dir", run, "--resume", timeout=400)
     assert time.monotonic() - t0 < 300  # refused in setup, not after training (generous: a loaded machine)
     assert again.returncode == 2, again.stderr[-2000:]
     assert again.stderr.count(f"flodl-mpi: error: --resume: {path} holds the optimizer state of Adam, this run builds "

@@ -16,7 +16,7 @@ import pytest
 
 from flodl_mpi.report import differing_options, format_comparison, format_summary, main, summarize
 from flodl_mpi.runinfo import RunError, load_run
-from tests._runs import session_run_a, session_run_b, synthetic_rows, write_synthetic
+from tests._runs import RUN_A_EPOCHS, session_run_a, session_run_b, synthetic_rows, write_synthetic
 
 plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
 
@@ -196,10 +196,11 @@ def run_b(tmp_path_factory):
 def test_plots_label_epochs_as_the_log_does(run_a):
     # metrics.h5 counts epochs from 1 (as train.log): the per-epoch plots use that count as it is.
     run = load_run(run_a)
-    assert run.column("epochs", "epoch").tolist() == [1, 2]
+    epochs = list(range(1, RUN_A_EPOCHS + 1))
+    assert run.column("epochs", "epoch").tolist() == epochs
     for fig in (plots.training_figure([run]), plots.ranks_figure([run])):
         for line in fig.axes[0].get_lines():
-            assert list(line.get_xdata()) == [1, 2]
+            assert list(line.get_xdata()) == epochs
 
 
 def _report(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -223,9 +224,9 @@ def test_the_cli_entry_starts_no_mpi_for_report(tmp_path):
 def test_report_on_a_finished_run(run_a):
     proc = _report(str(run_a))
     assert proc.returncode == 0, proc.stderr
-    assert "epochs        2 of 2 (finished)" in proc.stdout
+    assert f"epochs        {RUN_A_EPOCHS} of {RUN_A_EPOCHS} (finished)" in proc.stdout
     ep = json.loads((run_a / "config.json").read_text())
-    assert ep["epochs"] == 2
+    assert ep["epochs"] == RUN_A_EPOCHS
     from flodl_mpi.metrics import read_table
 
     acc = read_table(run_a / "metrics.h5", "epochs")["test_accuracy"]
@@ -239,7 +240,7 @@ def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_a), str(run_b), "--out", str(out)],
                           capture_output=True, text=True, check=False, timeout=180)
     assert proc.returncode == 0, proc.stderr
-    assert ("options that differ: --epochs 2 vs 3; --gamma 1.0 vs 0.5; --policy 'sync' vs 'window'; --window 1 vs 4"
+    assert ("options that differ: --epochs 5 vs 3; --gamma 1.0 vs 0.5; --policy 'sync' vs 'window'; --window 1 vs 4"
             in proc.stdout)
     header = next(line for line in proc.stdout.splitlines() if line.split() == ["A", "B"])
     assert header

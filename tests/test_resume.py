@@ -94,8 +94,8 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
 
 
 def test_resume_refuses_other_options(tmp_path, tmp_path_factory):
-    run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")  # a finished 2-epoch run at gamma 1 (its own copy)
-    other = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", "--gamma", "0.5",
+    run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")  # a finished 5-epoch run at gamma 1 (its own copy)
+    other = run_flodl(2, "train", "--epochs", "6", "--run-dir", str(run_dir), "--resume", "--gamma", "0.5",
                       timeout=300)
     assert other.returncode == 2
     assert "--resume: the run in" in other.stderr and "--gamma 0.5 (was 1.0)" in other.stderr
@@ -327,16 +327,16 @@ def test_resume_at_another_world_size(tmp_path, old, new):
 
 
 def test_resume_passes_over_a_checkpoint_whose_weights_fail_their_checksum(tmp_path, tmp_path_factory):
-    run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")  # 2 epochs at 2 ranks: 23 rounds an epoch
+    run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")  # 5 epochs at 2 ranks: 23 rounds an epoch
     newest = latest_checkpoint(run_dir / "checkpoints")
-    assert newest.name == "ckpt-e000002-r000046.h5"
+    assert newest.name == "ckpt-e000005-r000115.h5"
     flip_data_byte(newest, "params", "1.weight")
-    resumed = run_flodl(2, "train", "--epochs", "2", "--run-dir", str(run_dir), "--resume", timeout=300)
+    resumed = run_flodl(2, "train", "--epochs", "5", "--run-dir", str(run_dir), "--resume", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"warning: {newest.name} is damaged (unreadable data in 'params/1.weight'" in resumed.stdout
-    assert "resuming from ckpt-e000001-r000023.h5" in resumed.stdout
+    assert "resuming from ckpt-e000004-r000092.h5" in resumed.stdout
     assert newest.with_name(newest.name + ".damaged").exists()
-    assert read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta["round"] == 46  # epoch 2 redone
+    assert read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta["round"] == 115  # epoch 5 redone
 
 
 # ---------------------------------------------------------------- the final save

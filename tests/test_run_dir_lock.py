@@ -69,14 +69,14 @@ def test_claim_is_exclusive_across_processes_and_released_on_close(tmp_path):
 def test_a_resume_of_a_run_dir_in_use_is_refused_and_touches_nothing(tmp_path, tmp_path_factory):
     """While another process holds the lock, ``--resume`` (and a fresh run) exit 2 with one line within the
     time bound, and every file of the run, a leftover ``metrics.h5.resume-tmp`` included, stays byte-identical."""
-    run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")  # a finished 2-epoch run (its own copy)
+    run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")  # a finished 5-epoch run (its own copy)
     live_tmp = run_dir / "metrics.h5.resume-tmp"  # as a live run's rebuild of metrics.h5 leaves it
     live_tmp.write_bytes(b"a live run's unfinished copy")
     before = _snapshot(run_dir)
     with _Held(run_dir):
         for extra in (("--resume",), ()):
             t0 = time.monotonic()
-            second = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), *extra, timeout=120)
+            second = run_flodl(2, "train", "--epochs", "6", "--run-dir", str(run_dir), *extra, timeout=120)
             assert time.monotonic() - t0 < 120
             assert second.returncode == EXIT_INPUT, second.stderr[-2000:]
             assert f"--run-dir '{run_dir}' {IN_USE}" in second.stderr
