@@ -39,6 +39,8 @@ VARIANTS = {
     "delta, own state": ["--policy", "async", "--average-optimizer-state", "off"],
     "easgd 0.5": ["--policy", "async", "--async-adopt", "easgd"],
     "easgd 1.0": ["--policy", "async", "--async-adopt", "easgd", "--easgd-alpha", "1.0"],
+    "easgd 0.25": ["--policy", "async", "--async-adopt", "easgd", "--easgd-alpha", "0.25"],
+    "easgd 0.5, own state": ["--policy", "async", "--async-adopt", "easgd", "--average-optimizer-state", "off"],
     "sync, own state": ["--policy", "sync", "--average-optimizer-state", "off"],
     "cadence 20": ["--policy", "cadence", *FIXED],
     "cadence 20, own state": ["--policy", "cadence", *FIXED, "--average-optimizer-state", "off"],

@@ -160,13 +160,6 @@ class TrainConfig:
                               "implemented; use --node-reduce shm (or --hierarchical off)")
         need(self.average_optimizer_state in AVERAGE_OPTIMIZER_STATE, "average_optimizer_state",
              self.average_optimizer_state, f"one of {', '.join(AVERAGE_OPTIMIZER_STATE)}")
-        if (self.policy == "async" and self.async_adopt_value == "easgd"
-                and self.average_optimizer_state in ("mean", "corrected")):
-            # Under delta the state is adopted like the params (its own steps on top of the
-            # consensus); an EASGD blend of moment estimates has no measured meaning.
-            raise ConfigError(f"--average-optimizer-state {self.average_optimizer_state} is not supported with "
-                              "--async-adopt easgd (each rank keeps its own optimizer state there); use "
-                              "--async-adopt delta or --average-optimizer-state off")
         need(self.outer_lr is None or (isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)
                                        and math.isfinite(self.outer_lr) and self.outer_lr > 0),
              "outer_lr", self.outer_lr, "a finite number > 0")
