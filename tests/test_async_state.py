@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_mpi.config import ConfigError, TrainConfig
+from flodl_mpi.config import TrainConfig
 from flodl_mpi.optimizer_state import OptimizerStateAverager, adopt_delta, decay_base
 from flodl_mpi.wire import WireLayout
 
