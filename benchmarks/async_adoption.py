@@ -7,13 +7,16 @@ average Adam's state by default: rebuilt second moment, async adopting it by the
 ``flodl_mpi.optimizer_state.adopt_delta``), with both moments averaged (``mean``), and with a fixed
 anchor (*20*: the same rounds for cadence and async before async's anchor shrank to what hides
 the round; now ``--max-anchor`` is only its ceiling), and async with small anchors (*delta 3*, *delta
-5*: ``--anchor N --max-anchor N``, what showed that short windows, not the adoption, were missing).
+5*: ``--anchor N --max-anchor N``, what showed that short windows, not the adoption, were missing),
+and EASGD's pull at several alphas (*easgd 0.5*, *easgd 0.25*, *easgd 1.0*: the last is the delta
+adoption) with the optimizer state adopted by the same pull (the default) or each rank's own.
 Prints one JSON line per run (final test accuracy,
 its curve, rounds, the share of round time hidden, the 1-minute load average after it) and the
 mean final accuracy per variant::
 
     python benchmarks/async_adoption.py                        # every variant, seeds 0 and 1 (about 30 minutes)
     python benchmarks/async_adoption.py --variants delta sync cadence --seeds 0 1 2 3   # README's table
+    python benchmarks/async_adoption.py --variants sync delta "easgd 0.5" --seeds 0 1 2 --factors 1,4
 
 Accuracy is deterministic only for sync (the balanced policies' quotas follow measured speeds).
 """
@@ -39,6 +42,8 @@ VARIANTS = {
     "delta, own state": ["--policy", "async", "--average-optimizer-state", "off"],
     "easgd 0.5": ["--policy", "async", "--async-adopt", "easgd"],
     "easgd 1.0": ["--policy", "async", "--async-adopt", "easgd", "--easgd-alpha", "1.0"],
+    "easgd 0.25": ["--policy", "async", "--async-adopt", "easgd", "--easgd-alpha", "0.25"],
+    "easgd 0.5, own state": ["--policy", "async", "--async-adopt", "easgd", "--average-optimizer-state", "off"],
     "sync, own state": ["--policy", "sync", "--average-optimizer-state", "off"],
     "cadence 20": ["--policy", "cadence", *FIXED],
     "cadence 20, own state": ["--policy", "cadence", *FIXED, "--average-optimizer-state", "off"],
@@ -60,8 +65,8 @@ def main() -> None:
                    help="copy each run's metrics.h5 to DIR/<variant>-seed<N>.h5 (for benchmarks/guard_replay.py)")
     args = p.parse_args()
     finals: dict[str, list[float]] = {}
-    for name in args.variants:
-        for seed in args.seeds:
+    for seed in args.seeds:  # the variants of one seed side by side: a load that moves touches them alike
+        for name in args.variants:
             argv = ["--data", str(mnist1d_file()), "--model", f"{SLOWED}:slowed_mnist1d_cnn", "--epochs",
                     str(args.epochs), "--batch-size", "32", "--seed", str(seed), *VARIANTS[name]]
             stem = name.replace(", ", "-").replace(" ", "_")
@@ -69,6 +74,7 @@ def main() -> None:
             r = flodl(2, argv, args.factors, 10.0, keep)
             finals.setdefault(name, []).append(r["test_accuracy"][-1])
             print(json.dumps({"run": name, "seed": seed, "acc": r["test_accuracy"][-1],
+                              "samples_per_s": round(r["samples_per_s"]), "mb_per_rank": round(r["mb_per_rank"], 1),
                               "curve": [round(a, 3) for a in r["test_accuracy"]], "rounds": r["rounds"],
                               "hidden": round(r["overlap"], 3), "anchor": r["anchor_last"],
                               "load": round(os.getloadavg()[0], 1)}), flush=True)

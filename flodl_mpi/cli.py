@@ -145,12 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cadence/async: let the anchor grow whatever the divergence guard says (its verdicts are "
                         "still recorded)")
     g.add_argument("--async-adopt", choices=ASYNC_ADOPTS,
-                   help="async: how a rank adopts the consensus of a round it trained past: delta adds its own "
-                        "steps since the round's snapshot to the consensus; easgd blends (--easgd-alpha) "
+                   help="async: how a rank adopts the consensus of a round it trained past, keeping its own "
+                        "steps since the round's snapshot: delta takes the consensus in place of the snapshot; "
+                        "easgd pulls the snapshot only --easgd-alpha of the way to it (EASGD's elastic pull: the "
+                        "ranks keep part of their spread; measured level with delta: README, 'Async's accuracy') "
                         "(default delta; easgd when only --easgd-alpha is given)")
     g.add_argument("--easgd-alpha", type=float,
-                   help="async with --async-adopt easgd: adopt each consensus as theta + alpha * (consensus - theta), "
-                        "alpha in (0, 1]; 1.0 overwrites (default 0.5)")
+                   help="async with --async-adopt easgd: adopt each consensus as theta + alpha * (consensus - "
+                        "theta_snapshot), alpha in (0, 1]; 1.0 is the delta adoption (default 0.5)")
     g.add_argument("--gamma", type=float,
                    help=f"mass exponent: a rank's weight in the average is its steps**gamma (default {d.gamma:g})")
     g.add_argument("--chunk-elems", type=int,
@@ -182,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "keeps its own); mean (every floating state tensor shaped like its parameter); corrected "
                         "(as mean, but Adam's second moment is rebuilt from the mean gradient, as under "
                         "DistributedDataParallel, and does not travel); auto: corrected for Adam-family optimizers, "
-                        "off otherwise; async: with --async-adopt delta only, adopted by its own delta "
+                        "off otherwise; async: adopted by the params' rule, its correction decayed "
                         f"(default {d.average_optimizer_state})")
     g.add_argument("--stall-timeout", type=float,
                    help="seconds without progress on any rank (or without the ranks' heartbeats) before the "

@@ -96,9 +96,9 @@ class TrainConfig:
     max_anchor: int | None = None     # cadence/async: the anchor's ceiling, batches; None = 1000
     overhead_target: float | None = None  # cadence/async: round time / anchor window time to grow past; None = 0.05
     divergence_guard: bool = True     # cadence/async: the divergence guard gates anchor growth (SPEC §3)
-    easgd_alpha: float | None = None  # async easgd: adopt theta += alpha (consensus - theta), in (0, 1]; None = 0.5
+    easgd_alpha: float | None = None  # async easgd: theta += alpha (consensus - theta_snapshot), (0, 1]; None = 0.5
     async_adopt: str | None = None    # async: "delta" (consensus + own steps since the snapshot) or "easgd"
-    #                                   (blend); None = delta, or easgd when easgd_alpha is set
+    #                                   (pull); None = delta, or easgd when easgd_alpha is set
     gamma: float = 1.0                # params mass exponent (SPEC §1)
     seed: int = 0                     # data order and model init
     checkpoint_every: int = 1         # epochs between checkpoints (0 = only the last)
@@ -160,13 +160,6 @@ class TrainConfig:
                               "implemented; use --node-reduce shm (or --hierarchical off)")
         need(self.average_optimizer_state in AVERAGE_OPTIMIZER_STATE, "average_optimizer_state",
              self.average_optimizer_state, f"one of {', '.join(AVERAGE_OPTIMIZER_STATE)}")
-        if (self.policy == "async" and self.async_adopt_value == "easgd"
-                and self.average_optimizer_state in ("mean", "corrected")):
-            # Under delta the state is adopted like the params (its own steps on top of the
-            # consensus); an EASGD blend of moment estimates has no measured meaning.
-            raise ConfigError(f"--average-optimizer-state {self.average_optimizer_state} is not supported with "
-                              "--async-adopt easgd (each rank keeps its own optimizer state there); use "
-                              "--async-adopt delta or --average-optimizer-state off")
         need(self.outer_lr is None or (isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)
                                        and math.isfinite(self.outer_lr) and self.outer_lr > 0),
              "outer_lr", self.outer_lr, "a finite number > 0")
@@ -210,7 +203,7 @@ class TrainConfig:
              "overhead_target", self.overhead_target, "a finite number > 0")
         need(isinstance(self.divergence_guard, bool), "divergence_guard", self.divergence_guard, "true or false")
         need(self.easgd_alpha is None or (number(self.easgd_alpha) and 0 < self.easgd_alpha <= 1), "easgd_alpha",
-             self.easgd_alpha, "a number in (0, 1] (1 overwrites)")
+             self.easgd_alpha, "a number in (0, 1] (1 is the delta adoption)")
         if self.policy not in BALANCED_POLICIES:
             given = [f"--{n.replace('_', '-')}" for n in ("anchor", "max_anchor", "overhead_target")
                      if getattr(self, n) is not None] + ([] if self.divergence_guard else ["--no-divergence-guard"])
@@ -252,7 +245,7 @@ class TrainConfig:
 
     @property
     def easgd_alpha_value(self) -> float:
-        """Async's blend on adoption (``--easgd-alpha``, default 0.5; 1.0 overwrites); 1.0 under ``delta``."""
+        """Async's pull on adoption (``--easgd-alpha``, default 0.5; 1.0 is delta's); 1.0 under ``delta``."""
         if self.async_adopt_value != "easgd":
             return 1.0
         return 0.5 if self.easgd_alpha is None else float(self.easgd_alpha)

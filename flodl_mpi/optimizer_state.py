@@ -426,7 +426,7 @@ class OptimizerStateAverager:
         self.v_prev, self._v_new = self._v_new, self.v_prev
 
     @torch.no_grad()
-    def adopt(self, views: Sequence[torch.Tensor], delta: bool = False, steps: int = 0) -> None:
+    def adopt(self, views: Sequence[torch.Tensor], delta: bool = False, steps: int = 0, alpha: float = 1.0) -> None:
         """Overwrite the live state with the consensus (``views``) and the rebuilt second moments.
 
         Args:
@@ -435,10 +435,18 @@ class OptimizerStateAverager:
                 average becomes ``live + β^steps · (consensus - kept)``, second moments
                 clamped at 0. Needs a :meth:`fill` with :attr:`keep_snapshot` before the round.
             steps: (``delta``) this rank's optimizer steps since that fill, >= 0.
+            alpha: (``delta``) async's pull in (0, 1] (``--easgd-alpha``; 1 under
+                ``--async-adopt delta``): each running average becomes
+                ``live + alpha · β^steps · (consensus - kept)``, the state the rank would
+                hold had it taken ``kept + alpha (consensus - kept)`` at the fill, as its
+                parameters do (flodl_mpi.worker.Replica.adopt).
 
         Raises:
-            ValueError: ``delta`` without a kept snapshot, or ``steps < 0``.
+            ValueError: ``delta`` without a kept snapshot, ``steps < 0``, or ``alpha`` outside
+                (0, 1] or below 1 without ``delta``.
         """
+        if not 0 < alpha <= 1 or (alpha != 1.0 and not delta):
+            raise ValueError(f"alpha must be in (0, 1], and 1 without delta; got {alpha!r}")
         if delta and not self.kept:
             raise ValueError("a delta adoption of the optimizer state needs the state kept at the last fill "
                              "(keep_snapshot = True before it)")
@@ -451,7 +459,7 @@ class OptimizerStateAverager:
             if dst is None:
                 continue
             if delta:
-                decay = decay_base(entry.key, self.plan.groups[entry.index]) ** int(steps)
+                decay = alpha * decay_base(entry.key, self.plan.groups[entry.index]) ** int(steps)
                 adopt_delta(dst, src, self.kept[i], decay, non_negative=entry.key in NON_NEGATIVE_KEYS)
             else:
                 dst.copy_(src)

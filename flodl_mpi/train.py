@@ -120,7 +120,7 @@ def _smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str
 def _describe_adopt(cfg: TrainConfig) -> str:
     if cfg.async_adopt_value == "delta":
         return ", adopt delta: consensus + own steps since the snapshot)"
-    return f", adopt EASGD alpha {cfg.easgd_alpha_value:g})"
+    return f", adopt EASGD alpha {cfg.easgd_alpha_value:g}: own steps + alpha (consensus - snapshot))"
 
 
 def _describe_policy(cfg: TrainConfig) -> str:

@@ -308,23 +308,31 @@ class Replica:
 
     @torch.no_grad()
     def adopt(self, bridge: Bridge, alpha: float = 1.0, delta: bool = False) -> None:
-        """Overwrite the live params and floating buffers with the consensus in the staging.
+        """Adopt the consensus in the staging into the live params and floating buffers, in place.
 
         Writes into the tensors the last :meth:`snapshot` found (the training
         thread does not touch the model while a blocking round runs); without
-        one, it resolves them by name now.
+        one, it resolves them by name now. Without ``delta`` each param and
+        floating buffer is overwritten with the consensus (the blocking policies).
 
         Args:
-            alpha: the EASGD blend of the ``async`` policy (SPEC §2 step 8): each
-                param and floating buffer becomes ``theta + alpha * (consensus - theta)``,
-                in place; 1.0 (default) overwrites. Bound params (which *are* the
-                staging) take only 1.0.
-            delta: the ``delta`` adoption of the ``async`` policy instead: each param
-                and floating buffer becomes ``consensus + (theta - theta_snapshot)``, the
-                consensus plus this rank's own steps since the snapshot the round
-                averaged (delayed averaging: Shen et al. 2019, "Faster Distributed Deep
-                Net Training: Computation and Communication Decoupled SGD",
-                arXiv:1906.12043). Needs ``keep_snapshot``; ``alpha`` must then be 1.
+            delta: the ``async`` policy's adoption of a round the rank trained past:
+                each param and floating buffer becomes
+                ``theta + alpha * (consensus - theta_snapshot)``. The round averaged the
+                snapshots, so the pull is computed where the round measured it, at the
+                snapshot, and this rank's own steps since (``theta - theta_snapshot``)
+                are kept whole. ``alpha`` 1 (``--async-adopt delta``) is the consensus
+                plus those steps (delayed averaging: Shen et al. 2019, "Faster
+                Distributed Deep Net Training: Computation and Communication Decoupled
+                SGD", arXiv:1906.12043); ``alpha < 1`` (``--async-adopt easgd``) is
+                EASGD's elastic pull ``x_i -= alpha (x_i - x_center)`` (Zhang, Choromanska
+                and LeCun 2015, "Deep learning with Elastic Averaging SGD", Alg. 1) with
+                the round's consensus as the center and ``x_i`` the snapshot the round
+                averaged. Blending the *live* values instead (``theta + alpha (consensus -
+                theta)``) would also pull back ``alpha`` of the steps trained since the
+                snapshot, every round: the ranks' mean would advance at ``1 - alpha`` of
+                their pace (0 at ``alpha`` 1). Needs ``keep_snapshot``.
+            alpha: the pull, in (0, 1]; below 1 only with ``delta``.
 
         Buffers follow the params' rule: under async the rank trained on since the
         snapshot, and its buffers (BatchNorm's running statistics) moved with it;
@@ -332,20 +340,22 @@ class Replica:
         away at every round, and the snapshot after the adoption would hold the
         previous consensus again: the statistics would stay at the first round's.
         A norm layer's running mean and variance are running averages that forget the
-        snapshot as the rank trains on: ``delta`` adds ``decay·(consensus - snapshot)``
+        snapshot as the rank trains on: ``delta`` adds ``alpha·decay·(consensus - snapshot)``
         with the decay of its own updates since (:func:`running_stat_decay`), the value
-        it would hold had it taken the consensus at the snapshot (a variance stays >= 0).
+        it would hold had it taken its pulled value at the snapshot (a variance stays >= 0).
 
         Raises:
-            ValueError: ``alpha`` outside (0, 1], ``alpha != 1`` or ``delta`` with bound
-                params, ``delta`` with ``alpha != 1``, or ``delta`` without a kept snapshot.
+            ValueError: ``alpha`` outside (0, 1], ``alpha != 1`` without ``delta``,
+                ``delta`` with bound params, or ``delta`` without a kept snapshot.
         """
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
-        if (alpha != 1.0 or delta) and self.bound:
-            raise ValueError("a blended adoption needs params apart from the staging; this replica is bound")
-        if delta and (alpha != 1.0 or not self.kept or self._live is None):
-            raise ValueError("a delta adoption needs alpha 1 and the params kept at the last snapshot "
+        if alpha != 1.0 and not delta:
+            raise ValueError("a pull alpha < 1 is computed at the snapshot: it needs delta = True")
+        if delta and self.bound:
+            raise ValueError("a delta adoption needs params apart from the staging; this replica is bound")
+        if delta and (not self.kept or self._live is None):
+            raise ValueError("a delta adoption needs the params kept at the last snapshot "
                              "(keep_snapshot = True before it)")
         if self._live is None:  # no snapshot since the last adoption: bind what changed
             params, buffers, changed = self._resolve_changes()
@@ -360,12 +370,12 @@ class Replica:
         # staging again only in the next round, after the next snapshot's wait.
         if delta:
             for dst, src, kept in zip(params, bridge.param_tensors, self.kept):
-                # (theta - snapshot) + consensus: the own steps first, exact 0 when there were none,
-                # so a rank that trained nothing since the snapshot takes the consensus bit for bit.
-                dst.sub_(kept).add_(src.to(dst.device, dst.dtype, non_blocking=True))
-        elif alpha != 1.0:
-            for dst, src in zip(params, bridge.param_tensors):
-                dst.lerp_(src.to(dst.device, dst.dtype, non_blocking=True), alpha)
+                if alpha == 1.0:
+                    # (theta - snapshot) + consensus: the own steps first, exact 0 when there were none,
+                    # so a rank that trained nothing since the snapshot takes the consensus bit for bit.
+                    dst.sub_(kept).add_(src.to(dst.device, dst.dtype, non_blocking=True))
+                else:
+                    dst.add_(src.to(dst.device, dst.dtype, non_blocking=True) - kept, alpha=alpha)
         elif not self.bound:
             for dst, src in zip(params, bridge.param_tensors):
                 dst.copy_(src, non_blocking=True)
@@ -375,13 +385,10 @@ class Replica:
             for name, dst, src, kept, layer, k0, k in zip(self.buffer_names, buffers, bridge.buffer_tensors,
                                                           self.kept_buffers, layers, then, now):
                 decay = 1.0 if layer is None else running_stat_decay(layer.momentum, k0, k)
-                if decay == 1.0:  # the params' rule; exact consensus when nothing moved since the snapshot
+                if decay == 1.0 and alpha == 1.0:  # the params' rule; exact consensus when nothing moved
                     dst.sub_(kept).add_(src.to(dst.device, dst.dtype, non_blocking=True))
                 else:
-                    adopt_delta(dst, src, kept, decay, non_negative=name.endswith("running_var"))
-        elif alpha != 1.0:
-            for dst, src in zip(buffers, bridge.buffer_tensors):
-                dst.lerp_(src.to(dst.device, dst.dtype, non_blocking=True), alpha)
+                    adopt_delta(dst, src, kept, alpha * decay, non_negative=name.endswith("running_var"))
         else:
             for dst, src in zip(buffers, bridge.buffer_tensors):
                 dst.copy_(src, non_blocking=True)
@@ -512,15 +519,14 @@ class Trainer:
         self.plan = bridge.policy.plan()
         #: Async's adoption of a round it trained past: "delta" or "easgd" (None: blocking).
         self.adoption = None if bridge.policy.blocking else cfg.async_adopt_value
-        replica.keep_snapshot = self.adoption == "delta"
+        replica.keep_snapshot = self.adoption is not None  # both adoptions are relative to the snapshot
         #: Averages the optimizer state with the params (``--average-optimizer-state``), or None.
-        #: Blocking policies, and async with the delta adoption (the state adopted by delta
-        #: too); ``auto`` is ``off`` under ``--async-adopt easgd`` (the config refuses the rest).
+        #: Under async the state is adopted by the params' rule (decayed: OptimizerStateAverager.adopt).
         self.state_average: OptimizerStateAverager | None = None
-        mode = resolve_mode(cfg.average_optimizer_state, self.optimizer) if self.adoption != "easgd" else "off"
+        mode = resolve_mode(cfg.average_optimizer_state, self.optimizer)
         if mode != "off":
             self.state_average = OptimizerStateAverager(self.optimizer, mode)
-            self.state_average.keep_snapshot = self.adoption == "delta"
+            self.state_average.keep_snapshot = self.adoption is not None
             bridge.attach_optimizer_state(self.state_average)
         #: Async: an epoch's last round runs on while the next epoch's first window
         #: trains, and the epoch ends (evaluation, exchange, checkpoint) on its consensus
@@ -759,8 +765,9 @@ class Trainer:
         """Async (SPEC §4): adopt the round in flight, if any, then start this window's.
 
         The round in flight was snapshotted a window ago; this rank trained on since,
-        so it adopts ``consensus + (theta - theta_snapshot)`` (``--async-adopt delta``) or
-        blends the consensus in (``easgd``, ``--easgd-alpha``), and the steps the round
+        so it adopts ``theta + alpha (consensus - theta_snapshot)``: its own steps since
+        the snapshot kept, ``alpha`` 1 under ``--async-adopt delta``, ``--easgd-alpha``
+        under ``easgd`` (:meth:`Replica.adopt`), and the steps the round
         covered are subtracted. At most one round is in flight. The plan of the next
         window is the adopted round's, one round older than a blocking policy's: the
         data each rank reads is still decided before the window, from gathered values.
@@ -770,7 +777,7 @@ class Trainer:
             update = self.bridge.wait()
             if self._open_end is not None:
                 self._end_carried(update)
-            self._adopt(update, alpha=self.cfg.easgd_alpha_value, delta=self.adoption == "delta")
+            self._adopt(update, alpha=self.cfg.easgd_alpha_value, delta=True)
         self.replica.snapshot(self.bridge)
         if self.state_average is not None:
             self.state_average.fill(self.bridge.state_tensors)
@@ -809,7 +816,7 @@ class Trainer:
             self.replica.adopt(self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
             if self.state_average is not None:
                 self.state_average.adopt(self.bridge.state_tensors, delta=delta and not whole,
-                                         steps=self.steps - update.steps_at_snapshot)
+                                         steps=self.steps - update.steps_at_snapshot, alpha=1.0 if whole else alpha)
         if update.quarantined:
             if self.writer is not None:
                 self.log(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "

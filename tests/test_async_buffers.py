@@ -35,7 +35,7 @@ def _async_run(adoption: str, steps: tuple[int, ...], windows: int) -> list[floa
     replicas = [Replica(Counter(), torch.device("cpu")) for _ in steps]
     stagings = []
     for rep in replicas:
-        rep.keep_snapshot = adoption == "delta"
+        rep.keep_snapshot = True
         stagings.append(SimpleNamespace(param_tensors=[torch.zeros_like(p) for p in rep.params],
                                         buffer_tensors=[torch.zeros_like(b) for b in rep.float_buffers]))
     in_flight = False
@@ -51,7 +51,7 @@ def _async_run(adoption: str, steps: tuple[int, ...], windows: int) -> list[floa
         if in_flight:
             land()
             for rep, s in zip(replicas, stagings):
-                rep.adopt(s, alpha=0.5 if adoption == "easgd" else 1.0, delta=adoption == "delta")
+                rep.adopt(s, alpha=0.5 if adoption == "easgd" else 1.0, delta=True)
         for rep, s in zip(replicas, stagings):
             rep.snapshot(s)
         in_flight = True
@@ -69,12 +69,15 @@ def test_delta_buffers_end_at_the_mean_of_the_ranks_own_updates():
     assert _async_run("delta", (1, 3), 6) == [12.0, 12.0]
 
 
-def test_easgd_buffers_blend_like_the_params():
-    # alpha 0.5, by hand (b: live, s: snapshot, c = mean(s)):
+def test_easgd_buffers_are_pulled_at_the_snapshot_like_the_params():
+    # alpha 0.5, by hand (b: live, s: snapshot, c = mean(s)); the pull b += 0.5 (c - s):
     # w1: b = (1, 3), s = (1, 3), c = 2
-    # w2: b = (2, 6) -> b + 0.5 (2 - b) = (2, 4); s = (2, 4), c = 3
-    # w3: b = (3, 7) -> (3, 5); s = (3, 5), c = 4; last round: both 4.
-    assert _async_run("easgd", (1, 3), 3) == [4.0, 4.0]
+    # w2: b = (2, 6) -> (2 + 0.5, 6 - 0.5) = (2.5, 5.5); s = (2.5, 5.5), c = 4
+    # w3: b = (3.5, 8.5) -> (3.5 + 0.75, 8.5 - 0.75) = (4.25, 7.75); s = those, c = 6;
+    # last round: both 6, the mean of the ranks' own updates (3 * 1 + 3 * 3) / 2, as delta.
+    # (Blending the live values, b += 0.5 (c - b), ended at 4: half of each window lost.)
+    assert _async_run("easgd", (1, 3), 3) == [6.0, 6.0]
+    assert _async_run("delta", (1, 3), 3) == [6.0, 6.0]
 
 
 def test_an_async_run_saves_running_statistics_that_follow_training(tmp_path):
@@ -103,8 +106,10 @@ def test_an_async_run_saves_running_statistics_that_follow_training(tmp_path):
             assert not np.array_equal(before[k], after[k]), k
 
 
-def _adopted_bn(momentum, batches: int, consensus_mean: float, consensus_var: float) -> tuple[nn.BatchNorm1d, list]:
-    """A BatchNorm replica: snapshot, ``batches`` training batches, then the delta adoption of a consensus."""
+def _adopted_bn(momentum, batches: int, consensus_mean: float, consensus_var: float,
+                alpha: float = 1.0) -> tuple[nn.BatchNorm1d, list, list, dict]:
+    """A BatchNorm replica: snapshot, ``batches`` training batches, then the delta adoption (pull ``alpha``)
+    of a consensus; also returns the statistics at the snapshot."""
     torch.manual_seed(0)
     bn = nn.BatchNorm1d(3, momentum=momentum)
     warm = [torch.randn(8, 3) * 2 + 1 for _ in range(3)]
@@ -117,6 +122,7 @@ def _adopted_bn(momentum, batches: int, consensus_mean: float, consensus_var: fl
     staging = SimpleNamespace(param_tensors=[torch.zeros_like(p) for p in rep.params],
                               buffer_tensors=[torch.zeros_like(b) for b in rep.float_buffers])
     rep.snapshot(staging)
+    at_snapshot = {k: getattr(bn, k).clone() for k in ("running_mean", "running_var")}
     for x in later:
         bn(x)
     names = rep.buffer_names
@@ -124,27 +130,29 @@ def _adopted_bn(momentum, batches: int, consensus_mean: float, consensus_var: fl
     staging.buffer_tensors[names.index("running_var")].fill_(consensus_var)
     for dst, src in zip(staging.param_tensors, rep.params):  # params: the rank's own (not under test)
         dst.copy_(src.detach())
-    rep.adopt(staging, delta=True)
-    return bn, later, warm
+    rep.adopt(staging, alpha=alpha, delta=True)
+    return bn, later, warm, at_snapshot
 
 
 @pytest.mark.parametrize("momentum", [0.1, 0.5, None])
 @pytest.mark.parametrize("batches", [0, 1, 4])
-def test_delta_running_statistics_are_as_if_the_consensus_was_taken_at_the_snapshot(momentum, batches):
-    """The reference: a fresh BatchNorm that holds the consensus at the snapshot and trains
-    on the same batches (torch's own update, float64 compare)."""
-    bn, later, warm = _adopted_bn(momentum, batches, consensus_mean=0.25, consensus_var=1.5)
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_delta_running_statistics_are_as_if_the_consensus_was_taken_at_the_snapshot(momentum, batches, alpha):
+    """The reference: a fresh BatchNorm that holds the pulled value at the snapshot,
+    ``snapshot + alpha (consensus - snapshot)`` (the consensus at alpha 1; EASGD's pull
+    below), and trains on the same batches (torch's own update, float64 compare)."""
+    bn, later, warm, snap = _adopted_bn(momentum, batches, consensus_mean=0.25, consensus_var=1.5, alpha=alpha)
     ref = nn.BatchNorm1d(3, momentum=momentum)
     ref.train()
-    ref.running_mean.fill_(0.25)
-    ref.running_var.fill_(1.5)
+    ref.running_mean.copy_(snap["running_mean"] + alpha * (0.25 - snap["running_mean"]))
+    ref.running_var.copy_(snap["running_var"] + alpha * (1.5 - snap["running_var"]))
     ref.num_batches_tracked.fill_(len(warm))
     for x in later:
         ref(x)
     for stat in ("running_mean", "running_var"):
         np.testing.assert_allclose(getattr(bn, stat).double().numpy(), getattr(ref, stat).double().numpy(),
                                    rtol=1e-5, atol=1e-6)
-    if batches == 0:  # nothing trained since the snapshot: the consensus, bit for bit
+    if batches == 0 and alpha == 1.0:  # nothing trained since the snapshot: the consensus, bit for bit
         assert torch.equal(bn.running_mean, torch.full((3,), 0.25))
 
 
@@ -152,5 +160,5 @@ def test_a_running_variance_stays_positive_where_the_plain_delta_goes_negative()
     # The snapshot's variance (about 4, from the warm batches of std 2) far above the
     # consensus (0.1): the plain delta, consensus + (live - snapshot), would be about
     # 0.1 + (0.9^4 * 4 + small) - 4 < 0; the decayed delta is 0.9^4 * 0.1 + small > 0.
-    bn, _, _ = _adopted_bn(0.1, 4, consensus_mean=0.0, consensus_var=0.1)
+    bn, _, _, _ = _adopted_bn(0.1, 4, consensus_mean=0.0, consensus_var=0.1)
     assert bool((bn.running_var > 0).all()), bn.running_var

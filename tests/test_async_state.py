@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_mpi.config import ConfigError, TrainConfig
+from flodl_mpi.config import TrainConfig
 from flodl_mpi.optimizer_state import OptimizerStateAverager, adopt_delta, decay_base
 from flodl_mpi.wire import WireLayout
 
@@ -133,13 +133,33 @@ def test_delta_without_a_kept_state_is_refused():
         averager.adopt(views, delta=True)
 
 
-def test_async_averages_the_state_under_delta_and_refuses_it_under_easgd():
-    TrainConfig(policy="async", average_optimizer_state="corrected")  # delta by default: accepted
-    TrainConfig(policy="async", average_optimizer_state="mean", async_adopt="delta")
-    with pytest.raises(ConfigError, match="--average-optimizer-state corrected is not supported with "
-                                          "--async-adopt easgd"):
-        TrainConfig(policy="async", average_optimizer_state="corrected", async_adopt="easgd")
-    TrainConfig(policy="async", async_adopt="easgd")  # auto: off under easgd
+def test_easgd_pulls_the_state_at_the_fill_by_alpha_decayed():
+    # As the params: live + alpha * beta^n * (consensus - kept), alpha 0.5, two steps since the fill:
+    # m: [0.75 + 0.5 * 0.25 * (1 - 0.5), -0.25 + 0.5 * 0.25 * (0 + 0.5)] = [0.8125, -0.1875]
+    # v: [0.01 + 0.5 * 0.5625 * (0.02 - 0.04), 0.16 + 0.5 * 0.5625 * (0.05 - 0.09)] = [0.004375, 0.14875]
+    _, opt, st = _adam()
+    averager = OptimizerStateAverager(opt, "mean")
+    averager.keep_snapshot = True
+    views = _frame(averager)
+    averager.fill(views)
+    st["exp_avg"].copy_(torch.tensor([0.75, -0.25]))
+    st["exp_avg_sq"].copy_(torch.tensor([0.01, 0.16]))
+    views[0].copy_(torch.tensor([1.0, 0.0]))
+    views[1].copy_(torch.tensor([0.02, 0.05]))
+    averager.adopt(views, delta=True, steps=2, alpha=0.5)
+    torch.testing.assert_close(st["exp_avg"], torch.tensor([0.8125, -0.1875]), rtol=0, atol=1e-7)
+    torch.testing.assert_close(st["exp_avg_sq"], torch.tensor([0.004375, 0.14875]), rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="alpha must be in"):
+        averager.adopt(views, alpha=0.5)  # a pull is relative to the fill: delta only
+
+
+def test_async_averages_the_state_under_both_adoptions():
+    # Both adoptions are relative to the snapshot, so the state is adopted by the params' rule
+    # under easgd too (before: refused, each rank kept its own state).
+    for adopt in ("delta", "easgd"):
+        TrainConfig(policy="async", average_optimizer_state="corrected", async_adopt=adopt)
+        TrainConfig(policy="async", average_optimizer_state="mean", async_adopt=adopt)
+    TrainConfig(policy="async", async_adopt="easgd", average_optimizer_state="off")
 
 
 @pytest.mark.parametrize("opt_kind", ["adam", "adamw", "sgd", "rmsprop"])

@@ -445,10 +445,12 @@ def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_async_snapshot_never_aliases_the_live_parameters_and_the_blend_matches_easgd():
-    """Async: the round runs on the snapshot while training goes on; adoption blends theta + a (avg - theta)."""
+    """Async: the round runs on the snapshot while training goes on; EASGD's adoption pulls at the
+    snapshot and keeps the steps since: theta + a (avg - theta_snapshot)."""
     comm = MPI.COMM_WORLD
     rank = comm.rank
     replica = make_replica()
+    replica.keep_snapshot = True
     bridge = make_bridge(replica, chunk_elems=50)  # not bound: the async staging
     local_steps(replica, rank, rank + 1)
     for p in replica.params:
@@ -468,8 +470,8 @@ def test_async_snapshot_never_aliases_the_live_parameters_and_the_blend_matches_
     ref = sum(n * s for n, s in zip(all_steps, snapshots)) / sum(all_steps)
     got = flat(bridge.param_tensors)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= 1e-6  # the consensus of the snapshots only
-    replica.adopt(bridge, alpha=0.5)
-    np.testing.assert_allclose(flat(replica.params), live + 0.5 * (ref - live), rtol=1e-5, atol=1e-5)
+    replica.adopt(bridge, alpha=0.5, delta=True)
+    np.testing.assert_allclose(flat(replica.params), live + 0.5 * (ref - snapshots[rank]), rtol=1e-5, atol=1e-5)
     assert update.steps_at_snapshot == steps and update.plan.quotas == (1,) * comm.size
     with pytest.raises(RuntimeError, match="no round is in flight"):
         bridge.wait()
@@ -480,6 +482,8 @@ def test_a_bound_replica_refuses_a_blend():
     replica = make_replica()
     bridge = make_bridge(replica)
     assert replica.bind(bridge)
-    with pytest.raises(ValueError, match="blended adoption needs params apart from the staging"):
+    with pytest.raises(ValueError, match="a delta adoption needs params apart from the staging"):
+        replica.adopt(bridge, alpha=0.5, delta=True)
+    with pytest.raises(ValueError, match="a pull alpha < 1 is computed at the snapshot"):
         replica.adopt(bridge, alpha=0.5)
     bridge.close()

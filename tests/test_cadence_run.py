@@ -82,6 +82,21 @@ def test_async_on_digits_at_two_ranks_reaches_093(tmp_path):
     assert np.all(rounds["wait_ms"] >= 0) and np.all(np.isfinite(rounds["round_ms"]))
 
 
+@pytest.mark.parametrize("alpha", ["0.5", "1.0"])
+def test_async_easgd_on_digits_at_two_ranks_reaches_093(tmp_path, alpha):
+    """EASGD pulls each rank at its snapshot and keeps its own steps since: it trains as fast
+    as delta. (Blending the live params instead pulled back alpha of every window: at alpha
+    1.0 the run never moved from its initial model, about 10 % on digits.)"""
+    run_dir = tmp_path / "easgd"
+    proc = run_flodl(2, "train", "--policy", "async", "--async-adopt", "easgd", "--easgd-alpha", alpha,
+                     "--epochs", "5", "--run-dir", str(run_dir), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"adopt EASGD alpha {float(alpha):g}" in proc.stdout + proc.stderr  # the run did use the blend
+    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    assert ckpt.meta["test_accuracy"] >= 0.93
+    assert read_table(run_dir / "metrics.h5", "rounds")["round"].size >= 5
+
+
 def test_async_carries_each_epochs_last_round_and_evaluates_and_saves_its_consensus(tmp_path):
     """The last round of epochs 1 and 2 runs on while the next epoch's first window trains; each epoch's
     checkpoint is that round's consensus, and the test accuracy recorded for the epoch is that model's
