@@ -137,7 +137,15 @@ def agree(comm: MPI.Comm, what: str, fn: Callable[[], T], watchdog: "Watchdog | 
 
 
 def abort(code: int = EXIT_ERROR) -> None:
-    """End the whole job now: flush, then ``MPI_Abort`` on the world (never returns)."""
+    """End the whole job now: flush, then ``MPI_Abort`` on the world (never returns).
+
+    Under pytest, what the running test wrote, the error just printed included, goes
+    to the real streams first (:mod:`flodl_mpi.pytest_capture`): pytest's capture
+    would otherwise die with the process, unreported.
+    """
+    from flodl_mpi import pytest_capture
+
+    pytest_capture.release(MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else None)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
