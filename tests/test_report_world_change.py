@@ -240,3 +240,15 @@ def test_report_of_a_real_run_resumed_at_3_then_1_rank(tmp_path):
     out = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", "--no-plots", str(run_dir)],
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and "not recorded" not in out.stdout and "throughput    -" not in out.stdout, out.stdout
+
+
+def test_smoothed_round_times_survive_the_padding(tmp_path):
+    plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
+    run_dir = _write_resumed(tmp_path / "r", [(2, 150, 3), (3, 100, 2)])  # 250 rounds: a moving average of 2
+    with h5py.File(run_dir / "metrics.h5", "r") as f:
+        unpack = f["rounds/unpack_ms"][()]
+    mean = np.array([np.mean(unpack[i, :2 if i < 150 else 3]) for i in range(250)])
+    want = np.concatenate([mean[:1], (mean[1:] + mean[:-1]) / 2])  # the first point: a shorter mean
+    fig = plots.round_times_figure([load_run(run_dir)])
+    line = next(line for line in fig.axes[0].lines if line.get_label() == "unpack")
+    np.testing.assert_allclose(line.get_ydata(), want, rtol=1e-12)  # the old one: NaN from the first padded row on
