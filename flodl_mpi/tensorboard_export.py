@@ -35,7 +35,7 @@ def scalars(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     epochs = run.column("epochs", "epoch")
     if epochs is not None:
-        step = epochs.astype(np.int64) + 1
+        step = epochs.astype(np.int64)  # metrics.h5 counts epochs from 1, as train.log does
         for tag, col in (("train_loss", "avg_loss"), ("test_loss", "test_loss"), ("test_accuracy", "test_accuracy")):
             y = run.column("epochs", col)
             if y is not None:

@@ -252,3 +252,11 @@ def test_smoothed_round_times_survive_the_padding(tmp_path):
     fig = plots.round_times_figure([load_run(run_dir)])
     line = next(line for line in fig.axes[0].lines if line.get_label() == "unpack")
     np.testing.assert_allclose(line.get_ydata(), want, rtol=1e-12)  # the old one: NaN from the first padded row on
+
+
+def test_tensorboard_epoch_steps_are_the_files_epoch_numbers(tmp_path):
+    from flodl_mpi.tensorboard_export import scalars
+
+    run_dir = _write_resumed(tmp_path / "r", [(2, 9, 3), (3, 12, 2)])
+    steps, _ = scalars(load_run(run_dir))["epoch/test_accuracy"]
+    np.testing.assert_array_equal(steps, [1, 2, 3, 4, 5])  # as train.log's "epoch 1/5" (was 2..6)
