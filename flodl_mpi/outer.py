@@ -51,7 +51,7 @@ _PIECE = 1 << 16
 
 
 def short_window_warning(kind: str, window: int, cadence: str, lr: float | None = None,
-                         momentum: float | None = None) -> str | None:
+                         momentum: float | None = None, api: bool = False) -> str | None:
     """One line warning that an outer step taken this often costs accuracy, or None.
 
     An outer step on rounds that come after every batch or few batches takes each step on a
@@ -66,6 +66,7 @@ def short_window_warning(kind: str, window: int, cadence: str, lr: float | None 
             cadence's first anchor.
         cadence: how the rounds come, in the options' words (``--policy sync``, ``--window 5``).
         lr, momentum: the outer lr and momentum (None: :data:`OUTER_DEFAULTS`).
+        api: word the options as :func:`flodl_mpi.fit`'s keywords (``outer='avg'``), not the CLI's flags.
 
     Returns:
         The line, when ``window`` is below :data:`SHORT_WINDOW` for ``kind`` and the
@@ -85,9 +86,14 @@ def short_window_warning(kind: str, window: int, cadence: str, lr: float | None 
         at = max(w for w in _MEASURED[kind] if w <= window)
         seen = (f"; on the built-in digits (3 epochs, 2 ranks) it ended at {_MEASURED[kind][at]:.3f} test accuracy "
                 f"{'at sync' if at == 1 else f'at --window {at}'} against 0.950 for --outer avg")
-    return (f"warning: --outer {kind} with {every} ({cadence}) amplifies each round's change about {gain:.0f}x "
+    if api:
+        outer, avg, wider = f"outer={kind!r}", "outer='avg'", f"policy='window', window={SHORT_WINDOW[kind]}"
+        seen = seen.replace("--outer avg", avg).replace("--window ", "window=")
+    else:
+        outer, avg, wider = f"--outer {kind}", "--outer avg", f"--policy window --window {SHORT_WINDOW[kind]}"
+    return (f"warning: {outer} with {every} ({cadence}) amplifies each round's change about {gain:.0f}x "
             f"(lr {lr:g} / (1 - momentum {momentum:g})){seen}; outer steps are meant for rare rounds: use "
-            f"--outer avg at this cadence, or --policy window --window {SHORT_WINDOW[kind]} or more")
+            f"{avg} at this cadence, or {wider} or more")
 
 
 #: Test accuracy :func:`short_window_warning` quotes, by window (the same runs as `SHORT_WINDOW`'s).

@@ -770,13 +770,14 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
     log.info(effective_batch_line(cfg, world_size, api))
     if bridge is not None and world_size > 1:
         log.info(describe_averaging_path(cfg, bridge.reducer.path, bridge.reducer.nodes))
+    policy = f"policy={cfg.policy!r}" if api else f"--policy {cfg.policy}"
     if cfg.policy == "sync":
-        window, cadence = 1, "--policy sync"
+        window, cadence = 1, policy
     elif cfg.policy == "window":
-        window, cadence = cfg.window, f"--window {cfg.window}"
+        window, cadence = cfg.window, f"window={cfg.window}" if api else f"--window {cfg.window}"
     else:  # the cadence's first anchor: the slowest rank's window, which may grow
-        window, cadence = cfg.anchor or 10, f"--policy {cfg.policy}, first anchor {cfg.anchor or 10}"
-    warning = short_window_warning(cfg.outer, window, cadence, cfg.outer_lr, cfg.outer_momentum)
+        window, cadence = cfg.anchor or 10, f"{policy}, first anchor {cfg.anchor or 10}"
+    warning = short_window_warning(cfg.outer, window, cadence, cfg.outer_lr, cfg.outer_momentum, api=api)
     if warning:
         log.warning(warning)
 

@@ -65,3 +65,11 @@ def test_a_sync_run_with_slowmo_warns_once_and_logs_its_averaging_path(tmp_path)
     path = next(line for line in log.splitlines() if "averaging path: " in line)
     assert "(1 node; --node-reduce auto, --hierarchical on)" in path
     assert path.endswith("; hierarchical: on, 1 node: the node reduce alone (no step across nodes)")
+
+
+def test_the_python_api_is_told_in_its_own_keywords():
+    line = short_window_warning("nesterov", 5, "window=5", api=True)
+    assert line.startswith("warning: outer='nesterov' with a round every 5 batches (window=5) amplifies")
+    assert "at window=5 against 0.950 for outer='avg'" in line
+    assert line.endswith("use outer='avg' at this cadence, or policy='window', window=10 or more")
+    assert "--" not in line
