@@ -495,7 +495,8 @@ class Averager:
         line = (f"stopped on request ({stop.signal_name or 'a stop signal'}) in epoch {self.epoch + 1} "
                 f"after round {self.bridge.version}; {where}; exit status 4")
         # train.log records the stop (flodl-mpi report counts it) and ends with the stop's last line, as fit's
-        last = (f"stopped, not done: {self.epoch} epoch(s) of your loop, {self.bridge.version} rounds; "
+        rounds = f"{self.bridge.version} round{'' if self.bridge.version == 1 else 's'}"
+        last = (f"stopped, not done: {self.epoch} epoch(s) of your loop, {rounds}; "
                 "exit status 4: to go on, run the same script with resume=True")
         self._finish(last=[line, last])
         self._session.close()
@@ -669,7 +670,8 @@ class Averager:
             self._save(None, "checkpoint", complete=self._epoch_calls == 0)
         last = None
         if self.run_dir is not None:
-            last = [(f"done: {self.epoch} epoch(s) of your loop, {self.bridge.version} rounds; metrics "
+            rounds = f"{self.bridge.version} round{'' if self.bridge.version == 1 else 's'}"
+            last = [(f"done: {self.epoch} epoch(s) of your loop, {rounds}; metrics "
                      f"{self.run_dir / 'metrics.h5'}, checkpoints {self.run_dir / 'checkpoints'}")]
         self._finish(last=last)
         self._session.close()

@@ -209,6 +209,8 @@ class Bridge:
         self.state_tensors = self._s.tensors
         #: torch views of the params staging, in ``param_shapes`` order.
         self.param_tensors = self._p.tensors
+        #: The params' reducer: how rounds travel (its ``path`` and ``nodes``, the same on every rank).
+        self.reducer = self._p.reducer
         #: torch views of the floating-buffer staging, in ``buffer_shapes`` order.
         self.buffer_tensors = self._b.tensors
         self._recorder = recorder_for(self.rank, writer)

@@ -200,7 +200,7 @@ def check_world_size(size: int, library: str, environ: Mapping[str, str] | None 
         return None
     family = library_family(library)
     srun = "srun --mpi=pmix" if family == "openmpi" else "srun --mpi=pmi2"
-    return (f"the launcher started {env.size} ranks ({env.size_var}={env.size}) but MPI sees a world of {size}: "
+    return (f"the launcher started {env.size} rank{'' if env.size == 1 else 's'} ({env.size_var}={env.size}) but MPI sees a world of {size}: "
             f"it is not a launcher of mpi4py's MPI ({library}); use the mpiexec installed with it "
             f"(e.g. the one in this virtual environment) or, under Slurm, `{srun}`" + _mixed_hint())
 

@@ -66,12 +66,24 @@ def _epoch_axis(run: Run) -> np.ndarray | None:
 
 
 def _smooth(y: np.ndarray, k: int) -> np.ndarray:
-    """Moving average of ``k`` points ('valid' part padded at the start with a shorter mean)."""
+    """Moving average of ``k`` points ('valid' part padded at the start with a shorter mean),
+    over the finite points only: a NaN (not measured) neither spreads nor counts."""
     if k <= 1 or len(y) < k:
         return y
-    c = np.cumsum(np.insert(y, 0, 0.0))
-    head = c[1:k] / np.arange(1, k)
-    return np.concatenate([head, (c[k:] - c[:-k]) / k])
+    finite = np.isfinite(y)
+    c = np.cumsum(np.insert(np.where(finite, y, 0.0), 0, 0.0))
+    n = np.cumsum(np.insert(finite.astype(np.float64), 0, 0.0))
+    sums = np.concatenate([c[1:k], c[k:] - c[:-k]])
+    counts = np.concatenate([n[1:k], n[k:] - n[:-k]])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.where(counts > 0, counts, 1.0), np.nan)
+
+
+def _rank_mean(y: np.ndarray) -> np.ndarray:
+    """Per row, the mean over the ranks that row's world had (``y`` from `Run.per_rank`: NaN elsewhere)."""
+    finite = np.isfinite(y)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(finite.any(axis=1), np.where(finite, y, 0.0).sum(axis=1) / finite.sum(axis=1), np.nan)
 
 
 def _smoothing(runs: Sequence[Run]) -> int:
@@ -158,7 +170,7 @@ def ranks_figure(runs: Sequence[Run]) -> Figure | None:
     for i, run in enumerate(runs):
         x = _epoch_axis(run)
         for ax, col, scale in ((ax_thr, cols[0], 1.0), (ax_share, cols[1], 100.0)):
-            y = run.column("epochs", col)
+            y = run.per_rank("epochs", col)  # NaN (a gap) where the epoch's world had no such rank
             if x is None or y is None:
                 continue
             for r in range(y.shape[1]):
@@ -235,10 +247,10 @@ def divergence_figure(runs: Sequence[Run]) -> Figure | None:
     ax = fig.subplots()
     positive = True
     for i, run in enumerate(runs):
-        x, y = run.column("rounds", "round"), run.column("rounds", "divergence")
+        x, y = run.column("rounds", "round"), run.per_rank("rounds", "divergence")
         if x is None or y is None:
             continue
-        positive &= bool(np.all(y > 0))
+        positive &= bool(np.all(y[np.isfinite(y)] > 0))  # NaN: a rank the round's world did not have
         for r in range(y.shape[1]):
             ax.plot(x, y[:, r], linewidth=1, label=_label(runs, run, f"rank {r}"), **_series_style(runs, i, r))
         guard = run.column("rounds", "guard")
@@ -267,12 +279,12 @@ def round_times_figure(runs: Sequence[Run]) -> Figure | None:
     for i, run in enumerate(runs):
         x = run.column("rounds", "round")
         for j, p in enumerate(phases):
-            y = run.column("rounds", p)
+            y = run.per_rank("rounds", p)
             if x is None or y is None:
                 continue
             style = {"color": _color(j), "linestyle": "-"} if len(runs) == 1 else \
                 {"color": _color(i), "linestyle": _STYLES[j % len(_STYLES)]}
-            ax.plot(x, _smooth(y.mean(axis=1), k), linewidth=1.2, label=_label(runs, run, p[:-3]), **style)
+            ax.plot(x, _smooth(_rank_mean(y), k), linewidth=1.2, label=_label(runs, run, p[:-3]), **style)
     ax.set_ylim(bottom=0)
     avg = f" (moving average over {k} rounds)" if k > 1 else ""
     ax.set(title=_title(runs, f"Time per round phase, mean over ranks{avg}"), xlabel="round", ylabel="time (ms)")
@@ -291,7 +303,7 @@ def cadence_figure(runs: Sequence[Run]) -> Figure | None:
         x = run.column("rounds", "round")
         if x is None:
             continue
-        anchor, window = run.column("rounds", "anchor"), run.column("rounds", "window")
+        anchor, window = run.column("rounds", "anchor"), run.per_rank("rounds", "window")
         if anchor is not None:
             ax.step(x, anchor, where="post", color="black" if len(runs) == 1 else _color(i), linewidth=2,
                     alpha=0.6, label=_label(runs, run, "anchor"))

@@ -27,8 +27,8 @@ import numpy as np
 from flodl_mpi.metrics import GUARD_VERDICTS
 from flodl_mpi.runinfo import NOT_OPTIONS, Run, RunError, load_run
 
-__all__ = ["add_parser", "describe_policy", "differing_options", "format_comparison", "format_summary", "main",
-           "summarize"]
+__all__ = ["add_parser", "describe_policy", "describe_world", "differing_options", "format_comparison",
+           "format_summary", "main", "plural", "rank_seconds", "summarize"]
 
 
 def _last(col: np.ndarray | None) -> float:
@@ -73,6 +73,31 @@ def describe_policy(run: Run) -> str:
     return f"policy {policy}"
 
 
+def plural(n: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``, ``0 ranks``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def describe_world(run: Run) -> str:
+    """The world sizes over the run, from ``world_size_history``: ``2 ranks``, or after a resume
+    at another size ``2 ranks, then 1 from round 10 (resumed)``."""
+    history = run.world_size_history
+    text = plural(history[0][1], "rank")
+    for first, w in history[1:]:
+        text += f", then {w} from round {first} (resumed)"
+    return text
+
+
+def rank_seconds(run: Run) -> np.ndarray:
+    """Seconds each rank was in the run, float64 ``(W,)`` (W the widest world size): the
+    stretches (`Run.segments`) whose world had the rank; every rank: the elapsed time,
+    for a run at one world size."""
+    out = np.zeros(run.width)
+    for _, w, start, end in run.segments():
+        out[:w] += max(0.0, end - start)
+    return out
+
+
 def _last_by_name(run: Run, evaluated: bool) -> tuple[dict[str, float], int | None]:
     """The ``scalars`` table's values of the last epoch that has any: evaluation metrics
     (``eval/<name>``, the prefix dropped) or the train step's ``record_scalar`` values."""
@@ -101,12 +126,18 @@ def summarize(run: Run) -> dict[str, Any]:
         ``best_test_accuracy`` and ``best_epoch`` (1-based); ``rounds``,
         ``skipped_rounds``; ``elapsed_s`` (the later of the last epoch's and
         round's ``time_s``); ``bytes_per_rank`` (sum of ``rounds/bytes``);
-        ``averaging_pct`` (W,): per rank, 100 * (pack + allreduce + unpack) /
-        elapsed; ``throughput`` (W,) samples/s of compute + data wait (metrics.h5's
+        ``world``: ``[(first round, world size)]`` (`Run.world_size_history`);
+        W below is the widest world size; a per-rank figure reads only the rows
+        whose world had the rank (`Run.per_rank`). ``averaging_pct`` (W,): per
+        rank, 100 * (pack + allreduce + unpack) / the seconds the rank was in the
+        run (`rank_seconds`: elapsed, for a run at one world size);
+        ``throughput`` (W,) samples/s of compute + data wait (metrics.h5's
         ``per_rank_throughput``: the time in rounds, evaluation and waits for
-        peers left out), mean over epochs; ``wall_throughput`` (W,) samples /
+        peers left out), mean over the epochs the rank recorded; ``wall_throughput`` (W,) samples /
         the rank's epoch wall time (``per_rank_samples`` / ``per_rank_epoch_ms``),
         mean over epochs: what the rank achieved; None when not in the file;
+        ``throughput_total``, ``wall_throughput_total``: the cohort's, per epoch
+        the sum over its ranks, mean over epochs (None when not in the file);
         ``batch_share`` (W,): the rank's batches / all batches; ``guard``:
         verdict name -> rounds (non-stable verdicts only); ``quarantined``: rank ->
         rounds it was quarantined in, from a ``rounds/quarantined`` column when the
@@ -119,7 +150,7 @@ def summarize(run: Run) -> dict[str, Any]:
         for async only (a blocking policy waits for every round: it hides nothing),
         or None.
     """
-    ep, W = run.tables.get("epochs", {}), run.world_size
+    ep, W = run.tables.get("epochs", {}), run.width
     acc = run.column("epochs", "test_accuracy")
     time_e, time_r = run.column("epochs", "time_s"), run.column("rounds", "time_s")
     elapsed = max(_last(time_e) if time_e is not None else 0.0, _last(time_r) if time_r is not None else 0.0)
@@ -138,6 +169,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "bytes_per_rank": int(np.sum(_or_zero(run.column("rounds", "bytes")))),
         "averaging_pct": None, "throughput": None, "wall_throughput": None, "batch_share": None,
+        "throughput_total": None, "wall_throughput_total": None, "world": run.world_size_history,
         "guard": {}, "quarantined": {}, "resumes": run.resumes, "anchor": None, "overlap": None,
         "stops": sum("stopped on request" in line for line in run.log_lines),
         "last_log": run.log_lines[-1] if run.log_lines else "",
@@ -147,24 +179,34 @@ def summarize(run: Run) -> dict[str, Any]:
     if acc is not None and np.isfinite(acc).any():
         best = int(np.nanargmax(acc))
         s["best_test_accuracy"], s["best_epoch"] = float(acc[best]), best + 1
-    phases = [c for c in (run.column("rounds", n) for n in ("pack_ms", "allreduce_ms", "unpack_ms")) if c is not None]
+    # Per-rank figures read only the rows whose world had the rank (a resume at another
+    # world size pads the others with NaN / -1: Run.per_rank masks both).
+    phases = [c for c in (run.per_rank("rounds", n) for n in ("pack_ms", "allreduce_ms", "unpack_ms"))
+              if c is not None]
+    in_run = rank_seconds(run)
     if phases and elapsed > 0:
-        s["averaging_pct"] = 100.0 * sum(p.sum(axis=0) for p in phases) / 1e3 / elapsed
-    thr = run.column("epochs", "per_rank_throughput")
-    if thr is not None:
-        with np.errstate(invalid="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # a rank never recorded: NaN, "not recorded"
-            s["throughput"] = np.nanmean(thr, axis=0)
-    samples, epoch_ms = run.column("epochs", "per_rank_samples"), run.column("epochs", "per_rank_epoch_ms")
+        spent = sum(np.nansum(p, axis=0) for p in phases) / 1e3
+        with np.errstate(invalid="ignore", divide="ignore"):
+            s["averaging_pct"] = np.where(in_run > 0, 100.0 * spent / np.where(in_run > 0, in_run, 1.0), np.nan)
+    thr = run.per_rank("epochs", "per_rank_throughput")
+    samples, epoch_ms = run.per_rank("epochs", "per_rank_samples"), run.per_rank("epochs", "per_rank_epoch_ms")
+    rate = None
     if samples is not None and epoch_ms is not None and samples.shape == epoch_ms.shape:
-        with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
+        with np.errstate(invalid="ignore", divide="ignore"):
             rate = np.where((samples >= 0) & (epoch_ms > 0), samples / np.where(epoch_ms > 0, epoch_ms, 1.0) * 1e3,
                             np.nan)
-            s["wall_throughput"] = np.nanmean(rate, axis=0)
-    batches = run.column("epochs", "per_rank_batches")
-    if batches is not None and batches.sum() > 0:
-        s["batch_share"] = batches.sum(axis=0) / batches.sum()
+    for key, per_epoch in (("throughput", thr), ("wall_throughput", rate)):
+        if per_epoch is None:
+            continue
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a rank never recorded: NaN, "not recorded"
+            s[key] = np.nanmean(per_epoch, axis=0)
+            finite = np.isfinite(per_epoch)
+            totals = np.where(finite, per_epoch, 0.0).sum(axis=1)[finite.any(axis=1)]
+            s[f"{key}_total"] = float(totals.mean()) if len(totals) else math.nan
+    batches = run.per_rank("epochs", "per_rank_batches")
+    if batches is not None and np.nansum(batches) > 0:
+        s["batch_share"] = np.nansum(batches, axis=0) / np.nansum(batches)
     guard = run.column("rounds", "guard")
     if guard is not None:
         for name, code in GUARD_VERDICTS.items():
@@ -183,10 +225,9 @@ def summarize(run: Run) -> dict[str, Any]:
         if ok.any() and bridge[ok].sum() > 0:
             # The wait also holds the hand-off after the bridge finished: never below 0.
             s["overlap"] = max(0.0, float(1.0 - wait[ok].sum() / bridge[ok].sum()))
-    if W and s["throughput"] is not None and len(s["throughput"]) != W:
-        s["throughput"] = None  # a file whose per-rank width disagrees with world_size: say nothing
-    if W and s["wall_throughput"] is not None and len(s["wall_throughput"]) != W:
-        s["wall_throughput"] = None
+    for key in ("throughput", "wall_throughput"):
+        if W and s[key] is not None and len(s[key]) != W:
+            s[key] = s[f"{key}_total"] = None  # a file whose per-rank width disagrees with its history: say nothing
     return s
 
 
@@ -243,7 +284,7 @@ def format_summary(run: Run) -> str:
     else:
         status = "finished" if planned is not None and s["epochs"] >= planned else _unfinished(Path(run.path))
         epochs = f"  epochs        {s['epochs']} of {planned if planned is not None else '?'} ({status})"
-    lines = [f"run {run.path}  ({run.world_size} ranks, {describe_policy(run)}, gamma {cfg.get('gamma', '?')})",
+    lines = [f"run {run.path}  ({describe_world(run)}, {describe_policy(run)}, gamma {cfg.get('gamma', '?')})",
              epochs]
     # What the run measured, no more: accuracy only when there is one, the user's metrics by their names.
     if not math.isnan(s["test_accuracy"]) or not math.isnan(s["best_test_accuracy"]):
@@ -301,7 +342,7 @@ def differing_options(runs: Sequence[Run]) -> dict[str, list[Any]]:
     """Options whose values differ between the runs: option -> value per run.
 
     Compares every config key (``run_dir`` and ``resume`` excepted: they name the
-    run) and the world size; a key absent from a run's config counts as ``None``,
+    run) and the world size (``"2 then 1"`` for a run resumed at another one); a key absent from a run's config counts as ``None``,
     one the run lists in ``not_applicable`` as ``"n/a"``; a Python API run's model
     and optimizer records are shown by class (parameters, learning rates).
     Keys use the command line's spelling (``batch-size``).
@@ -312,7 +353,9 @@ def differing_options(runs: Sequence[Run]) -> dict[str, list[Any]]:
         values = [_shown(r, k) for r in runs]
         if any(v != values[0] for v in values):
             out[k.replace("_", "-")] = values
-    sizes = [r.world_size for r in runs]
+    # A run resumed at another world size: its sizes in order ("2 then 1").
+    sizes = [[w for _, w in r.world_size_history] for r in runs]
+    sizes = [ws[0] if len(ws) == 1 else " then ".join(map(str, ws)) for ws in sizes]
     if any(v != sizes[0] for v in sizes):
         out["world size (mpiexec -n)"] = sizes
     return out
@@ -345,13 +388,14 @@ def format_comparison(runs: Sequence[Run]) -> str:
         ("rounds", [str(s["rounds"]) for s in sums]),
         ("wall time (s)", [_fmt(s["elapsed_s"], ".1f") for s in sums]),
         ("averaging (% wall, mean rank)",
-         [_fmt(float(np.mean(s["averaging_pct"])), ".1f") if s["averaging_pct"] is not None else "-" for s in sums]),
+         [_fmt(float(np.nanmean(s["averaging_pct"])), ".1f") if s["averaging_pct"] is not None
+          and np.isfinite(s["averaging_pct"]).any() else "-" for s in sums]),
         ("bytes per rank", [_fmt_bytes(s["bytes_per_rank"]) for s in sums]),
         ("throughput (samples/s of wall time, sum)",
-         [_fmt(float(np.sum(s["wall_throughput"])), ".0f") if s["wall_throughput"] is not None else "-"
+         [_fmt(s["wall_throughput_total"], ".0f") if s["wall_throughput_total"] is not None else "-"
           for s in sums]),
         ("compute throughput (samples/s of compute + data wait, sum)",
-         [_fmt(float(np.sum(s["throughput"])), ".0f") if s["throughput"] is not None else "-" for s in sums]),
+         [_fmt(s["throughput_total"], ".0f") if s["throughput_total"] is not None else "-" for s in sums]),
     ]
     rows[:0] = [(k if k.startswith("world") else _flag(k), [str(v) for v in vals]) for k, vals in differ.items()]
     labels = [r.label for r in runs]

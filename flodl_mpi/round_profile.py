@@ -93,6 +93,6 @@ class RunProfile:
                               for p in PHASES)
             mb = self.bytes[r] / n / 1e6
             gbs = self.bytes[r] / (total / 1e3) / 1e9 if total else float("nan")
-            out.append(f"averaging profile, rank {r}: {n} rounds, {total / n:.2f} ms/round: {parts}; "
+            out.append(f"averaging profile, rank {r}: {n} round{'' if n == 1 else 's'}, {total / n:.2f} ms/round: {parts}; "
                        f"{mb:.2f} MB/round, {gbs:.2f} GB/s effective")
         return out

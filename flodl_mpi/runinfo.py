@@ -23,6 +23,9 @@ from flodl_mpi.metrics import SCHEMA_VERSION, read_table
 
 __all__ = ["Run", "RunError", "load_run", "metrics_attrs", "open_metrics"]
 
+#: Per table, the integer per-rank column whose -1 padding marks a rank the row's world did not have.
+_PRESENCE = {"rounds": "steps", "epochs": "per_rank_batches", "scalars": "per_rank_count"}
+
 #: Options that name the run, not how it trained: never reported as a difference.
 NOT_OPTIONS = ("run_dir", "resume", "not_applicable")
 
@@ -72,7 +75,81 @@ class Run:
 
     @property
     def world_size(self) -> int:
+        """The ranks of the run as last started (metrics.h5 ``world_size``); 0 when absent."""
         return int(self.attrs.get("world_size", 0))
+
+    @property
+    def world_size_history(self) -> list[tuple[int, int]]:
+        """``[(first round, world size), ...]``, one entry per world size the run had, in order
+        (metrics.h5 ``world_size_history``; a file from before it: ``[(0, world_size)]``)."""
+        raw = self.attrs.get("world_size_history")
+        if isinstance(raw, str):  # not listed in json_attrs by some writer: still JSON
+            try:
+                raw = json.loads(raw)
+            except ValueError:
+                raw = None
+        try:
+            history = [(int(first), int(w)) for first, w in raw]
+        except (TypeError, ValueError):
+            history = []
+        return history or [(0, self.world_size)]
+
+    @property
+    def width(self) -> int:
+        """Per-rank columns' width: the largest world size the run had (``max`` over the history)."""
+        return max(w for _, w in self.world_size_history)
+
+    def present(self, table: str) -> np.ndarray | None:
+        """Which ranks the world that wrote each row had: bool ``(rows, width)``, or None (no rows).
+
+        A row written by a smaller world than the widest is padded (NaN in float columns,
+        -1 in integer ones, docs/file-formats.rst "Another world size"); this reads the
+        padding of the table's integer per-rank column (``rounds/steps``,
+        ``epochs/per_rank_batches``, ``scalars/per_rank_count``: never negative when
+        written), so float columns' own NaN ("not measured") stays apart from it. A table
+        without that column: every rank present.
+        """
+        col = self.column(table, _PRESENCE.get(table, ""))
+        if col is not None and col.ndim == 2:
+            return col >= 0
+        rows = next((len(c) for c in self.tables.get(table, {}).values()), 0)
+        return np.ones((rows, self.width), dtype=bool) if rows else None
+
+    def per_rank(self, table: str, name: str) -> np.ndarray | None:
+        """A per-rank column as float64 ``(rows, W)`` with NaN where the row's world had no such
+        rank (integer columns' -1 padding too), so NaN-aware reductions use only real rows.
+
+        Returns None when the column is absent or not per-rank.
+        """
+        col = self.column(table, name)
+        if col is None or col.ndim != 2:
+            return None
+        out = col.astype(np.float64)
+        present = self.present(table)
+        if present is not None and present.shape == out.shape:
+            out[~present] = np.nan
+        return out
+
+    def segments(self) -> list[tuple[int, int, float, float]]:
+        """The run's stretches at one world size: ``[(first round, world size, start_s, end_s)]``.
+
+        ``start_s`` of a resumed stretch is the latest ``time_s`` of the rows recorded before
+        it (the run's clock continues from its checkpoint, saved just after them); the last
+        stretch ends at the later of the last round's and the last epoch's ``time_s``.
+        """
+        times_r, times_e = self.column("rounds", "time_s"), self.column("epochs", "time_s")
+        ep_rounds = self.column("epochs", "rounds")
+        tr = np.zeros(0) if times_r is None else times_r.astype(np.float64)
+        te = np.zeros(0) if times_e is None else times_e.astype(np.float64)
+        er = np.zeros(len(te), np.int64) if ep_rounds is None else ep_rounds[:len(te)]
+        end = max([0.0, *tr[-1:], *te[-1:]])
+        out, history = [], self.world_size_history
+        for k, (first, w) in enumerate(history):
+            start = 0.0 if k == 0 else float(max([0.0, *tr[:first], *te[:len(er)][er <= first]]))
+            out.append([first, w, start, end])
+            if k:
+                out[k - 1][3] = start
+        return [tuple(seg) for seg in out]
 
     def column(self, table: str, name: str) -> np.ndarray | None:
         """The column, or None when the table or column is absent or has no rows."""

@@ -14,6 +14,7 @@ allreduce, unpack, and ``round/anchor`` when the column is there.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,32 +25,43 @@ from flodl_mpi.runinfo import Run
 __all__ = ["scalars", "write_events"]
 
 
+def _rows_of(present: np.ndarray | None, y: np.ndarray) -> np.ndarray:
+    """`Run.present`'s mask for ``y`` (every row when the file gives none of that shape)."""
+    return present if present is not None and present.shape == y.shape else np.ones(y.shape, dtype=bool)
+
+
 def scalars(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """tag -> (steps int64 (n,), values float64 (n,)) of one run; absent columns give no tag."""
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     epochs = run.column("epochs", "epoch")
     if epochs is not None:
-        step = epochs.astype(np.int64) + 1
+        step = epochs.astype(np.int64)  # metrics.h5 counts epochs from 1, as train.log does
         for tag, col in (("train_loss", "avg_loss"), ("test_loss", "test_loss"), ("test_accuracy", "test_accuracy")):
             y = run.column("epochs", col)
             if y is not None:
                 out[f"epoch/{tag}"] = (step, y.astype(np.float64))
+        present = run.present("epochs")
         for tag, col in (("throughput", "per_rank_throughput"), ("batch_share", "per_rank_batch_share")):
-            y = run.column("epochs", col)
+            y = run.per_rank("epochs", col)
             if y is not None:
-                for r in range(y.shape[1]):
-                    out[f"epoch/{tag}_rank{r}"] = (step, y[:, r].astype(np.float64))
+                keep = _rows_of(present, y)
+                for r in range(y.shape[1]):  # only the epochs whose world had rank r (a resume may change it)
+                    out[f"epoch/{tag}_rank{r}"] = (step[keep[:, r]], y[keep[:, r], r])
     rounds = run.column("rounds", "round")
     if rounds is not None:
         step = rounds.astype(np.int64)
-        div = run.column("rounds", "divergence")
+        present = run.present("rounds")
+        div = run.per_rank("rounds", "divergence")
         if div is not None:
+            keep = _rows_of(present, div)
             for r in range(div.shape[1]):
-                out[f"round/divergence_rank{r}"] = (step, div[:, r].astype(np.float64))
+                out[f"round/divergence_rank{r}"] = (step[keep[:, r]], div[keep[:, r], r])
         for phase in ("pack_ms", "allreduce_ms", "unpack_ms"):
-            y = run.column("rounds", phase)
-            if y is not None:
-                out[f"round/{phase}"] = (step, y.mean(axis=1))
+            y = run.per_rank("rounds", phase)
+            if y is not None:  # the mean over the ranks the round's world had
+                with np.errstate(invalid="ignore"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # a round no rank timed: NaN
+                    out[f"round/{phase}"] = (step, np.nanmean(y, axis=1))
         anchor = run.column("rounds", "anchor")
         if anchor is not None:
             out["round/anchor"] = (step, anchor.astype(np.float64))

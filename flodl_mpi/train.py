@@ -59,7 +59,7 @@ from flodl_mpi.models import (
     model_signature,
     module_structure,
 )
-from flodl_mpi.outer import OuterOptimizer
+from flodl_mpi.outer import OuterOptimizer, short_window_warning
 from flodl_mpi.policy import make_policy
 from flodl_mpi.progress import EpochProgress, stdout_is_terminal, write_above_bars
 from flodl_mpi.reduce import WireOptions
@@ -650,7 +650,7 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
         torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
 
         if late_header is None:
-            log_header(cfg, world.size, replica, attrs["devices"], data, run_dir)
+            log_header(cfg, world.size, replica, attrs["devices"], data, run_dir, bridge=bridge)
             n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
             if n_batches < world.size:
                 log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} "
@@ -692,7 +692,8 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
         raise
     if late_header is not None and writer is not None:
         log.info(late_header)
-        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir, api=True)  # train.log as the CLI's
+        log_header(cfg, world.size, replica, attrs["devices"], data, run_dir, api=True,  # train.log as the CLI's
+                   bridge=bridge)
     trainer.made_progress = watchdog.progress  # each batch trained is progress for the stall watchdog
     watchdog.begin("training")
     return trainer, bridge, writer
@@ -732,17 +733,53 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
     return trainer.done
 
 
+#: Words for `flodl_mpi.reduce.Reducer.path`: how a round's frames travel.
+_PATH_WORDS = {
+    "allreduce": "one chunked MPI Allreduce over the world",
+    "allgather-bf16": "bfloat16 frames gathered over the world (MPI Allgather), summed in float32",
+    "shm": "the node's shared memory (/dev/shm), each rank summing a slice",
+    "shm-in-place": "the node's shared memory (/dev/shm), in place",
+    "shm+leaders": "node sums in shared memory, then the node leaders' MPI Allreduce across nodes",
+    "node-mpi+leaders": "node sums over MPI, then the node leaders' MPI Allreduce across nodes",
+}
+
+
+def describe_averaging_path(cfg: TrainConfig, path: str, nodes: int) -> str:
+    """train.log's line on the averaging path in effect (``--node-reduce``, ``--hierarchical``,
+    ``--bf16-wire`` as resolved by the reducer: `flodl_mpi.reduce.Reducer` ``path``, ``nodes``)."""
+    text = (f"averaging path: {_PATH_WORDS.get(path, path)} ({nodes} node{'' if nodes == 1 else 's'}; "
+            f"--node-reduce {cfg.node_reduce}, --hierarchical {cfg.hierarchical}"
+            + (", --bf16-wire" if cfg.bf16_wire else "") + ")")
+    if cfg.hierarchical == "on" and nodes == 1:
+        text += "; hierarchical: on, 1 node: the node reduce alone (no step across nodes)"
+    return text
+
+
 def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: list, data: Dataset,
-               run_dir: Path, api: bool = False) -> None:
-    """train.log's header (rank 0): ranks, policy, model size, data, run dir; then the effective batch.
+               run_dir: Path, api: bool = False, bridge: Bridge | None = None) -> None:
+    """train.log's header (rank 0): ranks, policy, model size, data, run dir; then the effective batch,
+    given the ``bridge`` the averaging path in effect (`describe_averaging_path`), and a warning
+    when an outer step comes with rounds too frequent for it (`flodl_mpi.outer.short_window_warning`).
 
     ``api``: the effective batch worded in :func:`flodl_mpi.fit`'s keywords (`effective_batch_line`).
     """
-    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
     log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
              f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {devices}, "
              f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
     log.info(effective_batch_line(cfg, world_size, api))
+    if bridge is not None and world_size > 1:
+        log.info(describe_averaging_path(cfg, bridge.reducer.path, bridge.reducer.nodes))
+    policy = f"policy={cfg.policy!r}" if api else f"--policy {cfg.policy}"
+    if cfg.policy == "sync":
+        window, cadence = 1, policy
+    elif cfg.policy == "window":
+        window, cadence = cfg.window, f"window={cfg.window}" if api else f"--window {cfg.window}"
+    else:  # the cadence's first anchor: the slowest rank's window, which may grow
+        window, cadence = cfg.anchor or 10, f"{policy}, first anchor {cfg.anchor or 10}"
+    warning = short_window_warning(cfg.outer, window, cadence, cfg.outer_lr, cfg.outer_momentum, api=api)
+    if warning:
+        log.warning(warning)
 
 
 def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, run_dir: Path,
@@ -756,7 +793,7 @@ def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, ru
     """
     if not done:  # `done` only when every epoch is: the exit status is 4, not 0
         hint = stop_hint or f"exit status 4: to go on, run the same command with --resume --run-dir {run_dir}"
-        return f"stopped, not done ({cfg.epochs} epochs asked); {hint}"
+        return f"stopped, not done ({cfg.epochs} epoch{'' if cfg.epochs == 1 else 's'} asked); {hint}"
     if not history:
         return (f"nothing to do: {start_epoch} of {cfg.epochs} epoch(s) were done already "
                 "(raise --epochs to train further)")
@@ -769,5 +806,5 @@ def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, ru
         measured = f"test loss {last.test_loss:.4f}"
     else:
         measured = "no test metric"
-    return (f"done: {measured} after {last.rounds} rounds; metrics {run_dir / 'metrics.h5'}, "
+    return (f"done: {measured} after {last.rounds} round{'' if last.rounds == 1 else 's'}; metrics {run_dir / 'metrics.h5'}, "
             f"checkpoints {run_dir / 'checkpoints'}")

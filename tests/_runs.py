@@ -84,7 +84,7 @@ def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, .
             "bridge_ms": np.full((R, W), 60.0), "control_ms": np.full((R, W), 2.0),
         },
         "epochs": {
-            "epoch": np.arange(E), "time_s": (R * 0.5) * (np.arange(E) + 1) / E, "rounds": (np.arange(E) + 1) * R // E,
+            "epoch": np.arange(E) + 1, "time_s": (R * 0.5) * (np.arange(E) + 1) / E, "rounds": (np.arange(E) + 1) * R // E,
             "avg_loss": 1.0 / (np.arange(E) + 1), "epoch_ms": np.full(E, 1000.0), "batches": np.full(E, 10 * W),
             "per_rank_loss": np.ones((E, W)), "per_rank_batches": np.tile(np.arange(1, W + 1) * 2, (E, 1)),
             "per_rank_samples": np.full((E, W), 320),

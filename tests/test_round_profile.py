@@ -31,7 +31,7 @@ def test_sums_phases_other_and_skips_ranks_without_figures():
     assert lines[0].startswith("averaging profile, rank 0: 2 rounds, 7.75 ms/round: control 1.00 (13%)")
     assert "0.00 MB/round" in lines[0]
     assert f"{8000 / 15.5e-3 / 1e9:.2f} GB/s effective" in lines[0]
-    assert lines[1].startswith("averaging profile, rank 1: 1 rounds, 10.00 ms/round")  # 9 + 1 hand-off
+    assert lines[1].startswith("averaging profile, rank 1: 1 round, 10.00 ms/round")  # 9 + 1 hand-off
 
 
 def test_world_size_is_checked():

@@ -1,0 +1,75 @@
+"""An outer step with rounds too frequent for it is warned about at start (one line, rank 0), and
+the run's header says which averaging path is in effect (``--hierarchical on`` on one node included)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl_mpi.config import TrainConfig
+from flodl_mpi.outer import SHORT_WINDOW, short_window_warning
+from flodl_mpi.train import describe_averaging_path
+from tests.conftest import run_flodl
+
+
+@pytest.mark.parametrize("kind, window, cadence, quoted", [
+    ("slowmo", 1, "--policy sync", "ended at 0.678 test accuracy at sync against 0.950 for --outer avg"),
+    ("slowmo", 5, "--window 5", "ended at 0.831 test accuracy at --window 5"),
+    ("slowmo", 19, "--window 19", "ended at 0.919 test accuracy at --window 10"),
+    ("nesterov", 1, "--policy sync", "ended at 0.767 test accuracy at sync"),
+    ("nesterov", 9, "--window 9", "ended at 0.914 test accuracy at --window 5"),
+])
+def test_a_short_window_is_warned_about_with_what_it_cost(kind, window, cadence, quoted):
+    line = short_window_warning(kind, window, cadence)
+    gain = {"slowmo": 1.0 / (1 - 0.9), "nesterov": 0.7 / (1 - 0.9)}[kind]  # lr / (1 - momentum), the defaults
+    assert line.startswith(f"warning: --outer {kind} with a round ")
+    assert f"({cadence}) amplifies each round's change about {gain:.0f}x" in line
+    assert quoted in line and f"--policy window --window {SHORT_WINDOW[kind]} or more" in line
+    assert "\n" not in line
+
+
+def test_no_warning_where_the_outer_step_is_meant_or_tamed():
+    assert SHORT_WINDOW == {"slowmo": 20, "nesterov": 10}
+    assert short_window_warning("slowmo", 20, "--window 20") is None
+    assert short_window_warning("nesterov", 10, "--window 10") is None
+    assert short_window_warning("avg", 1, "--policy sync") is None
+    # lr / (1 - momentum) below 2: the step is not amplified much; other settings: no measured figure quoted
+    assert short_window_warning("slowmo", 1, "--policy sync", lr=0.1, momentum=0.9) is None
+    assert short_window_warning("nesterov", 1, "--policy sync", lr=1.0, momentum=0.4) is None
+    line = short_window_warning("slowmo", 1, "--policy sync", lr=0.5, momentum=0.9)
+    assert "about 5x (lr 0.5 / (1 - momentum 0.9)); outer steps are meant for rare rounds" in line
+    assert "built-in digits" not in line
+
+
+def test_the_averaging_path_line_says_what_hierarchical_on_does_on_one_node():
+    one = describe_averaging_path(TrainConfig(hierarchical="on"), "shm-in-place", 1)
+    assert one == ("averaging path: the node's shared memory (/dev/shm), in place (1 node; --node-reduce auto, "
+                   "--hierarchical on); hierarchical: on, 1 node: the node reduce alone (no step across nodes)")
+    two = describe_averaging_path(TrainConfig(node_reduce="mpi", hierarchical="on", bf16_wire=False),
+                                  "node-mpi+leaders", 2)
+    assert two == ("averaging path: node sums over MPI, then the node leaders' MPI Allreduce across nodes "
+                   "(2 nodes; --node-reduce mpi, --hierarchical on)")
+    assert "hierarchical:" not in describe_averaging_path(TrainConfig(), "allreduce", 1)
+
+
+@pytest.mark.slow
+def test_a_sync_run_with_slowmo_warns_once_and_logs_its_averaging_path(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = run_flodl(2, "train", "--epochs", "1", "--outer", "slowmo", "--hierarchical", "on",
+                     "--run-dir", str(run_dir), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = short_window_warning("slowmo", 1, "--policy sync")
+    out = proc.stdout + proc.stderr
+    assert out.count(want) == 1, out[-3000:]  # rank 0 only
+    log = (run_dir / "train.log").read_text()
+    assert log.count(want) == 1
+    path = next(line for line in log.splitlines() if "averaging path: " in line)
+    assert "(1 node; --node-reduce auto, --hierarchical on)" in path
+    assert path.endswith("; hierarchical: on, 1 node: the node reduce alone (no step across nodes)")
+
+
+def test_the_python_api_is_told_in_its_own_keywords():
+    line = short_window_warning("nesterov", 5, "window=5", api=True)
+    assert line.startswith("warning: outer='nesterov' with a round every 5 batches (window=5) amplifies")
+    assert "at window=5 against 0.950 for outer='avg'" in line
+    assert line.endswith("use outer='avg' at this cadence, or policy='window', window=10 or more")
+    assert "--" not in line
