@@ -10,8 +10,11 @@ then publishes a sequence number; the exchange is complete on a rank when it
 sees every rank's number. A rank that waits yields its core between looks
 (``sched_yield``): with more ranks than cores (measured: 4 ranks on 2) the
 ranks still working get the cores at once, where MPI's collectives poll
-(MPICH: 1000 polls between yields). Nothing else changes: the rows are the
-same bytes, every rank reads the same matrix.
+(MPICH: 1000 polls between yields); after :data:`SPIN_S` it naps between
+looks instead (:data:`NAP_S`), so a long wait (a slow peer's window) burns no
+core and leaves the GIL to a training thread that runs beside the bridge.
+Nothing else changes: the rows are the same bytes, every rank reads the same
+matrix.
 
 Invariants:
   * every rank calls :meth:`ShmGather.allgather` the same number of times, in
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 
 import numpy as np
 
@@ -45,6 +49,24 @@ __all__ = ["STORES_ORDERED", "ShmGather"]
 STORES_ORDERED = platform.machine().lower() in ("x86_64", "amd64")
 
 _LINE = 128  # bytes per rank's sequence slot: two cache lines (the adjacent-line prefetcher)
+#: A waiting rank yields its core between looks for this long, then naps between looks (the
+#: GIL free: a training thread that runs beside the bridge, ``--policy async``, is not slowed by a
+#: long wait for a slow peer, and an idle rank burns no core).
+SPIN_S = 2e-3
+NAP_S = 50e-6
+
+
+def _wait(seq: np.ndarray, e: int) -> None:
+    """Until every rank published exchange ``e`` (``seq.min() >= e``)."""
+    if seq.min() >= e:
+        return
+    clock = time.perf_counter
+    spin_until = clock() + SPIN_S
+    while seq.min() < e:
+        if clock() < spin_until:
+            os.sched_yield()  # the ranks still working get this core
+        else:
+            time.sleep(NAP_S)
 
 
 class ShmGather:
@@ -102,9 +124,7 @@ class ShmGather:
         half[self.rank, 0] = k
         half[self.rank, 1 : 1 + k] = row
         self._slot[0] = e  # publish: the row's stores (and the tensors') are before this one
-        seq = self._seq
-        while seq.min() < e:
-            os.sched_yield()  # the ranks still working get this core
+        _wait(self._seq, e)
         self._count = e
         lengths = half[:, 0].copy()
         out = half[:, 1 : 1 + k].copy()  # before anyone can reuse this half (exchange e + 2)
