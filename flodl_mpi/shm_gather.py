@@ -56,12 +56,12 @@ SPIN_S = 2e-3
 NAP_S = 50e-6
 
 
-def _wait(seq: np.ndarray, e: int) -> None:
-    """Until every rank published exchange ``e`` (``seq.min() >= e``)."""
+def _wait(seq: np.ndarray, e: int, spin_s: float) -> None:
+    """Until every rank published exchange ``e`` (``seq.min() >= e``): yields for ``spin_s`` seconds, then naps."""
     if seq.min() >= e:
         return
     clock = time.perf_counter
-    spin_until = clock() + SPIN_S
+    spin_until = clock() + spin_s
     while seq.min() < e:
         if clock() < spin_until:
             os.sched_yield()  # the ranks still working get this core
@@ -97,6 +97,8 @@ class ShmGather:
         #: the two payload halves, (2, W, 1 + capacity) float64: per rank its row's length, then the row
         self._rows = buf[head:].view(np.float64).reshape(2, size, 1 + capacity)
         self._count = int(self._slot[0])  # exchanges done so far (0 in a new area)
+        #: seconds a wait yields between looks before it naps (:data:`SPIN_S`)
+        self.spin_s = SPIN_S
 
     @staticmethod
     def nbytes(size: int, capacity: int) -> int:
@@ -124,7 +126,7 @@ class ShmGather:
         half[self.rank, 0] = k
         half[self.rank, 1 : 1 + k] = row
         self._slot[0] = e  # publish: the row's stores (and the tensors') are before this one
-        _wait(self._seq, e)
+        _wait(self._seq, e, self.spin_s)
         self._count = e
         lengths = half[:, 0].copy()
         out = half[:, 1 : 1 + k].copy()  # before anyone can reuse this half (exchange e + 2)
