@@ -18,8 +18,8 @@ large model, else the numpy pass):
    cached block: SPEC §3's sums);
 3. ``c`` written into every rank's segment: the unpack of all ranks at once.
 
-Then one small ``Allgather`` of the slices' partial sums (``W + 2`` float64 per
-rank), added in rank order on every rank: the same bits everywhere. Per rank
+Then one small Allgather of the slices' partial sums (``W + 2`` float64 per
+rank, through the shared file), added in rank order on every rank: the same bits everywhere. Per rank
 that is one read and one write of the model's bytes (W slices of 1/W each),
 instead of the pack's, the sum's and the unpack's three of each. Before the
 control gather, :meth:`InPlaceShmReduce.prepare` reads the rank's own segment
@@ -52,10 +52,17 @@ unmaps it. A mapping of an unlinked file lives as long as any array views it.
 The file is unlinked as soon as every rank of the node mapped it, so a killed
 job leaves nothing behind in ``/dev/shm``.
 
-Memory ordering: the segments are plain shared memory; the MPI collectives
-between the phases (control gather, ``Allgather``) order the stores, as the
-shared-memory transport of MPI itself relies on (x86 and Arm: the collectives'
-own atomics are full fences).
+The two synchronizations (the bridge's control gather and the partial sums'
+gather) go through a small area after the segments in the same file
+(:class:`~flodl_mpi.shm_gather.ShmGather`: each rank writes its row and
+publishes a sequence number; a waiting rank yields its core, then naps), not
+through MPI: with more ranks than cores the ranks still working get the cores.
+
+Memory ordering: the segments are plain shared memory. On x86-64 a rank's
+stores (its tensors, its row) are seen by the others in program order before
+its published sequence number, and their loads after it (TSO); elsewhere the
+exchanges are MPI collectives, whose own atomics are full fences, as the
+shared-memory transport of MPI itself relies on.
 """
 
 from __future__ import annotations
