@@ -175,6 +175,7 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
     if "shm" in args.node_reduce:  # beside the in-place round: its variants, measured in the same run
         extra_rows = [("shm", False, "numpy", None)] if default_kernel() != "numpy" else []
         if args.variants:
+            extra_rows.append(("shm", False, None, "mpisync"))
             extra_rows.append(("shm", False, None, "nocheck"))
             if default_kernel() == "numba":
                 extra_rows.append(("shm", False, None, "before"))
@@ -189,10 +190,13 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
                     plane.reducer._impl.use_kernel(kernel or default_kernel())
                     if variant == "before":  # the compiled pass before its fused sweeps
                         _BEFORE.add(id(plane.reducer._impl.rows))
+                    elif variant == "mpisync":  # before: MPI's Allgathers for the control and the partial sums
+                        plane.reducer._impl.gather = None
                     elif variant == "nocheck":  # NOT a product path: what folding the check into the pass
                         plane.reducer.prepare = lambda staging: 0.0  # could save at most (see README)
             path += f", {kernel or default_kernel()} pass"
-            path += {None: "", "nocheck": ", NO pre-round check", "before": ", before: unfused pass"}[variant]
+            path += {None: "", "nocheck": ", NO pre-round check", "before": ", before: unfused pass",
+                     "mpisync": ", before: MPI gathers"}[variant]
         name = f"ours: bound, {nr}{' bf16' if bf else ''} ({path})"
         bridges[name] = b
         with torch.no_grad():  # Replica.bind: the params are views of the staging

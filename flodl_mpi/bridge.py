@@ -474,7 +474,7 @@ class Bridge:
                 # shared-memory path's node barrier in prepare), then the same gather.
                 for plane in (self._p, self._b):
                     plane.reducer.prepare(plane.staging)
-                gathered = control_gather(self.comm, np.concatenate([request[1], self._ack]))
+                gathered = self._gather(np.concatenate([request[1], self._ack]))
                 self._check_boundary(gathered)
                 # The previous round's acks rode this gather: its row is complete now (an own
                 # loop's last round, at close() or a stop, has no other gather after it).
@@ -496,6 +496,13 @@ class Bridge:
             if self._watchdog is not None:
                 self._watchdog.failed()
             return _Failure(self.version, self._stage, exc)
+
+    def _gather(self, row: np.ndarray) -> np.ndarray:
+        """The control gather (one float64 row per rank, the same ``(W, k)`` matrix on every rank): through the
+        node's shared file on the in-place path (no MPI call; a waiting rank yields its core), else MPI's
+        Allgather. Every control gather of the bridge takes the same way (a peer's round meets a boundary)."""
+        shared = self._p.reducer.node_gather
+        return control_gather(self.comm, row) if shared is None else shared.allgather(row)
 
     def _enter(self, stage: str) -> None:
         self._stage = stage
@@ -522,7 +529,7 @@ class Bridge:
         pre_ms = 1e3 * (time.perf_counter() - t0)  # counted as pack time: it was fused there before
         self._enter("control gather")
         t_gather = time.perf_counter()
-        gathered = control_gather(self.comm, np.concatenate([head, self._ack]))
+        gathered = self._gather(np.concatenate([head, self._ack]))
         self._check_boundary(gathered)
         cols = ROUND.read(gathered)
         t_gathered = time.perf_counter()  # the round's own time (the balancer's overhead) starts here
@@ -658,7 +665,7 @@ class Bridge:
         # The row count travels on its own: after a resume mid-epoch the report also
         # covers batches whose records were written before the stop.
         row = np.concatenate([self._ack, [batch_rows.shape[0]], report.to_row()])
-        gathered = control_gather(self.comm, row)
+        gathered = self._gather(row)
         cols = _EPOCH.read(gathered)
         nothing = np.full(self.world_size, np.nan)
         self._take_acks(cols, batch_ms=nothing, window=np.zeros(self.world_size), closes_window=False)

@@ -393,6 +393,13 @@ class Reducer:
                 self.path = "allreduce"
                 self.extra_bytes = self._frame.nbytes + self._scratch.nbytes
 
+    @property
+    def node_gather(self):
+        """The node's shared-memory Allgather of small float64 rows on the in-place path
+        (:class:`~flodl_mpi.shm_gather.ShmGather`, collective over ``comm``: the same ranks), else None
+        (the same on every rank)."""
+        return getattr(self._impl, "gather", None) if self.staging is not None else None
+
     def prepare(self, staging: np.ndarray) -> float:
         """The pre-round pass: ``sum(staging ** 2)`` in float64 (not finite iff a NaN/Inf is there).
 

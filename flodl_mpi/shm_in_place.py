@@ -18,8 +18,8 @@ large model, else the numpy pass):
    cached block: SPEC §3's sums);
 3. ``c`` written into every rank's segment: the unpack of all ranks at once.
 
-Then one small ``Allgather`` of the slices' partial sums (``W + 2`` float64 per
-rank), added in rank order on every rank: the same bits everywhere. Per rank
+Then one small Allgather of the slices' partial sums (``W + 2`` float64 per
+rank, through the shared file), added in rank order on every rank: the same bits everywhere. Per rank
 that is one read and one write of the model's bytes (W slices of 1/W each),
 instead of the pack's, the sum's and the unpack's three of each. Before the
 control gather, :meth:`InPlaceShmReduce.prepare` reads the rank's own segment
@@ -52,10 +52,17 @@ unmaps it. A mapping of an unlinked file lives as long as any array views it.
 The file is unlinked as soon as every rank of the node mapped it, so a killed
 job leaves nothing behind in ``/dev/shm``.
 
-Memory ordering: the segments are plain shared memory; the MPI collectives
-between the phases (control gather, ``Allgather``) order the stores, as the
-shared-memory transport of MPI itself relies on (x86 and Arm: the collectives'
-own atomics are full fences).
+The two synchronizations (the bridge's control gather and the partial sums'
+gather) go through a small area after the segments in the same file
+(:class:`~flodl_mpi.shm_gather.ShmGather`: each rank writes its row and
+publishes a sequence number; a waiting rank yields its core, then naps), not
+through MPI: with more ranks than cores the ranks still working get the cores.
+
+Memory ordering: the segments are plain shared memory. On x86-64 a rank's
+stores (its tensors, its row) are seen by the others in program order before
+its published sequence number, and their loads after it (TSO); elsewhere the
+exchanges are MPI collectives, whose own atomics are full fences, as the
+shared-memory transport of MPI itself relies on.
 """
 
 from __future__ import annotations
@@ -70,14 +77,18 @@ from mpi4py import MPI
 
 from flodl_mpi.node_reduce import slices
 from flodl_mpi.realized_work import is_realized
+from flodl_mpi.shm_gather import STORES_ORDERED, ShmGather
 from flodl_mpi.slice_kernel import KERNELS, STEPS, compiled_available, consensus_slice, default_kernel, warm_up
 from flodl_mpi.wire import WireLayout, sum_squares_pieces
 
-__all__ = ["SHM_DIR", "InPlaceShmReduce"]
+__all__ = ["GATHER_CAPACITY", "SHM_DIR", "InPlaceShmReduce"]
 
 #: Where the shared file lives (tmpfs: the mapping is memory, never disk).
 SHM_DIR = "/dev/shm"
 _PAGE = mmap.ALLOCATIONGRANULARITY
+#: float64 values per rank in one exchange of :attr:`InPlaceShmReduce.gather` (at least ``W + 2``: the
+#: partial sums): room for the bridge's control rows.
+GATHER_CAPACITY = 256
 
 
 class InPlaceShmReduce:
@@ -115,9 +126,11 @@ class InPlaceShmReduce:
         self.world_size = comm.size
         n, W, me = layout.n, node.size, node.rank
         seg = max(_PAGE, -(-4 * n // _PAGE) * _PAGE)
-        self._all, own = _map_shared(node, seg)
+        capacity = max(GATHER_CAPACITY, W + 2)
+        area = -(-ShmGather.nbytes(W, capacity) // _PAGE) * _PAGE
+        self._all, own = _map_shared(node, seg, area)
         #: every rank's segment, row r = node rank r, C-contiguous rows of ``seg / 4`` elements
-        self.rows = np.frombuffer(self._all, dtype=np.float32).reshape(W, seg // 4)
+        self.rows = np.frombuffer(self._all, dtype=np.float32, count=W * seg // 4).reshape(W, seg // 4)
         self.staging = np.frombuffer(own, dtype=np.float32, count=n)
         #: the world ranks of this node, in node order (their masses scale the segments)
         self.members = node.allgather(comm.rank)
@@ -127,6 +140,12 @@ class InPlaceShmReduce:
         self.use_kernel(default_kernel(self.slice[1] - self.slice[0]))
         self._partial = np.zeros(W + 2, dtype=np.float64)
         self._gathered = np.zeros((W, W + 2), dtype=np.float64)
+        #: the node's Allgather through the shared file (:class:`~flodl_mpi.shm_gather.ShmGather`; the
+        #: bridge's control gather uses it too), or None: MPI's (a processor without ordered stores).
+        #: The same on every rank; set it to None on every rank alike (between rounds) for MPI's.
+        self.gather = ShmGather(memoryview(self._all)[W * seg :], W, me, capacity) if STORES_ORDERED else None
+        if self.members != list(range(W)):  # node rank = comm rank: the gathered rows are the comm's
+            raise ValueError(f"the in-place reduce needs node ranks in comm order, got {self.members}")
 
     def use_kernel(self, kernel: str) -> None:
         """Run the slice pass with ``kernel`` (:data:`~flodl_mpi.slice_kernel.KERNELS`; local, any time
@@ -154,7 +173,7 @@ class InPlaceShmReduce:
         This rank's own segment stays mapped as long as :attr:`staging` (or a
         view of it: bound parameters) is referenced.
         """
-        self.rows = None
+        self.rows = self.gather = None
         try:
             self._all.close()
         except BufferError:  # a view of it is still referenced somewhere: unmapped when that goes
@@ -186,7 +205,8 @@ class InPlaceShmReduce:
         clock = time.perf_counter
         t0 = clock()
         if masses is None:
-            masses = self.comm.allgather(float(mass))
+            masses = (self.comm.allgather(float(mass)) if self.gather is None
+                      else self.gather.allgather([float(mass)])[:, 0].tolist())
         W = self.world_size
         scales = [np.float32(float(W) * float(masses[r])) for r in self.members]
         total = np.float32(0.0)
@@ -205,7 +225,10 @@ class InPlaceShmReduce:
         consensus_slice(self.rows, np.array(scales, dtype=np.float32), total, a, b, self.step, self._scratch,
                         partial, self.kernel)
         t1 = clock()
-        self.node.Allgather([partial, MPI.DOUBLE], [self._gathered, MPI.DOUBLE])
+        if self.gather is None:
+            self.node.Allgather([partial, MPI.DOUBLE], [self._gathered, MPI.DOUBLE])
+        else:
+            self._gathered[:] = self.gather.allgather(partial)
         sums = np.zeros(W + 2, dtype=np.float64)
         for row in self._gathered:  # rank order on every rank: the same bits everywhere
             sums += row
@@ -222,10 +245,11 @@ class InPlaceShmReduce:
             raise ValueError("the in-place reduce works on its own staging (InPlaceShmReduce.staging), not a copy")
 
 
-def _map_shared(node: MPI.Comm, seg: int) -> tuple[mmap.mmap, mmap.mmap]:
-    """Map one new file of ``node.size * seg`` bytes in :data:`SHM_DIR` on every rank of ``node``.
+def _map_shared(node: MPI.Comm, seg: int, area: int = 0) -> tuple[mmap.mmap, mmap.mmap]:
+    """Map one new file of ``node.size * seg + area`` bytes in :data:`SHM_DIR` on every rank of ``node``.
 
-    Node rank 0 makes the file; every rank reserves its own segment's pages
+    Node rank 0 makes the file (zeros), and reserves the ``area`` after the
+    segments (the shared gather's); every rank reserves its own segment's pages
     (``posix_fallocate``: a full ``/dev/shm`` fails here with ENOSPC, not
     later with SIGBUS at a first touch, and the pages are placed near the rank
     that uses them), maps the whole file and, a second time, its own segment;
@@ -235,7 +259,7 @@ def _map_shared(node: MPI.Comm, seg: int) -> tuple[mmap.mmap, mmap.mmap]:
     Returns:
         ``(whole, own)``: the whole file, and this rank's segment.
     """
-    total = node.size * seg
+    total = node.size * seg + area
     path, err = None, None
     if node.rank == 0:
         path = os.path.join(SHM_DIR, f"flodl_mpi_{os.getpid()}_{secrets.token_hex(8)}")
@@ -254,6 +278,8 @@ def _map_shared(node: MPI.Comm, seg: int) -> tuple[mmap.mmap, mmap.mmap]:
             fd = os.open(path, os.O_RDWR)
             try:
                 os.posix_fallocate(fd, node.rank * seg, seg)
+                if node.rank == 0 and area:
+                    os.posix_fallocate(fd, node.size * seg, area)
                 whole = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 own = mmap.mmap(fd, seg, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=node.rank * seg)
             finally:

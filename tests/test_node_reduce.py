@@ -361,3 +361,86 @@ def test_in_place_check_finds_a_non_finite_value_anywhere_and_the_quarantine_rou
                 assert len(set(comm.allgather(digest(staging)))) == 1
     finally:
         red.free()
+
+
+def test_in_place_gather_gives_every_rank_the_same_rows_through_skewed_exchanges(comm):
+    # The in-place reduce's Allgather through the shared file (the bridge's control gather and
+    # the partial sums'): ranks out of step, row lengths changing, against MPI's allgather.
+    import time
+
+    from flodl_mpi.shm_gather import STORES_ORDERED
+
+    red = Reducer(comm, WireLayout(SHAPES), WireOptions("shm", "off"), in_place=True)
+    try:
+        gather = red.node_gather
+        if not STORES_ORDERED:
+            assert gather is None  # MPI's collectives instead
+            return
+        assert gather is not None
+        rng = np.random.default_rng(comm.rank)
+        for e in range(40):
+            if rng.random() < 0.3:
+                time.sleep(rng.random() * 2e-3)
+            row = rng.standard_normal(1 + (e * 7) % 30)
+            got = gather.allgather(row)
+            np.testing.assert_array_equal(got, np.stack(comm.allgather(row)))
+        with pytest.raises(ValueError, match=r"differ in length \(rank 0: 2, "):
+            gather.allgather(np.zeros(2 if comm.rank == 0 else 3))
+    finally:
+        red.free()
+
+
+def _bridge_round(bound_values, steps, loss_finite, mpi_gathers):
+    """One Bridge round on the in-place path, its tensors bound to the staging; returns (staging copy, update)."""
+    from flodl_mpi.bridge import Bridge
+
+    bridge = Bridge(MPI.COMM_WORLD.Dup(), SHAPES, [(4,)], gamma=0.5, wire=WireOptions("shm", "off"))
+    try:
+        assert bridge._p.reducer.path == "shm-in-place" and bridge._b.reducer.path == "shm-in-place"
+        if mpi_gathers:
+            for plane in (bridge._p, bridge._b):
+                plane.reducer._impl.gather = None
+        bridge._p.staging[:] = bound_values
+        bridge._b.staging[:] = bound_values[:4] * 2
+        bridge.start()
+        update = bridge.round(steps=steps, window=max(steps, 1), loss_finite=loss_finite)
+        return bridge._p.staging.copy(), bridge._b.staging.copy(), update
+    finally:
+        bridge.close()
+
+
+@pytest.mark.parametrize("case", ["plain", "quarantine-params", "quarantine-loss", "idle"])
+def test_bridge_round_on_the_shared_gather_equals_mpi_gathers_and_the_reference(case, monkeypatch):
+    # The whole round through the bridge (control gather, masses, quarantine decision, pass,
+    # partial sums) with the shared gather, and with MPI's: the same bits, the same update,
+    # and the float64 reference of the finite, moving ranks.
+    import flodl_mpi.bridge as bridge_mod
+    from flodl_mpi.shm_gather import STORES_ORDERED
+
+    comm = MPI.COMM_WORLD
+    W, me = comm.size, comm.rank
+    bad = W - 1 if case.startswith("quarantine") and W >= 2 else None
+    idle = W - 1 if case == "idle" and W >= 2 else None
+    steps = [0 if r == idle else 1 + 2 * r for r in range(W)]
+    values = rank_flat(me)
+    if bad == me and case == "quarantine-params":
+        values[5] = np.nan
+    outs = []
+    for mpi_gathers in (False, True):
+        if not mpi_gathers and STORES_ORDERED:  # proves the shared gather carried the control rows
+            monkeypatch.setattr(bridge_mod, "control_gather", lambda *a: pytest.fail("MPI's control gather"))
+        else:
+            monkeypatch.undo()
+        outs.append(_bridge_round(values, steps[me], loss_finite=not (bad == me and case == "quarantine-loss"),
+                                  mpi_gathers=mpi_gathers))
+    (p0, b0, u0), (p1, b1, u1) = outs
+    assert p0.tobytes() == p1.tobytes() and b0.tobytes() == b1.tobytes()
+    assert (u0.quarantined, u0.adopted, u0.version) == (u1.quarantined, u1.adopted, u1.version)
+    assert u0.divergence == pytest.approx(u1.divergence, rel=1e-12, nan_ok=True)
+    assert u0.pre_norm == pytest.approx(u1.pre_norm, rel=1e-12, nan_ok=True)
+    live = [r for r in range(W) if r != bad and steps[r] > 0]
+    masses = {r: gamma_mass(steps[r], 0.5) for r in live}
+    ref = sum(masses[r] * rank_flat(r).astype(np.float64) for r in live) / sum(masses.values())
+    assert u0.quarantined == ((bad,) if bad is not None else ())
+    assert np.linalg.norm(p0 - ref) / np.linalg.norm(ref) <= 1e-6
+    assert len(set(comm.allgather(digest(p0)))) == 1
