@@ -51,6 +51,7 @@ from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, active_fault
 from flodl_mpi.launcher import clean_text, settle_threads, thread_request
 from flodl_mpi.metrics import MetricsWriter, WriterError
+from flodl_mpi.model_record import resume_difference
 from flodl_mpi.models import (
     build_model,
     check_model_output,
@@ -253,7 +254,7 @@ RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", 
 
 
 def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, data_n: int,
-                 check_optimizer: bool = True):
+                 check_optimizer: bool = True, model: torch.nn.Module | None = None):
     """The checkpoint to resume from and the metrics rows to keep (``--resume``).
 
     Rank 0 surveys the checkpoints once: every dataset of the newest one is read
@@ -265,6 +266,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
         data_n: training samples (a checkpoint of an older batch plan is checked against it).
         check_optimizer: the run restores the saved optimizer state (False: an own loop
             without an optimizer), so its class must be the saved state's.
+        model: the model about to be resumed, compared with the checkpoint's record of its
+            model (`flodl_mpi.model_record.resume_difference`); None: not compared.
 
     Returns:
         ``(checkpoint or None, keep_rows or None)``: no checkpoint in a run dir
@@ -274,8 +277,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     Raises:
         InputError: the checkpoint is unreadable on some rank, was written by a
             run with other options in ``RESUME_MUST_MATCH`` (an option its config
-            lacks counts as its default), or by a flodl-mpi whose batch plan differs.
-            The optimizer is checked against the class of the state the checkpoint
+            lacks counts as its default), by a flodl-mpi whose batch plan differs, or
+            for another model (module tree, tensor names, shapes, dtypes). The optimizer is checked against the class of the state the checkpoint
             holds (`_check_optimizer`), not against its config's record.
     """
     comm = world.comm
@@ -308,6 +311,11 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
               for k in RESUME_MUST_MATCH if k != "optimizer" and saved.get(k) != getattr(cfg, k)]
     if differ:
         raise InputError(f"--resume: the run in {run_dir} was started with other options: {'; '.join(differ)}")
+    if model is not None:  # every rank holds the same model and read the same file: every rank decides alike
+        changed = resume_difference(model, ckpt.meta, {**ckpt.params, **ckpt.buffers})
+        if changed is not None:
+            raise InputError(f"--resume: the model differs from the one {latest.name} was written for: {changed}; "
+                             "resume with the run's model, or start a new run (nothing in it was touched)")
     old_size = int(ckpt.meta["world_size"])
     source = comm.rank % old_size
 
@@ -370,7 +378,7 @@ def resume_point(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     """
     if not cfg.resume:
         return None, None
-    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data_n, check_optimizer)
+    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data_n, check_optimizer, model)
     if ckpt is not None:  # the consensus, on every rank alike
         agree(world.comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
     return ckpt, keep_rows
