@@ -53,12 +53,14 @@ from flodl_mpi.launcher import clean_text, settle_threads, thread_request
 from flodl_mpi.metrics import MetricsWriter, WriterError
 from flodl_mpi.model_record import resume_difference
 from flodl_mpi.models import (
+    ModelSpecError,
     build_model,
     check_model_output,
     check_training_step,
     model_difference,
     model_signature,
     module_structure,
+    wide_tensor,
 )
 from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.policy import make_policy
@@ -422,12 +424,17 @@ def _note_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
 
 
 def _check_same_model(model: torch.nn.Module, comm: MPI.Comm) -> None:
-    """Every rank built the same module tree and tensors (`model_difference`); collective (one allgather).
+    """Every rank built the same module tree and tensors (`model_difference`), all of dtypes the
+    float32 consensus keeps (`flodl_mpi.models.wide_tensor`); collective (one allgather).
+    The CLI's, ``fit``'s and the ``Averager``'s start check.
 
     Raises:
-        InputError: on every rank alike, naming the first difference and the ranks.
+        InputError: on every rank alike, naming the first difference and the ranks, or the
+            first float64 (complex) parameter or floating buffer.
     """
     why = model_difference(comm.allgather((module_structure(model), model_signature(model))))
+    if why is None:  # the same model on every rank: every rank decides alike
+        why = wide_tensor(model)
     if why is not None:
         raise InputError(why)
 
@@ -564,6 +571,9 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
 
     def make_model() -> torch.nn.Module:
         model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+        wide = wide_tensor(model)  # before a trial batch of float32 data fails on it less clearly
+        if wide is not None:
+            raise ModelSpecError(f"--model {cfg.model!r}: {wide}")
         check_model_output(model, torch.from_numpy(data.train.x[:2]).to(device), data.num_classes, cfg.model)
         k, remedy = _smallest_training_batch(cfg, data.train.n)
         check_training_step(model, torch.from_numpy(data.train.x[:k]).to(device),
