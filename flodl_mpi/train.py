@@ -759,7 +759,8 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
     ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
     log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
              f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {devices}, "
-             f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
+             f"{data.train.n} train / {data.test.n} test samples from {data.source}"
+             f"{', ' + data.classes_note if data.classes_note else ''}; run dir {run_dir}")
     log.info(effective_batch_line(cfg, world_size, api))
 
 
