@@ -307,9 +307,10 @@ def wide_tensor(model: nn.Module) -> str | None:
     """The first tensor the float32 consensus would round, or None: one line for the user.
 
     flodl_mpi averages parameters and floating buffers in float32 and stores them
-    float32 in checkpoints; a float64 (or complex) parameter or floating buffer
-    would be rounded to float32 at every round (small updates lost), so such a
-    model is refused at start, not trained. float16 and bfloat16 are averaged in
+    float32 in checkpoints; a float64 parameter or floating buffer would be rounded
+    to float32 at every round (small updates lost), and a complex parameter cannot
+    be held, so such a model is refused at start, not trained (a complex buffer is
+    refused by the checkpoint's save check). float16 and bfloat16 are averaged in
     float32 and cast back (exact enough); integer and bool buffers are not averaged.
 
     Returns:
@@ -318,8 +319,12 @@ def wide_tensor(model: nn.Module) -> str | None:
         every parameter and floating buffer is float32, float16 or bfloat16.
     """
     tensors = [("parameter", n, t) for n, t in model.named_parameters()]
-    tensors += [("buffer", n, t) for n, t in model.named_buffers() if t.is_floating_point() or t.is_complex()]
+    # A complex buffer is refused by the save check (`flodl_mpi.checkpoint`: floating, integer or bool).
+    tensors += [("buffer", n, t) for n, t in model.named_buffers() if t.is_floating_point()]
     for kind, name, tensor in tensors:
+        if tensor.is_complex():
+            return (f"{kind} {name!r} is {_dtype(tensor)}: flodl_mpi averages and checkpoints real float32 "
+                    "tensors; hold the real and imaginary parts as two float32 parameters")
         if tensor.dtype not in AVERAGED_DTYPES:
             return (f"{kind} {name!r} is {_dtype(tensor)}: flodl_mpi averages and checkpoints in float32, which "
                     "would round it at every round; cast the model to float32 first (model.float())")
