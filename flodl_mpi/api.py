@@ -640,6 +640,11 @@ def _setup(session, a: dict) -> Run:
         if not isinstance(built, nn.Module):
             raise ValueError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
         built = built.to(device)
+        from flodl_mpi.models import wide_tensor
+
+        wide = wide_tensor(built)  # before a trial batch of the data fails on it less clearly
+        if wide is not None:
+            raise ValueError(wide)
         k = max(smallest_batch(data.train.n, cfg.batch_size, cfg.drop_last), 1)
         batch = (torch.from_numpy(data.train.x[:k]).to(device), torch.from_numpy(data.train.y[:k]).to(device))
         _scalars.activate(_scalars.ScalarBook())  # the check's scalars are dropped

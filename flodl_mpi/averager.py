@@ -594,6 +594,7 @@ class Averager:
 
     def _contents(self, summary, reason: str, ranks: list, complete: bool = True) -> tuple:
         from flodl_mpi.checkpoint import checkpoint_name
+        from flodl_mpi.model_record import model_record
         from flodl_mpi.worker import state_arrays
 
         params, buffers, order = state_arrays(self.model)
@@ -608,6 +609,7 @@ class Averager:
             # The epoch's test figures (a checkpoint of an epoch cut short: none measured)
             "test_accuracy": tests[0], "test_loss": tests[1], "test_count": int(tests[2]),
             "api": "Averager", "time_unix": time.time(),
+            "model": model_record(self.model),  # what a resume compares its model with
             # A round's row is written when its acks ride the next gather: the last one is
             # still pending when no epoch exchange came after it.
             "metrics_rows": {"rounds": self.bridge.version - int(self._round_pending), **self._metrics_rows},

@@ -66,6 +66,9 @@ class Dataset:
     test: Split
     num_classes: int
     source: str
+    #: where ``num_classes`` came from, for the log: ``10 classes (largest label 9 in 'train/y')``
+    #: or ``10 classes (attribute num_classes of 'data.h5')``; "" for regression.
+    classes_note: str = ""
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -167,10 +170,57 @@ def dataset_from_arrays(train: tuple, test: tuple, source: str = "in-memory arra
         if len(x) != len(y):
             raise DataError(f"{split}: x has {len(x)} rows but y has {len(y)}")
         splits[split] = Split(x=x, y=y)
-    return _dataset(splits, {"train_x": "train x", "test_x": "test x"}, source)
+    return _dataset(splits, {"train_x": "train x", "test_x": "test x", "train_y": "train y", "test_y": "test y"},
+                    source)
 
 
-def _dataset(splits: dict, names: Mapping[str, str], file: str) -> Dataset:
+#: A class count (largest label + 1) above this is refused without a stated ``num_classes``.
+MAX_CLASSES = 1 << 20
+#: ... and so is one above this many times the number of distinct labels (when also > `SPARSE_FLOOR`).
+SPARSE_RATIO = 64
+SPARSE_FLOOR = 1024
+
+
+def _first_row(y: np.ndarray, mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def _class_count(splits: dict, names: Mapping[str, str], file: str, stated: int | None) -> tuple[int, str]:
+    """The number of classes of integer labels, and the log's note on where it came from.
+
+    With ``stated`` (the data's ``num_classes`` attribute): every label must be below it.
+    Without: largest label + 1, refused when implausible for the labels there are: above
+    `MAX_CLASSES`, or above both `SPARSE_FLOOR` and `SPARSE_RATIO` x the distinct labels (a
+    stray or sentinel label, e.g. -1 stored unsigned, would make the model allocate an
+    output per class up to it).
+
+    Raises:
+        DataError: one line naming the file, the dataset, the first offending row and its label.
+    """
+    ys = [(names[f"{split}_y"], splits[split].y) for split in ("train", "test")]
+    if stated is not None:
+        for name, y in ys:
+            over = y >= stated
+            if over.any():
+                row = _first_row(y, over)
+                raise DataError(f"{name!r} in {file!r}: label {int(y[row])} at row {row} is not below the data's "
+                                f"num_classes {stated} (labels are 0..{stated - 1})")
+        return stated, f"{stated} classes (attribute num_classes of {file!r})"
+    largest = max(int(y.max()) for _, y in ys)
+    name, y = next((name, y) for name, y in ys if int(y.max()) == largest)
+    row = _first_row(y, y == largest)
+    count = largest + 1
+    distinct = len(np.unique(np.concatenate([y for _, y in ys])))
+    if count > MAX_CLASSES or (count > SPARSE_FLOOR and count > SPARSE_RATIO * distinct):
+        why = (f"more than {MAX_CLASSES}" if count > MAX_CLASSES
+               else f"more than {SPARSE_RATIO}x the {distinct} distinct labels")
+        raise DataError(f"{name!r} in {file!r}: label {largest} at row {row} makes {count} classes (largest label "
+                        f"+ 1), {why}: a stray or sentinel label? Fix that row, or state the class count as the "
+                        "attribute num_classes (file root or the labels' dataset)")
+    return count, f"{count} classes (largest label {largest} in {name!r})"
+
+
+def _dataset(splits: dict, names: Mapping[str, str], file: str, stated: int | None = None) -> Dataset:
     train, test = splits["train"], splits["test"]
     if train.feature_shape != test.feature_shape:
         raise DataError(f"{names['train_x']!r} has feature shape {train.feature_shape} but {names['test_x']!r} has "
@@ -178,8 +228,10 @@ def _dataset(splits: dict, names: Mapping[str, str], file: str) -> Dataset:
     if train.y.dtype.kind != test.y.dtype.kind or train.y.shape[1:] != test.y.shape[1:]:
         raise DataError(f"train and test targets differ in kind or shape: {train.y.dtype} {train.y.shape[1:]} and "
                         f"{test.y.dtype} {test.y.shape[1:]} in {file!r}")
-    classes = int(max(train.y.max(), test.y.max())) + 1 if train.y.dtype.kind == "i" else 0
-    return Dataset(train=train, test=test, num_classes=classes, source=file)
+    if train.y.dtype.kind != "i":
+        return Dataset(train=train, test=test, num_classes=0, source=file)
+    classes, note = _class_count(splits, names, file, stated)
+    return Dataset(train=train, test=test, num_classes=classes, source=file, classes_note=note)
 
 
 def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAMES,
@@ -212,6 +264,7 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
         raise DataError(f"--data {file!r}: cannot open as HDF5 ({exc})") from exc
     with f:
         raw = {role: _read(f, name, file) for role, name in names.items()}
+        stated = _stated_classes(f, names["train_y"], file)
 
     splits = {}
     for split in ("train", "test"):
@@ -224,7 +277,27 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
             )
         splits[split] = Split(x=x, y=y)
 
-    return _dataset(splits, names, file)
+    return _dataset(splits, names, file, stated)
+
+
+def _stated_classes(f: h5py.File, yname: str, file: str) -> int | None:
+    """The data's ``num_classes`` attribute (file root, or the train labels' dataset), or None.
+
+    Raises:
+        DataError: not an integer >= 1, or the two places state different counts.
+    """
+    found = {}
+    for where, attrs in (("the file's root", f.attrs), (repr(yname), f[yname].attrs)):
+        if "num_classes" in attrs:
+            value = attrs["num_classes"]
+            if np.ndim(value) != 0 or np.asarray(value).dtype.kind not in "iu" or int(value) < 1:
+                raise DataError(f"attribute num_classes of {where} in {file!r} must be an integer >= 1, got "
+                                f"{np.asarray(value).tolist()!r}")
+            found[where] = int(value)
+    if len(set(found.values())) > 1:
+        raise DataError(f"attribute num_classes differs in {file!r}: "
+                        + ", ".join(f"{v} on {k}" for k, v in found.items()))
+    return next(iter(found.values()), None)
 
 
 # --------------------------------------------------------------------------- built-in digits

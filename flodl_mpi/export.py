@@ -5,38 +5,127 @@ order), so ``model.load_state_dict(torch.load(OUT, weights_only=True))`` loads i
 into a fresh model with no flodl-mpi installed; with ``--format safetensors`` it is
 a safetensors file (the ``safetensors`` package). The weights come through
 `flodl_mpi.checkpoint.load_state_dict`, the same reader ``--resume`` trusts, so a
-damaged checkpoint is refused, never exported. The output is written under a
-temporary name and renamed. Exporting never initialises MPI.
+damaged checkpoint is refused, never exported; given a run directory whose newest
+checkpoint is damaged, the newest one that reads back is exported (resume's rule)
+and stderr says so in one line naming both. The output is written under a temporary
+name in its directory and renamed. It never replaces a file of a run (a checkpoint,
+``metrics.h5``, ``train.log``, a config record), and replaces another existing file
+only with ``--force``. Exporting never initialises MPI.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
+import re
 import sys
 from pathlib import Path
 
-from flodl_mpi.checkpoint import CheckpointError, latest_checkpoint, load_state_dict
+from flodl_mpi.checkpoint import CheckpointError, list_checkpoints, load_state_dict, verify_checkpoint
 
-__all__ = ["FORMATS", "add_parser", "export_state_dict", "main", "run"]
+__all__ = ["FORMATS", "OutputRefused", "add_parser", "check_output", "export_state_dict", "main", "newest_readable",
+           "run"]
 
 FORMATS = ("pt", "safetensors")
 
+#: The files of a run directory an export must never replace (``fnmatch`` patterns).
+RUN_FILES = ("metrics.h5", "train.log", "config.json", "config-resume-r*.json", ".lock")
 
-def export_state_dict(ckpt: str | os.PathLike, out: str | os.PathLike, fmt: str = "pt") -> tuple[Path, int]:
+
+class OutputRefused(ValueError):
+    """The output path of an export is refused (bad input, exit status 2); nothing was written."""
+
+
+def _is_run_dir(directory: Path) -> bool:
+    """A flodl-mpi run directory: a ``checkpoints/`` folder beside a record, a log or metrics."""
+    return (directory / "checkpoints").is_dir() and any(
+        (directory / name).exists() for name in ("config.json", "metrics.h5", "train.log"))
+
+
+def check_output(out: str | os.PathLike, source: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Refuse an export target that would destroy work; returns ``out`` as a Path.
+
+    Refused (`OutputRefused`): a path in a run directory's ``checkpoints/`` (any
+    depth), one of a run's own files (`RUN_FILES`) in a run directory, the source
+    checkpoint itself, an existing directory, a missing output directory, and,
+    without ``force``, any other existing file. Reads only.
+    """
+    out = Path(out)
+    real = Path(os.path.realpath(out))
+    for up in real.parents:
+        if up.name == "checkpoints" and _is_run_dir(up.parent):
+            raise OutputRefused(f"{out} is in the checkpoints of run {up.parent}; exporting there could replace "
+                                "a checkpoint: name a file outside the run's checkpoints/")
+    if _is_run_dir(real.parent) and any(fnmatch.fnmatchcase(real.name, pat) for pat in RUN_FILES):
+        raise OutputRefused(f"{out} is a file of run {real.parent}; an export never replaces it: name another file")
+    if source is not None and real == Path(os.path.realpath(source)):
+        raise OutputRefused(f"{out} is the checkpoint being exported; name another output file")
+    if real.is_dir():
+        raise OutputRefused(f"{out} is a directory; name the output file, e.g. {out / 'model.pt'}")
+    if not real.parent.is_dir():
+        raise OutputRefused(f"{out}: the directory {out.parent} does not exist; create it first")
+    if out.exists() and not force:
+        raise OutputRefused(f"{out} exists; not replaced (pass --force to replace it)")
+    return out
+
+
+_NAME = re.compile(r"ckpt-e(\d+)-r(\d+)\.h5$")
+
+
+def _epoch(path: Path) -> str:
+    """``ckpt-e000002-r000046.h5 (epoch 2)``: a checkpoint named with its epoch, as the name says."""
+    m = _NAME.match(path.name)
+    return f"{path.name} (epoch {int(m.group(1))})" if m else path.name
+
+
+def newest_readable(directory: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint in ``directory`` whose every dataset reads back, and the newer damaged ones.
+
+    The rule of ``--resume`` (`flodl_mpi.checkpoint.set_aside_damaged`), reading only:
+    nothing is renamed. A damaged one is a file under a checkpoint name that is not
+    a complete checkpoint and sorts after the one chosen, or a complete one whose
+    data fail `verify_checkpoint`.
+
+    Returns:
+        ``(newest good checkpoint or None, [(newer damaged path, why), ...])``, newest first.
+    """
+    good = list_checkpoints(directory)
+    chosen, damaged = None, []
+    for path in reversed(good):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            damaged.append((path, str(exc).removeprefix(f"checkpoint {path}: ")))
+            continue
+        chosen = path
+        break
+    incomplete = [p for p in directory.glob("ckpt-*.h5") if p not in set(good)
+                  and (chosen is None or p.name > chosen.name)]
+    damaged += [(p, "not a complete checkpoint") for p in incomplete]
+    damaged.sort(key=lambda item: item[0].name, reverse=True)
+    return chosen, damaged
+
+
+def export_state_dict(ckpt: str | os.PathLike, out: str | os.PathLike, fmt: str = "pt",
+                      force: bool = False) -> tuple[Path, int, list[tuple[Path, str]]]:
     """Write the checkpoint's state dict to ``out``.
 
     Args:
         ckpt: a checkpoint file, or a run directory / checkpoints directory (its
-            newest complete checkpoint).
-        out: the file to write (replaced atomically if it exists).
+            newest checkpoint that reads back, `newest_readable`).
+        out: the file to write (`check_output`; written under a temporary name in
+            its directory, then renamed).
         fmt: ``pt`` (``torch.save`` of an ``OrderedDict[str, Tensor]``) or
             ``safetensors``.
+        force: replace an existing ``out`` that is not a file of a run.
 
     Returns:
-        ``(checkpoint path used, number of tensors)``.
+        ``(checkpoint path used, number of tensors, newer damaged checkpoints passed over
+        as (path, why))``.
 
     Raises:
+        OutputRefused: ``out`` is refused (`check_output`); nothing written.
         CheckpointError: no checkpoint, or an unreadable / damaged one.
         ValueError: unknown ``fmt``.
         ImportError: ``fmt == "safetensors"`` without the safetensors package.
@@ -44,15 +133,20 @@ def export_state_dict(ckpt: str | os.PathLike, out: str | os.PathLike, fmt: str 
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: must be one of {', '.join(FORMATS)}")
     path = Path(ckpt)
+    passed_over: list[tuple[Path, str]] = []
     if path.is_dir():
-        found = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        found, passed_over = newest_readable(folder)
         if found is None:
+            if passed_over:
+                raise CheckpointError(passed_over[0][0], f"damaged ({passed_over[0][1]}), and no older checkpoint "
+                                                         "reads back")
             raise CheckpointError(path, "no complete checkpoint in this directory")
         path = found
+    out = check_output(out, path, force)
     import torch  # lazy: report and inspect need no torch
 
     state = load_state_dict(path)
-    out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         if fmt == "safetensors":
@@ -65,7 +159,7 @@ def export_state_dict(ckpt: str | os.PathLike, out: str | os.PathLike, fmt: str 
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    return path, len(state)
+    return path, len(state), passed_over
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -78,6 +172,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output file, e.g. model.pt or model.safetensors")
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="pt (torch.save) or safetensors; default from OUT's suffix, else pt")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT if it exists (never a run's checkpoint, metrics.h5, train.log or config)")
     return p
 
 
@@ -85,7 +181,10 @@ def run(args: argparse.Namespace) -> int:
     """``flodl-mpi export``; returns the exit status (0, 1 damaged checkpoint, 2 bad input)."""
     fmt = args.format or ("safetensors" if str(args.out).endswith(".safetensors") else "pt")
     try:
-        used, n = export_state_dict(args.ckpt, args.out, fmt)
+        used, n, passed_over = export_state_dict(args.ckpt, args.out, fmt, force=args.force)
+    except OutputRefused as exc:
+        print(f"flodl-mpi export: error: {exc}", file=sys.stderr)
+        return 2
     except CheckpointError as exc:
         print(f"flodl-mpi export: error: {exc}", file=sys.stderr)
         return 1 if Path(exc.path).is_file() else 2
@@ -96,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"flodl-mpi export: error: {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    if passed_over:  # resume's wording (`flodl_mpi.train._find_resume`), never silent
+        damaged = "; ".join(f"{_epoch(p)} is damaged ({why})" for p, why in passed_over)
+        print(f"flodl-mpi export: warning: {damaged}; not exported: exported {_epoch(used)}, "
+              "the newest checkpoint that reads back", file=sys.stderr)
     print(f"exported {n} tensors from {used} to {args.out} ({fmt})")
     return 0
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 __all__ = ["ModelSpecError", "build_model", "check_model_output", "check_training_step", "digits_mlp",
-           "model_difference", "model_signature", "module_structure"]
+           "model_difference", "model_signature", "module_structure", "wide_tensor"]
 
 
 class ModelSpecError(ValueError):
@@ -296,6 +296,39 @@ def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     """
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     return [(name, tuple(t.shape), _dtype(t)) for name, t in tensors]
+
+
+#: Floating dtypes the consensus (float32 on the wire, in the averaging buffers and in
+#: checkpoints) holds exactly or within their own rounding: cast to float32 and back.
+AVERAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def wide_tensor(model: nn.Module) -> str | None:
+    """The first tensor the float32 consensus would round, or None: one line for the user.
+
+    flodl_mpi averages parameters and floating buffers in float32 and stores them
+    float32 in checkpoints; a float64 parameter or floating buffer would be rounded
+    to float32 at every round (small updates lost), and a complex parameter cannot
+    be held, so such a model is refused at start, not trained (a complex buffer is
+    refused by the checkpoint's save check). float16 and bfloat16 are averaged in
+    float32 and cast back (exact enough); integer and bool buffers are not averaged.
+
+    Returns:
+        e.g. ``parameter '0.weight' is float64: flodl_mpi averages and checkpoints
+        in float32, ... cast the model to float32 first (model.float())``; None when
+        every parameter and floating buffer is float32, float16 or bfloat16.
+    """
+    tensors = [("parameter", n, t) for n, t in model.named_parameters()]
+    # A complex buffer is refused by the save check (`flodl_mpi.checkpoint`: floating, integer or bool).
+    tensors += [("buffer", n, t) for n, t in model.named_buffers() if t.is_floating_point()]
+    for kind, name, tensor in tensors:
+        if tensor.is_complex():
+            return (f"{kind} {name!r} is {_dtype(tensor)}: flodl_mpi averages and checkpoints real float32 "
+                    "tensors; hold the real and imaginary parts as two float32 parameters")
+        if tensor.dtype not in AVERAGED_DTYPES:
+            return (f"{kind} {name!r} is {_dtype(tensor)}: flodl_mpi averages and checkpoints in float32, which "
+                    "would round it at every round; cast the model to float32 first (model.float())")
+    return None
 
 
 def module_structure(model: nn.Module) -> list[tuple[str, str]]:

@@ -21,12 +21,19 @@ import errno
 import fcntl
 import os
 import sys
+import time
 from pathlib import Path
 
 __all__ = ["LOCK_NAME", "RunDirInUse", "claim", "in_use", "release"]
 
 #: The lock file's name inside a run directory.
 LOCK_NAME = ".lock"
+
+#: Seconds :func:`claim` keeps trying a held lock before it calls the directory in use. A run
+#: holds the lock for its whole length; :func:`in_use` (``flodl-mpi report``) holds it for
+#: microseconds while it probes, and a run starting in that instant must not be refused for it
+#: (a requeued Slurm job refused with exit 2 would not be requeued again).
+CLAIM_PATIENCE_S = 2.0
 
 #: errno values of a file system that does not do ``flock`` (Lustre's ``noflock``: ENOSYS).
 _NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL}
@@ -47,8 +54,9 @@ def in_use(run_dir: str | os.PathLike) -> bool:
     """Whether some process holds ``run_dir``'s lock now (False without a lock file).
 
     Probes with a non-blocking shared-free try: opens the lock file read-only,
-    tries the exclusive lock and lets it go at once. A lock this process holds
-    counts as in use.
+    tries the exclusive lock and lets it go at once (a run claiming the directory
+    in that instant waits the probe out: :data:`CLAIM_PATIENCE_S`). A lock this
+    process holds counts as in use.
     """
     run_dir = Path(run_dir)
     if _key(run_dir) in _HELD:
@@ -67,7 +75,10 @@ def in_use(run_dir: str | os.PathLike) -> bool:
 
 
 def claim(run_dir: str | os.PathLike, shown: str | None = None) -> None:
-    """Take ``run_dir``'s exclusive lock for this process, without waiting.
+    """Take ``run_dir``'s exclusive lock for this process, without waiting for a run that holds it.
+
+    A lock held only briefly (:func:`in_use`'s probe from ``flodl-mpi report``) is
+    waited out: the lock is tried again every 20 ms for up to :data:`CLAIM_PATIENCE_S`.
 
     Args:
         run_dir: an existing directory.
@@ -83,7 +94,7 @@ def claim(run_dir: str | os.PathLike, shown: str | None = None) -> None:
     release(run_dir)  # a run of this process that ended in this directory: its lock is this one's now
     fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _flock_patiently(fd)
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
@@ -96,6 +107,19 @@ def claim(run_dir: str | os.PathLike, shown: str | None = None) -> None:
             return
         raise
     _HELD[key] = fd
+
+
+def _flock_patiently(fd: int) -> None:
+    """``flock(LOCK_EX | LOCK_NB)``, retried for :data:`CLAIM_PATIENCE_S` while another holds it."""
+    give_up = time.monotonic() + CLAIM_PATIENCE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or time.monotonic() >= give_up:
+                raise
+        time.sleep(0.02)
 
 
 def release(run_dir: str | os.PathLike) -> None:

@@ -51,13 +51,16 @@ from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, active_fault
 from flodl_mpi.launcher import clean_text, settle_threads, thread_request
 from flodl_mpi.metrics import MetricsWriter, WriterError
+from flodl_mpi.model_record import resume_difference
 from flodl_mpi.models import (
+    ModelSpecError,
     build_model,
     check_model_output,
     check_training_step,
     model_difference,
     model_signature,
     module_structure,
+    wide_tensor,
 )
 from flodl_mpi.outer import OuterOptimizer, short_window_warning
 from flodl_mpi.policy import make_policy
@@ -253,7 +256,7 @@ RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", 
 
 
 def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, data_n: int,
-                 check_optimizer: bool = True):
+                 check_optimizer: bool = True, model: torch.nn.Module | None = None):
     """The checkpoint to resume from and the metrics rows to keep (``--resume``).
 
     Rank 0 surveys the checkpoints once: every dataset of the newest one is read
@@ -265,6 +268,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
         data_n: training samples (a checkpoint of an older batch plan is checked against it).
         check_optimizer: the run restores the saved optimizer state (False: an own loop
             without an optimizer), so its class must be the saved state's.
+        model: the model about to be resumed, compared with the checkpoint's record of its
+            model (`flodl_mpi.model_record.resume_difference`); None: not compared.
 
     Returns:
         ``(checkpoint or None, keep_rows or None)``: no checkpoint in a run dir
@@ -274,8 +279,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     Raises:
         InputError: the checkpoint is unreadable on some rank, was written by a
             run with other options in ``RESUME_MUST_MATCH`` (an option its config
-            lacks counts as its default), or by a flodl-mpi whose batch plan differs.
-            The optimizer is checked against the class of the state the checkpoint
+            lacks counts as its default), by a flodl-mpi whose batch plan differs, or
+            for another model (module tree, tensor names, shapes, dtypes). The optimizer is checked against the class of the state the checkpoint
             holds (`_check_optimizer`), not against its config's record.
     """
     comm = world.comm
@@ -308,6 +313,11 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
               for k in RESUME_MUST_MATCH if k != "optimizer" and saved.get(k) != getattr(cfg, k)]
     if differ:
         raise InputError(f"--resume: the run in {run_dir} was started with other options: {'; '.join(differ)}")
+    if model is not None:  # every rank holds the same model and read the same file: every rank decides alike
+        changed = resume_difference(model, ckpt.meta, {**ckpt.params, **ckpt.buffers})
+        if changed is not None:
+            raise InputError(f"--resume: the model differs from the one {latest.name} was written for: {changed}; "
+                             "resume with the run's model, or start a new run (nothing in it was touched)")
     old_size = int(ckpt.meta["world_size"])
     source = comm.rank % old_size
 
@@ -370,7 +380,7 @@ def resume_point(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     """
     if not cfg.resume:
         return None, None
-    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data_n, check_optimizer)
+    ckpt, keep_rows = _find_resume(cfg, run_dir, world, watchdog, data_n, check_optimizer, model)
     if ckpt is not None:  # the consensus, on every rank alike
         agree(world.comm, "resume", lambda: model.load_state_dict(load_state_dict(ckpt.path)), watchdog)
     return ckpt, keep_rows
@@ -414,12 +424,17 @@ def _note_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
 
 
 def _check_same_model(model: torch.nn.Module, comm: MPI.Comm) -> None:
-    """Every rank built the same module tree and tensors (`model_difference`); collective (one allgather).
+    """Every rank built the same module tree and tensors (`model_difference`), all of dtypes the
+    float32 consensus keeps (`flodl_mpi.models.wide_tensor`); collective (one allgather).
+    The CLI's, ``fit``'s and the ``Averager``'s start check.
 
     Raises:
-        InputError: on every rank alike, naming the first difference and the ranks.
+        InputError: on every rank alike, naming the first difference and the ranks, or the
+            first float64 (complex) parameter or floating buffer.
     """
     why = model_difference(comm.allgather((module_structure(model), model_signature(model))))
+    if why is None:  # the same model on every rank: every rank decides alike
+        why = wide_tensor(model)
     if why is not None:
         raise InputError(why)
 
@@ -556,6 +571,9 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
 
     def make_model() -> torch.nn.Module:
         model = build_model(cfg.model, data.input_shape, data.num_classes).to(device)
+        wide = wide_tensor(model)  # before a trial batch of float32 data fails on it less clearly
+        if wide is not None:
+            raise ModelSpecError(f"--model {cfg.model!r}: {wide}")
         check_model_output(model, torch.from_numpy(data.train.x[:2]).to(device), data.num_classes, cfg.model)
         k, remedy = _smallest_training_batch(cfg, data.train.n)
         check_training_step(model, torch.from_numpy(data.train.x[:k]).to(device),
@@ -766,7 +784,8 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
     ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
     log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
              f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {devices}, "
-             f"{data.train.n} train / {data.test.n} test samples from {data.source}; run dir {run_dir}")
+             f"{data.train.n} train / {data.test.n} test samples from {data.source}"
+             f"{', ' + data.classes_note if data.classes_note else ''}; run dir {run_dir}")
     log.info(effective_batch_line(cfg, world_size, api))
     if bridge is not None and world_size > 1:
         log.info(describe_averaging_path(cfg, bridge.reducer.path, bridge.reducer.nodes))

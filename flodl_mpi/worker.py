@@ -27,6 +27,7 @@ from flodl_mpi.checkpoint import Checkpoint, checkpoint_name, read_cohort_state,
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.faults import Fault, InjectedFault
+from flodl_mpi.model_record import model_record
 from flodl_mpi.optimizer_state import OptimizerStateAverager, adopt_delta, resolve_mode
 from flodl_mpi.progress import EpochProgress
 from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch, excluded_words
@@ -928,6 +929,7 @@ class Trainer:
             "guard": self.bridge.guard.state_dict(),
             "policy": self.bridge.policy.state_dict(),  # the balancer (anchor, speeds, latch) and the guard
             "time_unix": time.time(),
+            "model": model_record(self.replica.model),  # what a resume compares its model with
         }
         if cursor:  # stopped mid-epoch: the resumed run finishes this epoch's report
             meta["epoch_reports"] = [report for _, _, report in ranks]
