@@ -66,6 +66,7 @@ __all__ = [
     "escape_name",
     "unescape_name",
     "verify_checkpoint",
+    "newest_verified",
     "set_aside_damaged",
     "write_checkpoint",
     "read_checkpoint",
@@ -456,30 +457,45 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
             raise CheckpointError(path, f"unreadable structure ({exc})") from None
 
 
-def set_aside_damaged(directory: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint whose every byte reads back; damaged ones renamed ``*.damaged``.
+def newest_verified(directory: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint whose every byte reads back, and the damaged ones met on the way; reads only.
 
-    Files under a checkpoint name (``ckpt-*.h5``) that are not complete, then,
-    newest first, complete ones whose data fails `verify_checkpoint`, are renamed
-    ``<name>.damaged``: never resumed from, not overwritten by the next save, kept
-    for a look. Files older than the one chosen are not read.
+    Files under a checkpoint name (``ckpt-*.h5``) that are not complete checkpoints
+    are damaged (all of them, any age); then the complete ones are verified newest
+    first (`verify_checkpoint`) until one reads back, and those that failed before
+    it are damaged too. Files older than the one chosen are not read.
 
     Returns:
-        ``(newest good checkpoint or None, [(path set aside, why), ...])``.
+        ``(newest good checkpoint or None, [(damaged path, why), ...])``: the
+        incomplete ones first (in name order), then the complete ones that failed,
+        newest first.
     """
     directory = Path(directory)
     good = list_checkpoints(directory)
-    aside: list[tuple[Path, str]] = [(p, "not a complete checkpoint") for p in
-                                     sorted(directory.glob("ckpt-*.h5")) if p not in set(good)]
-    chosen = None
+    damaged: list[tuple[Path, str]] = [(p, "not a complete checkpoint") for p in
+                                       sorted(directory.glob("ckpt-*.h5")) if p not in set(good)]
     for path in reversed(good):
         try:
             verify_checkpoint(path)
         except CheckpointError as exc:
-            aside.append((path, str(exc).removeprefix(f"checkpoint {path}: ")))
+            damaged.append((path, str(exc).removeprefix(f"checkpoint {path}: ")))
             continue
-        chosen = path
-        break
+        return path, damaged
+    return None, damaged
+
+
+def set_aside_damaged(directory: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint whose every byte reads back; damaged ones renamed ``*.damaged``.
+
+    The damaged files of `newest_verified` (not complete; complete with data that
+    fails `verify_checkpoint`, newer than the one chosen) are renamed
+    ``<name>.damaged``: never resumed from, not overwritten by the next save, kept
+    for a look.
+
+    Returns:
+        ``(newest good checkpoint or None, [(path set aside, why), ...])``.
+    """
+    chosen, aside = newest_verified(directory)
     for path, _ in aside:
         path.rename(path.with_name(path.name + ".damaged"))
     return chosen, aside

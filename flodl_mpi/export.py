@@ -22,7 +22,7 @@ import re
 import sys
 from pathlib import Path
 
-from flodl_mpi.checkpoint import CheckpointError, list_checkpoints, load_state_dict, verify_checkpoint
+from flodl_mpi.checkpoint import CheckpointError, load_state_dict, newest_verified
 
 __all__ = ["FORMATS", "OutputRefused", "add_parser", "check_output", "export_state_dict", "main", "newest_readable",
            "run"]
@@ -90,19 +90,9 @@ def newest_readable(directory: Path) -> tuple[Path | None, list[tuple[Path, str]
     Returns:
         ``(newest good checkpoint or None, [(newer damaged path, why), ...])``, newest first.
     """
-    good = list_checkpoints(directory)
-    chosen, damaged = None, []
-    for path in reversed(good):
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as exc:
-            damaged.append((path, str(exc).removeprefix(f"checkpoint {path}: ")))
-            continue
-        chosen = path
-        break
-    incomplete = [p for p in directory.glob("ckpt-*.h5") if p not in set(good)
-                  and (chosen is None or p.name > chosen.name)]
-    damaged += [(p, "not a complete checkpoint") for p in incomplete]
+    chosen, damaged = newest_verified(directory)
+    # Older incomplete files are not what a user expected to get: only the newer ones are named.
+    damaged = [(p, why) for p, why in damaged if chosen is None or p.name > chosen.name]
     damaged.sort(key=lambda item: item[0].name, reverse=True)
     return chosen, damaged
 
