@@ -65,6 +65,6 @@ def release(rank: int | None = None) -> bool:
         sys.stdout.flush()
         sys.stderr.write(heading + err + fixture_err)  # one write: ranks share the launcher's stderr
         sys.stderr.flush()
-    except Exception:
+    except (OSError, ValueError):  # a closed or broken stream (ValueError: I/O on a closed file): the abort goes on
         return False
     return True
