@@ -173,7 +173,10 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
 
     wires = [(nr, bf, None, None) for nr in args.node_reduce for bf in ((False, True) if args.bf16 else (False,))]
     if "shm" in args.node_reduce:  # beside the in-place round: its variants, measured in the same run
-        extra_rows = [("shm", False, "numpy", None)] if default_kernel() != "numpy" else []
+        # --on-non-finite stop: a product setting (the params checked by the pass itself)
+        extra_rows = [("shm", False, None, "stop")]
+        if default_kernel() != "numpy":
+            extra_rows.append(("shm", False, "numpy", None))
         if args.variants:
             extra_rows.append(("shm", False, None, "mpisync"))
             extra_rows.append(("shm", False, None, "nocheck"))
@@ -182,7 +185,8 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
         at = wires.index(("shm", False, None, None)) + 1
         wires[at:at] = extra_rows
     for nr, bf, kernel, variant in wires:
-        b = Bridge(comm.Dup(), shapes, wire=WireOptions(nr, "auto", bf))
+        b = Bridge(comm.Dup(), shapes, wire=WireOptions(nr, "auto", bf),
+                   on_non_finite="stop" if variant == "stop" else "quarantine")
         path = b._p.reducer.path
         if path == "shm-in-place":
             for plane in (b._p, b._b):
@@ -196,7 +200,7 @@ def bench_size(comm: MPI.Comm, P: int, args, averager) -> bool:
                         plane.reducer.prepare = lambda staging: 0.0  # could save at most (see README)
             path += f", {kernel or default_kernel()} pass"
             path += {None: "", "nocheck": ", NO pre-round check", "before": ", before: unfused pass",
-                     "mpisync": ", before: MPI gathers"}[variant]
+                     "mpisync": ", before: MPI gathers", "stop": ", --on-non-finite stop: check in the pass"}[variant]
         name = f"ours: bound, {nr}{' bf16' if bf else ''} ({path})"
         bridges[name] = b
         with torch.no_grad():  # Replica.bind: the params are views of the staging

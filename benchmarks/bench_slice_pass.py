@@ -47,7 +47,7 @@ def torch_pass(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: int, 
     W = segs.shape[0]
     T = torch.from_numpy(segs)
     acc, tmp = torch.empty(step), torch.empty(step)
-    partial = np.zeros(W + 2)
+    partial = np.zeros(2 * W + 2)
     sc, tot = [float(s) for s in scales], float(total)
     for lo in reversed(range(a, b, step)):
         hi = min(lo + step, b)
@@ -114,7 +114,9 @@ if numba is not None:
                 return
             partial[W] += post
             for r in range(W):
-                partial[r] += _diff_sq_write(segs[r, lo:hi], c, k)
+                dx, px = _diff_sq_write(segs[r, lo:hi], c, k)
+                partial[r] += dx
+                partial[W + 2 + r] += px
 
     @numba.njit(nogil=True)
     def scratch_pass(segs, scales, total, a, b, step, out, partial):
@@ -161,7 +163,7 @@ def main() -> None:
         total = np.float32(total + s)
 
     def run(kernel, step):
-        consensus_slice(segs, scales, total, a, b, step, np.empty(2 * step, np.float32), np.zeros(W + 2), kernel)
+        consensus_slice(segs, scales, total, a, b, step, np.empty(2 * step, np.float32), np.zeros(2 * W + 2), kernel)
 
     def timed(fn) -> float:
         best = math.inf
@@ -187,7 +189,7 @@ def main() -> None:
     if numba is not None:
         rows.append(("numba pass before its fused sweeps, blocks of 4096",
                      lambda: before_pass(segs, scales, total, np.float32(0.0), a, b, 4096,
-                                         np.empty(2 * 4096, np.float32), np.zeros(W + 2)), True))
+                                         np.empty(2 * 4096, np.float32), np.zeros(2 * W + 2)), True))
     rows.append(("torch ops, blocks of 65536", lambda: torch_pass(segs, scales, total, a, b, 1 << 16), True))
     if numba is not None:  # no pre-round pass: consensus into a scratch of P/W, then copied into every segment
         out = np.empty(b - a, np.float32)

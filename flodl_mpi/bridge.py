@@ -142,6 +142,13 @@ class Bridge:
     A stop raises :class:`NonFiniteError` on every rank before any reduce
     (staging untouched); a consensus that overflows although every rank was
     finite raises it after the reduced piece showed it (same on every rank).
+    One exception, for speed: with ``on_non_finite="stop"`` on the in-place
+    path (:attr:`~flodl_mpi.reduce.Reducer.checks_in_pass`) the params are not
+    read before the gather; the pass sums every rank's values as it reads them
+    and never writes a block whose consensus is not finite, and the gathered
+    sums name the non-finite ranks: the same :class:`NonFiniteError` on every
+    rank, raised after the pass (the params then hold the consensus in part:
+    nothing of the round is saved, as for any stop).
 
     Failure semantics: a failed round leaves the staging (so bound
     parameters) undefined; the
@@ -509,6 +516,30 @@ class Bridge:
         if self._fault is not None:
             self._fault(self.version, stage)
 
+    def _deferred_check(self, stats: ReduceStats, flags: np.ndarray) -> float:
+        """This rank's pre-round ``sum(params ** 2)`` when the pass checked the params (``--on-non-finite stop``
+        on the in-place path); raises :class:`NonFiniteError` on every rank alike when some rank's were not
+        finite, naming them as the pre-round check would have.
+
+        The pass summed every rank's pre-round values as it read the segments
+        (``stats.pre_sums``, gathered: the same on every rank). A round that
+        ran no pass (no rank moved, or no mass realized: decided from gathered
+        values) checks its own segment and gathers the flags (one more small
+        gather, in such rounds only).
+        """
+        p = self._p
+        if stats.pre_sums is not None:
+            pre_sums = stats.pre_sums
+        else:
+            self._enter("pre norm")
+            own = p.reducer.prepare(p.staging)
+            pre_sums = self._gather(np.array([own], dtype=np.float64))[:, 0]
+        bad = ~np.isfinite(pre_sums)
+        if bad.any():
+            flags = flags | np.where(bad, _TENSORS, 0)
+            raise NonFiniteError(_non_finite_message(self.version, flags, self.on_non_finite))
+        return float(pre_sums[self.rank])
+
     def _round(self, head: np.ndarray) -> RoundUpdate:
         p, b = self._p, self._b
         # -- this rank's own check, before the gather: a float64-safe sum of squares
@@ -523,7 +554,11 @@ class Bridge:
         # into the rank's segment (Reducer.prepare), and the masses scale it in the sum.
         self._enter("pre norm")
         t0 = t_start = time.perf_counter()
-        pre_sq = p.reducer.prepare(p.staging)
+        # Under --on-non-finite stop the in-place pass checks the params itself (below): no
+        # rank is quarantined, so no rank's values need to survive a non-finite peer, and
+        # the pass never writes a block whose consensus is not finite. The read is saved.
+        deferred = self.on_non_finite == "stop" and p.reducer.checks_in_pass
+        pre_sq = 0.0 if deferred else p.reducer.prepare(p.staging)
         if not math.isfinite(pre_sq + b.reducer.prepare(b.staging)):
             head[ROUND_HEAD.index("non_finite")] = int(head[ROUND_HEAD.index("non_finite")]) | _TENSORS
         pre_ms = 1e3 * (time.perf_counter() - t0)  # counted as pack time: it was fused there before
@@ -549,6 +584,8 @@ class Bridge:
         else:
             self._enter("params reduce")
             stats = p.reducer.reduce(p.staging, masses.wire[self.rank], masses.wire)
+        if deferred:
+            pre_sq = self._deferred_check(stats, flags)
         stats.pre_sq = pre_sq
         stats.pack_ms += pre_ms
         self._enter("divergence")

@@ -67,6 +67,13 @@ class ReduceStats:
             the same on every rank, since it reads the reduced values. When
             False the staging holds whatever was unpacked before the first
             non-finite piece: the caller must stop the job.
+        pre_sums: float64 ``(W,)``, every rank's pre-round ``sum(T_r ** 2)``
+            (world rank order, the same on every rank; not finite exactly where
+            rank r's tensors held a NaN or an infinity), summed by the in-place
+            pass as it read the segments; None on every other path and when not
+            realized. After a non-finite consensus (``post_finite`` False) only
+            the blocks up to the first non-finite one are counted, that one
+            included.
         pack_ms, allreduce_ms, unpack_ms: wall time of each phase, milliseconds.
         bytes: bytes this rank put into Allreduce calls.
     """
@@ -77,6 +84,7 @@ class ReduceStats:
     diff_sq: float = 0.0
     post_sq: float = 0.0
     post_finite: bool = True
+    pre_sums: np.ndarray | None = None
     pack_ms: float = 0.0
     allreduce_ms: float = 0.0
     unpack_ms: float = 0.0
@@ -399,6 +407,12 @@ class Reducer:
         (:class:`~flodl_mpi.shm_gather.ShmGather`, collective over ``comm``: the same ranks), else None
         (the same on every rank)."""
         return getattr(self._impl, "gather", None) if self.staging is not None else None
+
+    @property
+    def checks_in_pass(self) -> bool:
+        """The reduce's pass reads every rank's tensors and reports their sums of squares
+        (:attr:`ReduceStats.pre_sums`): the in-place path. The same on every rank."""
+        return self.staging is not None
 
     def prepare(self, staging: np.ndarray) -> float:
         """The pre-round pass: ``sum(staging ** 2)`` in float64 (not finite iff a NaN/Inf is there).

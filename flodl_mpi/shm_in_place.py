@@ -126,7 +126,7 @@ class InPlaceShmReduce:
         self.world_size = comm.size
         n, W, me = layout.n, node.size, node.rank
         seg = max(_PAGE, -(-4 * n // _PAGE) * _PAGE)
-        capacity = max(GATHER_CAPACITY, W + 2)
+        capacity = max(GATHER_CAPACITY, 2 * W + 2)
         area = -(-ShmGather.nbytes(W, capacity) // _PAGE) * _PAGE
         self._all, own = _map_shared(node, seg, area)
         #: every rank's segment, row r = node rank r, C-contiguous rows of ``seg / 4`` elements
@@ -138,8 +138,8 @@ class InPlaceShmReduce:
         self.slice = slices(n, W)[me]
         self._seg_pad = seg - 4 * n
         self.use_kernel(default_kernel(self.slice[1] - self.slice[0]))
-        self._partial = np.zeros(W + 2, dtype=np.float64)
-        self._gathered = np.zeros((W, W + 2), dtype=np.float64)
+        self._partial = np.zeros(2 * W + 2, dtype=np.float64)
+        self._gathered = np.zeros((W, 2 * W + 2), dtype=np.float64)
         #: the node's Allgather through the shared file (:class:`~flodl_mpi.shm_gather.ShmGather`; the
         #: bridge's control gather uses it too), or None: MPI's (a processor without ordered stores).
         #: The same on every rank; set it to None on every rank alike (between rounds) for MPI's.
@@ -229,12 +229,13 @@ class InPlaceShmReduce:
             self.node.Allgather([partial, MPI.DOUBLE], [self._gathered, MPI.DOUBLE])
         else:
             self._gathered[:] = self.gather.allgather(partial)
-        sums = np.zeros(W + 2, dtype=np.float64)
+        sums = np.zeros(2 * W + 2, dtype=np.float64)
         for row in self._gathered:  # rank order on every rank: the same bits everywhere
             sums += row
         stats.diff_sq += float(sums[self.me])
         stats.post_sq += float(sums[W])
         stats.post_finite = bool(sums[W + 1] == 0.0)
+        stats.pre_sums = sums[W + 2 :].copy()
         t2 = clock()
         stats.allreduce_ms += 1e3 * (t_pass - t0 + t2 - t1)
         stats.unpack_ms += 1e3 * (t1 - t_pass)

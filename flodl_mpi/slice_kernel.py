@@ -12,7 +12,10 @@ slice, last block first, the pass
    total is a power of two: the same bits, both are the correctly rounded
    ``c·2^-k``);
 3. stops if the block's consensus is not finite (never writes it; flags it);
-4. adds ``‖c‖²`` and each rank's ``‖x_r − c‖²`` (float64 sums; SPEC §3);
+4. adds ``‖c‖²``, each rank's ``‖x_r − c‖²`` (float64 sums; SPEC §3) and
+   each rank's ``‖x_r‖²`` (its pre-round norm; not finite exactly when its
+   values are not: the check of ``--on-non-finite stop``, see
+   :meth:`flodl_mpi.bridge.Bridge`);
 5. writes ``c`` into every rank's segment.
 
 Two implementations of the same operations: a compiled kernel (numba, one call
@@ -93,16 +96,28 @@ def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: 
         step: block length in elements, >= 1 (blocks ``[a + i·step, ...)``,
             the last first).
         c: float32 scratch of at least ``2 * min(step, b - a)`` elements.
-        partial: float64 ``(W + 2,)``, added to: ``[r]`` += ``‖x_r − c‖²`` of
+        partial: float64 ``(2W + 2,)``, added to: ``[r]`` += ``‖x_r − c‖²`` of
             the slice, ``[W]`` += ``‖c‖²``, ``[W + 1]`` set to 1.0 when a
-            block's consensus was not finite (the pass stopped there).
+            block's consensus was not finite (the pass stopped there),
+            ``[W + 2 + r]`` += ``‖x_r‖²`` (the pre-round values, every rank,
+            idle ones included; in the non-finite block too, so a NaN or an
+            infinity of rank r there makes it non-finite: whose values they
+            were).
         kernel: one of :data:`KERNELS`; ``"numba"`` needs numba installed.
 
     Raises:
-        ValueError: an unknown kernel, or numba asked for but not installed.
+        ValueError: an unknown kernel, or numba asked for but not installed;
+            ``partial`` not float64 ``(2W + 2,)``, or the slice or scratch out
+            of bounds (the compiled pass indexes without bounds checks).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    W = segs.shape[0]
+    if partial.shape != (2 * W + 2,) or partial.dtype != np.float64:
+        raise ValueError(f"partial must be float64 of shape ({2 * W + 2},), got {partial.dtype} {partial.shape}")
+    if not (0 <= a <= b <= segs.shape[1]) or step < 1 or c.size < 2 * min(step, b - a):
+        raise ValueError(f"slice [{a}, {b}) of segments of {segs.shape[1]}, step {step}, scratch {c.size}: "
+                         "out of bounds")
     if b <= a:
         return
     # Dividing by a power of two (equal masses at W = 2, 4, 8...) is multiplying by its
@@ -125,7 +140,7 @@ def warm_up() -> None:
         return
     segs = np.ones((2, 32), dtype=np.float32)
     consensus_slice(segs, np.ones(2, np.float32), np.float32(2.0), 0, 32, 16, np.empty(32, np.float32),
-                    np.zeros(4), "numba")
+                    np.zeros(6), "numba")
 
 
 def _numpy_pass(segs, scales, total, inverse, a, b, step, scratch, partial) -> None:
@@ -145,12 +160,15 @@ def _numpy_pass(segs, scales, total, inverse, a, b, step, scratch, partial) -> N
         else:
             np.multiply(c, inverse, out=c)
         post = sum_squares(c)
-        if not math.isfinite(post):  # never written
+        if not math.isfinite(post):  # never written; each rank's block says whose values were not finite
+            for r in range(W):
+                partial[W + 2 + r] += sum_squares(segs[r, lo:hi])
             partial[W + 1] = 1.0
             return
         partial[W] += post
         d = tmp[:k]
         for r in range(W):
             x = segs[r, lo:hi]
+            partial[W + 2 + r] += sum_squares(x)
             partial[r] += sum_squares(np.subtract(x, c, out=d))
             np.copyto(x, c)

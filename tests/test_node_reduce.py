@@ -444,3 +444,128 @@ def test_bridge_round_on_the_shared_gather_equals_mpi_gathers_and_the_reference(
     assert u0.quarantined == ((bad,) if bad is not None else ())
     assert np.linalg.norm(p0 - ref) / np.linalg.norm(ref) <= 1e-6
     assert len(set(comm.allgather(digest(p0)))) == 1
+
+
+def gathered_reduce(red, staging, masses):
+    """The in-place reduce given every mass, after a control gather (the bridge's: every rank's segment final)."""
+    assert red.comm.allgather(masses[red.comm.rank]) == list(masses)
+    return red.reduce(staging, masses[red.comm.rank], masses)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_in_place_pass_sums_every_rank_pre_round_values(comm, kernel):
+    # --on-non-finite stop reads no rank's params before the gather: the pass's own sums of
+    # every rank's pre-round values (idle ranks' too) are the pre-round norms, the same on
+    # every rank, against float64 sums of the inputs.
+    if kernel == "numba" and "numba" not in KERNELS:
+        pytest.skip("numba not installed")
+    W = comm.size
+    layout, red = make(comm, ("shm", "off", False, None, kernel), 7)
+    try:
+        for idle in (None, W - 1):
+            masses = [0.0 if r == idle else 1.0 + r for r in range(W)]
+            staging = stage(red, rank_flat(comm.rank))
+            stats = gathered_reduce(red, staging, masses)
+            assert stats.realized and stats.post_finite
+            want = [float(np.sum(rank_flat(r).astype(np.float64) ** 2)) for r in range(W)]
+            np.testing.assert_allclose(stats.pre_sums, want, rtol=1e-6)
+            assert len(set(comm.allgather(stats.pre_sums.tobytes()))) == 1
+    finally:
+        red.free()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_in_place_pass_names_a_non_finite_rank_and_never_writes_its_value(comm, bad, kernel):
+    # Without the pre-round check (--on-non-finite stop), a NaN or an infinity at any position
+    # of any rank's segment, live or idle, shows in the gathered pre sums for that rank alone;
+    # a live rank's stops the pass before the block is written (post_finite False), so the
+    # value reaches no other rank; an idle rank's (mass 0: skipped by the sum) is overwritten by
+    # the consensus of the others, which stays exact.
+    if kernel == "numba" and "numba" not in KERNELS:
+        pytest.skip("numba not installed")
+    W = comm.size
+    layout, red = make(comm, ("shm", "off", False, None, kernel), 7)
+    try:
+        n = layout.n
+        edges = {0, n - 1, 8}
+        for a, b in slices(n, W):
+            edges |= {a, max(a, b - 1)}
+        for r in range(W):
+            for idle in (False, True):
+                for pos in sorted(edges):
+                    flat = rank_flat(comm.rank)
+                    if comm.rank == r:
+                        flat[pos] = bad
+                    staging = stage(red, flat)
+                    masses = [0.0 if (idle and q == r) else 1.0 + q for q in range(W)]
+                    stats = gathered_reduce(red, staging, masses)
+                    assert (~np.isfinite(stats.pre_sums)).tolist() == [q == r for q in range(W)], (r, pos, idle)
+                    assert stats.post_finite == idle
+                    if comm.rank != r:
+                        assert np.isfinite(staging).all()
+                    if idle:
+                        ref = sum(m * rank_flat(q).astype(np.float64) for q, m in enumerate(masses)) / sum(masses)
+                        assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= 1e-6
+                    assert len(set(comm.allgather(stats.post_finite))) == 1
+        # finite values whose weighted sum overflows: not finite, and nobody's values named
+        flat = rank_flat(comm.rank)
+        flat[3] = 3e38
+        stats = gathered_reduce(red, stage(red, flat), [1.0] * W)
+        assert W == 1 or not stats.post_finite
+        assert np.isfinite(stats.pre_sums).all()
+    finally:
+        red.free()
+
+
+def _stop_round(values, steps, monkeypatch, on_non_finite="stop"):
+    """One Bridge round on the in-place path with ``on_non_finite``; the params' pre-round read must not run
+    under "stop" (the pass checks them). Returns (params copy, update)."""
+    from flodl_mpi.bridge import Bridge
+
+    bridge = Bridge(MPI.COMM_WORLD.Dup(), SHAPES, [(4,)], gamma=0.5, wire=WireOptions("shm", "off"),
+                    on_non_finite=on_non_finite)
+    try:
+        assert bridge._p.reducer.checks_in_pass and bridge._p.reducer.path == "shm-in-place"
+        if on_non_finite == "stop" and steps:
+            monkeypatch.setattr(bridge._p.reducer, "prepare", lambda staging: pytest.fail("the pre-round read ran"))
+        bridge._p.staging[:] = values
+        bridge._b.staging[:] = 1.0
+        bridge.start()
+        update = bridge.round(steps=steps, window=max(steps, 1))
+        return bridge._p.staging.copy(), update
+    finally:
+        bridge.close()
+
+
+@pytest.mark.parametrize("steps", [3, 0], ids=["moving", "no-rank-moved"])
+def test_stop_without_the_pre_round_read_names_the_rank_on_every_rank(monkeypatch, steps):
+    # The same NonFiniteError, naming the same rank, as the pre-round check gave: after the pass
+    # (moving ranks) or from the own check and one gather (a round in which no rank moved).
+    from flodl_mpi.errors import NonFiniteError
+
+    comm = MPI.COMM_WORLD
+    W, me = comm.size, comm.rank
+    if W < 2:
+        pytest.skip("needs 2 ranks")
+    values = rank_flat(me)
+    if me == W - 1:
+        values[len(values) // 2] = np.nan
+    with pytest.raises(NonFiniteError, match=rf"^non-finite values in round 0: rank\(s\) {W - 1} "
+                       r"\(parameters/buffers\) had NaN or infinite values; --on-non-finite stop, so the job stops"):
+        _stop_round(values, steps, monkeypatch)
+
+
+def test_stop_round_equals_the_quarantine_round(monkeypatch):
+    # Finite ranks: the round without the pre-round read gives the same bits and the same
+    # divergence triple (pre norm from the pass's sums) as the round with it.
+    comm = MPI.COMM_WORLD
+    values = rank_flat(comm.rank)
+    p_stop, u_stop = _stop_round(values, 1 + comm.rank, monkeypatch)
+    monkeypatch.undo()
+    p_q, u_q = _stop_round(values, 1 + comm.rank, monkeypatch, "quarantine")
+    assert p_stop.tobytes() == p_q.tobytes()
+    assert u_stop.pre_norm == pytest.approx(float(np.linalg.norm(values.astype(np.float64))), rel=1e-6)
+    assert u_stop.pre_norm == pytest.approx(u_q.pre_norm, rel=1e-6)
+    assert u_stop.divergence == pytest.approx(u_q.divergence, rel=1e-6, abs=1e-12)
+    assert u_stop.post_norm == pytest.approx(u_q.post_norm, rel=1e-9)

@@ -22,7 +22,7 @@ def case(W, n, seed=0, masses=None):
 
 def run(kernel, segs, scales, total, a, b, step):
     out = segs.copy()
-    partial = np.zeros(segs.shape[0] + 2)
+    partial = np.zeros(2 * segs.shape[0] + 2)
     consensus_slice(out, scales, total, a, b, step, np.empty(2 * step, np.float32), partial, kernel)
     return out, partial
 
@@ -52,6 +52,10 @@ def test_both_kernels_equal_a_float64_reference_and_each_other_bit_for_bit(W, st
                 want = float(np.sum((segs[r, a:b].astype(np.float64) - ref) ** 2))
                 assert partial[r] == pytest.approx(want, rel=1e-4)
         assert partial[W + 1] == 0.0
+        for r in range(W):  # every rank's pre-round norm, the idle one's NaN included
+            want = float(np.sum(segs[r, a:b].astype(np.float64) ** 2))
+            assert partial[W + 2 + r] == pytest.approx(want, rel=1e-5, nan_ok=True)
+            assert np.isfinite(partial[W + 2 + r]) == bool(masses[r] or W < 3)
     (o1, p1), (o2, p2) = outs.values()
     assert o1.tobytes() == o2.tobytes()  # the same float32 operations in the same order: no FMA
     assert p1[W] == pytest.approx(p2[W], rel=1e-6)
@@ -129,3 +133,18 @@ def test_every_set_of_live_ranks_gives_the_numpy_pass_s_bits(W, equal):
                 want = float(np.sum((segs[r, a:b].astype(np.float64) - ref) ** 2))
                 assert p1[r] == pytest.approx(want, rel=1e-4, abs=1e-9)
         assert p1[W + 1] == p2[W + 1] == 0.0
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_partial_or_slice_out_of_bounds_is_refused_before_the_pass(kernel):
+    # The compiled pass indexes without bounds checks: a partial of the old (W + 2) length, a
+    # slice past the segments or a short scratch would write outside them.
+    segs, scales, total = case(2, 100)
+    c = np.empty(64, np.float32)
+    with pytest.raises(ValueError, match=r"partial must be float64 of shape \(6,\)"):
+        consensus_slice(segs, scales, total, 0, 32, 16, c, np.zeros(4), kernel)
+    with pytest.raises(ValueError, match="out of bounds"):
+        consensus_slice(segs, scales, total, 0, segs.shape[1] + 1, 16, c, np.zeros(6), kernel)
+    with pytest.raises(ValueError, match="out of bounds"):
+        consensus_slice(segs, scales, total, 0, 32, 16, np.empty(8, np.float32), np.zeros(6), kernel)
+    np.testing.assert_array_equal(segs, case(2, 100)[0])  # nothing written
