@@ -109,7 +109,11 @@ class Averager:
         stall_timeout: seconds, > 0, without progress on any rank before the job
             ends with exit status 3 (a rank hung in its step, or gone).
         on_non_finite: ``"quarantine"`` (a rank with a NaN/Inf loss or parameters
-            sends mass 0 for the round and adopts the others' consensus) or ``"stop"``.
+            sends mass 0 for the round and adopts the others' consensus) or ``"stop"``
+            (:class:`~flodl_mpi.errors.NonFiniteError` on every rank; on one node, CPU
+            parameters, the round then skips its read of the parameters before the
+            gather, and after the error they may hold the consensus in part: keep
+            the checkpoints, not the model).
         chunk_elems: float32 elements per Allreduce piece.
         broadcast: start every rank from rank 0's parameters and buffers (default True).
         resume: continue the run in ``run_dir`` from its newest checkpoint: the
