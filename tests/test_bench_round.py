@@ -19,6 +19,7 @@ def test_bench_round_quick_mode_runs_and_every_method_is_correct():
                 "ours: bound, mpi (allreduce)", "raw: Allreduce, 1 MiB pieces",
                 "peer: PeriodicModelAverager (gloo)", "where the time goes",
                 "ours: bound, shm (shm-in-place, numba pass, NO pre-round check)",
+                "ours: bound, shm (shm-in-place, numba pass, --on-non-finite stop: check in the pass)",
                 "ours: bound, shm (shm-in-place, numba pass, before: unfused pass)"):
         assert row in proc.stdout, out
 
