@@ -583,7 +583,7 @@ class Bridge:
             stats = ReduceStats()
         else:
             self._enter("params reduce")
-            stats = p.reducer.reduce(p.staging, masses.wire[self.rank], masses.wire)
+            stats = p.reducer.reduce(p.staging, masses.wire[self.rank], masses.wire, pre_sums=deferred)
         if deferred:
             pre_sq = self._deferred_check(stats, flags)
         stats.pre_sq = pre_sq

@@ -70,8 +70,9 @@ class ReduceStats:
         pre_sums: float64 ``(W,)``, every rank's pre-round ``sum(T_r ** 2)``
             (world rank order, the same on every rank; not finite exactly where
             rank r's tensors held a NaN or an infinity), summed by the in-place
-            pass as it read the segments; None on every other path and when not
-            realized. After a non-finite consensus (``post_finite`` False) only
+            pass as it read the segments, when asked (``Reducer.reduce``'s
+            ``pre_sums``); None on every other path, when not asked and when
+            not realized. After a non-finite consensus (``post_finite`` False) only
             the blocks up to the first non-finite one are counted, that one
             included.
         pack_ms, allreduce_ms, unpack_ms: wall time of each phase, milliseconds.
@@ -429,7 +430,7 @@ class Reducer:
                 return self._impl.prepare(staging)
             return sum_squares_pieces(staging, self.layout)
 
-    def reduce(self, staging: np.ndarray, mass: float, masses=None) -> ReduceStats:
+    def reduce(self, staging: np.ndarray, mass: float, masses=None, *, pre_sums: bool = False) -> ReduceStats:
         """``Σ m_r·T_r / Σ m_r`` into ``staging`` (float32 ``(layout.n,)``); see :func:`sumcount_reduce`.
 
         Args:
@@ -442,6 +443,8 @@ class Reducer:
                 control gather; it orders the segments' writes before the sum):
                 the shared-memory path then scales the segments :meth:`prepare`
                 filled instead of packing again. None: pack from ``staging`` now.
+            pre_sums: fill :attr:`ReduceStats.pre_sums` (only where
+                :attr:`checks_in_pass`; ignored elsewhere).
 
         Returns:
             :class:`ReduceStats`; on every path a non-finite reduced piece stops
@@ -450,7 +453,7 @@ class Reducer:
         stats = ReduceStats()
         with np.errstate(invalid="ignore", over="ignore"):
             if self.staging is not None:
-                self._impl.reduce(staging, mass, stats, masses)
+                self._impl.reduce(staging, mass, stats, masses, pre_sums)
             elif masses is not None and getattr(self._impl, "_prepared", False):
                 self._impl.reduce_prepared(staging, masses, stats)
             elif self._impl is not None:

@@ -191,7 +191,7 @@ class InPlaceShmReduce:
         self._check(staging)
         return sum_squares_pieces(staging, self.layout)
 
-    def reduce(self, staging: np.ndarray, mass: float, stats, masses=None) -> None:
+    def reduce(self, staging: np.ndarray, mass: float, stats, masses=None, pre_sums: bool = False) -> None:
         """Fill ``stats`` (a ``reduce.ReduceStats``); the consensus lands in :attr:`staging` when realized.
 
         Args:
@@ -200,6 +200,8 @@ class InPlaceShmReduce:
             masses: every world rank's mass, from a collective over ``comm``
                 that every rank entered with its tensors final (the control
                 gather); None gathers them here (one small ``allgather``).
+            pre_sums: also sum every rank's pre-round values in the pass and
+                fill ``stats.pre_sums`` (the check of ``--on-non-finite stop``).
         """
         self._check(staging)
         clock = time.perf_counter
@@ -223,7 +225,7 @@ class InPlaceShmReduce:
         a, b = self.slice
         t_pass = clock()
         consensus_slice(self.rows, np.array(scales, dtype=np.float32), total, a, b, self.step, self._scratch,
-                        partial, self.kernel)
+                        partial, self.kernel, pre_sums)
         t1 = clock()
         if self.gather is None:
             self.node.Allgather([partial, MPI.DOUBLE], [self._gathered, MPI.DOUBLE])
@@ -235,7 +237,8 @@ class InPlaceShmReduce:
         stats.diff_sq += float(sums[self.me])
         stats.post_sq += float(sums[W])
         stats.post_finite = bool(sums[W + 1] == 0.0)
-        stats.pre_sums = sums[W + 2 :].copy()
+        if pre_sums:
+            stats.pre_sums = sums[W + 2 :].copy()
         t2 = clock()
         stats.allreduce_ms += 1e3 * (t_pass - t0 + t2 - t1)
         stats.unpack_ms += 1e3 * (t1 - t_pass)

@@ -12,10 +12,11 @@ slice, last block first, the pass
    total is a power of two: the same bits, both are the correctly rounded
    ``c·2^-k``);
 3. stops if the block's consensus is not finite (never writes it; flags it);
-4. adds ``‖c‖²``, each rank's ``‖x_r − c‖²`` (float64 sums; SPEC §3) and
-   each rank's ``‖x_r‖²`` (its pre-round norm; not finite exactly when its
-   values are not: the check of ``--on-non-finite stop``, see
-   :meth:`flodl_mpi.bridge.Bridge`);
+4. adds ``‖c‖²`` and each rank's ``‖x_r − c‖²`` (float64 sums; SPEC §3) and,
+   when asked, each rank's ``‖x_r‖²`` (its pre-round norm; not finite exactly
+   when its values are not: the check of ``--on-non-finite stop``, see
+   :class:`flodl_mpi.bridge.Bridge`; the compiled pass sums a block in float32
+   and redoes it in float64 when that is not finite);
 5. writes ``c`` into every rank's segment.
 
 Two implementations of the same operations: a compiled kernel (numba, one call
@@ -82,7 +83,7 @@ def default_kernel(n_elements: int | None = None) -> str:
 
 
 def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: int, b: int, step: int,
-                    c: np.ndarray, partial: np.ndarray, kernel: str = "numba") -> None:
+                    c: np.ndarray, partial: np.ndarray, kernel: str = "numba", pre_sums: bool = False) -> None:
     """The pass over slice ``[a, b)`` of every segment (see the module docstring), in place.
 
     Args:
@@ -99,11 +100,13 @@ def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: 
         partial: float64 ``(2W + 2,)``, added to: ``[r]`` += ``‖x_r − c‖²`` of
             the slice, ``[W]`` += ``‖c‖²``, ``[W + 1]`` set to 1.0 when a
             block's consensus was not finite (the pass stopped there),
-            ``[W + 2 + r]`` += ``‖x_r‖²`` (the pre-round values, every rank,
-            idle ones included; in the non-finite block too, so a NaN or an
-            infinity of rank r there makes it non-finite: whose values they
-            were).
+            with ``pre_sums``, ``[W + 2 + r]`` += ``‖x_r‖²`` (the pre-round
+            values, every rank, idle ones included; in the non-finite block
+            too, so a NaN or an infinity of rank r there makes it non-finite:
+            whose values they were); without, those stay as given.
         kernel: one of :data:`KERNELS`; ``"numba"`` needs numba installed.
+        pre_sums: also sum every rank's pre-round values (step 4; about 12% of
+            the compiled pass's time at 16M params: only when asked).
 
     Raises:
         ValueError: an unknown kernel, or numba asked for but not installed;
@@ -129,9 +132,9 @@ def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: 
         compiled = _compiled_pass()
         if compiled is None:
             raise ValueError("kernel 'numba' needs numba installed (pip install numba)")
-        compiled(segs, scales, np.float32(total), inverse, a, b, step, c, partial)
+        compiled(segs, scales, np.float32(total), inverse, a, b, step, c, partial, bool(pre_sums))
     else:
-        _numpy_pass(segs, scales, np.float32(total), inverse, a, b, step, c, partial)
+        _numpy_pass(segs, scales, np.float32(total), inverse, a, b, step, c, partial, bool(pre_sums))
 
 
 def warm_up() -> None:
@@ -143,7 +146,7 @@ def warm_up() -> None:
                     np.zeros(6), "numba")
 
 
-def _numpy_pass(segs, scales, total, inverse, a, b, step, scratch, partial) -> None:
+def _numpy_pass(segs, scales, total, inverse, a, b, step, scratch, partial, pre_sums) -> None:
     W = segs.shape[0]
     live = [(segs[r], s) for r, s in enumerate(scales) if s != 0.0]
     first, rest = live[0], live[1:]
@@ -162,13 +165,14 @@ def _numpy_pass(segs, scales, total, inverse, a, b, step, scratch, partial) -> N
         post = sum_squares(c)
         if not math.isfinite(post):  # never written; each rank's block says whose values were not finite
             for r in range(W):
-                partial[W + 2 + r] += sum_squares(segs[r, lo:hi])
+                partial[W + 2 + r] += sum_squares(segs[r, lo:hi]) if pre_sums else 0.0
             partial[W + 1] = 1.0
             return
         partial[W] += post
         d = tmp[:k]
         for r in range(W):
             x = segs[r, lo:hi]
-            partial[W + 2 + r] += sum_squares(x)
+            if pre_sums:
+                partial[W + 2 + r] += sum_squares(x)
             partial[r] += sum_squares(np.subtract(x, c, out=d))
             np.copyto(x, c)

@@ -31,40 +31,37 @@ def _sum_sq(c, k):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_SUMS)
+def _sum_sq32(x, k):  # pragma: no cover - compiled
+    s = np.float32(0.0)
+    for i in range(k):  # float32 squares and sum: 16 lanes, no conversion (the caller checks for overflow)
+        v = x[i]
+        s += v * v
+    return s
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_SUMS)
 def _diff_sq_write(x, c, k):  # pragma: no cover - compiled
     s = 0.0
-    p = 0.0
     for i in range(k):
-        v = x[i]
-        w = np.float64(v)  # the pre-round value, squared in float64
-        p += w * w
-        d = np.float64(v - c[i])  # the float32 difference, squared in float64
+        d = np.float64(x[i] - c[i])  # the float32 difference, squared in float64
         s += d * d
         x[i] = c[i]
-    return s, p
+    return s
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_SUMS)
 def _diff_sq_write2(x, y, c, k):  # pragma: no cover - compiled
     sx = 0.0
     sy = 0.0
-    px = 0.0
-    py = 0.0
     for i in range(k):  # two segments in one sweep: c is read once for both
         v = c[i]
-        a = x[i]
-        b = y[i]
-        wa = np.float64(a)
-        wb = np.float64(b)
-        px += wa * wa
-        py += wb * wb
-        dx = np.float64(a - v)
-        dy = np.float64(b - v)
+        dx = np.float64(x[i] - v)
+        dy = np.float64(y[i] - v)
         sx += dx * dx
         sy += dy * dy
         x[i] = v
         y[i] = v
-    return sx, sy, px, py
+    return sx, sy
 
 
 # The consensus of a block, c = (s_0·x_0 + s_1·x_1 + ...) / total, float32, in rank order,
@@ -108,7 +105,7 @@ def _add(x, s, total, inverse, last, c, k):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _numba_pass(segs, scales, total, inverse, a, b, step, c, partial):  # pragma: no cover - compiled
+def _numba_pass(segs, scales, total, inverse, a, b, step, c, partial, pre):  # pragma: no cover - compiled
     W = segs.shape[0]
     live = np.empty(W, np.int64)  # the ranks with a scale, in rank order (0 skips: true zeros)
     n_live = 0
@@ -132,23 +129,27 @@ def _numba_pass(segs, scales, total, inverse, a, b, step, c, partial):  # pragma
                 _add(segs[r, lo:hi], scales[r], total, inverse, q == n_live - 1, c, k)
         post = _sum_sq(c, k)
         if not math.isfinite(post):  # never written; each rank's block says whose values were not finite
-            for r in range(W):
-                partial[W + 2 + r] += _sum_sq(segs[r, lo:hi], k)
+            if pre:
+                for r in range(W):
+                    partial[W + 2 + r] += _sum_sq(segs[r, lo:hi], k)
             partial[W + 1] = 1.0
             return
         partial[W] += post
+        if pre:  # every rank's pre-round block, from L1 before it is overwritten
+            for r in range(W):
+                p32 = _sum_sq32(segs[r, lo:hi], k)
+                if math.isfinite(p32):
+                    partial[W + 2 + r] += np.float64(p32)
+                else:  # overflowed float32, or a NaN/infinity: float64 holds any finite block's sum
+                    partial[W + 2 + r] += _sum_sq(segs[r, lo:hi], k)
         r = 0
         while r + 1 < W:  # the writes two segments per sweep
-            dx, dy, px, py = _diff_sq_write2(segs[r, lo:hi], segs[r + 1, lo:hi], c, k)
+            dx, dy = _diff_sq_write2(segs[r, lo:hi], segs[r + 1, lo:hi], c, k)
             partial[r] += dx
             partial[r + 1] += dy
-            partial[W + 2 + r] += px
-            partial[W + 3 + r] += py
             r += 2
         if r < W:
-            dx, px = _diff_sq_write(segs[r, lo:hi], c, k)
-            partial[r] += dx
-            partial[W + 2 + r] += px
+            partial[r] += _diff_sq_write(segs[r, lo:hi], c, k)
 
 
 numba_pass = _numba_pass

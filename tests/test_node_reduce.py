@@ -449,7 +449,7 @@ def test_bridge_round_on_the_shared_gather_equals_mpi_gathers_and_the_reference(
 def gathered_reduce(red, staging, masses):
     """The in-place reduce given every mass, after a control gather (the bridge's: every rank's segment final)."""
     assert red.comm.allgather(masses[red.comm.rank]) == list(masses)
-    return red.reduce(staging, masses[red.comm.rank], masses)
+    return red.reduce(staging, masses[red.comm.rank], masses, pre_sums=True)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -470,6 +470,9 @@ def test_in_place_pass_sums_every_rank_pre_round_values(comm, kernel):
             want = [float(np.sum(rank_flat(r).astype(np.float64) ** 2)) for r in range(W)]
             np.testing.assert_allclose(stats.pre_sums, want, rtol=1e-6)
             assert len(set(comm.allgather(stats.pre_sums.tobytes()))) == 1
+            staging = stage(red, rank_flat(comm.rank))
+            comm.Barrier()  # the control gather
+            assert red.reduce(staging, masses[comm.rank], masses).pre_sums is None  # only when asked
     finally:
         red.free()
 
