@@ -69,15 +69,15 @@ MIB_ELEMS = 1 << 18  # float32 elements in 1 MiB
 _BEFORE: set[int] = set()
 
 
-def _dispatch_pass(segs, scales, total, a, b, step, c, partial, kernel="numba"):
-    if id(segs) in _BEFORE and kernel == "numba" and b > a:
+def _dispatch_pass(segs, scales, total, a, b, step, c, partial, kernel="numba", pre_sums=False):
+    if id(segs) in _BEFORE and kernel == "numba" and b > a and not pre_sums:
         from bench_slice_pass import before_pass  # this directory: the script's own
 
         inverse = np.float32(0.0)
         if math.frexp(float(total))[0] == 0.5 and np.finfo(np.float32).tiny <= 1.0 / float(total) < 2.0**127:
             inverse = np.float32(1.0 / float(total))
         return before_pass(segs, scales, np.float32(total), inverse, a, b, step, c, partial)
-    return consensus_slice(segs, scales, total, a, b, step, c, partial, kernel)
+    return consensus_slice(segs, scales, total, a, b, step, c, partial, kernel, pre_sums)
 
 
 shm_in_place.consensus_slice = _dispatch_pass  # bench only: the "before" row's pass beside the kept one

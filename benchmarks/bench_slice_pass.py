@@ -114,9 +114,7 @@ if numba is not None:
                 return
             partial[W] += post
             for r in range(W):
-                dx, px = _diff_sq_write(segs[r, lo:hi], c, k)
-                partial[r] += dx
-                partial[W + 2 + r] += px
+                partial[r] += _diff_sq_write(segs[r, lo:hi], c, k)
 
     @numba.njit(nogil=True)
     def scratch_pass(segs, scales, total, a, b, step, out, partial):
