@@ -160,8 +160,9 @@ def main() -> None:
     for s in scales:
         total = np.float32(total + s)
 
-    def run(kernel, step):
-        consensus_slice(segs, scales, total, a, b, step, np.empty(2 * step, np.float32), np.zeros(2 * W + 2), kernel)
+    def run(kernel, step, pre_sums=False):
+        consensus_slice(segs, scales, total, a, b, step, np.empty(2 * step, np.float32), np.zeros(2 * W + 2), kernel,
+                        pre_sums)
 
     def timed(fn) -> float:
         best = math.inf
@@ -184,6 +185,7 @@ def main() -> None:
         for step in sorted({1 << 10, 1 << 12, 1 << 14, 1 << 16, STEPS[kernel]}):
             mark = " (its default)" if step == STEPS[kernel] else ""
             rows.append((f"{kernel} pass, blocks of {step}{mark}", lambda k=kernel, s=step: run(k, s), True))
+        rows.append((f"{kernel} pass with the pre-round sums (stop)", lambda k=kernel: run(k, STEPS[k], True), True))
     if numba is not None:
         rows.append(("numba pass before its fused sweeps, blocks of 4096",
                      lambda: before_pass(segs, scales, total, np.float32(0.0), a, b, 4096,
