@@ -18,13 +18,16 @@ large model, else the numpy pass):
    cached block: SPEC §3's sums);
 3. ``c`` written into every rank's segment: the unpack of all ranks at once.
 
-Then one small Allgather of the slices' partial sums (``W + 2`` float64 per
+Then one small Allgather of the slices' partial sums (``2W + 2`` float64 per
 rank, through the shared file), added in rank order on every rank: the same bits everywhere. Per rank
 that is one read and one write of the model's bytes (W slices of 1/W each),
 instead of the pack's, the sum's and the unpack's three of each. Before the
 control gather, :meth:`InPlaceShmReduce.prepare` reads the rank's own segment
 once more (the NaN/Inf check and the pre-round norm), so that quarantine is
-decided from gathered values before any segment is overwritten. (Measured and
+decided from gathered values before any segment is overwritten; under
+``--on-non-finite stop`` (no quarantine) that read is skipped and the pass
+also sums every rank's pre-round block (``pre_sums``), whose gathered sums
+name a non-finite rank (:class:`flodl_mpi.bridge.Bridge`). (Measured and
 not kept: the consensus into a private scratch of ``P/W`` floats first, the
 check riding the partial sums, then a copy into every segment: no pre-pass,
 but a write and a read of the scratch, about 1.7x the CPU time of pre-pass
@@ -86,7 +89,7 @@ __all__ = ["GATHER_CAPACITY", "SHM_DIR", "InPlaceShmReduce"]
 #: Where the shared file lives (tmpfs: the mapping is memory, never disk).
 SHM_DIR = "/dev/shm"
 _PAGE = mmap.ALLOCATIONGRANULARITY
-#: float64 values per rank in one exchange of :attr:`InPlaceShmReduce.gather` (at least ``W + 2``: the
+#: float64 values per rank in one exchange of :attr:`InPlaceShmReduce.gather` (at least ``2W + 2``: the
 #: partial sums): room for the bridge's control rows.
 GATHER_CAPACITY = 256
 
