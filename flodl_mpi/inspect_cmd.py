@@ -100,6 +100,7 @@ def describe_checkpoint(path: Path) -> tuple[str, bool]:
         f = h5py.File(path, "r")
     except READ_ERRORS as exc:
         lines.append(f"  DAMAGED: {verdict or f'cannot be opened as HDF5 ({_first_line(exc)})'}")
+        lines.append("  verdict: NOT usable (--resume sets it aside as *.damaged)")
         return "\n".join(lines), False
     try:
         with f:
