@@ -22,10 +22,11 @@ from flodl_mpi.export import main
 SIGNAL_IN_SAVE = textwrap.dedent("""
     import os, signal, sys
     import torch
+    SIG = getattr(signal, sys.argv[1])
     plain = torch.save
     def save(obj, f, *args, **kwargs):
         plain(obj, f, *args, **kwargs)
-        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        os.kill(os.getpid(), SIG)
         for _ in range(100):   # the handler runs at the next bytecode; never returns normally
             pass
     torch.save = save
