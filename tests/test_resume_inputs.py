@@ -127,14 +127,14 @@ def test_resume_of_a_moved_run_with_other_spellings_and_a_refused_other_file(tmp
     shutil.copy(ensure_digits(), work / "data.h5")
     first = _train(work, "--run-dir", "run", "--model", "net.py:make", "--data", "data.h5", "--epochs", "1")
     assert first.returncode == 0, first.stderr[-3000:]
-    record = json.loads((work / "run" / "config.json").read_text())["model_file"]
-    assert record == {"path": _real(work / "net.py"), "sha256": file_sha256(work / "net.py")}
 
     # Same working directory, the file spelled with ./ (trial7: refused, exit 2)
     again = _train(work, "--run-dir", "run", "--model", "./net.py:make", "--data", "./data.h5", "--epochs", "2",
                    "--resume")
-    assert again.returncode == 0, again.stderr[-3000:]
     assert "started with other options" not in again.stderr
+    assert again.returncode == 0, again.stderr[-3000:]
+    record = json.loads((work / "run" / "config.json").read_text())["model_file"]
+    assert record == {"path": _real(work / "net.py"), "sha256": file_sha256(work / "net.py")}
 
     # The whole directory moved, resumed from a subdirectory of the new place (trial7: refused, exit 2)
     moved = tmp_path / "moved"
