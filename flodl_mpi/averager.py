@@ -628,7 +628,7 @@ class Averager:
         if self.rank != 0:
             return
         _, params, buffers, meta, order, ranks = self._contents(None, "checkpoint", [state] * self.world_size)
-        path = self.run_dir / "checkpoints" / f"save-check.h5.tmp-{os.getpid()}"
+        path = self.run_dir / "checkpoints" / "save-check"  # as `Trainer.check_saveable`'s: written as save-check.tmp-PID
         try:
             write_checkpoint(path, params, buffers, meta, order, ranks)
         except (ValueError, TypeError) as exc:

@@ -8,7 +8,10 @@ a safetensors file (the ``safetensors`` package). The weights come through
 damaged checkpoint is refused, never exported; given a run directory whose newest
 checkpoint is damaged, the newest one that reads back is exported (resume's rule)
 and stderr says so in one line naming both. The output is written under a temporary
-name in its directory and renamed. It never replaces a file of a run (a checkpoint,
+name in its directory (``.OUT.tmp-HOST-PID``) and renamed; a stop signal (SIGTERM,
+Ctrl-C) during the CLI's export removes it and ends with one line, exit status
+128 + the signal's number, and a later export to the same output removes such
+temporaries left by a ``kill -9`` (`remove_stale_temps`). It never replaces a file of a run (a checkpoint,
 ``metrics.h5``, ``train.log``, a config record), and replaces another existing file
 only with ``--force``. Exporting never initialises MPI.
 """
@@ -19,13 +22,15 @@ import argparse
 import fnmatch
 import os
 import re
+import signal
+import socket
 import sys
 from pathlib import Path
 
 from flodl_mpi.checkpoint import CheckpointError, load_state_dict, newest_verified
 
-__all__ = ["FORMATS", "OutputRefused", "add_parser", "check_output", "export_state_dict", "main", "newest_readable",
-           "run"]
+__all__ = ["FORMATS", "ExportStopped", "OutputRefused", "add_parser", "check_output", "export_state_dict", "main",
+           "newest_readable", "remove_stale_temps", "run", "temp_name"]
 
 FORMATS = ("pt", "safetensors")
 
@@ -35,6 +40,80 @@ RUN_FILES = ("metrics.h5", "train.log", "config.json", "config-resume-r*.json", 
 
 class OutputRefused(ValueError):
     """The output path of an export is refused (bad input, exit status 2); nothing was written."""
+
+
+class ExportStopped(BaseException):
+    """A stop signal (SIGTERM, SIGINT) reached ``flodl-mpi export``: raised in the main thread by `run`'s handler.
+
+    A BaseException, like KeyboardInterrupt, so no ``except Exception`` on the way
+    (torch's, safetensors') swallows it; `export_state_dict` removes its temporary
+    file on the way out. Attributes: ``signum``; ``exit_code`` is 128 + signum
+    (130 for Ctrl-C, 143 for SIGTERM), what a shell reports for a command ended by that signal.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+def temp_name(out: Path) -> Path:
+    """The temporary file an export of ``out`` writes first: ``.NAME.tmp-HOST-PID`` beside it (hidden).
+
+    Host and process id together say whether its writer can still be alive
+    (`remove_stale_temps`): a process id alone repeats across the nodes that share a file system.
+    """
+    return out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def _pid_alive(pid: int) -> bool:
+    """A process ``pid`` exists on this host (signal 0: an existence check only)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(out: Path) -> tuple[list[Path], list[Path]]:
+    """Remove the temporaries of earlier exports of ``out`` whose writer is gone (a ``kill -9``); reads none.
+
+    A temporary ``.NAME.tmp-HOST-PID`` (or ``.NAME.tmp-PID``, from flodl-mpi before
+    the host was named: taken as this host's) is stale when HOST is this host and no
+    process PID is alive here. Another export of the same output may be writing: one
+    on this host is alive, and one on another host cannot be checked from here, so
+    both are left in place.
+
+    Returns:
+        ``(removed, left)``: the paths removed, and those left because their writer may be alive.
+    """
+    prefix = f".{out.name}.tmp-"
+    host = socket.gethostname()
+    removed, left = [], []
+    try:
+        candidates = [p for p in out.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return removed, left
+    for p in sorted(candidates):
+        owner, _, pid = p.name[len(prefix):].rpartition("-")
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        if (owner or host) != host or _pid_alive(int(pid)):
+            left.append(p)
+            continue
+        try:
+            p.unlink()
+        except FileNotFoundError:  # another export removed it first
+            continue
+        except OSError:
+            left.append(p)
+            continue
+        removed.append(p)
+    return removed, left
 
 
 def _is_run_dir(directory: Path) -> bool:
@@ -116,6 +195,7 @@ def export_state_dict(ckpt: str | os.PathLike, out: str | os.PathLike, fmt: str 
 
     Raises:
         OutputRefused: ``out`` is refused (`check_output`); nothing written.
+        ExportStopped: from `run`'s signal handler; the temporary file is removed, ``out`` untouched.
         CheckpointError: no checkpoint, or an unreadable / damaged one.
         ValueError: unknown ``fmt``.
         ImportError: ``fmt == "safetensors"`` without the safetensors package.
@@ -137,7 +217,7 @@ def export_state_dict(ckpt: str | os.PathLike, out: str | os.PathLike, fmt: str 
     import torch  # lazy: report and inspect need no torch
 
     state = load_state_dict(path)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = temp_name(out)
     try:
         if fmt == "safetensors":
             from safetensors.torch import save_file
@@ -168,9 +248,47 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``flodl-mpi export``; returns the exit status (0, 1 damaged checkpoint, 2 bad input)."""
+    """``flodl-mpi export``; returns the exit status (0, 1 damaged checkpoint, 2 bad input, 130/143 stopped).
+
+    SIGTERM and SIGINT (Ctrl-C) stop it: the temporary file is removed, one line
+    says so, and the status is 128 + the signal's number, as a shell reports a
+    command ended by that signal (not 4: that means "checkpoint saved, resume" for
+    ``train``, and job scripts requeue on it; an export is simply run again). Call
+    from the main thread (it installs the handlers, and restores them on return).
+    """
     fmt = args.format or ("safetensors" if str(args.out).endswith(".safetensors") else "pt")
+
+    def stop(signum, frame) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the clean-up on the way out is not interrupted again
+            signal.signal(sig, signal.SIG_IGN)
+        raise ExportStopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        return _run(args, fmt)
+    except ExportStopped as exc:
+        print(f"flodl-mpi export: {signal.Signals(exc.signum).name}: stopped; {args.out} not written "
+              "(its temporary file removed)", file=sys.stderr)
+        return exc.exit_code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _clean_before(out: Path) -> None:
+    """An accepted output's stale temporaries (`remove_stale_temps`) removed, each said on stderr."""
+    removed, left = remove_stale_temps(out)
+    if removed:
+        print(f"flodl-mpi export: removed {', '.join(p.name for p in removed)}: left by an export of {out} "
+              "that was killed", file=sys.stderr)
+    if left:
+        print(f"flodl-mpi export: note: left {', '.join(p.name for p in left)} in place: its writer may be "
+              "another export still running (on this host or another); remove it once none is", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace, fmt: str) -> int:
+    try:
+        _clean_before(check_output(args.out, force=args.force))
         used, n, passed_over = export_state_dict(args.ckpt, args.out, fmt, force=args.force)
     except OutputRefused as exc:
         print(f"flodl-mpi export: error: {exc}", file=sys.stderr)

@@ -27,6 +27,19 @@ __all__ = ["add_parser", "dataset_status", "describe_checkpoint", "describe_metr
 
 EXIT_OK, EXIT_DAMAGED, EXIT_INPUT = 0, 1, 2
 
+#: What h5py raises reading a damaged file: it maps HDF5's error classes onto
+#: OSError (most I/O and format errors), KeyError (an object or link not found),
+#: ValueError, TypeError, and RuntimeError for the rest (a half-written object
+#: header: "Can't deserialize object header prefix"), NotImplementedError among them.
+#: Inspect reports any of these as damage, never as a traceback.
+READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception as one line: its type when it is not an OSError, then its first line."""
+    text = (str(exc).splitlines() or [""])[0]
+    return text if isinstance(exc, OSError) else f"{type(exc).__name__}: {text}"
+
 
 def dataset_status(ds: h5py.Dataset) -> str:
     """``ok`` (read back, checksum verified), ``ok (no checksum)``, or ``DAMAGED (...)``.
@@ -36,8 +49,8 @@ def dataset_status(ds: h5py.Dataset) -> str:
     """
     try:
         ds[()]
-    except OSError as exc:
-        return f"DAMAGED ({str(exc).splitlines()[0]})"
+    except READ_ERRORS as exc:
+        return f"DAMAGED ({_first_line(exc)})"
     return "ok" if ds.fletcher32 else "ok (no checksum)"
 
 
@@ -81,19 +94,25 @@ def describe_checkpoint(path: Path) -> tuple[str, bool]:
         ckpt = read_checkpoint(path)
     except CheckpointError as exc:
         verdict = str(exc)
-    except OSError as exc:  # e.g. a truncated file: HDF5 refuses to open it
-        verdict = f"checkpoint {path}: cannot be opened ({str(exc).splitlines()[0]})"
+    except READ_ERRORS as exc:  # a truncated file HDF5 refuses, a half-written object header...
+        verdict = f"checkpoint {path}: cannot be opened ({_first_line(exc)})"
     try:
         f = h5py.File(path, "r")
-    except OSError as exc:
-        lines.append(f"  DAMAGED: {verdict or f'cannot be opened as HDF5 ({exc})'}")
+    except READ_ERRORS as exc:
+        lines.append(f"  DAMAGED: {verdict or f'cannot be opened as HDF5 ({_first_line(exc)})'}")
+        lines.append("  verdict: NOT usable (--resume sets it aside as *.damaged)")
         return "\n".join(lines), False
-    with f:
-        complete = bool(f.attrs.get("complete", False))
-        version = f.attrs.get("schema_version", "absent")
-        lines.append(f"  complete {complete}   schema_version {version}")
-        walked = _walk(f)
-        ranks_present = sorted(int(r) for r in f["ranks"]) if "ranks" in f else []
+    try:
+        with f:
+            complete = bool(f.attrs.get("complete", False))
+            version = f.attrs.get("schema_version", "absent")
+            lines.append(f"  complete {complete}   schema_version {version}")
+            walked = _walk(f)
+            ranks_present = sorted(int(r) for r in f["ranks"]) if "ranks" in f else []
+    except READ_ERRORS as exc:  # a damaged group, link table or object header met on the walk
+        lines.append(f"  DAMAGED: {verdict or f'checkpoint {path}: cannot be read ({_first_line(exc)})'}")
+        lines.append("  verdict: NOT usable (--resume sets it aside as *.damaged)")
+        return "\n".join(lines), False
     status = {name: st for name, _, _, st in walked}
     if ckpt is not None:
         lines.append("  meta:")
@@ -185,7 +204,7 @@ def _kind(path: Path) -> str | None:
                 return "metrics"
             if "params" in f or "order" in f.attrs or "complete" in f.attrs:
                 return "checkpoint"
-    except OSError:
+    except READ_ERRORS:  # damaged: the name decides (a partly written temp checkpoint is ckpt-*.h5.tmp-PID)
         pass
     return "checkpoint" if path.name.startswith("ckpt-") else None
 
@@ -215,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
             print(describe_metrics(path))
         except RunError as exc:
             print(f"flodl-mpi inspect: error: {exc}", file=sys.stderr)
+            return EXIT_DAMAGED
+        except READ_ERRORS as exc:  # opened, then a damaged table met on the walk
+            print(f"flodl-mpi inspect: error: {path}: damaged, cannot be read ({_first_line(exc)})", file=sys.stderr)
             return EXIT_DAMAGED
         return EXIT_OK
     if kind == "checkpoint":

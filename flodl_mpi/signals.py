@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import signal
 
-from flodl_mpi.launcher import launcher_rank
+from flodl_mpi.launcher import launch_env
 
 __all__ = ["StopRequest"]
 
@@ -41,7 +41,12 @@ class StopRequest:
         self.absorbed = 0
         # Messages come from the process its launcher calls rank 0 only: the
         # launchers (mpiexec, srun, scancel) signal every rank alike.
-        self._speak = launcher_rank() == 0
+        env = launch_env()
+        self._speak = env.rank == 0
+        #: Open MPI's mpiexec answers its own SIGTERM or Ctrl-C, and a rank's death, by
+        #: passing SIGTERM on to the ranks and then ending the job itself: the ranks may be
+        #: killed before the stop's save, and the launcher returns its own status (1, 137).
+        self.launcher_ends_job = env.launcher == "openmpi"
 
     def install(self) -> None:
         """Handle the stop signals in this process (call from the main thread; again after MPI starts)."""
@@ -69,6 +74,13 @@ class StopRequest:
         name = signal.Signals(signum).name
         if not self.requested:
             self.requested, self.signal_name = True, name
+            if self.launcher_ends_job and signum != signal.SIGUSR1:
+                self._say(f"{name}: stopping after the current round; the checkpoint is saved if Open MPI's "
+                          "launcher lets the ranks finish, then this rank exits with status 4 (under Open MPI a "
+                          f"{name} usually means its mpiexec is ending the job: signalled itself, or a rank died; "
+                          "it returns its own status, 1 or 137); resume with "
+                          f"{self.resume_hint} from the newest complete checkpoint")
+                return
             self._say(f"{name}: stopping after the current round; the checkpoint is saved, then the job "
                       f"exits with status 4 (resume with {self.resume_hint})")
             return

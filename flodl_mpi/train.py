@@ -66,6 +66,7 @@ from flodl_mpi.outer import OuterOptimizer, short_window_warning
 from flodl_mpi.policy import make_policy
 from flodl_mpi.progress import EpochProgress, stdout_is_terminal, write_above_bars
 from flodl_mpi.reduce import WireOptions
+from flodl_mpi.resume_inputs import data_path_difference, model_file_record, model_spec_difference
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree
@@ -309,8 +310,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     # An option the saved config lacks was added since: that run had its default.
     # (Runs from before --average-optimizer-state kept each rank's own state.)
     saved = {**TrainConfig().to_dict(), "average_optimizer_state": "off", **saved}
-    differ = [f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {saved.get(k)!r})"
-              for k in RESUME_MUST_MATCH if k != "optimizer" and saved.get(k) != getattr(cfg, k)]
+    differ = comm.bcast(agree(comm, "resume", lambda: _option_differences(cfg, saved, run_dir)
+                              if comm.rank == 0 else None, watchdog, name_ranks=False), root=0)
     if differ:
         raise InputError(f"--resume: the run in {run_dir} was started with other options: {'; '.join(differ)}")
     if model is not None:  # every rank holds the same model and read the same file: every rank decides alike
@@ -336,6 +337,37 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     return ckpt, ckpt.meta["metrics_rows"]
 
 
+def _newest_record(run_dir: Path) -> Path:
+    """The run's newest config record: the last ``config-resume-r*.json``, else ``config.json`` (may be absent)."""
+    return (sorted(run_dir.glob("config-resume-r*.json")) or [run_dir / "config.json"])[-1]
+
+
+def _option_differences(cfg: TrainConfig, saved: dict, run_dir: Path) -> list[str]:
+    """The options in ``RESUME_MUST_MATCH`` (but the optimizer) that differ from the checkpoint's ``saved`` config.
+
+    ``--model`` and ``--data`` differ only when they name another file, not another
+    spelling of the run's (`flodl_mpi.resume_inputs`), judged with the run's newest
+    config record. Reads files: rank 0 decides, the caller shares the list.
+    """
+    try:
+        record = json.loads(_newest_record(run_dir).read_text())
+    except (OSError, ValueError):
+        record = {}
+    differ = []
+    for k in RESUME_MUST_MATCH:
+        if k == "optimizer" or saved.get(k) == getattr(cfg, k):
+            continue
+        if k == "model":
+            why = model_spec_difference(saved.get(k), cfg.model, record.get("model_file"))
+        elif k == "data":
+            why = data_path_difference(saved.get(k), cfg.data, record.get("data_fingerprint") is not None)
+        else:
+            why = f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (was {saved.get(k)!r})"
+        if why is not None:
+            differ.append(why)
+    return differ
+
+
 def check_resume_data(cfg: TrainConfig, run_dir: Path, data: Dataset, world: World, watchdog: Watchdog) -> str | None:
     """Collective: with ``resume``, refuse data that differ from the run's (`flodl_mpi.data_fingerprint`).
 
@@ -353,12 +385,12 @@ def check_resume_data(cfg: TrainConfig, run_dir: Path, data: Dataset, world: Wor
     def check() -> str | None:
         if world.rank != 0 or not cfg.resume:
             return None
-        records = sorted(run_dir.glob("config-resume-r*.json")) or [run_dir / "config.json"]
-        if not records[-1].is_file():
+        newest = _newest_record(run_dir)
+        if not newest.is_file():
             return None  # nothing to resume: a new run
-        saved = json.loads(records[-1].read_text()).get("data_fingerprint")
+        saved = json.loads(newest.read_text()).get("data_fingerprint")
         if saved is None:
-            return (f"note: {records[-1].name} holds no data fingerprint (written by an older flodl-mpi): "
+            return (f"note: {newest.name} holds no data fingerprint (written by an older flodl-mpi): "
                     "whether the data changed since cannot be checked")
         differ = data_differences(saved, data_fingerprint(data))
         if differ:
@@ -595,6 +627,11 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     if data_note:
         log.info(data_note)
     ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
+    if ckpt is not None and int(ckpt.meta["epoch"]) >= cfg.epochs:
+        # Every rank read the same checkpoint: every rank returns here alike, before any collective
+        # of the outputs. Nothing more is written: no config record, no metrics.h5 rebuild, no save.
+        log.info(f"{final_line(cfg, True, [], int(ckpt.meta['epoch']), run_dir)}; no checkpoint, metrics.h5 or config record written")
+        return True
     try:
         return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows, stop,
                       _progress_mode(args, world.rank))
@@ -649,6 +686,9 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
             config = record()
             attrs.update(config=config, loss=config["loss"])
         config = {**config, "data_fingerprint": data_fingerprint(data)}  # what a resume checks
+        model_file = model_file_record(cfg.model) if record is None else None  # the CLI's --model file
+        if model_file is not None:
+            config["model_file"] = model_file
         # config.json is the run's first config; each resume adds its own beside it.
         resumed_at = int(ckpt.meta["round"]) if ckpt is not None else 0
         name = "config.json" if keep_rows is None else f"config-resume-r{resumed_at:06d}.json"
@@ -747,8 +787,21 @@ def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, re
         watchdog.round_finished()
         log.info(f"final save written in {time.monotonic() - t0:.1f} s "
                  f"(the last checkpoint took {writer.last_save_s:.1f} s)")
-        log.info(final_line(cfg, trainer.done, history, trainer.start_epoch, run_dir))
+        log.info(final_line(cfg, trainer.done, history, trainer.start_epoch, run_dir, stop_hint=_stop_hint(stop, run_dir)))
     return trainer.done
+
+
+def _stop_hint(stop: StopRequest, run_dir: Path) -> str | None:
+    """train.log's words on the exit after a stop where the launcher's status may not be 4 (None: the default).
+
+    Open MPI's mpiexec ends a job it passed a SIGTERM or Ctrl-C to with its own
+    status (1), whatever the ranks return (`StopRequest.launcher_ends_job`).
+    """
+    if not (getattr(stop, "launcher_ends_job", False) and stop.signal_name in ("SIGTERM", "SIGINT")):
+        return None
+    return (f"this rank exits with status 4; Open MPI's launcher, which passes a {stop.signal_name} on and ends the "
+            f"job itself, may return its own status (1): to go on, run the same command with --resume --run-dir "
+            f"{run_dir}")
 
 
 #: Words for `flodl_mpi.reduce.Reducer.path`: how a round's frames travel.
@@ -814,8 +867,8 @@ def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, ru
         hint = stop_hint or f"exit status 4: to go on, run the same command with --resume --run-dir {run_dir}"
         return f"stopped, not done ({cfg.epochs} epoch{'' if cfg.epochs == 1 else 's'} asked); {hint}"
     if not history:
-        return (f"nothing to do: {start_epoch} of {cfg.epochs} epoch(s) were done already "
-                "(raise --epochs to train further)")
+        return (f"nothing to do: the run already did {start_epoch} epoch{'' if start_epoch == 1 else 's'} "
+                f"(--epochs {cfg.epochs}); raise --epochs to train further")
     last = history[-1]
     if not math.isnan(last.test_accuracy):
         measured = f"test accuracy {last.test_accuracy:.4f}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -845,7 +844,8 @@ class Trainer:
             partial = ""
             if stopped:
                 n_batches = num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)
-                partial = f" (stopped after {cursor} of {n_batches} batches)"
+                partial = (f" (stopped after {cursor} of {n_batches} batches)" if cursor < n_batches else
+                           " (complete: the stop came with its last round)")
             # What was measured, no more: an epoch not evaluated has no test numbers, a regression no accuracy.
             tests = "".join(f"  {name} {value:.4f}" for name, value in
                             (("test_loss", s.test_loss), ("test_acc", s.test_accuracy)) if math.isfinite(value))
@@ -896,7 +896,10 @@ class Trainer:
         s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
         _name, params, buffers, meta, order, ranks, cohort = self._contents(
             s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))] * self.world_size)
-        path = Path(directory) / f"save-check.h5.tmp-{os.getpid()}"
+        # write_checkpoint writes "save-check.tmp-PID" (a temp, cleaned as stale once PID is gone), then
+        # renames it to "save-check", removed at once: no .h5, so never listed as a checkpoint even when a
+        # kill lands between the two (the next start's check replaces and removes it).
+        path = Path(directory) / "save-check"
         try:
             write_checkpoint(path, params, buffers, meta, order, ranks, cohort=cohort)
         except (ValueError, TypeError) as exc:

@@ -26,9 +26,22 @@ fi
 # SIGUSR1 as a stop (its SIGTERM and Ctrl-C end the job without the stop's save).
 # So: `kill -USR1 <this script's pid>` stops the run at the next round under either
 # MPI, saves a checkpoint and exits 4; run again with --resume --run-dir DIR to go on.
+# Open MPI's UCX one-sided component prints "OSC UCX component priority set inside
+# component query failed" once per shared window; its shared-memory one (sm) serves
+# one node silently. Set only when neither OMPI_MCA_osc nor an `osc = ...` line in
+# an Open MPI parameter file (yours, or the installation's) chooses one already.
 flags=()
 if mpiexec --version 2>/dev/null | grep -qi 'open mpi'; then
     flags+=(--oversubscribe --bind-to none)
+    if [[ -z ${OMPI_MCA_osc+set} ]]; then
+        etc=$(dirname "$(command -v mpiexec)")/../etc
+        listed=${OMPI_MCA_mca_base_param_files:-}
+        # shellcheck disable=SC2086  # the list's own files, split at ':'
+        if ! grep -qsE '^[[:space:]]*osc[[:space:]]*=' "$HOME/.openmpi/mca-params.conf" \
+                "$etc/openmpi-mca-params.conf" ${listed//:/ }; then
+            export OMPI_MCA_osc=sm
+        fi
+    fi
     if [[ $(id -u) == 0 ]]; then
         export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     fi

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
 import numpy as np
+import pytest
 
 from flodl_mpi.checkpoint import write_checkpoint
 from flodl_mpi.inspect_cmd import main
@@ -102,3 +104,67 @@ def test_inspect_starts_no_mpi_and_no_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=False,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+#: A child that writes a checkpoint and is killed (SIGKILL) after its third dataset: what ``kill -9`` in
+#: mid-write leaves, a temporary ``ckpt-*.h5.tmp-PID`` whose object headers were never flushed.
+KILLED_IN_WRITE = """
+import os, signal, sys
+import numpy as np
+from flodl_mpi import checkpoint
+made = []
+plain = checkpoint._create
+def create(group, name, data):
+    plain(group, name, data)
+    made.append(name)
+    if len(made) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoint._create = create
+params = {f"{i}.weight": np.full((256, 256), i, np.float32) for i in range(8)}
+checkpoint.write_checkpoint(os.path.join(sys.argv[1], "ckpt-e000001-r000003.h5"), params, {},
+                            {"epoch": 1, "round": 3}, list(params))
+"""
+
+
+def test_a_checkpoint_killed_in_mid_write_is_damaged_not_a_traceback(tmp_path):
+    """trial7 F7: h5py raised RuntimeError ("Can't deserialize object header prefix") in the kind check."""
+    child = subprocess.run([sys.executable, "-c", KILLED_IN_WRITE, str(tmp_path)], check=False, timeout=120)
+    assert child.returncode == -9
+    (tmp,) = tmp_path.glob("ckpt-e000001-r000003.h5.tmp-*")
+    with pytest.raises(RuntimeError, match="object header"):  # what the kind check met
+        with h5py.File(tmp, "r", libver="latest", swmr=True) as f:
+            "json_attrs" in f.attrs or "epochs" in f  # noqa: B015
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "flodl_mpi", "inspect", str(tmp)], capture_output=True, text=True,
+                          check=False, timeout=120)
+    assert time.monotonic() - start < 60
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"checkpoint {tmp}"
+    assert lines[1].startswith(f"  DAMAGED: checkpoint {tmp}: cannot be opened (")
+    assert "object header" in lines[1]
+    assert lines[-1] == "  verdict: NOT usable (--resume sets it aside as *.damaged)"
+
+
+@pytest.mark.parametrize("error", [RuntimeError("Can't deserialize object header prefix"), KeyError("bad link"),
+                                   ValueError("bad value"), TypeError("bad type"), OSError("truncated")])
+@pytest.mark.parametrize("where", ["open", "walk"])
+def test_any_error_h5py_raises_on_a_damaged_checkpoint_is_one_damaged_line(tmp_path, capsys, monkeypatch, error, where):
+    """h5py maps HDF5's errors onto these five kinds: each is damage, never a traceback."""
+    path = _checkpoint(tmp_path)
+    from flodl_mpi import inspect_cmd
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(inspect_cmd, "read_checkpoint", fail)
+    if where == "open":
+        monkeypatch.setattr(inspect_cmd.h5py, "File", fail)
+    else:
+        monkeypatch.setattr(inspect_cmd, "_walk", fail)
+    assert main([str(path)]) == 1
+    out = capsys.readouterr().out
+    text = str(error).splitlines()[0]
+    assert f"  DAMAGED: checkpoint {path}: cannot be opened (" in out and text in out
+    assert out.rstrip().endswith("verdict: NOT usable (--resume sets it aside as *.damaged)")

@@ -138,7 +138,7 @@ def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
 
     again = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "nothing to do: 3 of 3 epoch(s) were done already" in again.stdout
+    assert "nothing to do: the run already did 3 epochs (--epochs 3)" in again.stdout
 
 
 # ---------------------------------------------------------------- state-dict names HDF5 cannot hold
