@@ -171,13 +171,14 @@ def refusal(room: Room, directory, keep: int) -> str | None:
     """
     if room.fits:
         return None
-    head = f"{directory} has {size_words(room.free)} free, this run needs about {size_words(room.need)} there"
-    if room.free < room.one:
-        return (f"{head} (one checkpoint of about {size_words(room.one)}); free space there or choose a run dir "
-                "on a larger file system (nothing was trained)")
-    return (f"{head} ({room.count} checkpoints of about {size_words(room.one)}: --keep-checkpoints {keep} kept, "
-            f"and the next written beside them before the oldest is deleted); free space there or lower "
-            f"--keep-checkpoints to {room.keep_fit} (nothing was trained)")
+    many = room.count > 1
+    what = (f"{room.count} checkpoint{'s' if many else ''} of about {size_words(room.one)}"
+            + (f": --keep-checkpoints {keep} kept, and the next written beside them before the oldest is deleted"
+               if many else ""))
+    remedy = (f"lower --keep-checkpoints to {room.keep_fit}" if many and room.keep_fit >= 1
+              else "choose a run dir on a larger file system")
+    return (f"{directory} has {size_words(room.free)} free, this run needs about {size_words(room.need)} there "
+            f"({what}); free space there or {remedy} (nothing was trained)")
 
 
 def check_before_training(directory: str | Path, check_bytes: int, optimizer: torch.optim.Optimizer | None,

@@ -81,8 +81,12 @@ def test_room_needed_names_the_largest_keep_that_fits():
 def test_the_refusal_line():
     assert refusal(room_needed(100, 1000, 0, 3, 5), "R/checkpoints", 3) is None
     assert refusal(room_needed(342_100_000, 200_000_000, 0, 3, 1), "R/checkpoints", 3) == (
-        "R/checkpoints has 200.0 MB free, this run needs about 342.1 MB there (one checkpoint of about 342.1 MB); "
+        "R/checkpoints has 200.0 MB free, this run needs about 342.1 MB there (1 checkpoint of about 342.1 MB); "
         "free space there or choose a run dir on a larger file system (nothing was trained)")
+    assert refusal(room_needed(342_100_000, 200_000_000, 0, 3, 3), "R/checkpoints", 3) == (
+        "R/checkpoints has 200.0 MB free, this run needs about 1.0 GB there (3 checkpoints of about 342.1 MB: "
+        "--keep-checkpoints 3 kept, and the next written beside them before the oldest is deleted); free space "
+        "there or choose a run dir on a larger file system (nothing was trained)")
     assert refusal(room_needed(342_100_000, 800_000_000, 0, 3, 4), "R/checkpoints", 3) == (
         "R/checkpoints has 800.0 MB free, this run needs about 1.4 GB there (4 checkpoints of about 342.1 MB: "
         "--keep-checkpoints 3 kept, and the next written beside them before the oldest is deleted); free space "
