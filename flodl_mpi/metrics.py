@@ -450,7 +450,7 @@ DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 DISK_REMEDY = {
     errno.ENOSPC: "free space there",
     errno.EDQUOT: "free space under your quota there (or have it raised)",
-    errno.EFBIG: "raise the file size limit of the job (ulimit -f), which is below a checkpoint's size",
+    errno.EFBIG: "raise the job's file size limit (ulimit -f)",
 }
 
 

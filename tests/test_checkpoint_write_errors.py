@@ -70,9 +70,8 @@ def test_a_checkpoint_over_the_file_size_limit_is_one_line_not_a_segfault(tmp_pa
     assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr[-3000:])
     tmp_name = f"checkpoints/ckpt-e000002-r000005.h5.tmp-{proc.pid}"  # this process's write, named
     assert proc.stdout.splitlines() == [
-        f"plain=True: run dir {run}: File too large: could not write {tmp_name} (removed); raise the file size "
-        "limit of the job (ulimit -f), which is below a checkpoint's size, then go on with --resume (the newest "
-        "complete checkpoint is kept)"], proc.stdout
+        f"plain=True: run dir {run}: File too large: could not write {tmp_name} (removed); raise the job's file "
+        "size limit (ulimit -f), then go on with --resume (the newest complete checkpoint is kept)"], proc.stdout
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-e000001-r000003.h5"]
     verify_checkpoint(run / "checkpoints" / "ckpt-e000001-r000003.h5")

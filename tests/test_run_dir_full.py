@@ -75,7 +75,7 @@ def test_a_checkpoint_above_the_file_size_limit_is_refused_before_training(tmp_p
         assert 5 * _params(2048) * 4 / 1e6 <= one < 5 * _params(2048) * 4 / 1e6 * 1.02  # the arrays, + HDF5's own
     else:
         assert (f"flodl-mpi: error: {ckpts}: File too large: the save check could not write a checkpoint there; "
-                "raise the file size limit of the job (ulimit -f), which is below a checkpoint's size (nothing was "
+                "raise the job's file size limit (ulimit -f) (nothing was "
                 "trained)") in proc.stderr.splitlines(), proc.stderr[-3000:]
     assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
     assert "epoch 1/1" not in proc.stdout
