@@ -50,7 +50,7 @@ from flodl_mpi.data_fingerprint import fingerprint as data_fingerprint
 from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, active_fault
 from flodl_mpi.launcher import clean_text, settle_threads, thread_request
-from flodl_mpi.metrics import MetricsWriter, WriterError, disk_writer_error, keep_before_restart
+from flodl_mpi.metrics import MetricsWriter, WriterError, disk_error, disk_writer_error, keep_before_restart
 from flodl_mpi.model_record import resume_difference
 from flodl_mpi.models import (
     ModelSpecError,
@@ -481,6 +481,21 @@ def verbosity(args) -> int:
     return int(getattr(args, "verbose", 0) or 0) - int(bool(getattr(args, "quiet", False)))
 
 
+class _TrainLogHandler(logging.FileHandler):
+    """train.log's handler: a disk that refuses its lines (full, a quota, the file size limit) silences it with
+    one warning on stderr, instead of logging's traceback for every line; the run goes on (stdout has the lines,
+    and a checkpoint that no longer fits ends the run with its own one line)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        disk = disk_error(sys.exc_info()[1])
+        if disk is None:
+            super().handleError(record)
+            return
+        self.setLevel(logging.CRITICAL + 1)
+        print(f"flodl-mpi: warning: {self.baseFilename}: {disk.strerror}: its lines are no longer written "
+              "(stdout has them)", file=sys.stderr, flush=True)
+
+
 class _StdoutHandler(logging.StreamHandler):
     """Rank 0's lines on stdout. A reader that went away (``flodl-mpi train | head -1``) ends the
     printing, not the run: the handler falls silent, stdout goes to /dev/null (so the exit's flush
@@ -538,7 +553,7 @@ def _setup_logging(run_dir: Path, rank: int) -> logging.Handler | None:
     path = (Path(run_dir) / "train.log").resolve()
     if rank != 0 or any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in log.handlers):
         return None
-    handler = logging.FileHandler(path)
+    handler = _TrainLogHandler(path)
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
