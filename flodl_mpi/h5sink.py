@@ -7,10 +7,15 @@ writes in memory, so every later read sees what HDF5 wrote and the library's sta
 stays whole. The file is closed normally, then the recorded error is raised, with
 its errno, in the caller's thread; the caller removes the file.
 
-Why: when a write failed under the default driver, HDF5 (2.0, through h5py 3.16)
-left the failed file's dataset IDs half closed, and the next close of *another*
-file (metrics.h5 at the end of the writer thread) walked them and dereferenced a
-NULL pointer: rank 0 died of SIGSEGV with no message (trial 7, finding 1).
+Why: when a write failed under the default driver, closing a dataset failed too
+(its chunk cache could not be written) and HDF5 (2.0, through h5py 3.16) kept that
+dataset's ID after its file was gone; the next walk over every dataset ID (closing
+*another* file, metrics.h5 at the end of the writer thread, or the library's own
+end at exit) dereferenced it: rank 0 died of SIGSEGV with no message (trial 7,
+finding 1; gdb: ``H5_term_library -> H5I_clear_type -> H5D_close``).
+
+Not covered: metrics.h5's appends (SWMR needs the default driver). A chunk there is
+allocated rarely (64 KiB of rows), and the checkpoint before it fails first in practice.
 """
 
 from __future__ import annotations
