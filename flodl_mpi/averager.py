@@ -622,19 +622,20 @@ class Averager:
         return checkpoint_name(self.epoch if complete else self.epoch + 1, self.bridge.version), params, buffers, meta, order, ranks
 
     def _check_saveable(self) -> None:
+        """The save check (rank 0): a checkpoint of the initial state written and removed, then room for one
+        checkpoint (`flodl_mpi.checkpoint_room.check_before_training`; how many an own loop saves is not known)."""
+        from flodl_mpi import checkpoint_room
         from flodl_mpi.checkpoint import write_checkpoint
 
         state = self._rank_state()
         if self.rank != 0:
             return
         _, params, buffers, meta, order, ranks = self._contents(None, "checkpoint", [state] * self.world_size)
-        path = self.run_dir / "checkpoints" / "save-check"  # as `Trainer.check_saveable`'s: written as save-check.tmp-PID
-        try:
-            write_checkpoint(path, params, buffers, meta, order, ranks)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"the model's state cannot be saved in a checkpoint: {exc}") from None
-        finally:
-            path.unlink(missing_ok=True)
+        directory = self.run_dir / "checkpoints"
+        size = checkpoint_room.save_check(directory,
+                                          lambda path: write_checkpoint(path, params, buffers, meta, order, ranks))
+        checkpoint_room.check_before_training(directory, size, self.optimizer, state[0], self.world_size,
+                                              self.cfg.keep_checkpoints, saves=1)
 
     def _save(self, summary, reason: str, complete: bool = True) -> str | None:
         """Collective: every rank's state is gathered to rank 0, whose writer thread saves."""

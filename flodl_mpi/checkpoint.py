@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import h5py
 import numpy as np
 
+from flodl_mpi import h5sink
 from flodl_mpi.h5attrs import read_attrs, write_attrs
 
 if TYPE_CHECKING:  # torch is imported lazily: reading a checkpoint needs only h5py
@@ -69,6 +70,7 @@ __all__ = [
     "newest_verified",
     "set_aside_damaged",
     "write_checkpoint",
+    "stored_bytes",
     "read_checkpoint",
     "load_state_dict",
     "read_rank_state",
@@ -170,6 +172,33 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def stored_bytes(
+    params: Mapping[str, np.ndarray],
+    buffers: Mapping[str, np.ndarray],
+    ranks: Sequence[tuple[Mapping[str, np.ndarray], Mapping[str, Any]]] = (),
+    cohort: tuple[Mapping[str, np.ndarray], Mapping[str, Any]] | None = None,
+) -> int:
+    """Bytes the arrays of a checkpoint take in the file, as `write_checkpoint` stores them.
+
+    Floating params and buffers count 4 bytes an element (stored float32), the rest
+    their own itemsize. A lower bound of the file's size: HDF5 adds its headers,
+    chunk indexes and checksums (about 1 % for a model of large tensors), and the
+    attributes (the config, the per-rank JSON).
+    """
+    def nbytes(arrays: Mapping[str, np.ndarray], float32: bool) -> int:
+        total = 0
+        for value in arrays.values():
+            arr = np.asarray(value)
+            total += arr.size * (4 if float32 and arr.dtype.kind == "f" else arr.dtype.itemsize)
+        return total
+
+    total = nbytes(params, True) + nbytes(buffers, True)
+    total += sum(nbytes(arrays, False) for arrays, _ in ranks)
+    if cohort is not None:
+        total += nbytes(cohort[0], False)
+    return total
+
+
 def write_checkpoint(
     path: str | os.PathLike,
     params: Mapping[str, np.ndarray],
@@ -200,8 +229,9 @@ def write_checkpoint(
         ValueError: an empty name, a name in both params and buffers,
             ``order`` does not match their names, or a meta key is reserved.
         TypeError: an array dtype or meta value of an unsupported kind.
-        OSError: the write failed; the previous file at ``path`` is untouched and
-            the temporary file is removed.
+        OSError: a write or the fsync failed (``errno`` as the OS said: ENOSPC,
+            EDQUOT, EFBIG, EIO ...); the previous file at ``path`` is untouched and
+            the temporary file is removed. HDF5 never sees the failure (`flodl_mpi.h5sink`).
     """
     path = Path(path)
     order = list(order)
@@ -224,30 +254,37 @@ def write_checkpoint(
 
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
+        # Through a sink (flodl_mpi.h5sink): a failed write (a full disk, a quota, a file
+        # size limit) ends as an OSError here, never as a broken HDF5 library state.
         # track_order: datasets and attributes list in creation order (state-dict order,
         # `complete` last) in h5dump/h5ls as well as here.
-        with h5py.File(tmp, "w", libver=LIBVER, track_order=True) as f:
+        with h5sink.new_file(tmp, libver=LIBVER, track_order=True) as (f, sink):
+            def create(group: h5py.Group, name: str, data: np.ndarray) -> None:
+                if sink.error is not None:  # the disk refused a write: stop adding to the file
+                    raise sink.error
+                _create(group, name, data)
+
             for group, arrays in (("params", params), ("buffers", buffers)):
                 g = f.create_group(group)
                 for name, value in arrays.items():
-                    _create(g, escape_name(name), _disk_array(name, value))
+                    create(g, escape_name(name), _disk_array(name, value))
             for r, (arrays, attrs) in enumerate(ranks):
                 g = f.create_group(f"ranks/{r}")
                 for name, value in arrays.items():
-                    _create(g, name, np.asarray(value))
+                    create(g, name, np.asarray(value))
                 g.attrs["json_keys"] = json.dumps(write_attrs(g.attrs, attrs, f"ranks[{r}]"))
             if cohort is not None:  # state every rank holds alike (the outer optimizer's): once
                 g = f.create_group("cohort")
                 for name, value in cohort[0].items():
-                    _create(g, name, np.asarray(value))
+                    create(g, name, np.asarray(value))
                 g.attrs["json_keys"] = json.dumps(write_attrs(g.attrs, cohort[1], "cohort"))
             json_keys = write_attrs(f.attrs, meta, "meta")
             f.attrs["json_keys"] = json.dumps(json_keys)
             f.attrs["schema_version"] = SCHEMA_VERSION
             f.attrs["order"] = json.dumps(order)
             f.attrs["complete"] = True  # last: a file without it was interrupted
-            f.flush()
-        _fsync(tmp)  # data on disk before the rename makes it visible
+        # new_file closed the file, raised a write error or fsynced it: data on disk
+        # before the rename makes it visible.
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import h5py
 import numpy as np
 
+from flodl_mpi import h5sink
 from flodl_mpi.h5attrs import write_attrs
 
 from . import checkpoint
@@ -39,6 +40,12 @@ __all__ = [
     "read_table",
     "WriterError",
     "MetricsWriter",
+    "DISK_ERRNOS",
+    "DISK_REMEDY",
+    "disk_error",
+    "disk_error_line",
+    "disk_writer_error",
+    "keep_before_restart",
 ]
 
 #: Version of the metrics.h5 layout, root attribute ``schema_version``; readers
@@ -251,7 +258,6 @@ class MetricsFile:
         try:
             self._build(tmp, {**attrs, "world_size": world_size, "world_size_history": history}, salvaged)
             _step("temp written")
-            _fsync(tmp)
             # Open to append before the file takes its name: once it is metrics.h5 a
             # reader (``flodl-mpi inspect`` or ``report`` while the run starts) may open
             # it, and a reader's lock would refuse this open (h5py: "unable to lock
@@ -280,8 +286,12 @@ class MetricsFile:
             raise
 
     def _build(self, path: Path, attrs: Mapping[str, Any], salvaged: Mapping[str, Mapping[str, np.ndarray]]) -> None:
-        """Write a complete metrics.h5 at ``path``: attributes, every table, the salvaged rows."""
-        with h5py.File(path, "w-", libver=LIBVER) as f:
+        """Write a complete metrics.h5 at ``path``: attributes, every table, the salvaged rows; fsynced.
+
+        Through a sink (`flodl_mpi.h5sink`): a full disk ends as an OSError naming
+        ``path``, not as a broken HDF5 library.
+        """
+        with h5sink.new_file(path, libver=LIBVER) as (f, sink):
             json_keys = write_attrs(f.attrs, attrs, "attrs")
             f.attrs["json_attrs"] = json.dumps(json_keys)
             f.attrs["schema_version"] = SCHEMA_VERSION
@@ -296,8 +306,9 @@ class MetricsFile:
                     if rows is not None and len(rows):
                         ds.resize(len(rows), axis=0)
                         ds[:] = _pad(rows, shape[0]) if shape else rows
+                    if sink.error is not None:  # the disk refused a write: stop adding to the file
+                        raise sink.error
                 _step("temp partial")
-            f.flush()
 
     def _recover(self) -> None:
         """Finish or undo what a killed resume left, before reading the history."""
@@ -306,13 +317,13 @@ class MetricsFile:
             # An older flodl-mpi renamed the history here, then was killed before its
             # new file was complete: the renamed file is the whole history.
             os.replace(before, self.path)
-            self.recovered.append(f"{before.name}: a resume was killed while rebuilding {self.path.name}; "
-                                  f"its history restored from {before.name}")
+            self.recovered.append(f"{before.name}: a resume of an older flodl-mpi did not finish rebuilding "
+                                  f"{self.path.name} (killed or failed); its history restored from {before.name}")
         tmp = self.path.with_name(self.path.name + ".resume-tmp")
         if tmp.exists():
             tmp.unlink()
-            self.recovered.append(f"{tmp.name}: a resume was killed while rebuilding {self.path.name}; "
-                                  f"its unfinished copy removed, {self.path.name} was untouched")
+            self.recovered.append(f"{tmp.name}: a resume did not finish rebuilding {self.path.name} (killed or "
+                                  f"failed); its unfinished copy removed, {self.path.name} was untouched")
 
     def _salvage(self, keep_rows: Mapping[str, int]) -> tuple[dict[str, dict[str, np.ndarray]], list[list[int]], int]:
         """The kept rows, the world size history and the per-rank width of the file at ``path``."""
@@ -363,6 +374,37 @@ class MetricsFile:
         self.close()
 
 
+def keep_before_restart(path: str | os.PathLike) -> tuple[Path, dict[str, int] | None] | None:
+    """Rename a metrics.h5 that holds rows to ``metrics.h5.before-restart-<UTC time>``, before a run starts again.
+
+    A resume with no checkpoint to go on from (none written yet, or every one
+    damaged) rebuilds metrics.h5 with no rows; the history it held is kept under
+    the new name (one ``os.replace``: the file is whole under one name or the other).
+
+    Returns:
+        ``(new path, rows per table)`` when renamed (rows None: the file did not read,
+        kept all the same); None when there is no file or it holds no row.
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    rows: dict[str, int] | None
+    try:
+        with h5py.File(path, "r", swmr=True) as f:
+            rows = {t: min((len(f[t][c]) for c in f[t]), default=0) for t in ("rounds", "epochs") if t in f}
+    except Exception:  # noqa: BLE001 - a damaged file is history too: keep it
+        rows = None
+    if rows is not None and not any(rows.values()):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    new = path.with_name(f"{path.name}.before-restart-{stamp}")
+    k = 1
+    while new.exists():
+        new, k = path.with_name(f"{path.name}.before-restart-{stamp}-{k}"), k + 1
+    os.replace(path, new)
+    return new, rows
+
+
 def read_table(path: str | os.PathLike, table: str) -> dict[str, np.ndarray]:
     """Read one table, safe while the run still writes (SWMR reader).
 
@@ -400,14 +442,71 @@ class WriterError(RuntimeError):
     plain = False
 
 
-def _disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what it chains) is ENOSPC; h5py reports it as text in a RuntimeError."""
+#: errno values of a file system that refuses more bytes: a full disk, a quota, a file size
+#: limit (``ulimit -f``). Each is a fact about the run dir, not a bug: one line, no traceback.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+#: What to do about each, for the one line.
+DISK_REMEDY = {
+    errno.ENOSPC: "free space there",
+    errno.EDQUOT: "free space under your quota there (or have it raised)",
+    errno.EFBIG: "raise the job's file size limit (ulimit -f)",
+}
+
+
+def disk_error(exc: BaseException | None) -> OSError | None:
+    """The OSError (or h5py's text of one) in ``exc`` or what it chains whose errno is in `DISK_ERRNOS`.
+
+    h5py reports a failed write of its own driver as a RuntimeError or OSError whose
+    text holds ``errno = 28, error message = 'No space left on device'``; such a
+    text is turned into an ``OSError(errno, strerror)``.
+
+    Returns:
+        The OSError with ``errno`` (and ``filename`` when known), or None.
+    """
     while exc is not None:
-        if getattr(exc, "errno", None) == errno.ENOSPC or "errno = 28," in str(exc) \
-                or "No space left on device" in str(exc):
-            return True
+        code = getattr(exc, "errno", None)
+        if code in DISK_ERRNOS:
+            return exc if isinstance(exc, OSError) else OSError(code, os.strerror(code))
+        text = str(exc)
+        for code in DISK_ERRNOS:
+            if f"errno = {code}," in text or os.strerror(code) in text:
+                return OSError(code, os.strerror(code))
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
+
+
+def disk_error_line(run_dir: Path, error: OSError) -> str:
+    """The one line for a run dir that refused bytes: ``run dir R: <strerror>: <what>; <remedy>, then ...``.
+
+    ``<strerror>`` is the operating system's words for the errno (``No space left on
+    device``, ``Disk quota exceeded``, ``File too large``); ``<what>`` is the
+    error's ``detail`` attribute (set by `flodl_mpi.h5sink.check_room`) or the file
+    that could not be written.
+    """
+    code = error.errno
+    detail = getattr(error, "detail", None)
+    if detail is None:
+        name = error.filename
+        if name:
+            with contextlib.suppress(ValueError):  # under the run dir: named from there
+                name = str(Path(os.fsdecode(name)).relative_to(run_dir))
+        detail = f"could not write {name}" if name else "could not write metrics.h5 or a checkpoint"
+        if name and (".tmp-" in str(name) or str(name).endswith(".resume-tmp")):  # removed by its writer
+            detail += " (removed)"
+    return (f"run dir {run_dir}: {os.strerror(code)}: {detail}; {DISK_REMEDY[code]}, then go on with --resume "
+            "(the newest complete checkpoint is kept)")
+
+
+def disk_writer_error(run_dir: Path, exc: BaseException) -> "WriterError | None":
+    """A plain `WriterError` (one line, no traceback) when ``exc`` is a refused write (`disk_error`), else None."""
+    disk = disk_error(exc)
+    if disk is None:
+        return None
+    err = WriterError(disk_error_line(Path(run_dir), disk))
+    err.plain = True
+    err.__cause__ = exc
+    return err
 
 
 _CLOSE = object()
@@ -492,12 +591,9 @@ class MetricsWriter:
     def check(self) -> None:
         """Raise `WriterError` (chained to the thread's exception) if the thread failed."""
         if self._error is not None:
-            if _disk_full(self._error):  # a fact about the run dir, not a bug: one line, no traceback
-                err = WriterError(f"run dir {self.run_dir}: No space left on device: the writer could not write "
-                                  "metrics.h5 or a checkpoint; free space there, then go on with --resume (the "
-                                  "newest complete checkpoint is kept)")
-                err.plain = True
-                raise err from self._error
+            disk = disk_writer_error(self.run_dir, self._error)
+            if disk is not None:  # a fact about the run dir, not a bug: one line, no traceback
+                raise disk from self._error
             raise WriterError(f"writer thread failed: {type(self._error).__name__}: {self._error}") from self._error
 
     def _put(self, item: tuple) -> None:
@@ -634,6 +730,9 @@ class MetricsWriter:
                 _, name, params, buffers, meta, order, ranks, cohort = item
                 t0 = time.monotonic()
                 self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+                # Clearly too little room (less than the arrays alone): say so, rather than write half a file.
+                h5sink.check_room(self.checkpoint_dir, checkpoint.stored_bytes(params, buffers, ranks, cohort),
+                                  f"checkpoint {name}")
                 checkpoint.write_checkpoint(self.checkpoint_dir / name, params, buffers, meta, order, ranks,
                                             cohort=cohort)
                 checkpoint.prune_checkpoints(self.checkpoint_dir, self._keep)

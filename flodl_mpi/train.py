@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from flodl_mpi import __version__, run_dir_lock
+from flodl_mpi import __version__, run_dir_lock, stale_files
 from flodl_mpi.bridge import Bridge
 from flodl_mpi.checkpoint import (
     Checkpoint,
@@ -50,7 +50,7 @@ from flodl_mpi.data_fingerprint import fingerprint as data_fingerprint
 from flodl_mpi.errors import CohortError, InputError
 from flodl_mpi.faults import InjectedFault, active_fault
 from flodl_mpi.launcher import clean_text, settle_threads, thread_request
-from flodl_mpi.metrics import MetricsWriter, WriterError
+from flodl_mpi.metrics import MetricsWriter, WriterError, disk_error, disk_writer_error, keep_before_restart
 from flodl_mpi.model_record import resume_difference
 from flodl_mpi.models import (
     ModelSpecError,
@@ -242,10 +242,26 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
                 except FileExistsError:
                     continue
             run_dir_lock.claim(run_dir)
+        if cfg.resume:  # the lock is held: a temporary file here is an earlier run's unfinished write
+            _say_once(run_dir, stale_files.removal_line(run_dir, stale_files.remove_stale(run_dir)))
         (run_dir / "checkpoints").mkdir(exist_ok=cfg.resume)
         return str(run_dir)
 
     return Path(comm.bcast(agree(comm, "run dir", create, watchdog, name_ranks=False), root=0))
+
+
+def _say_once(run_dir: Path, line: str | None) -> None:
+    """Rank 0, before train.log's handler exists: ``line`` as a warning (stdout) and at the end of
+    ``run_dir/train.log`` (the handler added later appends after it)."""
+    if line is None:
+        return
+    log.warning(line)
+    path = (run_dir / "train.log").resolve()
+    if any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in log.handlers):
+        return  # logged there already
+    with contextlib.suppress(OSError):
+        with open(path, "a") as fh:
+            fh.write(f"{time.strftime('%H:%M:%S')} {line}\n")
 
 
 #: Options a resumed run must share with the checkpoint's run: they decide the
@@ -275,7 +291,9 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     Returns:
         ``(checkpoint or None, keep_rows or None)``: no checkpoint in a run dir
         that holds a ``metrics.h5`` restarts the run and cuts every table to 0
-        rows; an empty run dir starts a new run.
+        rows, the old file (when it holds rows) kept as
+        ``metrics.h5.before-restart-<UTC time>`` (`flodl_mpi.metrics.keep_before_restart`)
+        with one warning line naming the damaged checkpoints; an empty run dir starts a new run.
 
     Raises:
         InputError: the checkpoint is unreadable on some rank, was written by a
@@ -292,7 +310,20 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
         chosen, aside = set_aside_damaged(run_dir / "checkpoints")
         for path, why in aside:
             log.info(f"warning: {path.name} is damaged ({why}); not resumed from, kept as {path.name}.damaged")
-        return chosen, (run_dir / "metrics.h5").exists()
+        metrics = run_dir / "metrics.h5"
+        # (a restart killed after keeping the history still restarts: its metrics.h5 is gone)
+        had_run = metrics.exists() or any(run_dir.glob("metrics.h5.before-restart-*"))
+        if chosen is None:
+            kept = keep_before_restart(metrics)  # the history is not rebuilt away silently
+            history = "" if kept is None else f"; {metrics.name}'s history ({_rows_words(kept[1])}) kept as {kept[0].name}"
+            if aside:
+                names = ", ".join(p.name for p, _ in aside)
+                log.warning(f"warning: every checkpoint in {run_dir / 'checkpoints'} is damaged ({names}; kept as "
+                            f"*.damaged): the run starts again from epoch 1{history}")
+            elif kept is not None:
+                log.warning(f"warning: no checkpoint in {run_dir / 'checkpoints'}: the run starts again from epoch "
+                            f"1{history}")
+        return chosen, had_run
 
     latest, has_metrics = comm.bcast(agree(comm, "resume", survey, watchdog, name_ranks=False), root=0)
     if latest is None:
@@ -366,6 +397,12 @@ def _option_differences(cfg: TrainConfig, saved: dict, run_dir: Path) -> list[st
         if why is not None:
             differ.append(why)
     return differ
+
+
+def _rows_words(rows: dict[str, int] | None) -> str:
+    if rows is None:
+        return "unreadable"
+    return ", ".join(f"{n} {table if n != 1 else table[:-1]}" for table, n in rows.items())
 
 
 def check_resume_data(cfg: TrainConfig, run_dir: Path, data: Dataset, world: World, watchdog: Watchdog) -> str | None:
@@ -476,6 +513,21 @@ def verbosity(args) -> int:
     return int(getattr(args, "verbose", 0) or 0) - int(bool(getattr(args, "quiet", False)))
 
 
+class _TrainLogHandler(logging.FileHandler):
+    """train.log's handler: a disk that refuses its lines (full, a quota, the file size limit) silences it with
+    one warning on stderr, instead of logging's traceback for every line; the run goes on (stdout has the lines,
+    and a checkpoint that no longer fits ends the run with its own one line)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        disk = disk_error(sys.exc_info()[1])
+        if disk is None:
+            super().handleError(record)
+            return
+        self.setLevel(logging.CRITICAL + 1)
+        print(f"flodl-mpi: warning: {self.baseFilename}: {disk.strerror}: its lines are no longer written "
+              "(stdout has them)", file=sys.stderr, flush=True)
+
+
 class _StdoutHandler(logging.StreamHandler):
     """Rank 0's lines on stdout. A reader that went away (``flodl-mpi train | head -1``) ends the
     printing, not the run: the handler falls silent, stdout goes to /dev/null (so the exit's flush
@@ -533,7 +585,7 @@ def _setup_logging(run_dir: Path, rank: int) -> logging.Handler | None:
     path = (Path(run_dir) / "train.log").resolve()
     if rank != 0 or any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in log.handlers):
         return None
-    handler = logging.FileHandler(path)
+    handler = _TrainLogHandler(path)
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
@@ -692,11 +744,19 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
         # config.json is the run's first config; each resume adds its own beside it.
         resumed_at = int(ckpt.meta["round"]) if ckpt is not None else 0
         name = "config.json" if keep_rows is None else f"config-resume-r{resumed_at:06d}.json"
-        (run_dir / name).write_text(json.dumps(config, indent=2) + "\n")
         writer = MetricsWriter(run_dir, world.size, attrs, run_dir / "checkpoints", cfg.keep_checkpoints,
                                keep_rows=keep_rows)
-    agree(comm, "metrics writer", lambda: writer.start() if writer is not None else None, watchdog,
-          name_ranks=False)
+
+    def open_outputs() -> None:  # rank 0; a full disk here is the writer's one line too
+        if writer is None:
+            return
+        try:
+            (run_dir / name).write_text(json.dumps(config, indent=2) + "\n")
+        except OSError as exc:
+            raise disk_writer_error(run_dir, exc) or exc
+        writer.start()
+
+    agree(comm, "metrics writer", open_outputs, watchdog, name_ranks=False)
     try:
         bridge = make_bridge(cfg, world, replica, writer, watchdog, fault=bridge_fault if fault is not None else None)
         if bridge.policy.blocking:  # async trains on while a round runs: its staging must stay apart
@@ -724,7 +784,8 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
                      f"{averaged.plan.wire_bytes} more bytes per round and rank")
         # Anything that would fail at save time fails now, before an epoch of work.
         if run_dir is not None:
-            agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints"), watchdog,
+            done = int(ckpt.meta["epoch"]) if ckpt is not None else 0
+            agree(comm, "checkpoint check", lambda: trainer.check_saveable(run_dir / "checkpoints", done), watchdog,
                   name_ranks=False)
         if ckpt is not None:
             agree(comm, "resume", lambda: trainer.resume(ckpt), watchdog)

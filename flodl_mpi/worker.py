@@ -13,13 +13,12 @@ import dataclasses
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from flodl_mpi import rank_state
+from flodl_mpi import checkpoint_room, rank_state
 from flodl_mpi.bridge import Bridge, RoundUpdate
 from flodl_mpi.cadence import plan_window
 from flodl_mpi.checkpoint import Checkpoint, checkpoint_name, read_cohort_state, write_checkpoint
@@ -879,15 +878,26 @@ class Trainer:
             return
         self.writer.save_checkpoint(*self._contents(s, reason, cursor, ranks))
 
-    def check_saveable(self, directory) -> None:
-        """Write a checkpoint of the initial state to a temporary file and remove it (rank 0).
+    def check_saveable(self, directory, start_epoch: int = 0) -> None:
+        """Write a checkpoint of the initial state to a temporary file and remove it (rank 0),
+        then check that the run's checkpoints fit in ``directory``.
 
         Every name, dtype and meta value the real saves will hold goes through the
         writer once, so a model or config the format cannot store is refused at
-        setup, before any epoch is trained. Collective through ``agree``, not the bridge.
+        setup, before any epoch is trained. The file's size plus the optimizer state
+        the first step creates (`flodl_mpi.checkpoint_room.optimizer_state_bytes`, for
+        every rank) is one checkpoint's; the run's peak (`checkpoint_room.room_needed`:
+        ``--keep-checkpoints`` kept, the next written beside them) must fit in the
+        free space, and one checkpoint under the file size limit (``ulimit -f``).
+        Collective through ``agree``, not the bridge.
+
+        Args:
+            directory: the run's ``checkpoints/`` (exists).
+            start_epoch: epochs done already (a resume's), for the saves ahead.
 
         Raises:
-            ValueError: the state cannot be saved; one line naming why.
+            ValueError: the state cannot be saved, or the checkpoints do not fit; one
+                line naming why, what is needed and what to do.
             OSError: the checkpoint directory is not writable.
         """
         arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
@@ -896,16 +906,12 @@ class Trainer:
         s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
         _name, params, buffers, meta, order, ranks, cohort = self._contents(
             s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))] * self.world_size)
-        # write_checkpoint writes "save-check.tmp-PID" (a temp, cleaned as stale once PID is gone), then
-        # renames it to "save-check", removed at once: no .h5, so never listed as a checkpoint even when a
-        # kill lands between the two (the next start's check replaces and removes it).
-        path = Path(directory) / "save-check"
-        try:
-            write_checkpoint(path, params, buffers, meta, order, ranks, cohort=cohort)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"the model's state cannot be saved in a checkpoint: {exc}") from None
-        finally:
-            path.unlink(missing_ok=True)
+        size = checkpoint_room.save_check(
+            directory, lambda path: write_checkpoint(path, params, buffers, meta, order, ranks, cohort=cohort))
+        cfg = self.cfg
+        checkpoint_room.check_before_training(
+            directory, size, self.optimizer, arrays, self.world_size, cfg.keep_checkpoints,
+            checkpoint_room.saves_ahead(cfg.epochs, start_epoch, cfg.checkpoint_every))
 
     def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> tuple:
         """``(name, params, buffers, meta, order, ranks, cohort)`` of a checkpoint, from the

@@ -112,7 +112,8 @@ def agree(comm: MPI.Comm, what: str, fn: Callable[[], T], watchdog: "Watchdog | 
     except (ValueError, OSError) as exc:
         error = ("input", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     except Exception as exc:  # a bug on one rank must not hang the others
-        error = ("bug", f"{what}: {type(exc).__name__}: {exc}")
+        # (an error whose message says it all, e.g. a full disk's WriterError: that line alone)
+        error = ("bug", str(exc) if getattr(exc, "plain", False) else f"{what}: {type(exc).__name__}: {exc}")
     if watchdog is not None:
         watchdog.round_started(step)  # progress: this rank's part is done
     errors = comm.allgather(error)
