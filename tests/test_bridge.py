@@ -144,8 +144,20 @@ def test_non_finite_params_stop_every_rank_with_on_non_finite_stop():
     with pytest.raises(NonFiniteError, match=rf"round 0: rank\(s\) {bad} \(parameters/buffers\) had NaN or infinite"):
         bridge.round(steps=1, window=1)
     assert time.monotonic() - t0 < 30
-    # Decided from the control gather, before any reduce: every staging is untouched.
-    np.testing.assert_array_equal(flat(bridge.param_tensors), before)
+    after = flat(bridge.param_tensors)
+    if not bridge._p.reducer.checks_in_pass:
+        # Decided from the control gather, before any reduce: every staging is untouched.
+        np.testing.assert_array_equal(after, before)
+        return
+    # In place, the pass checked the params (no read before the gather; that this path ran is proved in
+    # test_node_reduce.py): blocks before the non-finite one hold the consensus, the same bits on every
+    # rank; every other element is the rank's own; the NaN was never written anywhere.
+    everyone = np.stack(comm.allgather(after))
+    same_everywhere = (everyone == everyone[0]).all(axis=0)
+    own = (after == before) | (np.isnan(after) & np.isnan(before))
+    assert (own | same_everywhere).all()
+    assert np.isfinite(after).all() == (comm.rank != bad)
+    assert (comm.rank != bad) or np.isnan(after[0])
 
 
 # ---- quarantine (issue 5 item 7) ---------------------------------------------------
