@@ -30,7 +30,8 @@ EXIT_OK, EXIT_DAMAGED, EXIT_INPUT = 0, 1, 2
 #: What h5py raises reading a damaged file: it maps HDF5's error classes onto
 #: OSError (most I/O and format errors), KeyError (an object or link not found),
 #: ValueError, TypeError, and RuntimeError for the rest (a half-written object
-#: header: "Can't deserialize object header prefix"), NotImplementedError among them.
+#: header: "Can't deserialize object header prefix"; h5py's NotImplementedError is a
+#: RuntimeError too).
 #: Inspect reports any of these as damage, never as a traceback.
 READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 
