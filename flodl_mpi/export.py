@@ -27,7 +27,7 @@ import socket
 import sys
 from pathlib import Path
 
-from flodl_mpi.checkpoint import CheckpointError, load_state_dict, newest_verified
+from flodl_mpi.checkpoint import CheckpointError, _pid_alive, load_state_dict, newest_verified
 
 __all__ = ["FORMATS", "ExportStopped", "OutputRefused", "add_parser", "check_output", "export_state_dict", "main",
            "newest_readable", "remove_stale_temps", "run", "temp_name"]
@@ -64,19 +64,6 @@ def temp_name(out: Path) -> Path:
     (`remove_stale_temps`): a process id alone repeats across the nodes that share a file system.
     """
     return out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-
-
-def _pid_alive(pid: int) -> bool:
-    """A process ``pid`` exists on this host (signal 0: an existence check only)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def remove_stale_temps(out: Path) -> tuple[list[Path], list[Path]]:

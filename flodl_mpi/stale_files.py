@@ -16,15 +16,13 @@ left: `flodl_mpi.metrics.MetricsFile` restores it), ``*.damaged`` and
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
+from flodl_mpi.checkpoint import _TMP_RE as _TMP  # a temporary of write_checkpoint (and so of the save check)
 from flodl_mpi.h5sink import size_words
 
 __all__ = ["stale_temporaries", "remove_stale", "removal_line"]
 
-#: A temporary file of `flodl_mpi.checkpoint.write_checkpoint` (and so of the save check).
-_TMP = re.compile(r"\.tmp-\d+$")
 #: The run dir's own temporaries, by name.
 _RUN_DIR_TEMPS = ("metrics.h5.resume-tmp",)
 
