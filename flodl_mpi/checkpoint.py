@@ -42,10 +42,12 @@ tools (Debian's ``h5dump``), whatever newer library writes the file.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
 import urllib.parse
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -63,6 +65,9 @@ __all__ = [
     "SCHEMA_VERSION",
     "LIBVER",
     "CheckpointError",
+    "CheckpointMissing",
+    "READ_ERRORS",
+    "first_line",
     "Checkpoint",
     "escape_name",
     "unescape_name",
@@ -72,7 +77,9 @@ __all__ = [
     "write_checkpoint",
     "stored_bytes",
     "read_checkpoint",
+    "read_newest",
     "load_state_dict",
+    "state_dict_of",
     "read_rank_state",
     "read_cohort_state",
     "checkpoint_name",
@@ -91,6 +98,16 @@ _TMP_RE = re.compile(r"\.tmp-(\d+)$")
 #: as the high bound keeps the file readable by HDF5 1.10 (the newest library would
 #: otherwise write object versions 1.10's tools reject).
 LIBVER = ("v108", "v110")
+#: What h5py raises reading a damaged file: it maps HDF5's error classes onto
+#: OSError (most I/O and format errors), KeyError (an object or link not found),
+#: ValueError, TypeError, and RuntimeError for the rest (a half-written object
+#: header: "Can't deserialize object header prefix"; h5py's NotImplementedError is a
+#: RuntimeError too). Every reader here turns them into `CheckpointError`.
+READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+#: How many times `read_newest` lists a directory again when every checkpoint it
+#: listed was removed before it could be opened (a writer that saved and pruned
+#: ``keep`` times meanwhile); each listing holds files newer than the last.
+RELISTS = 10
 
 
 def escape_name(name: str) -> str:
@@ -122,7 +139,15 @@ class CheckpointError(ValueError):
 
     def __init__(self, path: str | os.PathLike, problem: str):
         self.path = Path(path)
+        self.problem = problem
         super().__init__(f"checkpoint {self.path}: {problem}")
+
+
+class CheckpointMissing(CheckpointError):
+    """The file is not there: it never was, or it was removed (a run's pruning of old
+    checkpoints) between a listing that named it and the open. `read_newest` passes
+    over such a file to the next newest; a reader of one named file gets it as a
+    `CheckpointError` ("no such file")."""
 
 
 @dataclass
@@ -300,17 +325,56 @@ def write_checkpoint(
 # ---------------------------------------------------------------- read
 
 
-def _open(path: Path) -> h5py.File:
-    """Open a checkpoint for reading; CheckpointError unless it exists, is HDF5, is complete."""
-    if not path.is_file():
-        raise CheckpointError(path, "no such file")
-    if not h5py.is_hdf5(path):
-        raise CheckpointError(path, "not an HDF5 file")
-    f = h5py.File(path, "r")
+def first_line(exc: BaseException) -> str:
+    """An exception as one line: its type when it is not an OSError, then its first line."""
+    text = (str(exc).splitlines() or [""])[0]
+    return text if isinstance(exc, OSError) else f"{type(exc).__name__}: {text}"
+
+
+@contextlib.contextmanager
+def _reading(path: Path, problem: str = "unreadable data"):
+    """h5py's errors inside the block (`READ_ERRORS`) come out as `CheckpointError`: ``problem (cause)``, naming ``path``."""
     try:
-        if "complete" not in f.attrs or not bool(f.attrs["complete"]):
-            raise CheckpointError(path, "incomplete (no 'complete' flag; the write was interrupted)")
-        version = int(f.attrs.get("schema_version", -1))
+        yield
+    except CheckpointError:
+        raise
+    except READ_ERRORS as exc:  # e.g. a Fletcher-32 checksum mismatch, a damaged object header, a missing group
+        raise CheckpointError(path, f"{problem} ({first_line(exc)})") from None
+
+
+def _is_hdf5(path: Path) -> bool:
+    try:
+        return bool(h5py.is_hdf5(path))
+    except READ_ERRORS:  # removed meanwhile, or not readable
+        return False
+
+
+def _open(path: Path) -> h5py.File:
+    """Open a checkpoint for reading; CheckpointError unless it exists, is HDF5, is complete.
+
+    Once open, the file stays readable if it is removed meanwhile (POSIX keeps an
+    unlinked file's data until its last descriptor closes).
+
+    Raises:
+        CheckpointMissing: the file is not there (also: removed while being opened).
+        CheckpointError: not HDF5, HDF5 refuses it (a truncated file), incomplete,
+            a schema newer than this flodl_mpi, or an unreadable header.
+    """
+    if not path.is_file():
+        raise CheckpointMissing(path, "no such file")
+    try:
+        f = h5py.File(path, "r")
+    except READ_ERRORS as exc:
+        if not path.exists():  # removed between the check and the open (a prune)
+            raise CheckpointMissing(path, "no such file (removed while being opened)") from None
+        if not _is_hdf5(path):
+            raise CheckpointError(path, "not an HDF5 file") from None
+        raise CheckpointError(path, f"damaged: HDF5 cannot open it ({first_line(exc)})") from None
+    try:
+        with _reading(path, "cannot be opened"):
+            if "complete" not in f.attrs or not bool(f.attrs["complete"]):
+                raise CheckpointError(path, "incomplete (no 'complete' flag; the write was interrupted)")
+            version = int(f.attrs.get("schema_version", -1))
         if version > SCHEMA_VERSION:
             raise CheckpointError(
                 path,
@@ -323,13 +387,15 @@ def _open(path: Path) -> h5py.File:
         raise
 
 
-def read_checkpoint(path: str | os.PathLike, ranks: Sequence[int] | None = None) -> Checkpoint:
+def read_checkpoint(path: str | os.PathLike, ranks: Sequence[int] | None = None, verify: bool = False) -> Checkpoint:
     """Read a complete checkpoint back into numpy arrays.
 
     Args:
         path: the file.
         ranks: whose per-rank state to read (None: every rank's); a resuming rank
             reads only its own, so memory does not grow with the world size.
+        verify: first read every dataset of the file (`verify_checkpoint`), in the
+            same open, so a damaged one anywhere (a rank's state too) is refused.
 
     Returns:
         `Checkpoint` with arrays as stored (floating float32, integer/bool as written;
@@ -337,24 +403,30 @@ def read_checkpoint(path: str | os.PathLike, ranks: Sequence[int] | None = None)
         ``order`` the state-dict key order.
 
     Raises:
-        CheckpointError: missing file, not HDF5, incomplete, schema newer than
-            ``SCHEMA_VERSION``, or a name in ``order`` without its dataset.
+        CheckpointError: missing file (`CheckpointMissing`), not HDF5, damaged
+            (HDF5 refuses it, a checksum mismatch, a missing group), incomplete,
+            schema newer than ``SCHEMA_VERSION``, or a name in ``order`` without its
+            dataset; every h5py or OS error comes out as this, naming the file and the cause.
     """
     path = Path(path)
     with _open(path) as f:
+        if verify:
+            _verify_open(f, path)
+        return _read_open(f, path, ranks)
+
+
+def _read_open(f: h5py.File, path: Path, ranks: Sequence[int] | None) -> Checkpoint:
+    """`read_checkpoint` of a file `_open` opened."""
+    with _reading(path):
         # Schema 1 stored names as they were (it refused '/'); schema 2 escapes them.
         name = unescape_name if int(f.attrs["schema_version"]) >= 2 else str
-        try:
-            params = {name(k): np.asarray(v[()]) for k, v in f["params"].items()}
-            buffers = {name(k): np.asarray(v[()]) for k, v in f["buffers"].items()}
-            order = json.loads(f.attrs["order"])
-        except OSError as exc:  # e.g. a Fletcher-32 checksum mismatch: the data was damaged
-            raise CheckpointError(path, f"unreadable data ({exc})") from None
-        except KeyError as exc:
-            raise CheckpointError(path, f"missing {exc.args[0]!r}") from None
+        params = {name(k): np.asarray(v[()]) for k, v in f["params"].items()}
+        buffers = {name(k): np.asarray(v[()]) for k, v in f["buffers"].items()}
+        order = json.loads(f.attrs["order"])
+    with _reading(path, "unreadable meta"):
         meta = read_attrs(f.attrs, skip=_RESERVED)
         saved = sorted(int(r) for r in f.get("ranks", {}))
-        states = {r: _read_rank(f, path, r) for r in (saved if ranks is None else ranks)}
+    states = {r: _read_rank(f, path, r) for r in (saved if ranks is None else ranks)}
     lost = [k for k in order if k not in params and k not in buffers]
     if lost:
         raise CheckpointError(path, f"names in 'order' without a dataset: {lost}")
@@ -362,18 +434,16 @@ def read_checkpoint(path: str | os.PathLike, ranks: Sequence[int] | None = None)
 
 
 def _read_rank(f: h5py.File, path: Path, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    if str(rank) not in f.get("ranks", {}):
-        saved = sorted(int(r) for r in f.get("ranks", {}))
-        raise CheckpointError(path, f"holds no state for rank {rank} (it has ranks {saved})")
-    group = f["ranks"][str(rank)]
-    arrays: dict[str, np.ndarray] = {}
-    try:
+    with _reading(path, f"unreadable state of rank {rank}"):
+        if str(rank) not in f.get("ranks", {}):
+            saved = sorted(int(r) for r in f.get("ranks", {}))
+            raise CheckpointError(path, f"holds no state for rank {rank} (it has ranks {saved})")
+        group = f["ranks"][str(rank)]
+        arrays: dict[str, np.ndarray] = {}
         group.visititems(
             lambda name, obj: arrays.__setitem__(name, np.asarray(obj[()])) if isinstance(obj, h5py.Dataset) else None
         )
-    except OSError as exc:  # a checksum mismatch
-        raise CheckpointError(path, f"unreadable state of rank {rank} ({exc})") from None
-    return arrays, read_attrs(group.attrs)
+        return arrays, read_attrs(group.attrs)
 
 
 def read_rank_state(path: str | os.PathLike, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -396,33 +466,112 @@ def read_cohort_state(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], d
     """
     path = Path(path)
     with _open(path) as f:
-        if "cohort" not in f:
-            raise CheckpointError(path, "holds no cohort state (written by a run without an outer optimizer)")
-        try:
+        with _reading(path, "unreadable cohort state"):
+            if "cohort" not in f:
+                raise CheckpointError(path, "holds no cohort state (written by a run without an outer optimizer)")
             arrays = {k: np.asarray(v[()]) for k, v in f["cohort"].items()}
-        except OSError as exc:
-            raise CheckpointError(path, f"unreadable cohort state ({exc})") from None
-        return arrays, read_attrs(f["cohort"].attrs)
+            return arrays, read_attrs(f["cohort"].attrs)
 
 
 def load_state_dict(path: str | os.PathLike) -> "collections.OrderedDict[str, torch.Tensor]":
-    """A plain PyTorch state dict, in the model's key order, from a checkpoint file.
+    """A plain PyTorch state dict, in the model's key order, from a checkpoint file or directory.
 
     For use outside the project; no pickle is involved, so any checkpoint is safe to open.
     Floating tensors come back float32; ``load_state_dict`` casts to the model's dtype.
 
+    Args:
+        path: a checkpoint file; or a run directory or its ``checkpoints/``: then the
+            newest checkpoint there that still exists and reads back, chosen and read in
+            one open (`read_newest`), so this is safe while the run trains and prunes
+            old checkpoints. A damaged one passed over is named in a `UserWarning`.
+
     Example::
 
-        model.load_state_dict(load_state_dict("run/checkpoints/ckpt-e000005-r000123.h5"))
+        model.load_state_dict(load_state_dict("runs/x"))          # the newest, while the run trains
+        model.load_state_dict(load_state_dict("runs/x/checkpoints/ckpt-e000005-r000123.h5"))
 
     Raises:
-        CheckpointError: as `read_checkpoint`.
+        CheckpointError: as `read_checkpoint` for a file; as `read_newest` for a
+            directory (none there, every one removed or damaged). Never a raw h5py
+            or OS error.
     """
+    path = Path(path)
+    if path.is_dir():
+        ckpt, passed_over = read_newest(path / "checkpoints" if (path / "checkpoints").is_dir() else path, ranks=[])
+        for damaged, why in passed_over:
+            warnings.warn(f"checkpoint {damaged} is damaged ({why}); loaded {ckpt.path.name}, "
+                          "the newest that reads back", stacklevel=2)
+    else:
+        ckpt = read_checkpoint(path, ranks=[])
+    return state_dict_of(ckpt)
+
+
+def state_dict_of(ckpt: Checkpoint) -> "collections.OrderedDict[str, torch.Tensor]":
+    """A read checkpoint's params and buffers as a PyTorch state dict, in ``ckpt.order``
+    (tensors share memory with the arrays; floating ones float32, as stored)."""
     import torch
 
-    ckpt = read_checkpoint(path)
     arrays = {**ckpt.params, **ckpt.buffers}
     return collections.OrderedDict((k, torch.from_numpy(arrays[k])) for k in ckpt.order)
+
+
+def read_newest(directory: str | os.PathLike, ranks: Sequence[int] | None = (),
+                verify: bool = False) -> tuple[Checkpoint, list[tuple[Path, str]]]:
+    """The newest checkpoint in ``directory`` that still exists and reads back, chosen and read in one open.
+
+    Safe while a run writes here and prunes its old checkpoints: a listing and an
+    open are never one step, so a file removed in between (`CheckpointMissing`) is
+    passed over for the next newest, and once a file is open its removal does not
+    hurt (POSIX keeps an unlinked file's data until it is closed). When every file
+    listed was removed, the directory is listed again (up to `RELISTS` times: the
+    writer saved newer ones meanwhile). A complete checkpoint that does not read back
+    is passed over too, and reported (resume's rule, `newest_verified`, reading only).
+
+    Args:
+        directory: a ``checkpoints/`` directory.
+        ranks: whose per-rank state to read (as `read_checkpoint`; default none).
+        verify: also read every other dataset (`verify_checkpoint`: each
+            rank's state, the cohort state), in the same open, before trusting the file.
+
+    Returns:
+        ``(checkpoint, damaged)``: ``damaged`` lists ``(path, why)`` newest first: the
+        complete checkpoints passed over because they did not read back, and the files
+        under a checkpoint name (``ckpt-*.h5``) newer than the one read that are not
+        complete checkpoints. A file removed before it was opened is not damaged.
+
+    Raises:
+        CheckpointError: no checkpoint (the path is ``directory``: missing, empty, or
+            every one listed removed before it could be opened ``RELISTS`` times over),
+            or every one damaged (the path is the newest damaged one).
+    """
+    directory = Path(directory)
+    damaged: list[tuple[Path, str]] = []
+    tried: set[Path] = set()
+    gone = 0
+    for _ in range(RELISTS):
+        listed = [p for p in list_checkpoints(directory) if p not in tried]
+        if not listed:
+            break
+        for path in reversed(listed):
+            tried.add(path)
+            try:
+                ckpt = read_checkpoint(path, ranks, verify)
+            except CheckpointMissing:  # pruned since the listing: the next newest
+                gone += 1
+                continue
+            except CheckpointError as exc:
+                damaged.append((path, exc.problem))
+                continue
+            newer = [(p, "not a complete checkpoint") for p in _incomplete(directory) if p.name > path.name]
+            return ckpt, sorted(newer + damaged, key=lambda item: item[0].name, reverse=True)
+    if damaged:
+        raise CheckpointError(damaged[0][0], f"damaged ({damaged[0][1]}), and no older checkpoint reads back")
+    if not directory.is_dir():
+        raise CheckpointError(directory, "no such directory")
+    if gone:
+        raise CheckpointError(directory, f"no complete checkpoint left: the {gone} listed were each removed before "
+                                         "they could be opened (pruned by the run writing here?)")
+    raise CheckpointError(directory, "no complete checkpoint in this directory")
 
 
 # ---------------------------------------------------------------- directory
@@ -445,7 +594,7 @@ def _sort_key(path: Path) -> tuple[int, str] | None:
         with _open(path) as f:
             r = f.attrs.get("round", -1)  # without a round, a file sorts first
             return (int(r) if np.ndim(r) == 0 else -1, path.name)
-    except (OSError, CheckpointError, ValueError, TypeError):
+    except READ_ERRORS:  # CheckpointError included (a ValueError): removed, damaged, incomplete
         return None
 
 
@@ -464,7 +613,13 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in ``directory`` (what resume loads), or None."""
+    """The newest complete checkpoint in ``directory`` (what resume loads), or None.
+
+    A name, not an open file: while a run trains, its pruning may remove the file
+    before the caller opens it (a `CheckpointError`, "no such file"). To read the
+    newest while a run writes, pass the directory itself to `load_state_dict` or
+    use `read_newest`, which choose and open in one step.
+    """
     found = list_checkpoints(directory)
     return found[-1] if found else None
 
@@ -481,17 +636,27 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
     """
     path = Path(path)
     with _open(path) as f:
-        def read(name: str, obj) -> None:
-            if isinstance(obj, h5py.Dataset):
-                try:
-                    obj[()]
-                except OSError as exc:
-                    raise CheckpointError(path, f"unreadable data in {name!r} ({exc})") from None
+        _verify_open(f, path)
 
-        try:
-            f.visititems(read)
-        except (OSError, KeyError) as exc:  # a damaged group or link table
-            raise CheckpointError(path, f"unreadable structure ({exc})") from None
+
+def _verify_open(f: h5py.File, path: Path) -> None:
+    """`verify_checkpoint` of a file `_open` opened."""
+    def read(name: str, obj) -> None:
+        if isinstance(obj, h5py.Dataset):
+            with _reading(path, f"unreadable data in {name!r}"):
+                obj[()]
+
+    with _reading(path, "unreadable structure"):  # a damaged group or link table
+        f.visititems(read)
+
+
+def _incomplete(directory: Path) -> list[Path]:
+    """Files under a checkpoint name (``ckpt-*.h5``) that are there and are not complete checkpoints, by name.
+
+    A file that a writer renames in, or prunes, while this looks is neither: it is
+    checked (`_sort_key`) before its existence, so one removed meanwhile is not named.
+    """
+    return [p for p in sorted(directory.glob("ckpt-*.h5")) if _sort_key(p) is None and p.exists()]
 
 
 def newest_verified(directory: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -509,13 +674,14 @@ def newest_verified(directory: str | os.PathLike) -> tuple[Path | None, list[tup
     """
     directory = Path(directory)
     good = list_checkpoints(directory)
-    damaged: list[tuple[Path, str]] = [(p, "not a complete checkpoint") for p in
-                                       sorted(directory.glob("ckpt-*.h5")) if p not in set(good)]
+    damaged: list[tuple[Path, str]] = [(p, "not a complete checkpoint") for p in _incomplete(directory)]
     for path in reversed(good):
         try:
             verify_checkpoint(path)
+        except CheckpointMissing:  # removed since the listing (no run holds the lock): not damaged
+            continue
         except CheckpointError as exc:
-            damaged.append((path, str(exc).removeprefix(f"checkpoint {path}: ")))
+            damaged.append((path, exc.problem))
             continue
         return path, damaged
     return None, damaged

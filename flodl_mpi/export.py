@@ -4,10 +4,12 @@ Invariant: the file holds only the state dict (name -> tensor, the model's key
 order), so ``model.load_state_dict(torch.load(OUT, weights_only=True))`` loads it
 into a fresh model with no flodl-mpi installed; with ``--format safetensors`` it is
 a safetensors file (the ``safetensors`` package). The weights come through
-`flodl_mpi.checkpoint.load_state_dict`, the same reader ``--resume`` trusts, so a
-damaged checkpoint is refused, never exported; given a run directory whose newest
-checkpoint is damaged, the newest one that reads back is exported (resume's rule)
-and stderr says so in one line naming both. The output is written under a temporary
+`flodl_mpi.checkpoint.read_checkpoint` with every dataset verified, the reader
+``--resume`` trusts, so a damaged checkpoint is refused, never exported; given a run
+directory whose newest checkpoint is damaged, the newest one that reads back is
+exported (resume's rule) and stderr says so in one line naming both. A run directory's
+checkpoint is chosen and read in one open (`flodl_mpi.checkpoint.read_newest`), so an
+export while the run trains and prunes gets the newest that still exists. The output is written under a temporary
 name in its directory (``.OUT.tmp-HOST-PID``) and renamed; a stop signal (SIGTERM,
 Ctrl-C) during the CLI's export removes it and ends with one line, exit status
 128 + the signal's number, and a later export to the same output removes such
@@ -27,10 +29,10 @@ import socket
 import sys
 from pathlib import Path
 
-from flodl_mpi.checkpoint import CheckpointError, _pid_alive, load_state_dict, newest_verified
+from flodl_mpi.checkpoint import CheckpointError, _pid_alive, read_checkpoint, read_newest, state_dict_of
 
 __all__ = ["FORMATS", "ExportStopped", "OutputRefused", "add_parser", "check_output", "export_state_dict", "main",
-           "newest_readable", "remove_stale_temps", "run", "temp_name"]
+           "remove_stale_temps", "run", "temp_name"]
 
 FORMATS = ("pt", "safetensors")
 
@@ -145,31 +147,15 @@ def _epoch(path: Path) -> str:
     return f"{path.name} (epoch {int(m.group(1))})" if m else path.name
 
 
-def newest_readable(directory: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint in ``directory`` whose every dataset reads back, and the newer damaged ones.
-
-    The rule of ``--resume`` (`flodl_mpi.checkpoint.set_aside_damaged`), reading only:
-    nothing is renamed. A damaged one is a file under a checkpoint name that is not
-    a complete checkpoint and sorts after the one chosen, or a complete one whose
-    data fail `verify_checkpoint`.
-
-    Returns:
-        ``(newest good checkpoint or None, [(newer damaged path, why), ...])``, newest first.
-    """
-    chosen, damaged = newest_verified(directory)
-    # Older incomplete files are not what a user expected to get: only the newer ones are named.
-    damaged = [(p, why) for p, why in damaged if chosen is None or p.name > chosen.name]
-    damaged.sort(key=lambda item: item[0].name, reverse=True)
-    return chosen, damaged
-
-
 def export_state_dict(ckpt: str | os.PathLike, out: str | os.PathLike, fmt: str = "pt",
                       force: bool = False) -> tuple[Path, int, list[tuple[Path, str]]]:
     """Write the checkpoint's state dict to ``out``.
 
     Args:
         ckpt: a checkpoint file, or a run directory / checkpoints directory (its
-            newest checkpoint that reads back, `newest_readable`).
+            newest checkpoint that still exists and whose every dataset reads back,
+            chosen and read in one open: `flodl_mpi.checkpoint.read_newest`, safe
+            while the run trains and prunes).
         out: the file to write (`check_output`; written under a temporary name in
             its directory, then renamed).
         fmt: ``pt`` (``torch.save`` of an ``OrderedDict[str, Tensor]``) or
@@ -183,27 +169,26 @@ def export_state_dict(ckpt: str | os.PathLike, out: str | os.PathLike, fmt: str 
     Raises:
         OutputRefused: ``out`` is refused (`check_output`); nothing written.
         ExportStopped: from `run`'s signal handler; the temporary file is removed, ``out`` untouched.
-        CheckpointError: no checkpoint, or an unreadable / damaged one.
+        CheckpointError: no checkpoint, or an unreadable / damaged one (never a raw h5py error).
         ValueError: unknown ``fmt``.
         ImportError: ``fmt == "safetensors"`` without the safetensors package.
     """
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: must be one of {', '.join(FORMATS)}")
+    import torch  # lazy: report and inspect need no torch
+
     path = Path(ckpt)
     passed_over: list[tuple[Path, str]] = []
     if path.is_dir():
+        # Chosen and read in one open (`read_newest`): a run that trains meanwhile may prune
+        # what a listing named, never the file once it is open.
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        found, passed_over = newest_readable(folder)
-        if found is None:
-            if passed_over:
-                raise CheckpointError(passed_over[0][0], f"damaged ({passed_over[0][1]}), and no older checkpoint "
-                                                         "reads back")
-            raise CheckpointError(path, "no complete checkpoint in this directory")
-        path = found
+        chosen, passed_over = read_newest(folder, ranks=[], verify=True)
+    else:
+        chosen = read_checkpoint(path, ranks=[], verify=True)
+    path = chosen.path
     out = check_output(out, path, force)
-    import torch  # lazy: report and inspect need no torch
-
-    state = load_state_dict(path)
+    state = state_dict_of(chosen)
     tmp = temp_name(out)
     try:
         if fmt == "safetensors":

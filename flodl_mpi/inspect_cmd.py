@@ -20,27 +20,12 @@ from typing import Any
 import h5py
 import numpy as np
 
-from flodl_mpi.checkpoint import CheckpointError, read_checkpoint
+from flodl_mpi.checkpoint import READ_ERRORS, CheckpointError, first_line, read_checkpoint
 from flodl_mpi.runinfo import RunError, metrics_attrs, open_metrics
 
 __all__ = ["add_parser", "dataset_status", "describe_checkpoint", "describe_metrics", "main", "run"]
 
 EXIT_OK, EXIT_DAMAGED, EXIT_INPUT = 0, 1, 2
-
-#: What h5py raises reading a damaged file: it maps HDF5's error classes onto
-#: OSError (most I/O and format errors), KeyError (an object or link not found),
-#: ValueError, TypeError, and RuntimeError for the rest (a half-written object
-#: header: "Can't deserialize object header prefix"; h5py's NotImplementedError is a
-#: RuntimeError too).
-#: Inspect reports any of these as damage, never as a traceback.
-READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
-
-
-def _first_line(exc: BaseException) -> str:
-    """An exception as one line: its type when it is not an OSError, then its first line."""
-    text = (str(exc).splitlines() or [""])[0]
-    return text if isinstance(exc, OSError) else f"{type(exc).__name__}: {text}"
-
 
 def dataset_status(ds: h5py.Dataset) -> str:
     """``ok`` (read back, checksum verified), ``ok (no checksum)``, or ``DAMAGED (...)``.
@@ -51,7 +36,7 @@ def dataset_status(ds: h5py.Dataset) -> str:
     try:
         ds[()]
     except READ_ERRORS as exc:
-        return f"DAMAGED ({_first_line(exc)})"
+        return f"DAMAGED ({first_line(exc)})"
     return "ok" if ds.fletcher32 else "ok (no checksum)"
 
 
@@ -96,11 +81,11 @@ def describe_checkpoint(path: Path) -> tuple[str, bool]:
     except CheckpointError as exc:
         verdict = str(exc)
     except READ_ERRORS as exc:  # a truncated file HDF5 refuses, a half-written object header...
-        verdict = f"checkpoint {path}: cannot be opened ({_first_line(exc)})"
+        verdict = f"checkpoint {path}: cannot be opened ({first_line(exc)})"
     try:
         f = h5py.File(path, "r")
     except READ_ERRORS as exc:
-        lines.append(f"  DAMAGED: {verdict or f'cannot be opened as HDF5 ({_first_line(exc)})'}")
+        lines.append(f"  DAMAGED: {verdict or f'cannot be opened as HDF5 ({first_line(exc)})'}")
         lines.append("  verdict: NOT usable (--resume sets it aside as *.damaged)")
         return "\n".join(lines), False
     try:
@@ -111,7 +96,7 @@ def describe_checkpoint(path: Path) -> tuple[str, bool]:
             walked = _walk(f)
             ranks_present = sorted(int(r) for r in f["ranks"]) if "ranks" in f else []
     except READ_ERRORS as exc:  # a damaged group, link table or object header met on the walk
-        lines.append(f"  DAMAGED: {verdict or f'checkpoint {path}: cannot be read ({_first_line(exc)})'}")
+        lines.append(f"  DAMAGED: {verdict or f'checkpoint {path}: cannot be read ({first_line(exc)})'}")
         lines.append("  verdict: NOT usable (--resume sets it aside as *.damaged)")
         return "\n".join(lines), False
     status = {name: st for name, _, _, st in walked}
@@ -197,17 +182,18 @@ def describe_metrics(path: Path) -> str:
     return "\n".join(lines)
 
 
-def _kind(path: Path) -> str | None:
-    """``checkpoint``, ``metrics`` or None, from the file's contents (not its name)."""
+def _kind(path: Path) -> tuple[str | None, BaseException | None]:
+    """``checkpoint``, ``metrics`` or None, from the file's contents (not its name), and
+    the error HDF5 raised opening it (None: it opened)."""
     try:
         with h5py.File(path, "r", libver="latest", swmr=True) as f:
             if "json_attrs" in f.attrs or "epochs" in f:
-                return "metrics"
+                return "metrics", None
             if "params" in f or "order" in f.attrs or "complete" in f.attrs:
-                return "checkpoint"
-    except READ_ERRORS:  # damaged: the name decides (a partly written temp checkpoint is ckpt-*.h5.tmp-PID)
-        pass
-    return "checkpoint" if path.name.startswith("ckpt-") else None
+                return "checkpoint", None
+            return None, None
+    except READ_ERRORS as exc:  # damaged: the name decides (a partly written temp checkpoint is ckpt-*.h5.tmp-PID)
+        return ("checkpoint" if path.name.startswith("ckpt-") else None), exc
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -229,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     if not path.is_file():
         print(f"flodl-mpi inspect: error: {args.path}: no such file", file=sys.stderr)
         return EXIT_INPUT
-    kind = _kind(path)
+    kind, cause = _kind(path)
     if kind == "metrics":
         try:
             print(describe_metrics(path))
@@ -237,15 +223,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"flodl-mpi inspect: error: {exc}", file=sys.stderr)
             return EXIT_DAMAGED
         except READ_ERRORS as exc:  # opened, then a damaged table met on the walk
-            print(f"flodl-mpi inspect: error: {path}: damaged, cannot be read ({_first_line(exc)})", file=sys.stderr)
+            print(f"flodl-mpi inspect: error: {path}: damaged, cannot be read ({first_line(exc)})", file=sys.stderr)
             return EXIT_DAMAGED
         return EXIT_OK
     if kind == "checkpoint":
         text, sound = describe_checkpoint(path)
         print(text)
         return EXIT_OK if sound else EXIT_DAMAGED
+    try:
+        hdf5 = bool(h5py.is_hdf5(path))
+    except READ_ERRORS:  # removed or unreadable since
+        hdf5 = False
+    if cause is not None and hdf5:
+        # HDF5's signature, yet HDF5 refuses it (a checkpoint cut short under another name: its
+        # root group, names and flags are written last, so what is left cannot tell its kind).
+        print(f"flodl-mpi inspect: error: {path}: damaged, or not an HDF5 file written by flodl-mpi: "
+              f"HDF5 cannot open it ({first_line(cause)}); neither a checkpoint nor a metrics.h5 can be "
+              "recognised in what is left", file=sys.stderr)
+        return EXIT_DAMAGED
     print(f"flodl-mpi inspect: error: {path}: neither a flodl-mpi checkpoint nor a metrics.h5"
-          + ("" if h5py.is_hdf5(path) else " (not HDF5)"), file=sys.stderr)
+          + ("" if cause is None else " (not HDF5)"), file=sys.stderr)
     return EXIT_INPUT
 
 
