@@ -369,7 +369,7 @@ def _open(path: Path) -> h5py.File:
             raise CheckpointMissing(path, "no such file (removed while being opened)") from None
         if not _is_hdf5(path):
             raise CheckpointError(path, "not an HDF5 file") from None
-        raise CheckpointError(path, f"damaged: HDF5 cannot open it ({first_line(exc)})") from None
+        raise CheckpointError(path, f"cannot be opened ({first_line(exc)})") from None
     try:
         with _reading(path, "cannot be opened"):
             if "complete" not in f.attrs or not bool(f.attrs["complete"]):
@@ -522,9 +522,9 @@ def read_newest(directory: str | os.PathLike, ranks: Sequence[int] | None = (),
     Safe while a run writes here and prunes its old checkpoints: a listing and an
     open are never one step, so a file removed in between (`CheckpointMissing`) is
     passed over for the next newest, and once a file is open its removal does not
-    hurt (POSIX keeps an unlinked file's data until it is closed). When every file
-    listed was removed, the directory is listed again (up to `RELISTS` times: the
-    writer saved newer ones meanwhile). A complete checkpoint that does not read back
+    hurt (POSIX keeps an unlinked file's data until it is closed). When no file
+    listed could be read and the directory's ``*.h5`` files changed while the reader
+    looked (the writer saved and pruned), it is listed again, up to `RELISTS` times. A complete checkpoint that does not read back
     is passed over too, and reported (resume's rule, `newest_verified`, reading only).
 
     Args:
@@ -547,30 +547,31 @@ def read_newest(directory: str | os.PathLike, ranks: Sequence[int] | None = (),
     directory = Path(directory)
     damaged: list[tuple[Path, str]] = []
     tried: set[Path] = set()
-    gone = 0
+    gone: set[str] = set()  # names seen, then removed before they could be read
     for _ in range(RELISTS):
-        listed = [p for p in list_checkpoints(directory) if p not in tried]
-        if not listed:
-            break
-        for path in reversed(listed):
+        before = _h5_names(directory)
+        for path in reversed([p for p in list_checkpoints(directory) if p not in tried]):
             tried.add(path)
             try:
                 ckpt = read_checkpoint(path, ranks, verify)
             except CheckpointMissing:  # pruned since the listing: the next newest
-                gone += 1
                 continue
             except CheckpointError as exc:
                 damaged.append((path, exc.problem))
                 continue
             newer = [(p, "not a complete checkpoint") for p in _incomplete(directory) if p.name > path.name]
             return ckpt, sorted(newer + damaged, key=lambda item: item[0].name, reverse=True)
+        after = _h5_names(directory)
+        gone |= before - after
+        if after == before:  # nothing came or went while this looked: a new listing finds nothing new
+            break
     if damaged:
         raise CheckpointError(damaged[0][0], f"damaged ({damaged[0][1]}), and no older checkpoint reads back")
     if not directory.is_dir():
         raise CheckpointError(directory, "no such directory")
     if gone:
-        raise CheckpointError(directory, f"no complete checkpoint left: the {gone} listed were each removed before "
-                                         "they could be opened (pruned by the run writing here?)")
+        raise CheckpointError(directory, f"no complete checkpoint left: the {len(gone)} listed were each removed "
+                                         "before they could be opened (pruned by the run writing here?)")
     raise CheckpointError(directory, "no complete checkpoint in this directory")
 
 
@@ -619,8 +620,18 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     before the caller opens it (a `CheckpointError`, "no such file"). To read the
     newest while a run writes, pass the directory itself to `load_state_dict` or
     use `read_newest`, which choose and open in one step.
+
+    None only for a directory that holds no complete checkpoint: a listing that
+    found none while the directory's ``*.h5`` files changed (the writer pruned the
+    ones it was opening and saved newer ones) is taken again, up to `RELISTS` times.
     """
-    found = list_checkpoints(directory)
+    directory = Path(directory)
+    found: list[Path] = []
+    for _ in range(RELISTS):
+        before = _h5_names(directory)
+        found = list_checkpoints(directory)
+        if found or _h5_names(directory) == before:
+            break
     return found[-1] if found else None
 
 
@@ -648,6 +659,11 @@ def _verify_open(f: h5py.File, path: Path) -> None:
 
     with _reading(path, "unreadable structure"):  # a damaged group or link table
         f.visititems(read)
+
+
+def _h5_names(directory: Path) -> set[str]:
+    """The names of the ``*.h5`` files in ``directory`` now (none when it is missing)."""
+    return {p.name for p in directory.glob("*.h5")}
 
 
 def _incomplete(directory: Path) -> list[Path]:

@@ -96,6 +96,31 @@ def test_unknown_file_is_bad_input(tmp_path, capsys):
     assert main([str(tmp_path / "missing.h5")]) == 2
 
 
+def test_a_truncated_checkpoint_under_another_name_is_damaged_not_unknown(tmp_path, capsys):
+    """issue 26 item 9: a checkpoint cut short and renamed (``model.h5``) said "neither a checkpoint nor a
+    metrics.h5". HDF5's signature is there but HDF5 refuses the file: damaged, exit 1, with HDF5's cause
+    (what is left holds no names: a checkpoint's root group is written last)."""
+    path = _checkpoint(tmp_path)
+    data = path.read_bytes()
+    cut = tmp_path / "model.h5"
+    cut.write_bytes(data[: len(data) // 2])
+    start = time.monotonic()
+    assert main([str(cut)]) == 1
+    assert time.monotonic() - start < 30
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"flodl-mpi inspect: error: {cut}: damaged, or not an HDF5 file written by flodl-mpi: "
+                            f"HDF5 cannot open it (Unable to synchronously open file (truncated file: eof = "
+                            f"{len(data) // 2}, sblock->base_addr = 0, stored_eof = {len(data)})); neither a "
+                            "checkpoint nor a metrics.h5 can be recognised in what is left\n")
+    # the same bytes under a checkpoint name: the checkpoint report, DAMAGED, as before
+    named = tmp_path / "ckpt-e000009-r000090.h5"
+    named.write_bytes(data[: len(data) // 2])
+    assert main([str(named)]) == 1
+    out = capsys.readouterr().out
+    assert f"  DAMAGED: checkpoint {named}: cannot be opened (" in out and "truncated file" in out
+
+
 def test_inspect_starts_no_mpi_and_no_torch(tmp_path):
     path = _checkpoint(tmp_path)
     code = ("import sys; from flodl_mpi.inspect_cmd import main; rc = main(sys.argv[1:]); "
