@@ -104,9 +104,10 @@ LIBVER = ("v108", "v110")
 #: header: "Can't deserialize object header prefix"; h5py's NotImplementedError is a
 #: RuntimeError too). Every reader here turns them into `CheckpointError`.
 READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
-#: How many times `read_newest` lists a directory again when every checkpoint it
-#: listed was removed before it could be opened (a writer that saved and pruned
-#: ``keep`` times meanwhile); each listing holds files newer than the last.
+#: How many times `read_newest` and `latest_checkpoint` list a directory when none
+#: of the checkpoints a listing named could be read and the directory changed
+#: meanwhile (a writer that saved and pruned while the reader looked); each new
+#: listing holds files newer than the last.
 RELISTS = 10
 
 
@@ -333,7 +334,8 @@ def first_line(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def _reading(path: Path, problem: str = "unreadable data"):
-    """h5py's errors inside the block (`READ_ERRORS`) come out as `CheckpointError`: ``problem (cause)``, naming ``path``."""
+    """h5py's errors inside the block (`READ_ERRORS`) come out as `CheckpointError`
+    ``problem (cause)``, naming ``path``."""
     try:
         yield
     except CheckpointError:
@@ -524,8 +526,9 @@ def read_newest(directory: str | os.PathLike, ranks: Sequence[int] | None = (),
     passed over for the next newest, and once a file is open its removal does not
     hurt (POSIX keeps an unlinked file's data until it is closed). When no file
     listed could be read and the directory's ``*.h5`` files changed while the reader
-    looked (the writer saved and pruned), it is listed again, up to `RELISTS` times. A complete checkpoint that does not read back
-    is passed over too, and reported (resume's rule, `newest_verified`, reading only).
+    looked (the writer saved and pruned), it is listed again, up to `RELISTS` times.
+    A complete checkpoint that does not read back is passed over too, and reported
+    (resume's rule, `newest_verified`, reading only).
 
     Args:
         directory: a ``checkpoints/`` directory.

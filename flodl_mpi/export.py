@@ -9,8 +9,8 @@ a safetensors file (the ``safetensors`` package). The weights come through
 directory whose newest checkpoint is damaged, the newest one that reads back is
 exported (resume's rule) and stderr says so in one line naming both. A run directory's
 checkpoint is chosen and read in one open (`flodl_mpi.checkpoint.read_newest`), so an
-export while the run trains and prunes gets the newest that still exists. The output is written under a temporary
-name in its directory (``.OUT.tmp-HOST-PID``) and renamed; a stop signal (SIGTERM,
+export while the run trains and prunes gets the newest that still exists. The output
+is written under a temporary name in its directory (``.OUT.tmp-HOST-PID``) and renamed; a stop signal (SIGTERM,
 Ctrl-C) during the CLI's export removes it and ends with one line, exit status
 128 + the signal's number, and a later export to the same output removes such
 temporaries left by a ``kill -9`` (`remove_stale_temps`). It never replaces a file of a run (a checkpoint,

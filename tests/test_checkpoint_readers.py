@@ -104,6 +104,15 @@ def _remove_once_opened(monkeypatch, target: Path, at: int) -> list[int]:
     return opens
 
 
+def _damage_weights(path: Path) -> None:
+    """Overwrite 8 bytes of ``params/w``'s stored data: its Fletcher-32 checksum fails on read."""
+    with h5py.File(path, "r") as f:
+        offset = f["params/w"].id.get_chunk_info(0).byte_offset
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(b"\xff" * 8)
+
+
 def _values(state) -> set[float]:
     return {float(v) for t in state.values() for v in t.flatten().tolist()}
 
@@ -126,15 +135,26 @@ def test_read_newest_passes_over_a_pruned_file_without_calling_it_damaged(tmp_pa
     """issue 26 item 4: a vanished file is not damage; a damaged one still is, and is named."""
     run = _run_dir(tmp_path, saves=(1, 2, 3, 4))
     ckpts = run / "checkpoints"
-    with h5py.File(ckpts / checkpoint_name(3, 30), "a") as f:    # save 3 damaged: a checksum fails on read
-        offset = f["params/w"].id.get_chunk_info(0).byte_offset
-    with open(ckpts / checkpoint_name(3, 30), "r+b") as fh:
-        fh.seek(offset)
-        fh.write(b"\xff" * 8)
+    _damage_weights(ckpts / checkpoint_name(3, 30))
     _remove_newest_after_listing(monkeypatch)                   # save 4 pruned after the listing
     ckpt, damaged = read_newest(ckpts, verify=True)
     assert ckpt.path.name == checkpoint_name(2, 20) and int(ckpt.params["w"][0, 0]) == 2
-    assert [(p.name, why.split(" (")[0]) for p, why in damaged] == [(checkpoint_name(3, 30), "unreadable data in 'params/w'")]
+    assert [(p.name, why.split(" (")[0]) for p, why in damaged] == [
+        (checkpoint_name(3, 30), "unreadable data in 'params/w'")]
+
+
+def test_load_state_dict_of_a_dir_passes_over_a_damaged_newest_with_a_warning(tmp_path):
+    """issue 26 item 4: the directory form follows resume's rule: a newest whose weights fail their
+    checksum is passed over for the next newest, and named (never silently)."""
+    run = _run_dir(tmp_path)
+    newest = run / "checkpoints" / checkpoint_name(3, 30)
+    _damage_weights(newest)
+    with pytest.warns(UserWarning, match=f"checkpoint {newest} is damaged \\(unreadable data .*; loaded "
+                                         f"{checkpoint_name(2, 20)}, the newest that reads back"):
+        state = load_state_dict(run)
+    assert _values(state) == {2.0}
+    with pytest.raises(CheckpointError, match="unreadable data"):   # the file itself: refused
+        load_state_dict(newest)
 
 
 def test_export_of_a_run_survives_the_prune_of_the_checkpoint_it_chose(tmp_path, monkeypatch):
