@@ -121,6 +121,8 @@ class Averager:
             the round count and :attr:`epoch` (the epochs done: start your loop
             there); metrics.h5 keeps the rows the checkpoint had seen. Without a
             checkpoint the run starts afresh. Needs ``run_dir``.
+        **options: none; an unknown keyword is bad input (``InputError``), its line
+            naming the closest keyword (``windw (did you mean window?)``), as ``fit``'s.
 
     Raises:
         flodl_mpi.errors.InputError: a bad argument (the message names it as the
@@ -154,11 +156,19 @@ class Averager:
                  policy: str = "sync", window: int = 1, gamma: float = 1.0, run_dir: str | os.PathLike | None = None,
                  checkpoint_every: int = 1, keep_checkpoints: int = 3, stall_timeout: float = 600.0,
                  on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True,
-                 resume: bool = False) -> None:
+                 resume: bool = False, **options) -> None:
         # -- validate every argument (STYLE 13), agreed by every rank: bad input is one
         # line from rank 0 and exit status 2, as the CLI's (flodl_mpi.errors.InputError)
         def validate() -> TrainConfig:
             try:
+                if options:  # a misspelt keyword: fit's line (did you mean ...?), not Python's TypeError
+                    import inspect
+
+                    from flodl_mpi.keywords import unknown_keywords
+
+                    named = [p.name for p in inspect.signature(Averager).parameters.values()
+                             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+                    raise ValueError(unknown_keywords("Averager()", options, named))
                 if not isinstance(model, nn.Module):
                     raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
                 params = list(model.named_parameters())

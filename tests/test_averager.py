@@ -34,6 +34,10 @@ def small_model() -> nn.Module:
     ({"optimizer": "adam"}, InputError, "optimizer must be a torch.optim.Optimizer"),
     ({"stall_timeout": 0}, InputError, "stall_timeout must be seconds > 0"),
     ({"on_non_finite": "ignore"}, InputError, "on_non_finite must be one of quarantine, stop"),
+    # issue 26 item 9: a misspelt keyword is fit's line (was: Python's TypeError, under a launcher MPI_Abort)
+    ({"windw": 3, "stall_timout": 5}, InputError,
+     "^Averager\\(\\) got unknown option\\(s\\) stall_timout \\(did you mean stall_timeout\\?\\), windw "
+     "\\(did you mean window\\?\\); the options it takes by name are broadcast, checkpoint_every, "),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, error, match):
     # bad input of the API: InputError (one line from rank 0 and exit status 2 when uncaught)
