@@ -372,7 +372,7 @@ def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, call, 
     assert "--run-dir" not in proc.stderr and "--resume" not in proc.stderr
     assert "Traceback" not in proc.stderr and "not reached" not in proc.stdout
     assert (taken / "notes.txt").read_text() == "mine"  # nothing already there was touched
-    if "windw" in call:  # every name fit() takes, its own keywords too
+    if "fit(windw" in call:  # every name fit() takes, its own keywords too
         taken_names = proc.stderr.split("options it takes by name are ", 1)[1].split("\n", 1)[0].split(", ")
         assert {"window", "policy", "gamma", "seed", "anchor", "lr", "optimizer"} <= set(taken_names)
 
