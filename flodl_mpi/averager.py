@@ -81,7 +81,8 @@ class Averager:
     model structure: checked), calls :meth:`step` the same number of times
     (a rank without a batch calls ``step(realized=False)``: it joins the round
     with mass 0), and calls :meth:`end_epoch` and :meth:`close` at the same
-    points. Every ``window``-th call of :meth:`step` runs one round: each rank's
+    points. Every ``window``-th call of :meth:`step` in an epoch runs one round, and
+    :meth:`end_epoch` closes an unfinished window with one: each rank's
     parameters weighted by its realized steps since its last consensus,
     ``mass = steps ** gamma`` (SPEC §1), floating buffers averaged among ranks
     that moved, integer buffers kept local. Under plain ``python`` the world is
@@ -506,7 +507,8 @@ class Averager:
             self._save(None, "graceful_shutdown", complete=complete)
         where = (f"checkpoint saved in {self.run_dir / 'checkpoints'}; run the same script with resume=True "
                  "to go on" if self.run_dir is not None else "no run_dir: nothing was saved")
-        line = (f"stopped on request ({stop.signal_name or 'a stop signal'}) in epoch {self.epoch + 1} "
+        at = f"in epoch {self.epoch + 1}" if not complete else f"at the end of epoch {self.epoch}"
+        line = (f"stopped on request ({stop.signal_name or 'a stop signal'}) {at} "
                 f"after round {self.bridge.version}; {where}; exit status 4")
         # train.log records the stop (flodl-mpi report counts it) and ends with the stop's last line, as fit's
         rounds = f"{self.bridge.version} round{'' if self.bridge.version == 1 else 's'}"
@@ -530,7 +532,11 @@ class Averager:
         """Close an epoch for the cohort: exchange reports, write ``metrics.h5`` rows, checkpoint when due.
 
         Collective: every rank calls it at the same point (after the same number
-        of :meth:`step` calls). Steps of an unfinished window stay pending.
+        of :meth:`step` calls). An unfinished window (calls since the last round)
+        is closed with a round first, as ``flodl-mpi train`` closes an epoch's
+        last window, so the checkpoint and every rank's model are the consensus of
+        every rank's steps; windows count afresh from each epoch's start. The
+        ``metrics`` you pass were measured before that round, on this rank's model.
 
         Args:
             metrics: this rank's evaluation sums, ``{name: (sum, count)}`` (e.g.
@@ -543,6 +549,8 @@ class Averager:
 
         Raises:
             TypeError: ``metrics`` is not a dict of ``(sum, count)`` pairs.
+            flodl_mpi.Stopped: a stop signal rode the round that closed the window:
+                the epoch ended (its rows written), then as in :meth:`step`.
             flodl_mpi.errors.CohortError: on every rank alike, when the ranks called
                 :meth:`step` a different number of times in this epoch (one line
                 naming each rank and its count; exit status 1 uncaught).
@@ -563,6 +571,11 @@ class Averager:
 
         # Shaped like a round: a peer still in step() sees this rank's end in its round (clear error, not a hang)
         self.bridge.boundary(1, self._epoch_calls)
+        stop = False
+        if self._calls:  # the same count on every rank (the boundary checked): the epoch's last window is short
+            # closed with a round, as the CLI closes an epoch's last window: the checkpoint below, and the
+            # model every rank goes on from, are the consensus of everyone's steps (not rank 0's own)
+            stop = self._round(final=True).stop  # gathered: a stop in it ends the run after this epoch's end
         report = EpochReport(loss_sum=self._loss_sum, batches=self._batches, nonfinite_batches=self._nonfinite,
                              samples=self._samples if self._samples_known else -1,
                              epoch_ms=1e3 * (time.perf_counter() - self._t_epoch), compute_ms=self._compute_ms)
@@ -581,13 +594,15 @@ class Averager:
         if self._writer is not None and rows is not None:
             self._writer.append("scalars", rows)
         due = self.cfg.checkpoint_every and self.epoch % self.cfg.checkpoint_every == 0
-        if self.run_dir is not None and (due or "checkpoint" in boundary.intents):
+        if self.run_dir is not None and (due or "checkpoint" in boundary.intents) and not stop:
             path = self._save(summary, "checkpoint")
         tests = "".join(f"  test_{k} {v:.4f}" for k, v in boundary.metrics.items())
         self._log(f"epoch {self.epoch}  loss {summary.avg_loss:.4f}{excluded_words(summary.nonfinite_batches)}"
                   f"{tests}  rounds {summary.rounds}  "
                   f"{summary.epoch_ms / 1e3:.1f} s")
         self._new_epoch()
+        if stop:  # the stop came with the epoch's last round: the epoch is complete, saved as such (the CLI's)
+            self._stop_now()
         return EpochResult(self.epoch, summary, dict(boundary.scalars), dict(boundary.metrics), boundary.intents,
                            path)
 
