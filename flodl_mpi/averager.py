@@ -720,7 +720,8 @@ class Averager:
         ints = {f"int_buffers/{k}": v for k, v in rank_state.integer_buffers(self.model).items()}
         return ({"rng/torch": torch.get_rng_state().numpy().copy(), **ints}, {"global_step": int(self.global_step)})
 
-    def _contents(self, summary, reason: str, ranks: list, complete: bool = True, progress: list | None = None) -> tuple:
+    def _contents(self, summary, reason: str, ranks: list, complete: bool = True,
+                  progress: list | None = None) -> tuple:
         from flodl_mpi.checkpoint import checkpoint_name
         from flodl_mpi.model_record import model_record
         from flodl_mpi.worker import state_arrays
