@@ -578,14 +578,10 @@ def _setup(session, a: dict) -> Run:
                     - {"optimizer", "data", "model", "train_x", "train_y", "test_x", "test_y"})  # names= has those
         unknown = sorted(set(extra) - passable)
         if unknown:
-            import difflib
+            from flodl_mpi.keywords import unknown_keywords
 
             named = [p.name for p in inspect.signature(fit).parameters.values() if p.kind != p.VAR_KEYWORD]
-            accepted = sorted(set(named) | passable)
-            close = {u: difflib.get_close_matches(u, accepted, n=1) for u in unknown}
-            raise ValueError("fit() got unknown option(s) " + ", ".join(
-                u + (f" (did you mean {close[u][0]}?)" if close[u] else "") for u in unknown)
-                + f"; the options it takes by name are {', '.join(accepted)}")
+            raise ValueError(unknown_keywords("fit()", unknown, set(named) | passable))
         return TrainConfig(
             data=_describe(a["data"]) if a["data"] is not None and isinstance(a["data"], (str, os.PathLike))
             else (None if a["data"] is None else "in-memory arrays"),

@@ -81,7 +81,8 @@ class Averager:
     model structure: checked), calls :meth:`step` the same number of times
     (a rank without a batch calls ``step(realized=False)``: it joins the round
     with mass 0), and calls :meth:`end_epoch` and :meth:`close` at the same
-    points. Every ``window``-th call of :meth:`step` runs one round: each rank's
+    points. Every ``window``-th call of :meth:`step` in an epoch runs one round, and
+    :meth:`end_epoch` closes an unfinished window with one: each rank's
     parameters weighted by its realized steps since its last consensus,
     ``mass = steps ** gamma`` (SPEC §1), floating buffers averaged among ranks
     that moved, integer buffers kept local. Under plain ``python`` the world is
@@ -117,10 +118,21 @@ class Averager:
         chunk_elems: float32 elements per Allreduce piece.
         broadcast: start every rank from rank 0's parameters and buffers (default True).
         resume: continue the run in ``run_dir`` from its newest checkpoint: the
-            consensus, this rank's optimizer state, step count and integer buffers,
-            the round count and :attr:`epoch` (the epochs done: start your loop
-            there); metrics.h5 keeps the rows the checkpoint had seen. Without a
-            checkpoint the run starts afresh. Needs ``run_dir``.
+            consensus, this rank's optimizer state, torch RNG (CPU), step count and
+            integer buffers, the round count, and where your loop goes on:
+            :attr:`start_epoch` (the epochs done) and :attr:`start_step` (the step()
+            calls of the next epoch done before a stop cut it short; 0 after a
+            complete epoch). Start your epoch loop at ``start_epoch`` and skip the
+            first ``start_step`` batches of that epoch (:meth:`batches` does), and
+            the resumed run is the uninterrupted one, bit for bit, on the same
+            world size when your batch order is a function of the epoch (not of
+            the global RNG) and your other RNGs (numpy, CUDA) are yours to restore;
+            the cut-short epoch's loss, sample counts and ``record_scalar`` sums
+            carry over, so its rows read as one epoch. metrics.h5 keeps the rows
+            the checkpoint had seen. Without a checkpoint the run starts afresh.
+            Needs ``run_dir``.
+        **options: none; an unknown keyword is bad input (``InputError``), its line
+            naming the closest keyword (``windw (did you mean window?)``), as ``fit``'s.
 
     Raises:
         flodl_mpi.errors.InputError: a bad argument (the message names it as the
@@ -135,30 +147,36 @@ class Averager:
     consensus raises :class:`flodl_mpi.errors.NonFiniteError` on every rank alike.
     Checkpoints already written stay.
 
-    Example::
+    Example (README.rst, "Keep your loop", has a complete one)::
 
-        model = make_model()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with flodl_mpi.Averager(model, optimizer=opt, run_dir="runs/a") as avg:
-            for epoch in range(epochs):
-                for x, y in my_batches(avg.rank, avg.world_size):
+        with flodl_mpi.Averager(model, optimizer=opt, run_dir="runs/a", resume=resuming) as avg:
+            for epoch in range(avg.start_epoch, epochs):      # a resumed run goes on where it stopped
+                for x, y in avg.batches(my_batches(epoch, avg.rank, avg.world_size)):
                     opt.zero_grad()
                     loss = loss_fn(model(x), y)
                     loss.backward()
                     opt.step()
                     avg.step(loss, samples=len(x))   # counts the step; every window steps, a round
-                avg.end_epoch()             # metrics.h5 row, checkpoint (collective)
+                avg.end_epoch()             # closes the window; metrics.h5 row, checkpoint (collective)
     """
 
     def __init__(self, model: nn.Module, comm=None, *, optimizer: torch.optim.Optimizer | None = None,
                  policy: str = "sync", window: int = 1, gamma: float = 1.0, run_dir: str | os.PathLike | None = None,
                  checkpoint_every: int = 1, keep_checkpoints: int = 3, stall_timeout: float = 600.0,
                  on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True,
-                 resume: bool = False) -> None:
+                 resume: bool = False, **options) -> None:
         # -- validate every argument (STYLE 13), agreed by every rank: bad input is one
         # line from rank 0 and exit status 2, as the CLI's (flodl_mpi.errors.InputError)
         def validate() -> TrainConfig:
             try:
+                if options:  # a misspelt keyword: fit's line (did you mean ...?), not Python's TypeError
+                    import inspect
+
+                    from flodl_mpi.keywords import unknown_keywords
+
+                    named = [p.name for p in inspect.signature(Averager).parameters.values()
+                             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+                    raise ValueError(unknown_keywords("Averager()", options, named))
                 if not isinstance(model, nn.Module):
                     raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
                 params = list(model.named_parameters())
@@ -307,14 +325,22 @@ class Averager:
         self.replica.adopt(self.bridge)
         if self.run_dir is not None:  # what would fail at save time fails now
             agree(comm, "checkpoint check", self._check_saveable, watchdog, name_ranks=False)
-        if ckpt is not None:
-            agree(comm, "resume", lambda: self._resume(ckpt), watchdog)
         self._new_epoch()
         self._book = _scalars.ScalarBook()
+        #: Where your loop goes on (see the class docstring): epochs done, and step() calls of the next one done.
+        self.start_epoch, self.start_step = 0, 0
+        self._skip = 0  # batches() calls left to skip: start_step, once
+        carried_ms = 0.0
+        if ckpt is not None:
+            carried_ms = agree(comm, "resume", lambda: self._resume(ckpt), watchdog)
+            self.start_epoch, self.start_step, self._skip = self.epoch, self._epoch_calls, self._epoch_calls
+            self._say_resumed(ckpt)
         _scalars.activate(self._book)
         self._hook = None
         if self.optimizer is not None:
             self._hook = self.optimizer.register_step_post_hook(self._count_step)
+        now = time.perf_counter()  # the epoch's clock: its time before the stop, then from here
+        self._t_epoch, self._t_last = now - carried_ms / 1e3, now
         watchdog.begin("training")
         self.bridge.start()
 
@@ -348,8 +374,13 @@ class Averager:
             self._log(line)
             print(f"flodl-mpi: {line}", file=sys.stderr, flush=True)
 
-    def _resume(self, ckpt) -> None:
-        """This rank's state from the checkpoint (the consensus is loaded already), as ``worker.Trainer.resume``."""
+    def _resume(self, ckpt) -> float:
+        """This rank's state from the checkpoint (the consensus is loaded already), as ``worker.Trainer.resume``.
+
+        A checkpoint of an epoch cut short (a stop, or :meth:`close` after more
+        steps) also gives back where the epoch was (:meth:`_continue_epoch`).
+        Returns the ms the cut-short epoch had run (0.0: none).
+        """
         from flodl_mpi import rank_state
 
         meta = ckpt.meta
@@ -369,6 +400,63 @@ class Averager:
         if meta.get("epoch_complete", True):
             self._tests = (float(meta["test_accuracy"]), float(meta["test_loss"]), int(meta["test_count"]))
         self._metrics_rows = {k: int(meta["metrics_rows"].get(k, 0)) for k in self._metrics_rows}
+        progress = meta.get("epoch_progress")
+        if meta.get("epoch_complete", True) or not isinstance(progress, dict):
+            return 0.0  # a complete epoch, or written before the own loop kept its place: the epoch restarts
+        return self._continue_epoch(progress, old_size)
+
+    def _continue_epoch(self, progress: dict, old_size: int) -> float:
+        """The cut-short epoch's counts so far, so that its rows read as if never interrupted.
+
+        ``progress`` (a checkpoint's ``epoch_progress``): ``step``, the step() calls
+        every rank made in the epoch, and ``ranks``, per old rank, its report so
+        far (``loss_sum``, ``batches``, ``nonfinite_batches``, ``samples``, -1 for
+        not recorded, ``compute_ms``, ``epoch_ms``) and its ``record_scalar``
+        book (``scalars``: ``{name: [sum, count]}``, ``intents``). Another world
+        size: rank r carries the sum of old ranks ``r' ≡ r (mod W)``, as
+        ``worker.Trainer.resume``. Returns the epoch's ms so far (this rank's).
+        """
+        self._epoch_calls = int(progress["step"])
+        epoch_ms = 0.0
+        for old, part in enumerate(progress["ranks"]):
+            if old % self.world_size != self.rank:
+                continue
+            self._loss_sum += float(part["loss_sum"])
+            self._batches += int(part["batches"])
+            self._nonfinite += int(part["nonfinite_batches"])
+            self._samples_known = self._samples_known and int(part["samples"]) >= 0
+            self._samples += max(int(part["samples"]), 0)
+            self._compute_ms += float(part["compute_ms"])
+            epoch_ms = max(epoch_ms, float(part["epoch_ms"]))
+            self._book.restore({k: (s, c) for k, (s, c) in part["scalars"].items()}, part["intents"])
+        return epoch_ms
+
+    def _epoch_progress(self) -> dict:
+        """This rank's part of a cut-short epoch's ``epoch_progress`` (see :meth:`_continue_epoch`)."""
+        sums, intents = self._book.drain()
+        self._book.restore(sums, intents)  # read, not taken: the book goes on as it was
+        return {"loss_sum": self._loss_sum, "batches": self._batches, "nonfinite_batches": self._nonfinite,
+                "samples": self._samples if self._samples_known else -1, "compute_ms": self._compute_ms,
+                "epoch_ms": 1e3 * (time.perf_counter() - self._t_epoch),
+                "scalars": {k: [s, c] for k, (s, c) in sums.items()}, "intents": list(intents)}
+
+    def _say_resumed(self, ckpt) -> None:
+        """Rank 0: the resume line (train.log and stderr): where the loop goes on, and what is not exact."""
+        meta = ckpt.meta
+        old_size = int(meta["world_size"])
+        where = (f"epoch {self.start_epoch + 1} from step() call {self.start_step + 1}" if self.start_step else
+                 f"epoch {self.start_epoch + 1}")
+        line = (f"resuming from {ckpt.path.name}: {self.start_epoch} epoch(s) done, {self.start_step} step() "
+                f"call(s) into the next, round {self.bridge.version}; go on at {where} (avg.start_epoch "
+                f"{self.start_epoch}, avg.start_step {self.start_step}; avg.batches() skips them)")
+        if not meta.get("epoch_complete", True) and not isinstance(meta.get("epoch_progress"), dict):
+            line += ("; the checkpoint (an older flodl-mpi's) does not say how far its epoch went: the epoch "
+                     "restarts at its first step, its first batches trained twice")
+        if old_size != self.world_size:
+            line += (f"; world size {old_size} -> {self.world_size}: rank r took the optimizer state, step count "
+                     f"and integer buffers of old rank r mod {old_size}, its RNG not restored: the run is not the "
+                     "uninterrupted one")
+        self._say(line)
 
     def _count_step(self, optimizer, args, kwargs) -> None:
         self._hooked += 1
@@ -462,6 +550,28 @@ class Averager:
                 raise
             raise words from exc.__cause__
 
+    def batches(self, batches):
+        """Your epoch's batches less those a stopped run trained already: ``for b in avg.batches(mine): ...``.
+
+        The first call after a resume skips the first :attr:`start_step` items of
+        ``batches`` (the step() calls the cut-short epoch had made: see the class
+        docstring); every other call passes ``batches`` through. Call it once per
+        epoch, on the batches you call :meth:`step` for, in the same order as the
+        stopped run (derive the epoch's order from the epoch, not from the global
+        RNG). The skipped items are iterated past (a DataLoader loads them); to
+        skip without loading, start your own index at :attr:`start_step` instead.
+
+        Args:
+            batches: any iterable.
+
+        Returns:
+            An iterator over the items left.
+        """
+        import itertools
+
+        skip, self._skip = self._skip, 0
+        return itertools.islice(batches, skip, None)
+
     def _round(self, final: bool = False):
         self.replica.snapshot(self.bridge)
         stop = self._session.stop is not None and self._session.stop.requested
@@ -496,7 +606,8 @@ class Averager:
             self._save(None, "graceful_shutdown", complete=complete)
         where = (f"checkpoint saved in {self.run_dir / 'checkpoints'}; run the same script with resume=True "
                  "to go on" if self.run_dir is not None else "no run_dir: nothing was saved")
-        line = (f"stopped on request ({stop.signal_name or 'a stop signal'}) in epoch {self.epoch + 1} "
+        at = f"in epoch {self.epoch + 1}" if not complete else f"at the end of epoch {self.epoch}"
+        line = (f"stopped on request ({stop.signal_name or 'a stop signal'}) {at} "
                 f"after round {self.bridge.version}; {where}; exit status 4")
         # train.log records the stop (flodl-mpi report counts it) and ends with the stop's last line, as fit's
         rounds = f"{self.bridge.version} round{'' if self.bridge.version == 1 else 's'}"
@@ -520,7 +631,11 @@ class Averager:
         """Close an epoch for the cohort: exchange reports, write ``metrics.h5`` rows, checkpoint when due.
 
         Collective: every rank calls it at the same point (after the same number
-        of :meth:`step` calls). Steps of an unfinished window stay pending.
+        of :meth:`step` calls). An unfinished window (calls since the last round)
+        is closed with a round first, as ``flodl-mpi train`` closes an epoch's
+        last window, so the checkpoint and every rank's model are the consensus of
+        every rank's steps; windows count afresh from each epoch's start. The
+        ``metrics`` you pass were measured before that round, on this rank's model.
 
         Args:
             metrics: this rank's evaluation sums, ``{name: (sum, count)}`` (e.g.
@@ -533,6 +648,8 @@ class Averager:
 
         Raises:
             TypeError: ``metrics`` is not a dict of ``(sum, count)`` pairs.
+            flodl_mpi.Stopped: a stop signal rode the round that closed the window:
+                the epoch ended (its rows written), then as in :meth:`step`.
             flodl_mpi.errors.CohortError: on every rank alike, when the ranks called
                 :meth:`step` a different number of times in this epoch (one line
                 naming each rank and its count; exit status 1 uncaught).
@@ -553,6 +670,11 @@ class Averager:
 
         # Shaped like a round: a peer still in step() sees this rank's end in its round (clear error, not a hang)
         self.bridge.boundary(1, self._epoch_calls)
+        stop = False
+        if self._calls:  # the same count on every rank (the boundary checked): the epoch's last window is short
+            # closed with a round, as the CLI closes an epoch's last window: the checkpoint below, and the
+            # model every rank goes on from, are the consensus of everyone's steps (not rank 0's own)
+            stop = self._round(final=True).stop  # gathered: a stop in it ends the run after this epoch's end
         report = EpochReport(loss_sum=self._loss_sum, batches=self._batches, nonfinite_batches=self._nonfinite,
                              samples=self._samples if self._samples_known else -1,
                              epoch_ms=1e3 * (time.perf_counter() - self._t_epoch), compute_ms=self._compute_ms)
@@ -571,13 +693,15 @@ class Averager:
         if self._writer is not None and rows is not None:
             self._writer.append("scalars", rows)
         due = self.cfg.checkpoint_every and self.epoch % self.cfg.checkpoint_every == 0
-        if self.run_dir is not None and (due or "checkpoint" in boundary.intents):
+        if self.run_dir is not None and (due or "checkpoint" in boundary.intents) and not stop:
             path = self._save(summary, "checkpoint")
         tests = "".join(f"  test_{k} {v:.4f}" for k, v in boundary.metrics.items())
         self._log(f"epoch {self.epoch}  loss {summary.avg_loss:.4f}{excluded_words(summary.nonfinite_batches)}"
                   f"{tests}  rounds {summary.rounds}  "
                   f"{summary.epoch_ms / 1e3:.1f} s")
         self._new_epoch()
+        if stop:  # the stop came with the epoch's last round: the epoch is complete, saved as such (the CLI's)
+            self._stop_now()
         return EpochResult(self.epoch, summary, dict(boundary.scalars), dict(boundary.metrics), boundary.intents,
                            path)
 
@@ -596,7 +720,8 @@ class Averager:
         ints = {f"int_buffers/{k}": v for k, v in rank_state.integer_buffers(self.model).items()}
         return ({"rng/torch": torch.get_rng_state().numpy().copy(), **ints}, {"global_step": int(self.global_step)})
 
-    def _contents(self, summary, reason: str, ranks: list, complete: bool = True) -> tuple:
+    def _contents(self, summary, reason: str, ranks: list, complete: bool = True,
+                  progress: list | None = None) -> tuple:
         from flodl_mpi.checkpoint import checkpoint_name
         from flodl_mpi.model_record import model_record
         from flodl_mpi.worker import state_arrays
@@ -618,6 +743,8 @@ class Averager:
             # still pending when no epoch exchange came after it.
             "metrics_rows": {"rounds": self.bridge.version - int(self._round_pending), **self._metrics_rows},
         }
+        if not complete and progress is not None:  # where the cut-short epoch was: a resume goes on from there
+            meta["epoch_progress"] = {"step": self._epoch_calls, "ranks": progress}
         # Named as the CLI's: the epoch saved (the one cut short, when not complete); "epoch" counts those done.
         return checkpoint_name(self.epoch if complete else self.epoch + 1, self.bridge.version), params, buffers, meta, order, ranks
 
@@ -639,11 +766,13 @@ class Averager:
 
     def _save(self, summary, reason: str, complete: bool = True) -> str | None:
         """Collective: every rank's state is gathered to rank 0, whose writer thread saves."""
-        ranks = self.bridge.gather_to_root(self._rank_state())
+        gathered = self.bridge.gather_to_root((self._rank_state(), None if complete else self._epoch_progress()))
         self._saved_version = self.bridge.version
         if self._writer is None:
             return None
-        name, params, buffers, meta, order, ranks = self._contents(summary, reason, ranks, complete)
+        name, params, buffers, meta, order, ranks = self._contents(
+            summary, reason, [state for state, _ in gathered], complete,
+            None if complete else [part for _, part in gathered])
         self._writer.save_checkpoint(name, params, buffers, meta, order, ranks)
         return str(self.run_dir / "checkpoints" / name)
 

@@ -343,8 +343,14 @@ def test_boundary_verdict_from_the_gathered_columns():
     ("flodl_mpi.fit(run_dir=UNDER_FILE)", "flodl-mpi: error: run_dir='UNDER_FILE': cannot create it: Not a directory"),
     ("flodl_mpi.fit(windw=4)", ("flodl-mpi: error: fit() got unknown option(s) windw (did you mean window?); "
                                 "the options it takes by name are ")),
+    # issue 26 item 9: was a raw TypeError, MPI_Abort and exit 1
+    ("flodl_mpi.Averager(torch.nn.Linear(2, 1), windw=4)",
+     "flodl-mpi: error: Averager() got unknown option(s) windw (did you mean window?); the options it takes by "
+     "name are broadcast, checkpoint_every, chunk_elems, comm, gamma, keep_checkpoints, model, on_non_finite, "
+     "optimizer, policy, resume, run_dir, stall_timeout, window"),
 ], ids=["policy", "window-type", "stall-timeout", "resume-without-run-dir", "fit-epochs", "run-dir-taken",
-        "resume-not-a-run", "fit-policy", "averager-run-dir-under-a-file", "fit-run-dir-under-a-file", "fit-typo"])
+        "resume-not-a-run", "fit-policy", "averager-run-dir-under-a-file", "fit-run-dir-under-a-file", "fit-typo",
+        "averager-typo"])
 def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, call, line):
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -366,7 +372,7 @@ def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, call, 
     assert "--run-dir" not in proc.stderr and "--resume" not in proc.stderr
     assert "Traceback" not in proc.stderr and "not reached" not in proc.stdout
     assert (taken / "notes.txt").read_text() == "mine"  # nothing already there was touched
-    if "windw" in call:  # every name fit() takes, its own keywords too
+    if "fit(windw" in call:  # every name fit() takes, its own keywords too
         taken_names = proc.stderr.split("options it takes by name are ", 1)[1].split("\n", 1)[0].split(", ")
         assert {"window", "policy", "gamma", "seed", "anchor", "lr", "optimizer"} <= set(taken_names)
 

@@ -176,20 +176,21 @@ def test_a_checkpoint_without_the_scalar_books_resumes_and_says_they_restart(run
 
 
 OWN_LOOP = """
-    import json, os, signal, sys
+    import hashlib, json, os, signal, sys
     import torch, flodl_mpi
     from flodl_mpi.launcher import launcher_rank
     run_dir, stop_at, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))  # draws RNG
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(launcher_rank())
     xs, ys = torch.randn(3, 6, 8, 4, generator=g), torch.randn(3, 6, 8, 1, generator=g)
     calls = 0
-    with flodl_mpi.Averager(model, optimizer=opt, run_dir=run_dir, resume=resume) as avg:
+    with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=4, run_dir=run_dir, resume=resume) as avg:
         seen = open(f"{out}.r{avg.rank}", "w")
-        for epoch in range(avg.epoch, 3):
-            for i in range(6):
+        start = [avg.start_epoch, avg.start_step]
+        for epoch in range(avg.start_epoch, 3):
+            for i in avg.batches(range(6)):  # 6 step() calls an epoch: a round after the 4th, one at end_epoch()
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(xs[epoch, i]), ys[epoch, i])
                 loss.backward()
@@ -200,27 +201,75 @@ OWN_LOOP = """
                     os.kill(os.getpid(), signal.SIGUSR1)
                 avg.step(loss, samples=8)
             r = avg.end_epoch()
-            seen.write("EPOCH " + json.dumps({"epoch": r.epoch, "scalars": r.scalars}) + "\\n")
+            seen.write("EPOCH " + json.dumps({"epoch": r.epoch, "scalars": r.scalars, "avg_loss": r.summary.avg_loss,
+                                              "rounds": r.summary.rounds, "start": start}) + "\\n")
             seen.flush()
+    state = model.state_dict()
+    seen.write("FINAL " + json.dumps([hashlib.sha256(b"".join(v.numpy().tobytes() for v in state.values()))
+                                      .hexdigest(), avg.global_step, [float(v.double().sum()) for v in state.values()]])
+               + "\\n")
 """
 
 
-def test_an_own_loop_records_a_resumed_epoch_whole_too(tmp_path):
-    """The Averager: step() raises Stopped, no EpochResult of the cut-short epoch; on resume the epoch is
-    trained again from its start (avg.epoch), so its scalars row counts that attempt's steps only, all of them."""
-    script = tmp_path / "own.py"
+@pytest.fixture(scope="module")
+def own_loop(tmp_path_factory):
+    """The own loop at 2 ranks, never interrupted: ``(script, run dir, epochs, final)``."""
+    tmp = tmp_path_factory.mktemp("own_stop")
+    script = tmp / "own.py"
     script.write_text(textwrap.dedent(OWN_LOOP))
+    proc, epochs, final = _launch(script, tmp / "base", 0, False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return script, tmp / "base", epochs, final
+
+
+def _table(run_dir, name):
+    from flodl_mpi.metrics import read_table
+
+    return read_table(run_dir / "metrics.h5", name)
+
+
+@pytest.mark.parametrize("stop_at, meta_at, start", [
+    (8, (1, False, 4), [1, 4]),    # epoch 2's 2nd call: the stop rides the round after its 4th, mid-epoch
+    (11, (2, True, 0), [2, 0]),    # epoch 2's 5th call: the round end_epoch() runs, so the epoch is complete
+], ids=["mid-epoch", "at-end-epoch"])
+def test_an_own_loop_resumed_after_a_stop_is_the_uninterrupted_run(own_loop, tmp_path, stop_at, meta_at, start):
+    """issue 26 item 3: the resumed own loop goes on at avg.start_epoch / avg.start_step (avg.batches() skips
+    what the stopped run trained), the RNG (dropout) and the epoch's books restored: its final parameters are
+    the uninterrupted run's bit for bit, with as many rounds and the same epochs, batches and scalars rows.
+    Was: the loop could only restart the epoch at its first batch (avg.epoch), training its first batches twice
+    (the issue measured 31 rounds instead of 30 and weights 0.006 apart); the API to go on did not exist."""
+    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+
+    script, base_dir, base_epochs, base_final = own_loop
     run_dir = tmp_path / "run"
-    first, first_epochs, _ = _launch(script, run_dir, 9, False)  # rank 1's 9th step: epoch 2's 3rd
+    first, first_epochs, _ = _launch(script, run_dir, stop_at, False)
     assert first.returncode == 4, first.stderr[-3000:]
-    assert [e["epoch"] for e in first_epochs] == [1]
-    assert _scalars(run_dir)["epoch"].tolist() == [1]  # the cut-short attempt wrote no scalars row
-    again, again_epochs, _ = _launch(script, run_dir, 0, True)
+    assert [e["epoch"] for e in first_epochs] == [1]  # no EpochResult of the epoch the stop ended or cut short
+    meta = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta
+    assert (meta["epoch"], meta["epoch_complete"], meta.get("epoch_progress", {}).get("step", 0)) == meta_at, meta
+    assert meta["reason"] == "graceful_shutdown"
+    resumed_from = latest_checkpoint(run_dir / "checkpoints").name
+    again, again_epochs, again_final = _launch(script, run_dir, 0, True)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert [e["epoch"] for e in again_epochs] == [2, 3]
-    rows = _scalars(run_dir)
-    assert rows["epoch"].tolist() == [1, 2, 3]
-    assert rows["count"].tolist() == [12, 12, 12] and rows["per_rank_count"].tolist() == [[6, 6]] * 3
+    assert [e["start"] for e in again_epochs] == [start] * len(again_epochs)
+    line = (f"flodl-mpi: resuming from {resumed_from}: {start[0]} epoch(s) done, {start[1]} step() call(s) into the "
+            f"next, round {meta['round']}; go on at epoch {start[0] + 1}")
+    assert again.stderr.count(line) == 1, again.stderr[-3000:]
+    assert f"(avg.start_epoch {start[0]}, avg.start_step {start[1]}; avg.batches() skips them)" in again.stderr
+    strip = [{k: v for k, v in e.items() if k != "start"} for e in again_epochs]
+    assert strip == [{k: v for k, v in e.items() if k != "start"} for e in base_epochs[start[0]:]]
+    assert again_final == base_final  # the same bits, and the same realized steps
+    a, b = _table(base_dir, "rounds"), _table(run_dir, "rounds")
+    np.testing.assert_array_equal(b["round"], np.arange(6))  # 2 an epoch, none trained twice
+    np.testing.assert_array_equal(a["steps"], b["steps"])
+    for table, columns in (("epochs", ("avg_loss", "per_rank_batches", "per_rank_samples", "rounds")),
+                           ("scalars", ("epoch", "value", "count", "per_rank_mean", "per_rank_count")),
+                           ("batches", ("rank", "epoch", "step", "loss"))):
+        a, b = _table(base_dir, table), _table(run_dir, table)
+        order_a = np.lexsort((a["step"], a["rank"])) if table == "batches" else slice(None)
+        order_b = np.lexsort((b["step"], b["rank"])) if table == "batches" else slice(None)
+        for col in columns:
+            np.testing.assert_array_equal(a[col][order_a], b[col][order_b], err_msg=f"{table}.{col}")
 
 
 def test_a_stopped_epochs_books_go_back_per_rank_and_fold_at_another_world_size():

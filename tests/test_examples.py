@@ -66,3 +66,48 @@ def test_regression_example_beats_its_stated_fraction_of_var_y(tmp_path, ranks):
 
     state = load_state_dict(latest_checkpoint(tmp_path / "run" / "checkpoints"))
     assert [tuple(v.shape) for v in state.values()] == [(32, 10), (32,), (1, 32), (1,)]
+
+
+def readme_block(marker: str) -> str:
+    """The first ``.. code-block:: python`` of README.rst after the line holding ``marker``, dedented."""
+    import textwrap
+
+    lines = (EXAMPLES.parent / "README.rst").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if marker in line)
+    start = next(i for i in range(at, len(lines)) if lines[i].strip() == ".. code-block:: python") + 1
+    block = []
+    for line in lines[start:]:
+        if line.strip() and not line.startswith(" "):
+            break
+        block.append(line)
+    return textwrap.dedent("\n".join(block)).strip() + "\n"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_readme_averager_snippet_runs(tmp_path, ranks):
+    """issue 26 item 12: README's own-loop block, as printed there, runs under python and mpiexec -n 2 (was:
+    my_batches, test_loss_sum, n_test undefined). window 4: each epoch's last, short window is closed by
+    end_epoch(); at 1 rank a second run with --resume finds the 5 epochs done and trains nothing."""
+    script = tmp_path / "readme_own_loop.py"
+    script.write_text(readme_block("**Keep your loop: the averager**"))
+    argv = [sys.executable, str(script)]
+    proc = subprocess.run(launch_argv(ranks, *argv) if ranks > 1 else argv, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=400, env=launch_env(), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = re.findall(r"^epoch (\d): loss (\S+) test (\S+)$", proc.stdout, re.M)
+    assert [int(e) for e, _, _ in printed] == [1, 2, 3, 4, 5], proc.stdout  # rank 0 prints, once per epoch
+    run = tmp_path / "runs" / "mine"
+    epochs = read_table(run / "metrics.h5", "epochs")
+    np.testing.assert_allclose(epochs["avg_loss"], [float(v) for _, v, _ in printed], atol=5e-5)
+    per_rank = 960 // ranks // 32  # batches of each rank per epoch
+    assert (epochs["per_rank_batches"] == per_rank).all()
+    rounds = read_table(run / "metrics.h5", "rounds")
+    assert len(rounds["round"]) == 5 * -(-per_rank // 4)  # every 4 steps, and one for the epoch's rest
+    assert max(p.name[:12] for p in (run / "checkpoints").glob("ckpt-*.h5")) == "ckpt-e000005"
+    if ranks == 1:  # the resume API of the block: nothing left to train
+        again = subprocess.run([*argv, "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=400,
+                               env=launch_env(), check=False)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "resuming from ckpt-e000005-r" in again.stderr and ": 5 epoch(s) done, 0 step() call(s)" in \
+            again.stderr, again.stderr[-3000:]
+        assert "epoch " not in again.stdout

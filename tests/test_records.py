@@ -98,7 +98,8 @@ def test_an_own_loop_records_what_it_measured(tmp_path):
     log = (run / "train.log").read_text().splitlines()  # as the CLI's: a header, a line per epoch, a last line
     assert "your own loop (flodl_mpi.Averager), policy window (a round after every 2 step() calls)" in log[0]
     assert [line.split()[1:3] for line in log[1:3]] == [["epoch", "1"], ["epoch", "2"]] and "test_mse" in log[2]
-    assert log[-1].split(" ", 1)[1].startswith("done: 2 epoch(s) of your loop, 3 rounds")
+    # 3 step() calls an epoch at window 2: a round after the 2nd, and end_epoch() closes the 3rd's window
+    assert log[-1].split(" ", 1)[1].startswith("done: 2 epoch(s) of your loop, 4 rounds")
 
 
 FIT = """
@@ -163,7 +164,7 @@ x = torch.randn(60, 4); y = x.sum(1, keepdim=True)
 model = nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir="own") as avg:
-    for i in range(0, 60, 20):  # 3 step() calls: a round after the 2nd; the 3rd's window runs in close()
+    for i in range(0, 60, 20):  # 3 step() calls: a round after the 2nd; the 3rd's window end_epoch() closes
         opt.zero_grad(); loss = nn.functional.mse_loss(model(x[i:i+20]), y[i:i+20]); loss.backward(); opt.step()
         avg.step(loss)
     with torch.no_grad():
@@ -220,7 +221,9 @@ def test_inspect_shows_an_api_runs_record_not_the_cli_defaults(tmp_path, capsys)
 
 @pytest.mark.slow
 def test_the_last_round_and_the_test_figures_reach_the_records(tmp_path):
-    """close()'s round has its metrics.h5 row, and its checkpoint the epoch's test figures (were: lost, NaN)."""
+    """The round that closes the epoch's last window has its metrics.h5 row, and the checkpoint after it the
+    epoch's test figures (were: lost, NaN). Since issue 26 item 2 end_epoch() runs that round (was: close()),
+    so the epoch's checkpoint is the one after it and close() has nothing left to save."""
     from flodl_mpi.checkpoint import list_checkpoints, read_checkpoint
 
     proc = _python(tmp_path, CLOSE_ROUND)
@@ -228,8 +231,8 @@ def test_the_last_round_and_the_test_figures_reach_the_records(tmp_path):
     run = tmp_path / "own"
     np.testing.assert_array_equal(read_table(run / "metrics.h5", "rounds")["round"], [0, 1])
     saved = list_checkpoints(run / "checkpoints")
-    assert [p.name for p in saved] == ["ckpt-e000001-r000001.h5", "ckpt-e000001-r000002.h5"]
-    for path in saved:  # the epoch's checkpoint and close()'s, after the pending window's round
+    assert [p.name for p in saved] == ["ckpt-e000001-r000002.h5"]
+    for path in saved:  # the epoch's checkpoint, after the pending window's round
         meta = read_checkpoint(path).meta
         assert (meta["epoch"], meta["epoch_complete"], meta["test_count"]) == (1, True, 60)
         np.testing.assert_allclose(meta["test_loss"], expected, rtol=1e-5)
