@@ -37,6 +37,7 @@ from flodl_mpi.config import (
     HIERARCHICAL,
     NODE_REDUCES,
     ON_NON_FINITE,
+    OPTIMIZER_WEIGHT_DECAY,
     OPTIMIZERS,
     OUTERS,
     OUTPUT_OPTIONS,
@@ -113,7 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, help=f"each rank's optimizer's learning rate (default {d.lr:g})")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"each rank's optimizer (default {d.optimizer})")
     g.add_argument("--momentum", type=float, help=f"momentum of --optimizer sgd (default {d.momentum})")
-    g.add_argument("--weight-decay", type=float, help=f"the optimizer's weight decay (default {d.weight_decay:g})")
+    g.add_argument("--weight-decay", type=float,
+                   help="the optimizer's weight decay (default: the optimizer's own, as torch.optim's: "
+                        + ", ".join(f"{k} {v:g}" for k, v in OPTIMIZER_WEIGHT_DECAY.items())
+                        + "; on a resume, the run's)")
     g.add_argument("--scale-lr", action="store_true", default=None,
                    help="linear scaling rule: each rank's learning rate x the world size (a round averages one "
                         "batch per rank, so the cohort takes one step per batch-size x world-size samples)")
@@ -280,8 +284,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         name = exc.option
         if name is None or name in flags or name not in from_file:
             raise
-        raise ConfigError(f"{config_key_text(args.config, name)}: {exc.value!r}: must be {exc.allowed}",
-                          name, exc.value, exc.allowed) from None
+        raise ConfigError(f"{config_key_text(args.config, name)}: {exc.problem}", name, exc.value,
+                          exc.allowed) from None
 
 
 def settle_early(args: argparse.Namespace) -> None:
