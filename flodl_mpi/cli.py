@@ -58,6 +58,7 @@ from flodl_mpi.launcher import (
     mpi_library,
     thread_request,
 )
+from flodl_mpi.precheck import input_problem
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.stale_shm import clear_before_mpi
 
@@ -294,13 +295,16 @@ def settle_early(args: argparse.Namespace) -> None:
     Sets ``args.verbose``, ``args.quiet``, ``args.progress`` from the flags, else the
     config file, else the defaults (0, False, ``auto``). Checks every value of the
     file and the flags (`config_from_args`: the same checks the ranks make later), so
-    a bad one is one line before MPI starts. Checks ``OMP_NUM_THREADS``
+    a bad one is one line before MPI starts; so are a missing data file or dataset, a
+    malformed or unfindable ``--model``, a run dir that cannot be made
+    (`flodl_mpi.precheck.input_problem`). Checks ``OMP_NUM_THREADS``
     now, before torch is imported: its OpenMP runtime (libgomp) reads the variable at
     load time on every rank and prints a warning of its own for a bad value.
 
     Raises:
         ConfigError: an unreadable config file, a bad value in it or in a flag.
-        ValueError: ``OMP_NUM_THREADS`` is not a positive integer (and ``--threads`` is not given).
+        ValueError: ``OMP_NUM_THREADS`` is not a positive integer (and ``--threads`` is not given);
+            a problem `input_problem` found.
     """
     values = read_config_file(args.config) if args.config else {}
     for name, default in (("verbose", 0), ("quiet", False), ("progress", "auto")):
@@ -308,6 +312,9 @@ def settle_early(args: argparse.Namespace) -> None:
             setattr(args, name, values.get(name, default))
     cfg = config_from_args(args)  # every value, as every rank checks it again once MPI is up
     thread_request(cfg.threads)
+    problem = input_problem(cfg)  # the data file and names, the model spec, the run dir (issue 26 item 9)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _say_once(text: str) -> None:

@@ -35,9 +35,11 @@ def error_lines(proc):
 
 
 def test_missing_data_file_is_one_line_and_exit_2_on_every_rank(tmp_path):
+    """Also issue 26 item 9: refused before MPI starts (no "rank(s) up; loading PyTorch" line)."""
     proc = run_flodl(2, "train", "--data", str(tmp_path / "nope.h5"), "--run-dir", str(tmp_path / "r"), timeout=300)
     assert proc.returncode == EXIT_INPUT, proc.stderr
     assert error_lines(proc) == [f"flodl-mpi: error: --data '{tmp_path / 'nope.h5'}': no such file"]
+    assert "rank(s) up" not in proc.stdout, proc.stdout
     assert not (tmp_path / "r").exists()  # nothing created for a run that never started
 
 
