@@ -77,3 +77,24 @@ def test_input_mistakes_are_refused_before_mpi_and_torch_start(tmp_path):
     for (rc, err, _), want in zip(results, cases.values()):
         assert rc == EXIT_INPUT and err == f"flodl-mpi: error: {want}\n", (err, want)
     assert not (tmp_path / "afile" / "run").exists()      # nothing created
+
+
+def test_what_the_file_system_says_is_checked_early_only_on_one_host(tmp_path):
+    """A refusal before MPI is each rank's own: on several hosts (node-local data may differ) only the
+    spec's form is judged there, and the rest is left to the ranks' gathered check after MPI starts."""
+    from flodl_mpi.config import TrainConfig
+    from flodl_mpi.precheck import input_problem, one_host
+
+    hydra = {"PMI_RANK": "0", "PMI_SIZE": "4", "HYDI_CONTROL_FD": "5"}
+    assert one_host({}) and one_host({**hydra, "MPI_LOCALNRANKS": "4"})
+    assert not one_host({**hydra, "MPI_LOCALNRANKS": "2"}) and not one_host(hydra)
+    ompi = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"}
+    assert one_host({**ompi, "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) and not one_host({**ompi,
+                                                                                    "OMPI_COMM_WORLD_LOCAL_SIZE": "1"})
+    srun = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "PMI_RANK": "0"}
+    assert one_host({**srun, "SLURM_STEP_NUM_NODES": "1"}) and not one_host({**srun, "SLURM_STEP_NUM_NODES": "2"})
+    missing = TrainConfig(data=str(tmp_path / "nope.h5"), model=str(tmp_path / "gone.py") + ":make")
+    assert input_problem(missing, {**hydra, "MPI_LOCALNRANKS": "4"}) == f"--data {missing.data!r}: no such file"
+    assert input_problem(missing, {**hydra, "MPI_LOCALNRANKS": "2"}) is None
+    assert input_problem(TrainConfig(model="net.py"), hydra) == \
+        "--model 'net.py': expected 'module:factory' or 'path/to/file.py:factory'"
