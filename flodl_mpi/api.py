@@ -494,7 +494,8 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             same structure (checked); rank 0's initial values are broadcast.
         optimizer: ``parameters -> torch.optim.Optimizer`` (e.g.
             ``lambda p: torch.optim.AdamW(p, lr=3e-4)``), or ``"sgd"``, ``"adam"``,
-            ``"adamw"`` at ``lr``; None: Adam at ``lr``.
+            ``"adamw"`` at ``lr`` (and ``weight_decay=``; unset: the optimizer's own
+            default, torch.optim's: 0.01 for AdamW, 0 for the others); None: Adam at ``lr``.
         train_step: ``(model, (x, y)) -> loss``, a one-element tensor (backward
             and the optimizer step are done for you), or ``(loss, {name: value})``
             to record extra scalars; default: cross-entropy for integer labels,
