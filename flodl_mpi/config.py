@@ -21,9 +21,9 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
-           "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OPTIMIZER_WEIGHT_DECAY", "OUTERS", "OUTPUT_OPTIONS", "POLICIES",
-           "PROGRESS", "ConfigError", "TrainConfig", "check_output_option", "config_key_text", "optimizer_class",
-           "read_config_file"]
+           "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OPTIMIZER_WEIGHT_DECAY", "OUTERS",
+           "OUTPUT_OPTIONS", "POLICIES", "PROGRESS", "ConfigError", "TrainConfig", "check_output_option",
+           "config_key_text", "optimizer_class", "read_config_file", "value_problem"]
 
 POLICIES = ("sync", "window", "cadence", "async")
 #: Policies whose quotas the ElChe balancer sets (SPEC §4).
@@ -117,7 +117,7 @@ class TrainConfig:
     lr: float = 1e-3                  # learning rate
     optimizer: str = "adam"           # one of OPTIMIZERS; a Python API run's own optimizer: "module:Class"
     momentum: float = 0.9             # sgd only
-    weight_decay: float | None = None  # None = the optimizer's own default (OPTIMIZER_WEIGHT_DECAY; on a resume: the run's)
+    weight_decay: float | None = None  # None = the optimizer's own (OPTIMIZER_WEIGHT_DECAY; a resume: the run's)
     policy: str = "sync"              # one of POLICIES
     window: int = 1                   # batches per rank between rounds (policy window)
     anchor: int | None = None         # cadence/async: the slowest rank's first window, batches; None = 10
