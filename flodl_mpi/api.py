@@ -630,7 +630,7 @@ def _setup(session, a: dict) -> Run:
     if a["data"] is None:
         from flodl_mpi.train import _load_data
 
-        data = _load_data(cfg, world, watchdog)
+        data = for_task(_load_data(cfg, world, watchdog), a["task"])  # integer labels: never raises
     else:
         data = agree(comm, "data", lambda: for_task(_load(a["data"], a["names"]), a["task"]), watchdog)
 
