@@ -293,11 +293,11 @@ def test_model_files_get_their_rank_from_the_one_helper():
     # the model files in the tests are written for every launcher
     here = os.path.dirname(__file__)
     for name in os.listdir(here):
-        # (test_stale_shm.py builds a Slurm step's environment and test_stop_messages.py each launcher's,
-        # not a model file; test_api_faults.py has a script that must know its rank before it imports
-        # flodl_mpi, and reads both launchers')
+        # (test_stale_shm.py builds a Slurm step's environment, test_stop_messages.py and test_precheck.py
+        # each launcher's, not a model file; test_api_faults.py has a script that must know its rank before
+        # it imports flodl_mpi, and reads both launchers')
         if name.endswith(".py") and name not in ("test_launch.py", "test_stale_shm.py", "test_api_faults.py",
-                                                 "test_stop_messages.py"):
+                                                 "test_stop_messages.py", "test_precheck.py"):
             with open(os.path.join(here, name)) as fh:
                 assert "PMI_RANK" not in fh.read(), name
 
