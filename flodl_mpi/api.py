@@ -366,6 +366,17 @@ def _scalar_rows_before(path: Path, epochs_done: int) -> int:
     return int((epochs <= epochs_done).sum())
 
 
+def _warn(line: str, verbose: bool, header: bool) -> None:
+    """Rank 0's warning of :func:`fit` before training: on stdout with the CLI's lines (``verbose``),
+    else on stderr. ``header``: train.log's header (`flodl_mpi.train.log_header`) logs it too."""
+    if not verbose:
+        import sys
+
+        print(f"flodl-mpi: {line}", file=sys.stderr, flush=True)
+    elif not header:
+        log.warning(line)
+
+
 def _describe(obj) -> str | None:
     if obj is None:
         return None
@@ -457,7 +468,7 @@ def _load(data, names):
 
 def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
           optimizer: Callable[..., torch.optim.Optimizer] | str | None = None, *,
-          train_step: Callable | None = None, eval_fn: Callable | None = None, data=None,
+          train_step: Callable | None = None, eval_fn: Callable | None = None, data=None, task: str | None = None,
           names: Mapping[str, str] | None = None, batch_size: int = 32, epochs: int = 10, lr: float = 1e-3,
           policy: str = "sync", window: int = 1, gamma: float = 1.0, seed: int = 0, drop_last: bool = False,
           lr_schedule: Callable[[int], float] | None = None, scale_lr: bool = False, warmup_steps: int = 0,
@@ -483,7 +494,8 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             same structure (checked); rank 0's initial values are broadcast.
         optimizer: ``parameters -> torch.optim.Optimizer`` (e.g.
             ``lambda p: torch.optim.AdamW(p, lr=3e-4)``), or ``"sgd"``, ``"adam"``,
-            ``"adamw"`` at ``lr``; None: Adam at ``lr``.
+            ``"adamw"`` at ``lr`` (and ``weight_decay=``; unset: the optimizer's own
+            default, torch.optim's: 0.01 for AdamW, 0 for the others); None: Adam at ``lr``.
         train_step: ``(model, (x, y)) -> loss``, a one-element tensor (backward
             and the optimizer step are done for you), or ``(loss, {name: value})``
             to record extra scalars; default: cross-entropy for integer labels,
@@ -496,6 +508,12 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             ``((x, y), (x, y))`` of arrays or tensors; ``x`` numeric ``(N, ...)``,
             ``y`` 1-D integer labels or float targets of any shape ``(N, ...)``;
             None: the built-in digits.
+        task: ``"classification"`` (float labels that are whole numbers become
+            int64 class labels), ``"regression"`` (integer labels become float
+            targets), or None: from the targets' dtype, integer labels classify and
+            float targets regress; float targets that look like class labels (whole
+            numbers >= 0, at most 256 distinct) are refused without a ``task``, as
+            ``flodl-mpi train`` refuses float labels.
         batch_size: samples per batch per rank, >= 1. epochs: >= 1. lr: > 0.
         policy, window, gamma: as ``flodl-mpi train --policy/--window/--gamma``.
         lr_schedule: ``cohort_step -> factor`` on each group's initial learning
@@ -542,6 +560,7 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
 
 
 def _setup(session, a: dict) -> Run:
+    from flodl_mpi.data import TASKS, for_task
     from flodl_mpi.launcher import settle_threads, thread_request
     from flodl_mpi.models import _state_kept
     from flodl_mpi.signals import StopRequest
@@ -573,6 +592,9 @@ def _setup(session, a: dict) -> Run:
             raise ValueError(f"eval_every must be an int >= 0, got {a['eval_every']!r}")
         if opt is not None and not callable(opt) and opt not in ("sgd", "adam", "adamw"):
             raise ValueError(f"optimizer must be a factory or one of sgd, adam, adamw, got {opt!r}")
+        if a["task"] is not None and a["task"] not in TASKS:
+            raise ValueError(f"task={a['task']!r}: must be one of {', '.join(map(repr, TASKS))} or None (from the "
+                             "targets)")
         extra = dict(a["options"])
         passable = (set(TrainConfig.field_names()) - set(a)
                     - {"optimizer", "data", "model", "train_x", "train_y", "test_x", "test_y"})  # names= has those
@@ -604,9 +626,9 @@ def _setup(session, a: dict) -> Run:
     if a["data"] is None:
         from flodl_mpi.train import _load_data
 
-        data = _load_data(cfg, world, watchdog)
+        data = for_task(_load_data(cfg, world, watchdog), a["task"])  # integer labels: never raises
     else:
-        data = agree(comm, "data", lambda: _load(a["data"], a["names"]), watchdog)
+        data = agree(comm, "data", lambda: for_task(_load(a["data"], a["names"]), a["task"]), watchdog)
 
     # -- the task: the user's callables, the cohort's epoch boundary
     step_fn = a["train_step"] or default_train_step
@@ -682,6 +704,10 @@ def _setup(session, a: dict) -> Run:
         if ckpt is not None and world.rank == 0:
             kept = _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))
             keep_rows = {**keep_rows, "scalars": kept}
+
+    if world.rank == 0:  # the data's warnings (labels training never targets): train.log, and the user's screen
+        for line in data.warnings:
+            _warn(line, a["verbose"], run_dir is not None)
 
     def reset_groups(trainer) -> None:  # resume set the config's lr and weight decay: the factory's are the run's
         fresh = task.make_optimizer(cfg, model)  # a new optimizer over the same params, no state

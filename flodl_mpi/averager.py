@@ -198,6 +198,9 @@ class Averager:
                 if policy == "sync" and window != 1:
                     raise ValueError(f"window={window} contradicts policy='sync' (a round after every step); "
                                      "use policy='window'")
+                if policy == "window" and window == 1:  # never silently sync (issue 26 item 9)
+                    raise ValueError("policy='window' needs window=N: the step() calls between rounds, N >= 2 "
+                                     "(a window of 1 is policy='sync')")
                 if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma):
                     raise ValueError(f"gamma must be a finite number, got {gamma!r}")
                 _check_int(checkpoint_every, "checkpoint_every", 0)

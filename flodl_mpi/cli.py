@@ -37,6 +37,7 @@ from flodl_mpi.config import (
     HIERARCHICAL,
     NODE_REDUCES,
     ON_NON_FINITE,
+    OPTIMIZER_WEIGHT_DECAY,
     OPTIMIZERS,
     OUTERS,
     OUTPUT_OPTIONS,
@@ -57,6 +58,7 @@ from flodl_mpi.launcher import (
     mpi_library,
     thread_request,
 )
+from flodl_mpi.precheck import input_problem
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.stale_shm import clear_before_mpi
 
@@ -113,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, help=f"each rank's optimizer's learning rate (default {d.lr:g})")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"each rank's optimizer (default {d.optimizer})")
     g.add_argument("--momentum", type=float, help=f"momentum of --optimizer sgd (default {d.momentum})")
-    g.add_argument("--weight-decay", type=float, help=f"the optimizer's weight decay (default {d.weight_decay:g})")
+    g.add_argument("--weight-decay", type=float,
+                   help="the optimizer's weight decay (default: the optimizer's own, as torch.optim's: "
+                        + ", ".join(f"{k} {v:g}" for k, v in OPTIMIZER_WEIGHT_DECAY.items())
+                        + "; on a resume, the run's)")
     g.add_argument("--scale-lr", action="store_true", default=None,
                    help="linear scaling rule: each rank's learning rate x the world size (a round averages one "
                         "batch per rank, so the cohort takes one step per batch-size x world-size samples)")
@@ -280,8 +285,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         name = exc.option
         if name is None or name in flags or name not in from_file:
             raise
-        raise ConfigError(f"{config_key_text(args.config, name)}: {exc.value!r}: must be {exc.allowed}",
-                          name, exc.value, exc.allowed) from None
+        raise ConfigError(f"{config_key_text(args.config, name)}: {exc.problem}", name, exc.value,
+                          exc.allowed) from None
 
 
 def settle_early(args: argparse.Namespace) -> None:
@@ -290,13 +295,16 @@ def settle_early(args: argparse.Namespace) -> None:
     Sets ``args.verbose``, ``args.quiet``, ``args.progress`` from the flags, else the
     config file, else the defaults (0, False, ``auto``). Checks every value of the
     file and the flags (`config_from_args`: the same checks the ranks make later), so
-    a bad one is one line before MPI starts. Checks ``OMP_NUM_THREADS``
+    a bad one is one line before MPI starts; so are a missing data file or dataset, a
+    malformed or unfindable ``--model``, a run dir that cannot be made
+    (`flodl_mpi.precheck.input_problem`). Checks ``OMP_NUM_THREADS``
     now, before torch is imported: its OpenMP runtime (libgomp) reads the variable at
     load time on every rank and prints a warning of its own for a bad value.
 
     Raises:
         ConfigError: an unreadable config file, a bad value in it or in a flag.
-        ValueError: ``OMP_NUM_THREADS`` is not a positive integer (and ``--threads`` is not given).
+        ValueError: ``OMP_NUM_THREADS`` is not a positive integer (and ``--threads`` is not given);
+            a problem `input_problem` found.
     """
     values = read_config_file(args.config) if args.config else {}
     for name, default in (("verbose", 0), ("quiet", False), ("progress", "auto")):
@@ -304,6 +312,9 @@ def settle_early(args: argparse.Namespace) -> None:
             setattr(args, name, values.get(name, default))
     cfg = config_from_args(args)  # every value, as every rank checks it again once MPI is up
     thread_request(cfg.threads)
+    problem = input_problem(cfg)  # the data file and names, the model spec, the run dir (issue 26 item 9)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _say_once(text: str) -> None:

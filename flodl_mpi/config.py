@@ -21,9 +21,9 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
-           "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OUTERS", "OUTPUT_OPTIONS", "POLICIES",
-           "PROGRESS", "ConfigError", "TrainConfig", "check_output_option", "config_key_text", "optimizer_class",
-           "read_config_file"]
+           "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OPTIMIZER_WEIGHT_DECAY", "OUTERS",
+           "OUTPUT_OPTIONS", "POLICIES", "PROGRESS", "ConfigError", "TrainConfig", "check_output_option",
+           "config_key_text", "optimizer_class", "read_config_file", "value_problem"]
 
 POLICIES = ("sync", "window", "cadence", "async")
 #: Policies whose quotas the ElChe balancer sets (SPEC §4).
@@ -33,6 +33,10 @@ ASYNC_ADOPTS = ("delta", "easgd")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 #: The class each of `OPTIMIZERS` builds (flodl_mpi.worker.make_optimizer).
 OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+#: Each of `OPTIMIZERS`' weight decay when ``--weight-decay`` is not given: torch.optim's own
+#: defaults (``inspect.signature(torch.optim.AdamW).parameters["weight_decay"].default``; kept
+#: here so the config and ``--help`` need no torch; tests/test_config_messages.py compares them).
+OPTIMIZER_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}
 DEVICES = ("auto", "cpu", "cuda")
 #: What a round does with a rank whose loss or parameters are NaN/Inf (``--on-non-finite``).
 ON_NON_FINITE = ("quarantine", "stop")
@@ -62,11 +66,35 @@ class ConfigError(ValueError):
         option: the field whose own value is bad (``"batch_size"``), with ``value``
             and ``allowed`` (the words after "must be"); None for a refusal of a
             combination of options.
+        problem: the words after the option's name: ``"'0.1' is a string: must be a
+            finite number > 0 (without quotes)"``, or ``"3.5: must be an integer >= 1"``.
     """
 
     def __init__(self, message: str, option: str | None = None, value: Any = None, allowed: str | None = None):
         super().__init__(message)
         self.option, self.value, self.allowed = option, value, allowed
+        self.problem = value_problem(value, allowed) if allowed is not None else message
+
+
+def value_problem(value: Any, allowed: str) -> str:
+    """``VALUE: must be ALLOWED``, naming the type when it is the problem (issue 26 item 9).
+
+    A config file's ``lr = "0.1"`` is a string where a number belongs: the words say so,
+    not only the range (``'0.1' is a string: must be a finite number > 0 (without quotes)``);
+    so is ``true`` where a number belongs. Choices (``one of ...``) and flags' own values
+    (argparse converts them) read as before.
+    """
+    numeric = allowed.startswith(("a finite number", "an integer", "a number", "<="))
+    if numeric and isinstance(value, str):
+        try:
+            float(value)
+            quoted = " (without quotes)"
+        except ValueError:
+            quoted = ""
+        return f"{value!r} is a string: must be {allowed}{quoted}"
+    if numeric and isinstance(value, bool):
+        return f"{value!r} is a boolean: must be {allowed}"
+    return f"{value!r}: must be {allowed}"
 
 
 @dataclass(frozen=True)
@@ -89,7 +117,7 @@ class TrainConfig:
     lr: float = 1e-3                  # learning rate
     optimizer: str = "adam"           # one of OPTIMIZERS; a Python API run's own optimizer: "module:Class"
     momentum: float = 0.9             # sgd only
-    weight_decay: float = 0.0
+    weight_decay: float | None = None  # None = the optimizer's own (OPTIMIZER_WEIGHT_DECAY; a resume: the run's)
     policy: str = "sync"              # one of POLICIES
     window: int = 1                   # batches per rank between rounds (policy window)
     anchor: int | None = None         # cadence/async: the slowest rank's first window, batches; None = 10
@@ -126,7 +154,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         def need(cond: bool, option: str, value: Any, allowed: str) -> None:
             if not cond:
-                raise ConfigError(f"--{option.replace('_', '-')} {value!r}: must be {allowed}", option, value, allowed)
+                raise ConfigError(f"--{option.replace('_', '-')} {value_problem(value, allowed)}", option, value,
+                                  allowed)
 
         for name in ("epochs", "batch_size", "window", "keep_checkpoints", "chunk_elems", "eval_batch_size"):
             v = getattr(self, name)
@@ -139,10 +168,13 @@ class TrainConfig:
         need(self.chunk_elems <= 2**31 - 1, "chunk_elems", self.chunk_elems, "<= 2**31 - 1 (the MPI count limit)")
         for name in ("lr", "stall_timeout"):
             v = getattr(self, name)
-            need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, name, v, "a finite number > 0")
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0, name, v,
+                 "a finite number > 0")
         for name in ("momentum", "weight_decay"):
             v = getattr(self, name)
-            need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, name, v, "a finite number >= 0")
+            need((v is None and name == "weight_decay") or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                            and math.isfinite(v) and v >= 0),
+                 name, v, "a finite number >= 0")
         need(isinstance(self.gamma, (int, float)) and math.isfinite(self.gamma), "gamma", self.gamma, "a finite number")
         need(self.optimizer in OPTIMIZERS or _is_class_path(self.optimizer), "optimizer", self.optimizer,
              f"one of {', '.join(OPTIMIZERS)}")
@@ -174,6 +206,9 @@ class TrainConfig:
         if self.policy == "sync" and self.window != 1:
             raise ConfigError(f"--window {self.window} contradicts --policy sync (a round after every batch); "
                               "use --policy window")
+        if self.policy == "window" and self.window == 1:  # issue 26 item 9: never silently sync
+            raise ConfigError("--policy window needs --window N: the batches each rank trains between rounds, "
+                              "N >= 2 (a window of 1 is --policy sync)")
         self._check_balancer(need)
         need(isinstance(self.resume, bool), "resume", self.resume, "true or false")
         need(isinstance(self.scale_lr, bool), "scale_lr", self.scale_lr, "true or false")
@@ -227,6 +262,14 @@ class TrainConfig:
         if self.policy == "async" and self.outer != "avg":
             raise ConfigError(f"--outer {self.outer} needs a blocking policy (sync, window or cadence): --policy async "
                               "blends the consensus into parameters that trained on")
+
+    @property
+    def weight_decay_value(self) -> float:
+        """The weight decay a new optimizer is built with: ``--weight-decay``, else the optimizer's own
+        default (`OPTIMIZER_WEIGHT_DECAY`: torch.optim's, 0.01 for AdamW); 0 for a factory's class."""
+        if self.weight_decay is not None:
+            return float(self.weight_decay)
+        return OPTIMIZER_WEIGHT_DECAY.get(self.optimizer, 0.0)
 
     @property
     def anchor_value(self) -> int:

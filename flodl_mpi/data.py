@@ -21,8 +21,11 @@ __all__ = [
     "DataError",
     "Dataset",
     "Split",
+    "TASKS",
     "batch_indices",
+    "check_layout",
     "dataset_from_arrays",
+    "for_task",
     "default_digits_path",
     "ensure_digits",
     "epoch_permutation",
@@ -69,6 +72,9 @@ class Dataset:
     #: where ``num_classes`` came from, for the log: ``10 classes (largest label 9 in 'train/y')``
     #: or ``10 classes (attribute num_classes of 'data.h5')``; "" for regression.
     classes_note: str = ""
+    #: lines (``warning: ...``) on labels that add classes training never targets: a test label
+    #: the training split lacks, no label 0 (1-based labels); logged by the trainer's header.
+    warnings: tuple[str, ...] = ()
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -98,20 +104,57 @@ def _list_datasets(f: h5py.File) -> list[str]:
     return found
 
 
-def _read(f: h5py.File, name: str, file: str) -> np.ndarray:
+def _dataset_of(f: h5py.File, name: str, file: str) -> h5py.Dataset:
     obj = f.get(name)
     if not isinstance(obj, h5py.Dataset):
         has = ", ".join(_list_datasets(f)) or "no datasets"
         what = "is a group, not a dataset" if obj is not None else "not found"
         raise DataError(f"dataset {name!r} {what} in {file!r} (has: {has})")
-    return obj[()]
+    return obj
+
+
+def _open(file: str) -> h5py.File:
+    if not os.path.exists(file):
+        raise DataError(f"--data {file!r}: no such file")
+    try:
+        return h5py.File(file, "r")
+    except OSError as exc:  # not HDF5, truncated, a directory, no permission
+        raise DataError(f"--data {file!r}: cannot open as HDF5 ({exc})") from exc
+
+
+def check_layout(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAMES) -> None:
+    """What :func:`load_dataset` checks before it reads a value, from the file's metadata only (fast).
+
+    The file exists and is HDF5, each dataset of ``names`` is there, features are numeric
+    ``(N, ...)``, labels 1-D integers, rows match within each split. The CLI asks it before
+    MPI and torch start (issue 26 item 9), so such a mistake is refused in well under a
+    second instead of after their 8-20 s; the messages are `load_dataset`'s.
+
+    Raises:
+        DataError: as :func:`load_dataset`, for the problems above.
+    """
+    names = _check_names(names)
+    file = str(path)
+    with _open(file) as f:
+        objs = {role: _dataset_of(f, name, file) for role, name in names.items()}
+        for split in ("train", "test"):
+            x, y = objs[f"{split}_x"], objs[f"{split}_y"]
+            xname, yname = names[f"{split}_x"], names[f"{split}_y"]
+            _feature_kind(x.dtype, x.shape, xname, file)
+            _label_kind(y.dtype, y.shape, yname, file)
+            if x.shape[0] != y.shape[0]:
+                raise DataError(f"{xname!r} has {x.shape[0]} rows but {yname!r} has {y.shape[0]} in {file!r}")
+
+
+def _feature_kind(dtype: np.dtype, shape: tuple, name: str, file: str) -> None:
+    if dtype.kind not in "biuf":
+        raise DataError(f"{name!r} in {file!r} must be numeric features, got {dtype}")
+    if len(shape) < 2:
+        raise DataError(f"{name!r} in {file!r} must have shape (N, features...), got {tuple(shape)}")
 
 
 def _features(x: np.ndarray, name: str, file: str) -> np.ndarray:
-    if x.dtype.kind not in "biuf":
-        raise DataError(f"{name!r} in {file!r} must be numeric features, got {x.dtype}")
-    if x.ndim < 2:
-        raise DataError(f"{name!r} in {file!r} must have shape (N, features...), got {x.shape}")
+    _feature_kind(x.dtype, x.shape, name, file)
     if x.size == 0:
         raise DataError(f"{name!r} in {file!r} is empty (shape {x.shape})")
     return _finite_float32(x, name, file)
@@ -123,16 +166,24 @@ def _finite_float32(x: np.ndarray, name: str, file: str) -> np.ndarray:
     # which is reported below rather than as numpy's overflow warning.
     with np.errstate(over="ignore"):
         x = np.ascontiguousarray(x, dtype=np.float32)
-    if not np.isfinite(x).all():
-        raise DataError(f"{name!r} in {file!r} holds non-finite values (NaN or Inf as float32)")
+    finite = np.isfinite(x)
+    if not finite.all():  # issue 26 item 9: the row to look at, and how many there are
+        bad = ~finite.reshape(len(x), -1).all(axis=1)
+        row = int(np.flatnonzero(bad)[0])
+        value = x[row].reshape(-1)[~finite[row].reshape(-1)][0]
+        count = int(bad.sum())
+        raise DataError(f"{name!r} in {file!r} holds non-finite values (NaN or Inf as float32): row {row} first "
+                        f"({float(value)}), {count} row{'s' if count != 1 else ''} of {len(x)} in all")
     return x
 
 
+def _label_kind(dtype: np.dtype, shape: tuple, name: str, file: str) -> None:
+    if len(shape) != 1 or dtype.kind not in "iu":
+        raise DataError(f"{name!r} in {file!r} must be 1-D integer class labels, got {dtype} {tuple(shape)}")
+
+
 def _labels(y: np.ndarray, name: str, file: str) -> np.ndarray:
-    if y.ndim != 1 or y.dtype.kind not in "iu":
-        raise DataError(
-            f"{name!r} in {file!r} must be 1-D integer class labels, got {y.dtype} {y.shape}"
-        )
+    _label_kind(y.dtype, y.shape, name, file)
     if y.size == 0:
         raise DataError(f"{name!r} in {file!r} is empty")
     if y.min() < 0:
@@ -220,6 +271,37 @@ def _class_count(splits: dict, names: Mapping[str, str], file: str, stated: int 
     return count, f"{count} classes (largest label {largest} in {name!r})"
 
 
+def _label_warnings(splits: dict, names: Mapping[str, str], file: str, stated: bool) -> tuple[str, ...]:
+    """Labels that give the model outputs training never targets (issue 26 item 9), one line each.
+
+    A test label that no training row has (a typo, another label scheme: those test rows
+    can only count as errors), and labels with no 0 anywhere (1-based: class 0 is never
+    trained). Not with a stated ``num_classes``: the count was said on purpose.
+    """
+    if stated:
+        return ()
+    train, test = splits["train"].y, splits["test"].y
+    lines = []
+    unseen = ~np.isin(test, train)
+    if unseen.any():
+        labels = np.unique(test[unseen])
+        shown = ", ".join(str(int(v)) for v in labels[:5]) + (", ..." if len(labels) > 5 else "")
+        k, row = int(unseen.sum()), _first_row(test, unseen)
+        lines.append(f"warning: {names['test_y']!r} in {file!r} holds label{'s' if len(labels) != 1 else ''} "
+                     f"{shown} that {names['train_y']!r} never has ({k} test row{'s' if k != 1 else ''}, the "
+                     f"first at row {row}): the model gets an output for {'them' if len(labels) != 1 else 'it'} "
+                     "that training never targets, and those rows count as errors; check the labels of both "
+                     "splits")
+    low = min(int(train.min()), int(test.min()))
+    if low >= 1:
+        high = max(int(train.max()), int(test.max()))
+        lines.append(f"warning: no label is 0 in {names['train_y']!r} or {names['test_y']!r} of {file!r} (labels "
+                     f"{low}..{high}): class{'es' if low > 1 else ''} 0{f'..{low - 1}' if low > 1 else ''} get"
+                     f"{'' if low > 1 else 's'} an output that training never targets; 1-based labels? subtract "
+                     f"{low} (labels are 0..C-1)")
+    return tuple(lines)
+
+
 def _dataset(splits: dict, names: Mapping[str, str], file: str, stated: int | None = None) -> Dataset:
     train, test = splits["train"], splits["test"]
     if train.feature_shape != test.feature_shape:
@@ -231,7 +313,72 @@ def _dataset(splits: dict, names: Mapping[str, str], file: str, stated: int | No
     if train.y.dtype.kind != "i":
         return Dataset(train=train, test=test, num_classes=0, source=file)
     classes, note = _class_count(splits, names, file, stated)
-    return Dataset(train=train, test=test, num_classes=classes, source=file, classes_note=note)
+    return Dataset(train=train, test=test, num_classes=classes, source=file, classes_note=note,
+                   warnings=_label_warnings(splits, names, file, stated is not None))
+
+
+#: ``fit(task=...)``: None infers it from the targets' dtype (integer: classification).
+TASKS = ("classification", "regression")
+#: Float targets with at most this many distinct whole values look like class labels.
+LABEL_LIKE_MAX_DISTINCT = 256
+
+
+def _label_like(y: np.ndarray) -> np.ndarray | None:
+    """The distinct values of float targets that look like class labels (1-D or ``(N, 1)``,
+    whole numbers >= 0, at most `LABEL_LIKE_MAX_DISTINCT` of them), else None."""
+    if y.dtype.kind != "f" or not (y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)):
+        return None
+    values = np.unique(y)
+    if len(values) > LABEL_LIKE_MAX_DISTINCT or values[0] < 0 or not np.array_equal(values, np.round(values)):
+        return None
+    return values
+
+
+def for_task(data: Dataset, task: str | None) -> Dataset:
+    """``data`` as ``task`` needs it: ``fit(task=...)`` (issue 26 item 6).
+
+    ``"classification"``: integer labels as they are; float targets that are whole
+    numbers >= 0 (1-D or ``(N, 1)``) become int64 labels, checked as a file's. ``"regression"``:
+    float targets as they are; integer labels become float32 targets ``(N,)``. None: integer
+    labels classify, float targets regress, except float targets that look like class labels
+    (`_label_like`): refused, since a silent regression on labels trains with mean squared
+    error and measures no accuracy (``flodl-mpi train`` refuses float labels too).
+
+    Raises:
+        DataError: the refusal above (one line, naming both remedies), or targets that
+            ``task`` cannot take (class labels from fractional or multi-column targets).
+        ValueError: ``task`` is none of `TASKS` nor None.
+    """
+    if task is not None and task not in TASKS:
+        raise ValueError(f"task={task!r}: must be one of {', '.join(map(repr, TASKS))} or None (from the targets)")
+    train, test = data.train, data.test
+    kind = train.y.dtype.kind
+    if task == "regression":
+        if kind != "i":
+            return data
+        splits = {s: Split(x=getattr(data, s).x, y=getattr(data, s).y.astype(np.float32)) for s in ("train", "test")}
+        return Dataset(train=splits["train"], test=splits["test"], num_classes=0, source=data.source)
+    if kind == "i":
+        return data
+    looks = [_label_like(train.y), _label_like(test.y)]
+    if task is None:
+        if looks[0] is None or looks[1] is None:
+            return data
+        values = np.union1d(looks[0], looks[1])
+        shown = ", ".join(f"{v:g}" for v in values[:5]) + (", ..." if len(values) > 5 else "")
+        raise DataError(f"the targets in {data.source!r} are floats that look like class labels (whole numbers, "
+                        f"{len(values)} distinct: {shown}): fit() would regress on them (mean squared error, no "
+                        "accuracy); pass task='classification' (or integer labels, y.astype('int64')) to classify, "
+                        "or task='regression' to regress on them")
+    for split, values in zip(("train", "test"), looks):
+        if values is None:
+            raise DataError(f"task='classification': the {split} targets in {data.source!r} are not class labels "
+                            f"(whole numbers >= 0, 1-D): {getattr(data, split).y.dtype} "
+                            f"{getattr(data, split).y.shape}")
+    splits = {s: Split(x=getattr(data, s).x, y=getattr(data, s).y.reshape(-1).astype(np.int64))
+              for s in ("train", "test")}
+    names = {"train_x": "train x", "test_x": "test x", "train_y": "train y", "test_y": "test y"}
+    return _dataset(splits, names, data.source)
 
 
 def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAMES,
@@ -256,14 +403,8 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
     """
     names = _check_names(names)
     file = str(path)
-    if not os.path.exists(file):
-        raise DataError(f"--data {file!r}: no such file")
-    try:
-        f = h5py.File(file, "r")
-    except OSError as exc:  # not HDF5, truncated, a directory, no permission
-        raise DataError(f"--data {file!r}: cannot open as HDF5 ({exc})") from exc
-    with f:
-        raw = {role: _read(f, name, file) for role, name in names.items()}
+    with _open(file) as f:
+        raw = {role: _dataset_of(f, name, file)[()] for role, name in names.items()}
         stated = _stated_classes(f, names["train_y"], file)
 
     splits = {}

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from flodl_mpi.precheck import model_spec_problem
+
 __all__ = ["ModelSpecError", "build_model", "check_model_output", "check_training_step", "digits_mlp",
            "model_difference", "model_signature", "module_structure", "wide_tensor"]
 
@@ -88,8 +90,6 @@ def _import(spec: str, module: str) -> object:
             raise ModelSpecError(
                 f"--model {spec!r}: cannot import module {module!r}: {_describe(exc)}"
             ) from exc
-    if not os.path.isfile(module):
-        raise ModelSpecError(f"--model {spec!r}: no such file {module!r}")
     # A private name, registered in sys.modules while it runs (as importlib's recipe
     # does) so that dataclasses and pickling inside the user's file work.
     name = "_flodl_mpi_user_model_" + os.path.splitext(os.path.basename(module))[0]
@@ -146,12 +146,10 @@ def build_model(spec: str | None, input_shape: tuple[int, ...], num_classes: int
         return digits_mlp(input_shape, num_classes)
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a str 'module:factory' or None, got {type(spec).__name__}")
-    # Split at the last colon so a Windows path like C:\nets\m.py:make still parses.
+    problem = model_spec_problem(spec, find=False)  # the form, a .py file that is not there
+    if problem is not None:
+        raise ModelSpecError(problem)
     module, _, attr = spec.rpartition(":")
-    if not module or not attr:
-        raise ModelSpecError(
-            f"--model {spec!r}: expected 'module:factory' or 'path/to/file.py:factory'"
-        )
 
     factory = _import(spec, module)
     for part in attr.split("."):

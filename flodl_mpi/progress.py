@@ -13,13 +13,14 @@ parent processes while they are MPI launcher processes (Linux ``/proc``).
 
 from __future__ import annotations
 
+import io
 import os
-import shutil
 import sys
 import time
 from typing import TextIO
 
-__all__ = ["LAUNCHERS", "EpochProgress", "stdout_is_terminal", "write_above_bars"]
+__all__ = ["LAUNCHERS", "EpochProgress", "bar_columns", "launcher_terminal", "stdout_is_terminal",
+           "terminal_columns", "write_above_bars"]
 
 #: Process names of MPI launchers and their per-node proxies, whose stdout a rank's
 #: output goes to (MPICH hydra, Open MPI / PRRTE).
@@ -38,33 +39,81 @@ def _proc(pid: int) -> tuple[str, int] | None:
     return name, int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
-def stdout_is_terminal(stream: TextIO | None = None) -> bool:
-    """Whether output written to ``stream`` (default stdout) ends up on a terminal.
+def launcher_terminal(stream: TextIO | None = None) -> str | None:
+    """The terminal that output written to ``stream`` (default stdout) ends up on, or None.
 
-    True when the stream itself is a tty, or when it is a pipe to an MPI launcher
-    (`LAUNCHERS`) whose own stdout is a tty: ``mpiexec -n 4 flodl-mpi train`` typed
-    in a terminal. False under ``srun``/``sbatch``, with output redirected to a
-    file, and wherever ``/proc`` is not there to ask.
+    ``stream``'s own tty when it is one (its ``/proc`` name, or ``""`` where that is not
+    known); else the tty of the MPI launcher (`LAUNCHERS`) it is a pipe to, asked of the
+    parent processes: ``mpiexec -n 4 flodl-mpi train`` typed in a terminal. None under
+    ``srun``/``sbatch``, with output redirected to a file, and wherever ``/proc`` is not
+    there to ask.
     """
     stream = sys.stdout if stream is None else stream
     try:
         if stream.isatty():
-            return True
+            try:
+                return os.ttyname(stream.fileno())
+            except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+                return ""
     except (AttributeError, ValueError):
-        return False
+        return None
     pid = os.getppid()
     for _ in range(4):  # rank -> proxy -> launcher (-> wrapper)
         info = _proc(pid)
         if info is None or info[0] not in LAUNCHERS:
-            return False
+            return None
         try:
             target = os.readlink(f"/proc/{pid}/fd/1")
         except OSError:
-            return False
+            return None
         if target.startswith(("/dev/pts/", "/dev/tty")):
-            return True
+            return target
         pid = info[1]
-    return False
+    return None
+
+
+def stdout_is_terminal(stream: TextIO | None = None) -> bool:
+    """Whether output written to ``stream`` (default stdout) ends up on a terminal (`launcher_terminal`)."""
+    return launcher_terminal(stream) is not None
+
+
+def terminal_columns(path: str) -> int | None:
+    """The width in columns of the terminal device ``path`` (``/dev/pts/3``), or None if it cannot be asked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOCTTY", 0) | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        columns = os.get_terminal_size(fd).columns
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return columns if columns > 0 else None
+
+
+def bar_columns(stream: TextIO | None = None) -> int | None:
+    """The width to draw rank 0's bar in: the terminal's, wherever it can be learnt, else None.
+
+    In order: ``stream``'s own terminal; the MPI launcher's terminal (a rank's stdout is a
+    pipe to it, issue 26 item 9: ``shutil.get_terminal_size`` answered 80 there, which left
+    a bar of one character); ``$COLUMNS``. None: not known, and tqdm draws its bar 10
+    characters wide, the line as long as it needs.
+    """
+    stream = sys.stdout if stream is None else stream
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or None
+    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+        pass
+    path = launcher_terminal(stream)
+    columns = terminal_columns(path) if path else None
+    if columns is not None:
+        return columns
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        return None
+    return columns if columns > 0 else None
 
 
 #: Bars drawn now (rank 0 has at most one): a log line printed meanwhile goes above them.
@@ -117,7 +166,7 @@ class EpochProgress:
         self.close()
         stream = self.stream if self.stream is not None else sys.stdout
         self._bar = tqdm(total=total, initial=done, desc=desc, unit="batch", leave=False, file=stream,
-                         ncols=shutil.get_terminal_size().columns, mininterval=self.mininterval)
+                         ncols=bar_columns(stream), mininterval=self.mininterval)
         _OPEN.add(self)
         self._t0, self._rounds0 = time.monotonic(), rounds
 

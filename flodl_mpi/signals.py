@@ -7,7 +7,8 @@ point, before MPI starts and before torch is imported, so a signal during a slow
 start-up is kept, not fatal.
 
 Once a stop is under way, further stop signals (a second Ctrl-C included) are
-logged and absorbed until the save and the exit are done: a preemptible job
+absorbed until the save and the exit are done, said once and counted at the end (a
+storm of them is two lines, not one per signal): a preemptible job
 that is signalled twice still ends with 4 and is requeued. To end a run at once,
 without its save, send SIGKILL.
 """
@@ -39,6 +40,7 @@ class StopRequest:
         self.requested = False
         self.signal_name: str | None = None
         self.absorbed = 0
+        self._counted = False  # the count of absorbed signals is said (once, by `close`)
         # Messages come from the process its launcher calls rank 0 only: the
         # launchers (mpiexec, srun, scancel) signal every rank alike.
         env = launch_env()
@@ -59,9 +61,13 @@ class StopRequest:
         Python's shutdown restores the default action (death by the signal) of
         every signal that has a Python handler, but leaves ignored ones ignored,
         so a late SIGTERM cannot turn a decided exit 4 (or 0) into 15.
+        Says how many further stop signals were absorbed, when more than the one already said.
         """
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        if self.absorbed > 1 and not self._counted:
+            self._counted = True
+            self._say(f"{self.absorbed} further stop signals absorbed during the stop (said once, above)")
 
     def _say(self, text: str) -> None:
         if self._speak:
@@ -85,5 +91,6 @@ class StopRequest:
                       f"exits with status 4 (resume with {self.resume_hint})")
             return
         self.absorbed += 1
-        self._say(f"{name} again: a stop is already under way (saving, then exit status 4); "
-                  "signal absorbed (SIGKILL ends the run without its save)")
+        if self.absorbed == 1:  # once: a storm of signals is not a line each (issue 26 item 9)
+            self._say(f"{name} again: a stop is already under way (saving, then exit status 4); "
+                      "signal absorbed, and any more are, silently (SIGKILL ends the run without its save)")

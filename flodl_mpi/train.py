@@ -145,7 +145,7 @@ def _describe_policy(cfg: TrainConfig) -> str:
     return text
 
 
-def effective_batch_line(cfg: TrainConfig, world_size: int, api: bool = False) -> str:
+def effective_batch_line(cfg: TrainConfig, world_size: int, api: bool = False, n_samples: int | None = None) -> str:
     """The header's line on the effective batch and the learning rate (what a user must know at W > 1).
 
     Each round averages one window of every rank, so per epoch every replica takes
@@ -153,17 +153,28 @@ def effective_batch_line(cfg: TrainConfig, world_size: int, api: bool = False) -
     equal ``--lr`` the cohort moves like one process with a W times larger batch.
     ``api``: worded in :func:`flodl_mpi.fit`'s keywords (``scale_lr=True``, ``lr=``),
     not the CLI's flags; ``cfg.lr`` is then the rate the optimizer was built with.
+    ``n_samples``: the training set's size; when ``batch_size`` x W exceeds what an
+    epoch's batch plan holds, the line gives the batch that actually happens (capped
+    by the data, issue 26 item 9) and the step ratio of the real plan.
     """
     scale, raise_lr = ("scale_lr=True", "lr") if api else ("--scale-lr", "--lr")
-    eff = cfg.batch_size * world_size
-    text = (f"batch {cfg.batch_size} per rank, effective batch {cfg.batch_size} x {world_size} rank"
-            f"{'s' if world_size != 1 else ''} = {eff} samples per step of the averaged model")
+    eff, ratio = cfg.batch_size * world_size, world_size
+    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+    text = f"batch {cfg.batch_size} per rank, effective batch {cfg.batch_size} x {ranks} = {eff} samples per step " \
+           "of the averaged model"
+    batches = num_batches(n_samples, cfg.batch_size, cfg.drop_last) if n_samples is not None else 0
+    planned = min(n_samples, batches * cfg.batch_size) if cfg.drop_last else n_samples
+    if n_samples is not None and batches > 0 and eff > planned:
+        ratio = batches / -(-batches // world_size)  # one process's steps per epoch / the cohort's rounds
+        text = (f"batch {cfg.batch_size} per rank, effective batch {planned} samples per step of the averaged "
+                f"model, at most: {cfg.batch_size} x {ranks} = {eff} asked, capped by the training set of "
+                f"{n_samples} samples ({batches} batch{'es' if batches != 1 else ''} per epoch)")
     if cfg.scale_lr and world_size > 1:
         ramp = f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""
         return f"{text}; {scale}: lr {cfg.lr:g} x {world_size} = {cfg.lr * world_size:g}{ramp}"
-    if world_size > 1:
-        return (f"{text}; lr {cfg.lr:g} as given (one process at batch {cfg.batch_size} would take {world_size}x "
-                f"the steps per epoch: to match it, raise {raise_lr} toward {cfg.lr * world_size:g} or "
+    if world_size > 1 and ratio > 1:
+        return (f"{text}; lr {cfg.lr:g} as given (one process at batch {cfg.batch_size} would take {ratio:g}x "
+                f"the steps per epoch: to match it, raise {raise_lr} toward {cfg.lr * ratio:g} or "
                 f"{'set' if api else 'add'} {scale})")
     return text
 
@@ -900,7 +911,9 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
              f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {devices}, "
              f"{data.train.n} train / {data.test.n} test samples from {data.source}"
              f"{', ' + data.classes_note if data.classes_note else ''}; run dir {run_dir}")
-    log.info(effective_batch_line(cfg, world_size, api))
+    for line in data.warnings:  # labels that give outputs training never targets (issue 26 item 9)
+        log.warning(line)
+    log.info(effective_batch_line(cfg, world_size, api, data.train.n))
     if bridge is not None and world_size > 1:
         log.info(describe_averaging_path(cfg, bridge.reducer.path, bridge.reducer.nodes))
     policy = f"policy={cfg.policy!r}" if api else f"--policy {cfg.policy}"

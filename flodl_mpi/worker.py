@@ -47,10 +47,11 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     if cfg.optimizer not in ("sgd", "adam", "adamw"):
         raise ValueError(f"optimizer {cfg.optimizer!r} is built by the optimizer factory given to flodl_mpi.fit")
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay_value)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay_value)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay_value)
 
 
 class ReplacedTensorError(ValueError):
@@ -585,9 +586,12 @@ class Trainer:
         if not same:
             seed = np.random.SeedSequence([self.cfg.seed, self.rank, int(meta["round"])]).generate_state(1)[0]
             torch.manual_seed(int(seed))
-        # Hyperparameters are the run's as configured now (a resume may change --lr).
+        # Hyperparameters are the run's as configured now (a resume may change --lr); the weight
+        # decay only when given (else the run's own, restored with the state: issue 26 item 11).
         for group in self.optimizer.param_groups:
-            group["lr"], group["weight_decay"] = self.cfg.lr, self.cfg.weight_decay
+            group["lr"] = self.cfg.lr
+            if self.cfg.weight_decay is not None:
+                group["weight_decay"] = self.cfg.weight_decay
             if "momentum" in group:
                 group["momentum"] = self.cfg.momentum
         self.bridge.version = int(meta["round"])

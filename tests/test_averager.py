@@ -29,6 +29,8 @@ def small_model() -> nn.Module:
      "use flodl_mpi.fit\\)"),
     ({"policy": "sync", "window": 4}, InputError, "window=4 contradicts policy='sync'"),
     ({"policy": "window", "window": 0}, InputError, "window must be >= 1, got 0"),
+    ({"policy": "window"}, InputError, r"^policy='window' needs window=N: the step\(\) calls between rounds, "
+                                       r"N >= 2 \(a window of 1 is policy='sync'\)$"),  # issue 26 item 9: not sync
     ({"window": 2.5}, InputError, "window must be an int"),
     ({"gamma": float("nan")}, InputError, "gamma must be a finite number"),
     ({"optimizer": "adam"}, InputError, "optimizer must be a torch.optim.Optimizer"),

@@ -35,9 +35,11 @@ def error_lines(proc):
 
 
 def test_missing_data_file_is_one_line_and_exit_2_on_every_rank(tmp_path):
+    """Also issue 26 item 9: refused before MPI starts (no "rank(s) up; loading PyTorch" line)."""
     proc = run_flodl(2, "train", "--data", str(tmp_path / "nope.h5"), "--run-dir", str(tmp_path / "r"), timeout=300)
     assert proc.returncode == EXIT_INPUT, proc.stderr
     assert error_lines(proc) == [f"flodl-mpi: error: --data '{tmp_path / 'nope.h5'}': no such file"]
+    assert "rank(s) up" not in proc.stdout, proc.stdout
     assert not (tmp_path / "r").exists()  # nothing created for a run that never started
 
 
@@ -289,6 +291,28 @@ def test_the_header_states_the_effective_batch_and_how_to_scale():
     assert "--scale-lr: lr 0.001 x 3 = 0.003 after 45 warm-up steps" in line
 
 
+def test_the_effective_batch_is_what_the_data_allows():
+    """issue 26 item 9: "effective batch 2000" for a 133-sample set; a round averages at most the set.
+
+    Hand-worked: 133 samples in batches of 1000 are one batch, so a round averages 133 samples and one
+    process takes as many steps per epoch (no lr advice); batches of 40 on 4 ranks: 4 batches (40, 40, 40,
+    13), one round of 133 samples, one process 4 steps."""
+    from flodl_mpi.config import TrainConfig
+    from flodl_mpi.train import effective_batch_line
+
+    line = effective_batch_line(TrainConfig(batch_size=1000, lr=1e-3), 2, n_samples=133)
+    assert line == ("batch 1000 per rank, effective batch 133 samples per step of the averaged model, at most: "
+                    "1000 x 2 ranks = 2000 asked, capped by the training set of 133 samples (1 batch per epoch)")
+    line = effective_batch_line(TrainConfig(batch_size=40, lr=1e-3), 4, n_samples=133)
+    assert line.startswith("batch 40 per rank, effective batch 133 samples per step of the averaged model, at most: "
+                           "40 x 4 ranks = 160 asked, capped by the training set of 133 samples (4 batches per "
+                           "epoch); lr 0.001 as given (one process at batch 40 would take 4x the steps per epoch")
+    drop = effective_batch_line(TrainConfig(batch_size=40, drop_last=True), 4, n_samples=133)
+    assert "effective batch 120 samples per step" in drop and "(3 batches per epoch)" in drop
+    assert effective_batch_line(TrainConfig(batch_size=32), 2, n_samples=1437) == \
+        effective_batch_line(TrainConfig(batch_size=32), 2)   # not capped: the line as before
+
+
 # ---------------------------------------------------------------- polish (issue 7)
 
 
@@ -339,9 +363,9 @@ def test_a_bad_config_file_is_refused_before_mpi_starts(tmp_path):
 
 
 @pytest.mark.parametrize("line, key, shown, allowed", [
-    ('epochs = "three"', "epochs", "'three'", "an integer >= 1"),
+    ('epochs = "three"', "epochs", "'three' is a string", "an integer >= 1"),  # the type named: issue 26 item 9
     ("epochs = 1.7", "epochs", "1.7", "an integer >= 1"),
-    ('lr = "fast"', "lr", "'fast'", "a finite number > 0"),
+    ('lr = "fast"', "lr", "'fast' is a string", "a finite number > 0"),
     ('scale-lr = "no"', "scale-lr", "'no'", "true or false"),
     ("batch_size = 0", "batch_size", "0", "an integer >= 1"),
     ("max-anchor = 5\npolicy = \"cadence\"", "max-anchor", "5", "an integer >= the anchor (10)"),
@@ -378,7 +402,8 @@ def test_a_bad_value_is_refused_before_mpi_starts(tmp_path, case):
     toml = tmp_path / "run.toml"
     toml.write_text('epochs = "three"\n')
     argv = ("--config", str(toml)) if case == "file" else ("--batch-size", "0")
-    expected = {"file": f"flodl-mpi: error: --config '{toml}': key 'epochs': 'three': must be an integer >= 1",
+    expected = {"file": f"flodl-mpi: error: --config '{toml}': key 'epochs': 'three' is a string: must be an "
+                        "integer >= 1",
                 "flag": "flodl-mpi: error: --batch-size 0: must be an integer >= 1"}[case]
     proc, elapsed = timed(2, "train", *argv, "--run-dir", str(tmp_path / "r"), timeout=PROMPT_S)
     assert proc.returncode == EXIT_INPUT and elapsed < PROMPT_S

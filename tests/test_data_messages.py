@@ -31,3 +31,27 @@ def test_an_unwritable_data_dir_names_the_variable(tmp_path, monkeypatch):
         ensure_digits()
     assert str(err.value) == (f"FLODL_MPI_DATA_DIR={str(blocker / 'nope')!r}: cannot write the built-in digits "
                               "file digits.h5 there: Not a directory")
+
+
+def test_non_finite_features_name_the_first_row_and_the_count(tmp_path):
+    """issue 26 item 9: NaN in x was refused without naming the row; the line names the first and the count."""
+    import h5py
+    import numpy as np
+
+    from flodl_mpi.data import DataError, dataset_from_arrays, load_dataset
+
+    x = np.zeros((50, 2, 3), np.float32)
+    x[17, 1, 2], x[30, 0, 0], x[31, 1, 1] = np.nan, np.inf, np.nan
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["train/x"], f["train/y"] = x, np.arange(50) % 2
+        f["test/x"], f["test/y"] = x[:4], np.arange(4) % 2
+    with pytest.raises(DataError) as err:
+        load_dataset(path)
+    assert str(err.value) == (f"'train/x' in {str(path)!r} holds non-finite values (NaN or Inf as float32): row 17 "
+                              "first (nan), 3 rows of 50 in all")
+    big = np.ones((3, 2)) * 1e300  # finite float64, Inf as float32
+    with pytest.raises(DataError) as err:
+        dataset_from_arrays((np.ones((3, 2)), np.arange(3)), (big, np.arange(3)))
+    assert str(err.value) == ("'test x' in 'in-memory arrays' holds non-finite values (NaN or Inf as float32): "
+                              "row 0 first (inf), 3 rows of 3 in all")

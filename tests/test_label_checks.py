@@ -140,3 +140,43 @@ def test_the_cli_refuses_a_stray_label_in_one_line_exit_2(tmp_path):
                      timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"5 classes (attribute num_classes of {stated!r})" in (tmp_path / "ok" / "train.log").read_text()
+
+
+def test_a_test_label_training_never_has_and_one_based_labels_are_warned(tmp_path):
+    """issue 26 item 9: both silently added classes (an output training never targets); each is one line
+    naming the labels, the first row and the remedy, logged under train.log's header. A stated class
+    count says it is meant: no warning."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from flodl_mpi.config import TrainConfig
+    from flodl_mpi.train import log, log_header
+
+    test_y = np.array([0, 1, 7, 1, 7, 9])
+    path = _write(tmp_path / "d.h5", _labels(k=3), test_y)
+    data = load_dataset(path)
+    assert data.num_classes == 10
+    assert data.warnings == (
+        f"warning: 'test/y' in {path!r} holds labels 7, 9 that 'train/y' never has (3 test rows, the first at row "
+        "2): the model gets an output for them that training never targets, and those rows count as errors; check "
+        "the labels of both splits",)
+    one_based = _write(tmp_path / "one.h5", _labels(k=3) + 1)
+    data = load_dataset(one_based)
+    assert data.warnings == (
+        f"warning: no label is 0 in 'train/y' or 'test/y' of {one_based!r} (labels 1..3): class 0 gets an output "
+        "that training never targets; 1-based labels? subtract 1 (labels are 0..C-1)",)
+    assert load_dataset(_write(tmp_path / "ok.h5", _labels(k=3))).warnings == ()
+    stated = _write(tmp_path / "s.h5", _labels(k=3) + 1, test_y, root_attr=np.int64(10))
+    assert load_dataset(stated).warnings == ()
+    # the CLI's header says them (stdout and train.log), as warnings
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append((record.levelno, record.getMessage()))
+    log.addHandler(handler)
+    try:
+        log_header(TrainConfig(), 1, SimpleNamespace(params=[torch.zeros(3)]), ["cpu"], data, tmp_path)
+    finally:
+        log.removeHandler(handler)
+    assert (logging.WARNING, data.warnings[0]) in lines

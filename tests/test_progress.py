@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from flodl_mpi.progress import EpochProgress, stdout_is_terminal
+from flodl_mpi.progress import EpochProgress, bar_columns, stdout_is_terminal, terminal_columns
 from tests.conftest import MPIEXEC, launch_argv, launch_env
 
 EPOCH_LINE = re.compile(r"^\d\d:\d\d:\d\d epoch (\d+)/(\d+)  loss ", re.MULTILINE)
@@ -91,12 +91,51 @@ def test_stdout_is_terminal_for_a_pty_not_for_a_pipe():
         os.close(w)
 
 
-def _train_in_pty(args: list[str], timeout: float = 300) -> tuple[int, str]:
-    """Run ``mpiexec -n 2 flodl-mpi train ARGS`` with a pseudo-terminal as its stdout and stderr."""
+def _set_columns(fd: int, columns: int) -> None:
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+
+
+def test_the_bar_is_as_wide_as_the_terminal_and_ten_characters_when_that_is_unknown(monkeypatch):
+    """issue 26 item 9: under mpiexec the width was shutil's fallback, 80 columns, and the bar one character.
+
+    The terminal's width is asked of the device itself (the launcher's, for a rank); unknown
+    (no terminal, no $COLUMNS): tqdm's 10-character bar, the line as long as it needs."""
+    pytest.importorskip("tqdm")
+    monkeypatch.delenv("COLUMNS", raising=False)
+    master, slave = os.openpty()
+    try:
+        _set_columns(slave, 137)
+        assert terminal_columns(os.ttyname(slave)) == 137       # the launcher's terminal, by its name
+        with open(slave, "w", closefd=False) as tty:
+            assert bar_columns(tty) == 137
+    finally:
+        os.close(master)
+        os.close(slave)
+    out = io.StringIO()
+    assert bar_columns(out) is None                              # not a terminal, not a launcher's pipe
+    bar = EpochProgress(enabled=True, stream=out, mininterval=0)
+    bar.start("epoch 3/10", total=45, done=0, rounds=0)
+    bar.update(20, 0.4321, 12)
+    bar.close()
+    drawn = [seg for seg in re.split(r"[\r\n]", out.getvalue()) if "20/45" in seg]
+    assert drawn and all(re.search(r" 44%\|[#0-9 ]{10}\| 20/45 ", seg) for seg in drawn), drawn
+    assert "rounds/s]" in drawn[-1]                              # the postfix whole, not cut at 80 columns
+    monkeypatch.setenv("COLUMNS", "123")
+    assert bar_columns(io.StringIO()) == 123
+
+
+def _train_in_pty(args: list[str], timeout: float = 300, columns: int = 150) -> tuple[int, str]:
+    """Run ``mpiexec -n 2 flodl-mpi train ARGS`` with a pseudo-terminal ``columns`` wide as its stdout and
+    stderr (no $COLUMNS: the width is the terminal's own)."""
     master, slave = pty.openpty()
+    _set_columns(slave, columns)
+    env = {k: v for k, v in launch_env().items() if k != "COLUMNS"}
     proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", *args),
-                            env={**launch_env(), "COLUMNS": "200"},  # room for the whole bar line
-                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+                            env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -127,6 +166,10 @@ def test_terminal_gets_a_bar_through_mpiexec(tmp_path):
     assert rc == 0, out
     assert "\r" in out and "batch/s" in out and "rounds/s" in out and "loss " in out
     assert re.search(r"epoch 1/2: +\d+%", out), out          # the bar's description and percentage
+    # issue 26 item 9: the rank learns the launcher's terminal width (150), not shutil's 80
+    bars = [seg for seg in re.split(r"[\r\n]", out) if re.search(r"epoch 1/2: +\d+%\|", seg)]
+    assert bars and all(len(seg.strip("\x1b[A ")) <= 150 for seg in bars), bars
+    assert any(len(seg.rstrip()) > 100 and re.search(r"\|[^|]{20,}\|", seg) for seg in bars), bars
     assert [m.group(1) for m in EPOCH_LINE.finditer(out.replace("\r", "\n"))] == ["1", "2"]
 
 
