@@ -1,4 +1,4 @@
-"""The wire: a flat float32 layout over named tensors plus a trailing mass slot.
+"""The wire: a flat layout over named float32 tensors plus a trailing mass slot.
 
 Invariant: the layout is planned once from the model's structure (never from a
 rank-local fact), so every rank's buffer has the same length, the same tensor
@@ -8,7 +8,20 @@ and its mass together (SPEC §1, "the wire-scale trick").
 Layout of a frame of ``n`` tensor elements: ``[W·m·t_0 …, W·m·t_{n-1}, W·m]``.
 The pack multiplies by ``W·m`` while copying (one pass); the unpack divides by
 the summed mass while copying back (one pass) and accumulates the float64 sums
-of squares the divergence triple needs (SPEC §3) in the same pass. The pre-round
+of squares the divergence triple needs (SPEC §3) in the same pass.
+
+A frame that MPI sums is float64 (:meth:`WireLayout.new_frame`), the tensors
+float32: a value every rank holds alike must come back from the round
+unchanged, bit for bit (issue 26 item 5), and a float32 sum of three equal
+values already rounds. The float64 scale, sum and divide err far below half a
+float32 ulp, so rounding the quotient to float32 once gives the value back, for
+any masses. Why not float32 deltas against the last consensus (the same bytes
+as today, exact only where a rank's value equals that reference): it needs a
+copy of the model per rank, and values that move alike on every rank (weight
+decay on rows no rank's gradient touched) would still drift. The cost is twice
+the bytes on the MPI-summed paths only (``--node-reduce mpi``, the leaders'
+step across nodes); the shared-memory paths sum in float64 in cache, at the
+float32 bytes (``benchmarks/bench_round.py``). The pre-round
 sum of squares is a pass of its own before the round (:func:`sum_squares_pieces`):
 its finiteness decides, through the control gather, whether the rank is quarantined.
 """
@@ -88,8 +101,8 @@ class WireLayout:
         return np.empty(min(self.chunk_elems, self.size), dtype=np.float32)
 
     def new_frame(self) -> np.ndarray:
-        """A zeroed float32 array of ``size`` elements: the frame sent on the wire."""
-        return np.zeros(self.size, dtype=np.float32)
+        """A zeroed float64 array of ``size`` elements: the frame MPI sums (see the module docstring)."""
+        return np.zeros(self.size, dtype=np.float64)
 
     def views(self, flat: np.ndarray) -> list[np.ndarray]:
         """Views of ``flat`` (length >= ``n``) shaped as the tensors; no copies."""
@@ -132,7 +145,8 @@ def sum_squares_pieces(flat: np.ndarray, layout: WireLayout) -> float:
 def pack_chunk(staging: np.ndarray, frame: np.ndarray, lo: int, hi: int, scale: float) -> None:
     """Pack piece ``[lo, hi)`` of the frame: ``frame = scale · staging``, mass slot ``= scale``.
 
-    ``scale`` is ``W · m_r``. An idle or quarantined rank (``scale == 0``)
+    ``scale`` is ``W · m_r``, applied in the frame's dtype (float64 for
+    :meth:`WireLayout.new_frame`). An idle or quarantined rank (``scale == 0``)
     writes true zeros, never ``0 · θ``: a NaN in θ would survive the multiply
     (SPEC §1).
     """
@@ -141,7 +155,7 @@ def pack_chunk(staging: np.ndarray, frame: np.ndarray, lo: int, hi: int, scale: 
     if scale == 0.0:
         frame[lo:hi] = 0.0
     else:
-        np.multiply(staging[lo:t_hi], np.float32(scale), out=frame[lo:t_hi])
+        np.multiply(staging[lo:t_hi], frame.dtype.type(scale), out=frame[lo:t_hi], dtype=frame.dtype)
         if hi > n:
             frame[n] = scale
 
@@ -157,8 +171,8 @@ def unpack_chunk(
     """Unpack piece ``[lo, hi)``: ``staging = frame / total_mass``, the one divide.
 
     ``staging`` holds the rank's pre-round tensors on entry and the consensus on
-    return; ``frame`` holds the summed piece and is left holding the consensus
-    piece; ``scratch`` (float32, one piece, from ``new_scratch``) receives
+    return (the quotient in the frame's dtype, rounded to float32 once);
+    ``frame`` holds the summed piece and is left holding the consensus piece; ``scratch`` (float32, one piece, from ``new_scratch``) receives
     ``pre - post``. Measured here, a cache-resident subtract plus dot costs half
     of ``torch.dist``.
 
@@ -184,10 +198,11 @@ def pack_piece(staging: np.ndarray, lo: int, hi: int, out: np.ndarray, scale: fl
     """Pack frame piece ``[lo, hi)`` into ``out`` (float32, ``hi - lo`` elements, any buffer).
 
     ``out[i - lo] = scale · staging[i]`` for tensor elements, ``scale`` at the
-    mass slot (element ``staging.size``); an idle rank (``scale == 0``) writes
-    true zeros, never ``0 · θ`` (SPEC §1). The same arithmetic as
-    :func:`pack_chunk`, into a piece-sized buffer: the wire needs one piece of
-    memory, not a frame (the pieces are reduced one after another).
+    mass slot (element ``staging.size``), in ``out``'s dtype (float64 on the
+    wire MPI sums); an idle rank (``scale == 0``) writes true zeros, never
+    ``0 · θ`` (SPEC §1). The same arithmetic as :func:`pack_chunk`, into a
+    piece-sized buffer: the wire needs one piece of memory, not a frame (the
+    pieces are reduced one after another).
     """
     n = staging.size
     t_hi = min(hi, n)
@@ -195,7 +210,7 @@ def pack_piece(staging: np.ndarray, lo: int, hi: int, out: np.ndarray, scale: fl
         out[: hi - lo] = 0.0
         return
     if t_hi > lo:
-        np.multiply(staging[lo:t_hi], np.float32(scale), out=out[: t_hi - lo])
+        np.multiply(staging[lo:t_hi], out.dtype.type(scale), out=out[: t_hi - lo], dtype=out.dtype)
     if hi > n:
         out[n - lo] = scale
 
@@ -216,6 +231,9 @@ def unpack_piece(
     ``diff`` (float32 scratch of one piece), the two float64 sums of squares of
     the divergence triple, then ``staging[lo:hi] = post``; a non-finite
     consensus piece never reaches the staging (as :func:`unpack_chunk`).
+    ``summed`` float64 (the float64 wire, or a float64 node sum): the quotient
+    is float64, rounded to float32 once, into ``post`` if that is float32, else
+    into the staging (issue 26 item 5: identical inputs come back unchanged).
 
     Returns:
         ``(sum((pre - post) ** 2), sum(post ** 2))`` for this piece, float64.
