@@ -8,9 +8,9 @@ slice, last block first, the pass
    ``c = s_0·x_0``, then ``c = c + s_r·x_r`` for each further rank ``r`` whose
    scale ``s_r = W·m_r`` (float64) is not 0 (a rank of mass 0 is skipped: true
    zeros, whatever its segment holds; SPEC §1);
-2. divides once by the float64 total (multiplies by its reciprocal when the
-   total is a power of two: the same bits, both are the correctly rounded
-   ``c·2^-k``) and rounds the quotient to float32, once;
+2. divides once by the float64 total (multiplies by its float64 reciprocal,
+   :func:`flodl_mpi.wire.reciprocal`, as every path does) and rounds the
+   quotient to float32, once;
 3. stops if the block's consensus is not finite (never writes it; flags it);
 4. adds ``‖c‖²`` and each rank's ``‖x_r − c‖²`` (float64 sums; SPEC §3) and,
    when asked, each rank's ``‖x_r‖²`` (its pre-round norm; not finite exactly
@@ -46,7 +46,7 @@ import math
 
 import numpy as np
 
-from flodl_mpi.wire import sum_squares
+from flodl_mpi.wire import reciprocal, sum_squares
 
 __all__ = ["COMPILED_MIN_ELEMENTS", "KERNELS", "STEPS", "compiled_available", "consensus_slice", "default_kernel",
            "warm_up"]
@@ -137,11 +137,7 @@ def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: float, a: int, 
         return
     scales = np.ascontiguousarray(scales, dtype=np.float64)
     total = float(total)
-    # Dividing by a power of two (equal masses at W = 2, 4, 8...) is multiplying by its
-    # reciprocal, exactly, at a fraction of the cost.
-    inverse = 0.0
-    if math.frexp(total)[0] == 0.5 and np.finfo(np.float64).tiny <= 1.0 / total:
-        inverse = 1.0 / total  # a normal float64, exact
+    inverse = reciprocal(total)
     m = min(step, b - a)
     acc, c = scratch[:m], scratch[m : 2 * m].view(np.float32)  # c: 2m float32, the consensus and a difference
     if kernel == "numba":

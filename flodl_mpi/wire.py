@@ -40,6 +40,7 @@ __all__ = [
     "from_bf16",
     "pack_chunk",
     "pack_piece",
+    "reciprocal",
     "sum_squares",
     "sum_squares_pieces",
     "to_bf16",
@@ -109,6 +110,24 @@ class WireLayout:
         return [flat[o : o + k].reshape(s) for o, k, s in zip(self.offsets, self.sizes, self.shapes)]
 
 
+def reciprocal(total: float) -> float:
+    """``1 / total`` in float64: the round's one divide, applied as a multiply; 0.0 where it is not a normal float.
+
+    A float64 sum times this reciprocal, rounded to float32 once, errs by at
+    most a few 2^-53 relative before that rounding: far below half a float32
+    ulp, so values every rank holds alike still come back bit for bit (issue
+    26 item 5), and a multiply costs a fraction of a float64 divide (measured:
+    ``benchmarks/bench_slice_pass.py``). Every path uses it, so every path
+    rounds alike. 0.0 (a total that is not positive and finite, or whose
+    reciprocal is subnormal or infinite) tells the caller to divide instead.
+    """
+    t = float(total)
+    if not (t > 0.0 and math.isfinite(t)):
+        return 0.0
+    inv = 1.0 / t
+    return inv if np.finfo(np.float64).tiny <= inv < math.inf else 0.0
+
+
 def sum_squares(x: np.ndarray) -> float:
     """``sum(x ** 2)`` of a float32 piece, returned as a float64.
 
@@ -148,12 +167,14 @@ def pack_chunk(staging: np.ndarray, frame: np.ndarray, lo: int, hi: int, scale: 
     ``scale`` is ``W · m_r``, applied in the frame's dtype (float64 for
     :meth:`WireLayout.new_frame`). An idle or quarantined rank (``scale == 0``)
     writes true zeros, never ``0 · θ``: a NaN in θ would survive the multiply
-    (SPEC §1).
+    (SPEC §1). They are ``-0.0``, the identity of IEEE addition (``+0.0`` would
+    turn a sum of ``-0.0`` into ``+0.0``: a value every rank holds alike must
+    come back bit for bit, issue 26 item 5).
     """
     n = staging.size
     t_hi = min(hi, n)
     if scale == 0.0:
-        frame[lo:hi] = 0.0
+        frame[lo:hi] = -0.0
     else:
         np.multiply(staging[lo:t_hi], frame.dtype.type(scale), out=frame[lo:t_hi], dtype=frame.dtype)
         if hi > n:
@@ -185,7 +206,11 @@ def unpack_chunk(
     t_hi = min(hi, staging.size)
     if t_hi <= lo:
         return 0.0, 0.0
-    post = np.divide(frame[lo:t_hi], total_mass, out=frame[lo:t_hi])
+    inverse = reciprocal(total_mass) if frame.dtype == np.float64 else 0.0
+    if inverse:  # as unpack_piece: every path rounds alike
+        post = np.multiply(frame[lo:t_hi], inverse, out=frame[lo:t_hi])
+    else:
+        post = np.divide(frame[lo:t_hi], total_mass, out=frame[lo:t_hi])
     pre = staging[lo:t_hi]
     diff_sq = sum_squares(np.subtract(pre, post, out=scratch[: t_hi - lo]))
     post_sq = sum_squares(post)
@@ -200,14 +225,14 @@ def pack_piece(staging: np.ndarray, lo: int, hi: int, out: np.ndarray, scale: fl
     ``out[i - lo] = scale · staging[i]`` for tensor elements, ``scale`` at the
     mass slot (element ``staging.size``), in ``out``'s dtype (float64 on the
     wire MPI sums); an idle rank (``scale == 0``) writes true zeros, never
-    ``0 · θ`` (SPEC §1). The same arithmetic as :func:`pack_chunk`, into a
-    piece-sized buffer: the wire needs one piece of memory, not a frame (the
-    pieces are reduced one after another).
+    ``0 · θ`` (SPEC §1; ``-0.0``, as :func:`pack_chunk`). The same arithmetic
+    as :func:`pack_chunk`, into a piece-sized buffer: the wire needs one piece
+    of memory, not a frame (the pieces are reduced one after another).
     """
     n = staging.size
     t_hi = min(hi, n)
     if scale == 0.0:
-        out[: hi - lo] = 0.0
+        out[: hi - lo] = -0.0
         return
     if t_hi > lo:
         np.multiply(staging[lo:t_hi], out.dtype.type(scale), out=out[: t_hi - lo], dtype=out.dtype)
@@ -232,8 +257,9 @@ def unpack_piece(
     the divergence triple, then ``staging[lo:hi] = post``; a non-finite
     consensus piece never reaches the staging (as :func:`unpack_chunk`).
     ``summed`` float64 (the float64 wire, or a float64 node sum): the quotient
-    is float64, rounded to float32 once, into ``post`` if that is float32, else
-    into the staging (issue 26 item 5: identical inputs come back unchanged).
+    is float64 (the sum times :func:`reciprocal`), rounded to float32 once,
+    into ``post`` if that is float32, else into the staging (issue 26 item 5:
+    identical inputs come back unchanged).
 
     Returns:
         ``(sum((pre - post) ** 2), sum(post ** 2))`` for this piece, float64.
@@ -242,7 +268,11 @@ def unpack_piece(
     if t_hi <= lo:
         return 0.0, 0.0
     k = t_hi - lo
-    p = np.divide(summed[:k], total_mass, out=post[:k])
+    inverse = reciprocal(total_mass) if summed.dtype == np.float64 else 0.0
+    if inverse:
+        p = np.multiply(summed[:k], inverse, out=post[:k])
+    else:
+        p = np.divide(summed[:k], total_mass, out=post[:k])
     pre = staging[lo:t_hi]
     diff_sq = sum_squares(np.subtract(pre, p, out=diff[:k]))
     post_sq = sum_squares(p)
