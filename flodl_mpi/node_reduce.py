@@ -312,7 +312,7 @@ class NodeMpiReduce:
                 stats.realized = is_realized(stats.total_mass)
                 if not stats.realized:
                     return
-            d, p = unpack_piece(f, staging, lo, hi, total, f, self._diff)
+            d, p = unpack_piece(f, staging, lo, hi, total, self._diff, f.view(np.float32))  # as reduce._unpack
             stats.diff_sq += d
             stats.post_sq += p
             stats.unpack_ms += clock.lap()

@@ -163,19 +163,25 @@ def _reduce(comm, layout, staging, frame, mass, scratch, stats=None) -> ReduceSt
             stats.realized = is_realized(stats.total_mass)
             if not stats.realized:
                 return stats  # no rank reduces further pieces
-        if not _unpack(stats, f, staging, lo, hi, total, scratch, t2):
+        # the consensus into the float32 scratch, the difference into the reduced piece's own bytes
+        if not _unpack(stats, f, staging, lo, hi, total, scratch, f.view(np.float32), t2):
             return stats
     return stats
 
 
-def _unpack(stats, summed, staging, lo, hi, total, scratch, t_start: float) -> bool:
+def _unpack(stats, summed, staging, lo, hi, total, post, diff, t_start: float) -> bool:
     """Divide one reduced piece into ``staging`` and add its sums and time to ``stats``.
+
+    ``post`` and ``diff``: float32 scratch of the piece's length (``diff`` may be the
+    reduced piece's own memory: it is written after the divide has read it). The
+    consensus is rounded to float32 before the difference is taken, so a rank whose
+    values equal the consensus has a difference of exactly 0.
 
     Returns False when the piece is not finite. A reduced piece is the same on
     every rank, so every rank stops there: no rank enters a further collective,
     and nothing non-finite was unpacked (``stats.post_finite`` is False).
     """
-    d, p = unpack_piece(summed, staging, lo, hi, total, summed, scratch)
+    d, p = unpack_piece(summed, staging, lo, hi, total, post, diff)
     stats.diff_sq += d
     stats.post_sq += p
     stats.unpack_ms += 1e3 * (time.perf_counter() - t_start)
@@ -244,7 +250,7 @@ def _reduce_bf16_allgather(comm, layout, staging, mass, bufs, stats) -> None:
             stats.realized = is_realized(stats.total_mass)
             if not stats.realized:
                 return
-        if not _unpack(stats, acc, staging, lo, hi, total, diff, t2):
+        if not _unpack(stats, acc, staging, lo, hi, total, tmp, diff, t2):
             return
 
 

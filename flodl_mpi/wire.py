@@ -211,6 +211,9 @@ def unpack_chunk(
         post = np.multiply(frame[lo:t_hi], inverse, out=frame[lo:t_hi])
     else:
         post = np.divide(frame[lo:t_hi], total_mass, out=frame[lo:t_hi])
+    if post.dtype != np.float32:  # the float32 consensus, held in the frame: pre - post is 0 where they agree
+        np.copyto(scratch[: t_hi - lo], post)
+        np.copyto(post, scratch[: t_hi - lo])
     pre = staging[lo:t_hi]
     diff_sq = sum_squares(np.subtract(pre, post, out=scratch[: t_hi - lo]))
     post_sq = sum_squares(post)
@@ -251,15 +254,16 @@ def unpack_piece(
 ) -> tuple[float, float]:
     """Unpack frame piece ``[lo, hi)`` from ``summed`` (its ``hi - lo`` summed elements).
 
-    The one divide (``post = summed / total_mass``, into ``post``, which may be
-    ``summed`` itself when that buffer is private), ``diff = pre - post`` into
-    ``diff`` (float32 scratch of one piece), the two float64 sums of squares of
+    The one divide (``post = summed / total_mass``, into ``post``: float32
+    scratch of one piece, or ``summed`` itself when that buffer is private and
+    float32), ``diff = pre - post`` into ``diff`` (float32 scratch of one piece;
+    it may alias ``summed``, read before), the two float64 sums of squares of
     the divergence triple, then ``staging[lo:hi] = post``; a non-finite
     consensus piece never reaches the staging (as :func:`unpack_chunk`).
     ``summed`` float64 (the float64 wire, or a float64 node sum): the quotient
-    is float64 (the sum times :func:`reciprocal`), rounded to float32 once,
-    into ``post`` if that is float32, else into the staging (issue 26 item 5:
-    identical inputs come back unchanged).
+    is float64 (the sum times :func:`reciprocal`), rounded to float32 once
+    into ``post`` (issue 26 item 5: identical inputs come back unchanged, and
+    their difference is exactly 0).
 
     Returns:
         ``(sum((pre - post) ** 2), sum(post ** 2))`` for this piece, float64.

@@ -157,3 +157,7 @@ def test_the_float64_wire_gives_values_every_rank_holds_alike_back_bit_for_bit(W
                                 float(sum(W * x for x in m)), post, layout.new_scratch())
             assert staging.tobytes() == values.tobytes()
             assert d == 0.0 and math.isfinite(p)
+            staging = values.copy()  # the whole-frame unpack, in place in the float64 frame
+            d, p = unpack_chunk(np.concatenate([np.zeros(lo), summed]), staging, lo, hi,
+                                float(sum(W * x for x in m)), layout.new_scratch())
+            assert staging.tobytes() == values.tobytes() and d == 0.0
