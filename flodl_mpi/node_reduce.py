@@ -260,7 +260,7 @@ class ShmReduce:
                 else:
                     np.add(res[lo:hi], np.multiply(x, s, out=tmp[:k], dtype=np.float64), out=res[lo:hi])
             if first:
-                res[lo:hi] = 0.0
+                res[lo:hi] = -0.0  # true zeros, the identity of IEEE sums (wire.pack_chunk)
         if a <= n < b:  # the mass slot: the float64 sum of the node's W·m, in rank order
             total = 0.0
             for s in scales:

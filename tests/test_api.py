@@ -242,7 +242,7 @@ def test_a_frozen_layer_and_an_unused_parameter_stay_bit_identical_over_a_run(po
     run = flodl_mpi.fit(net, train_step=ce_step, data=((x, y), (x[:30], y[:30])), epochs=2, batch_size=8, lr=1e-2,
                         policy=policy, **({"anchor": 2} if policy == "cadence" else {}))
     history = run.wait()
-    assert run.done and history[-1].summary.rounds >= 4
+    assert run.done and sum(h.summary.rounds for h in history) >= 4  # several rounds
     final = run.model.state_dict()
     for name in ("0.weight", "0.bias", "unused"):
         assert final[name].numpy().tobytes() == initial[name].numpy().tobytes(), name
