@@ -223,7 +223,7 @@ class ShmReduce:
                 stats.bytes += 8 * layout.size
         self._sync()
         stats.allreduce_ms += clock.lap()
-        stats.bytes += (2 if self.bf16 else 4) * layout.n + 8
+        stats.bytes += (2 if self.bf16 else 4) * layout.n + 4  # the segment and its mass, as the in-place path counts
         total = float(self.result[layout.n])  # the float64 divisor, the same bits on every rank
         stats.total_mass = total
         stats.realized = is_realized(stats.total_mass)
