@@ -198,7 +198,8 @@ def main() -> None:
     rows.append(("torch ops, blocks of 65536", lambda: torch_pass(segs, scales32, total32, a, b, 1 << 16), True))
     if numba is not None:  # no pre-round pass: consensus into a scratch of P/W, then copied into every segment
         out = np.empty(b - a, np.float32)
-        first = lambda: scratch_pass(segs, scales32, total32, a, b, STEPS["numba"], out, np.zeros(2 * W + 2))  # noqa: E731
+        first = lambda: scratch_pass(segs, scales32, total32, a, b, STEPS["numba"], out,  # noqa: E731
+                                     np.zeros(2 * W + 2))
         second = lambda: [np.copyto(segs[r, a:b], out) for r in range(W)]  # noqa: E731
         rows += [("scratch variant: pass 1 (no write to segments)", first, None),
                  ("scratch variant: pass 2 (copy into W segments)", second, None),

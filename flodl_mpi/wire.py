@@ -193,7 +193,8 @@ def unpack_chunk(
 
     ``staging`` holds the rank's pre-round tensors on entry and the consensus on
     return (the quotient in the frame's dtype, rounded to float32 once);
-    ``frame`` holds the summed piece and is left holding the consensus piece; ``scratch`` (float32, one piece, from ``new_scratch``) receives
+    ``frame`` holds the summed piece and is left holding the consensus piece
+    (float32-rounded); ``scratch`` (float32, one piece, from ``new_scratch``) receives
     ``pre - post``. Measured here, a cache-resident subtract plus dot costs half
     of ``torch.dist``.
 

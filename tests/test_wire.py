@@ -4,7 +4,8 @@ from functools import reduce
 import numpy as np
 import pytest
 
-from flodl_mpi.wire import WireLayout, pack_chunk, pack_piece, sum_squares, sum_squares_pieces, unpack_chunk, unpack_piece
+from flodl_mpi.wire import (WireLayout, pack_chunk, pack_piece, sum_squares, sum_squares_pieces, unpack_chunk,
+                            unpack_piece)
 
 
 def test_layout_offsets_and_chunks_cover_the_frame():
