@@ -76,7 +76,9 @@ def _dispatch_pass(segs, scales, total, a, b, step, c, partial, kernel="numba", 
         inverse = np.float32(0.0)
         if math.frexp(float(total))[0] == 0.5 and np.finfo(np.float32).tiny <= 1.0 / float(total) < 2.0**127:
             inverse = np.float32(1.0 / float(total))
-        return before_pass(segs, scales, np.float32(total), inverse, a, b, step, c, partial)
+        # the float32 pass of before issue 26 item 5 (its float64 sum): float32 masses, a float32 block
+        return before_pass(segs, np.asarray(scales, np.float32), np.float32(total), inverse, a, b, step,
+                           c.view(np.float32), partial)
     return consensus_slice(segs, scales, total, a, b, step, c, partial, kernel, pre_sums)
 
 

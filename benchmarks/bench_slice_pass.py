@@ -13,7 +13,10 @@ scale: a plain copy of the same bytes (read P, write P: the pass's traffic) and
 the read-only pre-round pass over one rank's P (``wire.sum_squares_pieces``).
 Times are this thread's CPU time (``time.thread_time``, best of the repeats), so
 other jobs on the machine inflate them less than wall time; before timing, each
-variant's consensus is compared bit for bit with the numpy pass.
+variant's consensus is compared bit for bit with the numpy pass. The kept passes
+sum and divide in float64 (issue 26 item 5: values every rank holds alike come
+back unchanged); the variants not kept (the pass before its fused sweeps, torch
+ops, the scratch variant) still sum in float32, so they differ by float32 rounding.
 
 Also timed, not kept (issue 9, idea "drop the pre-pass"): the consensus into a
 private scratch of P/W floats with every rank's slice norm (whose finiteness
@@ -82,7 +85,7 @@ if numba is not None:
     def before_pass(segs, scales, total, inverse, a, b, step, c, partial):
         """The compiled pass before its fused sweeps (issue 9, ``5d5da0e``): per block one sweep per
         segment for the sum, one for the divide, one per segment for its difference and write. The same
-        float32 operations in the same order as the kept kernel: the same bits."""
+        float32 operations in the same order as the kept kernel before issue 26 item 5 (its float64 sum)."""
         W = segs.shape[0]
         blocks = (b - a + step - 1) // step
         for j in range(blocks - 1, -1, -1):
@@ -155,13 +158,15 @@ def main() -> None:
     base = np.random.default_rng(0).standard_normal((W, P)).astype(np.float32)
     segs = base.copy()
     a, b = 0, -(-P // W)
-    scales = np.array([W * (1.0 + 0.5 * r) for r in range(W)], dtype=np.float32)
-    total = np.float32(0.0)
-    for s in scales:
-        total = np.float32(total + s)
+    scales = np.array([W * (1.0 + 0.5 * r) for r in range(W)], dtype=np.float64)
+    total = float(sum(scales.tolist()))  # float64, rank order: the kept pass (issue 26 item 5)
+    scales32 = scales.astype(np.float32)  # the float32 variants below (not kept): their own masses
+    total32 = np.float32(0.0)
+    for s in scales32:
+        total32 = np.float32(total32 + s)
 
     def run(kernel, step, pre_sums=False):
-        consensus_slice(segs, scales, total, a, b, step, np.empty(2 * step, np.float32), np.zeros(2 * W + 2), kernel,
+        consensus_slice(segs, scales, total, a, b, step, np.empty(2 * step), np.zeros(2 * W + 2), kernel,
                         pre_sums)
 
     def timed(fn) -> float:
@@ -188,12 +193,13 @@ def main() -> None:
         rows.append((f"{kernel} pass with the pre-round sums (stop)", lambda k=kernel: run(k, STEPS[k], True), True))
     if numba is not None:
         rows.append(("numba pass before its fused sweeps, blocks of 4096",
-                     lambda: before_pass(segs, scales, total, np.float32(0.0), a, b, 4096,
+                     lambda: before_pass(segs, scales32, total32, np.float32(0.0), a, b, 4096,
                                          np.empty(2 * 4096, np.float32), np.zeros(2 * W + 2)), True))
-    rows.append(("torch ops, blocks of 65536", lambda: torch_pass(segs, scales, total, a, b, 1 << 16), True))
+    rows.append(("torch ops, blocks of 65536", lambda: torch_pass(segs, scales32, total32, a, b, 1 << 16), True))
     if numba is not None:  # no pre-round pass: consensus into a scratch of P/W, then copied into every segment
         out = np.empty(b - a, np.float32)
-        first = lambda: scratch_pass(segs, scales, total, a, b, STEPS["numba"], out, np.zeros(2 * W + 2))  # noqa: E731
+        first = lambda: scratch_pass(segs, scales32, total32, a, b, STEPS["numba"], out,  # noqa: E731
+                                     np.zeros(2 * W + 2))
         second = lambda: [np.copyto(segs[r, a:b], out) for r in range(W)]  # noqa: E731
         rows += [("scratch variant: pass 1 (no write to segments)", first, None),
                  ("scratch variant: pass 2 (copy into W segments)", second, None),

@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sum within each node first, then across the node leaders; auto: when the world spans "
                         f"several nodes and --node-reduce is shm (default {d.hierarchical})")
     g.add_argument("--bf16-wire", action="store_true", default=None,
-                   help="parameters and float buffers travel as bfloat16 (sums and the divide in float32, "
+                   help="parameters and float buffers travel as bfloat16 (sums and the divide in float64, "
                         "checkpoints float32); all ranks alike")
     g.add_argument("--on-non-finite", choices=ON_NON_FINITE,
                    help="a rank whose loss or parameters are NaN/Inf: quarantine it for the round (mass 0, it "

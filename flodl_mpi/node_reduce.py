@@ -2,9 +2,11 @@
 
 Concept (issue 9): the ranks of one node share memory, so they need not send
 each other anything. Each rank packs ``W·m·θ`` (and its mass ``W·m``) into its
-own segment of one MPI shared window; rank k sums slice k of every segment, in
-rank order and in float32, into the node's result; every rank then unpacks the
-whole result with the one divide. Across nodes (hierarchical) the node leaders
+own segment of one MPI shared window (unscaled, and the masses are gathered);
+rank k sums slice k of every segment scaled by its mass, in rank order and in
+float64, into the node's float64 result; every rank then unpacks the whole
+result with the one divide, rounded to float32 once (float64 so that values
+every rank holds alike come back unchanged, bit for bit: issue 26 item 5). Across nodes (hierarchical) the node leaders
 Allreduce the node sums, mass slot included, before anyone unpacks: a sum of
 partial sums, never an average of averages (SPEC §1), so the consensus is the
 same ``Σ m_r·θ_r / Σ m_r``.
@@ -27,7 +29,6 @@ from flodl_mpi.wire import WireLayout, from_bf16, pack_piece, sum_squares, to_bf
 __all__ = ["NodeMpiReduce", "ShmReduce", "slices"]
 
 _ALIGN = 16  # elements: slice bounds on 64-byte lines, so two ranks never write one cache line
-_HEADER = 16  # float32 elements before a bf16 segment's frame (the mass at [0]); 64 bytes
 #: Elements per piece of the shared-memory loops (pack, sum, unpack): 256 KiB of
 #: float32, so an unpack's four pieces (sum, staging, consensus, difference) stay in
 #: a 2 MiB L2 (measured here: 65536 beat 262144 and 16384 elements). No MPI call
@@ -69,11 +70,12 @@ class ShmReduce:
             the node leaders (``node.rank == 0``), ``MPI.COMM_NULL`` on the other
             ranks; None for one node. The reduce frees it.
         bf16: the frame travels as bfloat16 (SPEC §7): the segments hold bf16
-            bits, the sums and the divide are float32, the mass stays float32.
+            bits, the sums and the divide are float64, the masses float64.
 
-    Memory (per node): one frame per rank (float32, or bf16 plus a float32
-    result at the leader), i.e. about 1x the model's float32 bytes per rank,
-    plus two pieces of scratch per rank.
+    Memory (per node): one segment per rank (float32 or bf16 tensors,
+    unscaled) and the node's float64 sum at the leader (8 bytes per element:
+    what the leaders Allreduce), i.e. about 1x the model's float32 bytes per
+    rank plus 2x once per node, and three pieces of scratch per rank.
 
     Collective contract: construction, :meth:`prepare`, :meth:`reduce_prepared`,
     :meth:`reduce` and :meth:`free` are collective over ``comm`` (``node`` and
@@ -83,7 +85,9 @@ class ShmReduce:
     for :meth:`reduce` only, after the pack (:meth:`reduce_prepared` relies on
     the control gather between it and :meth:`prepare`); plus the leaders'
     Allreduce when hierarchical. If one rank fails inside, the others wait in a
-    barrier: the watchdog ends the job (as for any collective).
+    barrier: the watchdog ends the job (as for any collective). :meth:`reduce`
+    gathers the node's masses after the segments are written (that gather is
+    the barrier after the pack).
     """
 
     def __init__(self, comm: MPI.Comm, layout: WireLayout, node: MPI.Comm, leaders: MPI.Comm | None = None,
@@ -92,25 +96,20 @@ class ShmReduce:
         self.world_size = comm.size
         L, size, n = node.size, layout.size, layout.n
         self.slice = slices(size, L)[node.rank]
-        if bf16:
-            frame_bytes = 4 * _HEADER + 2 * (-(-n // 32) * 32)
-            mine = frame_bytes + (4 * size if node.rank == 0 else 0)
-        else:
-            mine = 4 * size
-        mine = -(-mine // 64) * 64
+        frame_bytes = -(-(2 if bf16 else 4) * n // 64) * 64  # the float64 sum after it stays 8-byte aligned
+        mine = max(64, frame_bytes + (8 * size if node.rank == 0 else 0))
         self.win = MPI.Win.Allocate_shared(mine, 1, comm=node)
         self.extra_bytes = mine  # this rank's share of the window
         self.win.Lock_all(MPI.MODE_NOCHECK)
         segs = [np.frombuffer(self.win.Shared_query(k)[0], dtype=np.uint8) for k in range(L)]
         if bf16:
-            self.mass = [s[: 4 * _HEADER].view(np.float32) for s in segs]
-            self.frames16 = [s[4 * _HEADER : 4 * _HEADER + 2 * n].view(np.uint16) for s in segs]
-            self.result = segs[0][frame_bytes : frame_bytes + 4 * size].view(np.float32)
+            self.frames16 = [s[: 2 * n].view(np.uint16) for s in segs]
             self.own = None
         else:
-            self.frames = [s[: 4 * size].view(np.float32) for s in segs]
-            self.result = self.frames[0]  # the sum lands in the leader's frame, in place
+            self.frames = [s[: 4 * n].view(np.float32) for s in segs]
             self.own = self.frames[node.rank]
+        #: the node's float64 sum (``size`` elements, the mass slot last), at the leader's segment
+        self.result = segs[0][frame_bytes : frame_bytes + 8 * size].view(np.float64)
         #: the world ranks of this node, in node order (their masses scale the segments)
         self.members = node.allgather(comm.rank)
         self._prepared = False
@@ -119,7 +118,8 @@ class ShmReduce:
         self.pieces = [(lo, min(lo + piece, size)) for lo in range(0, size, piece)]
         self._post = np.empty(piece, dtype=np.float32)
         self._diff = np.empty(piece, dtype=np.float32)
-        self.extra_bytes += 2 * 4 * piece
+        self._tmp = np.empty(piece, dtype=np.float64)
+        self.extra_bytes += 2 * 4 * piece + 8 * piece
 
     def _sync(self) -> None:
         # The shared-memory model's pattern: make this rank's stores visible, wait
@@ -147,24 +147,29 @@ class ShmReduce:
         gather, scale the segments in :meth:`reduce_prepared`'s sum. Collective
         over the node (one barrier: nobody still reads last round's result).
         """
-        n = self.layout.n
-        if n == 0:  # nothing travels (a model without float buffers): decided by structure, alike everywhere
+        if self.layout.n == 0:  # nothing travels (a model without float buffers): decided by structure
             return 0.0
         self._sync()
+        pre_sq = self._copy_in(staging, squares=True)
+        self.win.Sync()  # our stores are out; the collective that brings the masses orders them
+        self._prepared = True
+        return pre_sq
+
+    def _copy_in(self, staging: np.ndarray, squares: bool) -> float:
+        """``staging`` into this rank's segment, unscaled (float32, or rounded to bf16); its sum of squares
+        when asked (else 0.0), piece by piece from cache."""
+        n, me = self.layout.n, self.node.rank
         pre_sq = 0.0
-        me = self.node.rank
         for lo, hi in self.pieces:
             hi = min(hi, n)
             if hi <= lo:
                 continue
             if self.bf16:
                 to_bf16(staging[lo:hi], self.frames16[me][lo:hi])
-                pre_sq += sum_squares(staging[lo:hi])
             else:
                 np.copyto(self.own[lo:hi], staging[lo:hi])
-                pre_sq += sum_squares(self.own[lo:hi])
-        self.win.Sync()  # our stores are out; the collective that brings the masses orders them
-        self._prepared = True
+            if squares:
+                pre_sq += sum_squares(staging[lo:hi])
         return pre_sq
 
     def reduce_prepared(self, staging: np.ndarray, masses, stats) -> None:
@@ -182,27 +187,29 @@ class ShmReduce:
         if not self._prepared:
             raise RuntimeError("reduce_prepared() without prepare() this round")
         self._prepared = False
-        scales = [np.float32(float(self.world_size) * float(masses[r])) for r in self.members]
         clock = _Clock()
         self.win.Sync()  # see the segments the node wrote before the gather
-        self._sum_slice(scales)
+        self._sum_slice([float(self.world_size) * float(masses[r]) for r in self.members])
         self._finish(staging, stats, clock)
 
     def reduce(self, staging: np.ndarray, mass: float, stats) -> None:
-        """Fill ``stats`` (a ``reduce.ReduceStats``); the consensus lands in ``staging`` when realized."""
+        """Fill ``stats`` (a ``reduce.ReduceStats``); the consensus lands in ``staging`` when realized.
+
+        The segment gets ``staging`` unscaled, as in :meth:`prepare`; the node's
+        ``W·m`` are gathered once every segment is written (that gather is the
+        barrier before the sum), and the sum scales the segments.
+        """
         scale = float(self.world_size) * float(mass)
         clock = _Clock()
         self._sync()  # nobody still reads last round's result from a segment we overwrite
         wait = clock.lap()
-        if self.bf16:
-            self._pack_bf16(staging, scale)
-        else:
-            for lo, hi in self.pieces:
-                pack_piece(staging, lo, hi, self.own[lo:hi], scale)
+        self._copy_in(staging, squares=False)
+        self.win.Sync()
         stats.pack_ms += clock.lap()
-        self._sync()
-        self._sum_slice()
-        stats.allreduce_ms += wait
+        scales = self.node.allgather(scale)  # every rank of the node has written its segment
+        self.win.Sync()
+        stats.allreduce_ms += wait + clock.lap()
+        self._sum_slice(scales)
         self._finish(staging, stats, clock)
 
     def _finish(self, staging: np.ndarray, stats, clock: _Clock) -> None:
@@ -212,12 +219,13 @@ class ShmReduce:
             self._sync()
             if self.leaders != MPI.COMM_NULL:
                 for lo, hi in chunks:
-                    self.leaders.Allreduce(MPI.IN_PLACE, [self.result[lo:hi], MPI.FLOAT], op=MPI.SUM)
+                    self.leaders.Allreduce(MPI.IN_PLACE, [self.result[lo:hi], MPI.DOUBLE], op=MPI.SUM)
+                stats.bytes += 8 * layout.size
         self._sync()
         stats.allreduce_ms += clock.lap()
-        stats.bytes += (2 if self.bf16 else 4) * layout.n + 4
-        total = self.result[layout.n]  # np.float32: the divisor, the same bits on every rank
-        stats.total_mass = float(total)
+        stats.bytes += (2 if self.bf16 else 4) * layout.n + 4  # the segment and its mass, as the in-place path counts
+        total = float(self.result[layout.n])  # the float64 divisor, the same bits on every rank
+        stats.total_mass = total
         stats.realized = is_realized(stats.total_mass)
         if not stats.realized:
             return
@@ -230,54 +238,14 @@ class ShmReduce:
                 break
         stats.unpack_ms += clock.lap()
 
-    def _pack_bf16(self, staging: np.ndarray, scale: float) -> None:
-        n, me = self.layout.n, self.node.rank
-        out = self.frames16[me]
-        self.mass[me][0] = scale
-        if scale == 0.0:
-            out[:] = 0  # bf16 +0.0: true zeros
-            return
-        tmp = self._post
-        for lo, hi in self.pieces:
-            hi = min(hi, n)
-            if hi > lo:
-                np.multiply(staging[lo:hi], np.float32(scale), out=tmp[: hi - lo])
-                to_bf16(tmp[: hi - lo], out[lo:hi])
+    def _sum_slice(self, scales) -> None:
+        """This rank's slice of the node sum: every segment times its ``W·m`` (``scales``, node order),
+        added in rank order in float64 into the result; the mass slot the float64 sum of ``scales``.
 
-    def _sum_slice(self, scales=None) -> None:
-        """This rank's slice of the node sum, in rank order, float32, into the result.
-
-        ``scales``: None when the segments hold ``W·m·θ`` already (:meth:`reduce`);
-        else each segment's ``W·m`` (float32), applied here (:meth:`prepare`).
+        A rank of scale 0 (idle, quarantined) is skipped: true zeros, whatever its segment holds.
         """
         a, b = self.slice
-        step = self.step
-        n = self.layout.n
-        res = self.result
-        if scales is not None:
-            self._sum_scaled(a, b, step, n, res, scales)
-            return
-        if self.bf16:
-            tmp = self._diff
-            for lo in range(a, min(b, n), step):
-                hi = min(lo + step, b, n)
-                from_bf16(self.frames16[0][lo:hi], res[lo:hi])
-                for f in self.frames16[1:]:
-                    np.add(res[lo:hi], from_bf16(f[lo:hi], tmp[: hi - lo]), out=res[lo:hi])
-            if a <= n < b:  # the mass slot: float32 sums of the exact masses
-                total = np.float32(0.0)
-                for m in self.mass:
-                    total = np.float32(total + m[0])
-                res[n] = total
-            return
-        for lo in range(a, b, step):
-            hi = min(lo + step, b)
-            for f in self.frames[1:]:
-                np.add(res[lo:hi], f[lo:hi], out=res[lo:hi])
-
-
-    def _sum_scaled(self, a: int, b: int, step: int, n: int, res: np.ndarray, scales) -> None:
-        tmp = self._diff
+        n, step, res, tmp = self.layout.n, self.step, self.result, self._tmp
         for lo in range(a, min(b, n), step):
             hi = min(lo + step, b, n)
             k = hi - lo
@@ -285,39 +253,37 @@ class ShmReduce:
             for r, s in enumerate(scales):
                 if s == 0.0:
                     continue  # true zeros: a NaN in an idle rank's segment must not survive
-                if self.bf16:
-                    x = from_bf16(self.frames16[r][lo:hi], tmp[:k])
-                    np.multiply(x, s, out=x)
-                else:
-                    x = np.multiply(self.frames[r][lo:hi], s, out=tmp[:k])
+                x = from_bf16(self.frames16[r][lo:hi], self._post[:k]) if self.bf16 else self.frames[r][lo:hi]
                 if first:
-                    np.copyto(res[lo:hi], x)
+                    np.multiply(x, s, out=res[lo:hi], dtype=np.float64)
                     first = False
                 else:
-                    np.add(res[lo:hi], x, out=res[lo:hi])
+                    np.add(res[lo:hi], np.multiply(x, s, out=tmp[:k], dtype=np.float64), out=res[lo:hi])
             if first:
-                res[lo:hi] = 0.0
-        if a <= n < b:  # the mass slot: the float32 sum of the node's W·m, in rank order
-            total = np.float32(0.0)
+                res[lo:hi] = -0.0  # true zeros, the identity of IEEE sums (wire.pack_chunk)
+        if a <= n < b:  # the mass slot: the float64 sum of the node's W·m, in rank order
+            total = 0.0
             for s in scales:
-                total = np.float32(total + s)
+                total += float(s)
             res[n] = total
+
 
 class NodeMpiReduce:
     """Per-node partial sums with MPI calls only (``--hierarchical on --node-reduce mpi``).
 
-    Piece by piece: pack, ``Reduce(SUM)`` to the node leader, the leaders
-    ``Allreduce(SUM)`` the node sums (mass slot included), ``Bcast`` within the
-    node, unpack with the one divide. Collective over ``comm`` as
+    Piece by piece: pack (float64, as the flat wire: :mod:`flodl_mpi.wire`),
+    ``Reduce(SUM)`` to the node leader, the leaders ``Allreduce(SUM)`` the node
+    sums (mass slot included), ``Bcast`` within the node, unpack with the one
+    divide. Collective over ``comm`` as
     :class:`ShmReduce`; frees ``node`` and ``leaders``.
     """
 
     def __init__(self, comm: MPI.Comm, layout: WireLayout, node: MPI.Comm, leaders: MPI.Comm) -> None:
         self.comm, self.layout, self.node, self.leaders = comm, layout, node, leaders
         piece = min(layout.chunk_elems, layout.size)
-        self._frame = np.empty(piece, dtype=np.float32)
+        self._frame = np.empty(piece, dtype=np.float64)
         self._diff = np.empty(piece, dtype=np.float32)
-        self.extra_bytes = 2 * 4 * piece
+        self.extra_bytes = 8 * piece + 4 * piece
 
     def free(self) -> None:
         self.node.Free()
@@ -334,19 +300,19 @@ class NodeMpiReduce:
             f = self._frame[: hi - lo]
             pack_piece(staging, lo, hi, f, scale)
             stats.pack_ms += clock.lap()
-            self.node.Reduce(MPI.IN_PLACE if leader else [f, MPI.FLOAT], [f, MPI.FLOAT], op=MPI.SUM, root=0)
+            self.node.Reduce(MPI.IN_PLACE if leader else [f, MPI.DOUBLE], [f, MPI.DOUBLE], op=MPI.SUM, root=0)
             if leader:
-                self.leaders.Allreduce(MPI.IN_PLACE, [f, MPI.FLOAT], op=MPI.SUM)
-            self.node.Bcast([f, MPI.FLOAT], root=0)
+                self.leaders.Allreduce(MPI.IN_PLACE, [f, MPI.DOUBLE], op=MPI.SUM)
+            self.node.Bcast([f, MPI.DOUBLE], root=0)
             stats.allreduce_ms += clock.lap()
-            stats.bytes += 4 * (hi - lo)
+            stats.bytes += 8 * (hi - lo)
             if i == 0:
-                total = f[layout.n - lo]
-                stats.total_mass = float(total)
+                total = float(f[layout.n - lo])
+                stats.total_mass = total
                 stats.realized = is_realized(stats.total_mass)
                 if not stats.realized:
                     return
-            d, p = unpack_piece(f, staging, lo, hi, total, f, self._diff)
+            d, p = unpack_piece(f, staging, lo, hi, total, self._diff, f.view(np.float32))  # as reduce._unpack
             stats.diff_sq += d
             stats.post_sq += p
             stats.unpack_ms += clock.lap()

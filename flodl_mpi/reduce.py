@@ -57,8 +57,8 @@ class ReduceStats:
     """What one sum-and-count reduce did, on this rank.
 
     Attributes:
-        total_mass: the summed mass slot (float32 value as a float); it includes
-            the factor W of the wire-scale trick.
+        total_mass: the summed mass slot (float64); it includes the factor W
+            of the wire-scale trick.
         realized: ``is_realized(total_mass)``; when False the staging is untouched.
         pre_sq, diff_sq, post_sq: float64 sums of squares of the pre-round
             tensors (filled by the caller, see ``wire.sum_squares_pieces``), of
@@ -102,8 +102,11 @@ def sumcount_reduce(
 ) -> ReduceStats:
     """Realized-work weighted consensus ``Σ m_r·T_r / Σ m_r``, in place in ``staging``.
 
-    Pack (``W·m·T``, mass slot ``W·m``), Allreduce(SUM) and unpack (one divide by
-    the summed mass) run piece by piece while the piece is still in cache. The
+    Pack (``W·m·T``, mass slot ``W·m``, float64), Allreduce(SUM) and unpack (one
+    divide by the summed mass, rounded to float32 once) run piece by piece while
+    the piece is still in cache. The frame is float64 so that a value every rank
+    holds alike comes back unchanged, bit for bit, at any W and any masses
+    (issue 26 item 5; :mod:`flodl_mpi.wire` says why not float32 deltas). The
     pieces go last to first so the piece holding the mass slot is reduced first:
     the divisor is known before any piece is unpacked. With MPI's SUM the factor
     W cancels in the divide; it is kept so the frame is also right over a
@@ -114,9 +117,8 @@ def sumcount_reduce(
         layout: the frame plan (same on every rank).
         staging: float32 ``(layout.n,)``: this rank's tensors; the consensus on
             return when realized, untouched otherwise.
-        frame: float32 persistent wire buffer (scratch) of at least one piece
-            (``layout.new_scratch()``); a whole frame (``layout.new_frame()``)
-            works too.
+        frame: float64 persistent wire buffer (scratch) of at least one piece;
+            a whole frame (``layout.new_frame()``) works too.
         mass: this rank's mass ``m_r`` (>= 0; 0 for an idle rank, which then
             sends true zeros but still joins every call).
         scratch: float32 scratch of one piece (``layout.new_scratch()``).
@@ -127,7 +129,12 @@ def sumcount_reduce(
         idle), or a reduced piece is not finite, the remaining pieces are
         skipped on every rank alike: the decision reads the reduced values,
         the same everywhere.
+
+    Raises:
+        TypeError: ``frame`` is not float64.
     """
+    if frame.dtype != np.float64:
+        raise TypeError(f"the wire frame must be float64 (layout.new_frame()), got {frame.dtype}")
     # NaN/Inf may arrive (a rank's overflow, inf - inf): they are detected from the
     # sums, so numpy's warnings about them are noise here.
     with np.errstate(invalid="ignore", over="ignore"):
@@ -145,30 +152,36 @@ def _reduce(comm, layout, staging, frame, mass, scratch, stats=None) -> ReduceSt
         f = frame[: hi - lo]
         pack_piece(staging, lo, hi, f, scale)
         t1 = clock()
-        comm.Allreduce(MPI.IN_PLACE, [f, MPI.FLOAT], op=MPI.SUM)
+        comm.Allreduce(MPI.IN_PLACE, [f, MPI.DOUBLE], op=MPI.SUM)
         t2 = clock()
-        stats.bytes += 4 * (hi - lo)
+        stats.bytes += 8 * (hi - lo)
         stats.pack_ms += 1e3 * (t1 - t0)
         stats.allreduce_ms += 1e3 * (t2 - t1)
         if i == 0:
-            total = f[layout.n - lo]  # np.float32: the divisor, exactly as summed
+            total = f[layout.n - lo]  # np.float64: the divisor, exactly as summed
             stats.total_mass = float(total)
             stats.realized = is_realized(stats.total_mass)
             if not stats.realized:
                 return stats  # no rank reduces further pieces
-        if not _unpack(stats, f, staging, lo, hi, total, scratch, t2):
+        # the consensus into the float32 scratch, the difference into the reduced piece's own bytes
+        if not _unpack(stats, f, staging, lo, hi, total, scratch, f.view(np.float32), t2):
             return stats
     return stats
 
 
-def _unpack(stats, summed, staging, lo, hi, total, scratch, t_start: float) -> bool:
+def _unpack(stats, summed, staging, lo, hi, total, post, diff, t_start: float) -> bool:
     """Divide one reduced piece into ``staging`` and add its sums and time to ``stats``.
+
+    ``post`` and ``diff``: float32 scratch of the piece's length (``diff`` may be the
+    reduced piece's own memory: it is written after the divide has read it). The
+    consensus is rounded to float32 before the difference is taken, so a rank whose
+    values equal the consensus has a difference of exactly 0.
 
     Returns False when the piece is not finite. A reduced piece is the same on
     every rank, so every rank stops there: no rank enters a further collective,
     and nothing non-finite was unpacked (``stats.post_finite`` is False).
     """
-    d, p = unpack_piece(summed, staging, lo, hi, total, summed, scratch)
+    d, p = unpack_piece(summed, staging, lo, hi, total, post, diff)
     stats.diff_sq += d
     stats.post_sq += p
     stats.unpack_ms += 1e3 * (time.perf_counter() - t_start)
@@ -179,53 +192,65 @@ def _unpack(stats, summed, staging, lo, hi, total, scratch, t_start: float) -> b
 
 
 def _reduce_bf16_allgather(comm, layout, staging, mass, bufs, stats) -> None:
-    """The flat bf16 wire (SPEC §7): pieces travel as bfloat16 and are summed in float32.
+    """The flat bf16 wire (SPEC §7): pieces travel as bfloat16 and are summed in float64.
 
     MPI has no bfloat16 SUM, and a user-defined op would add in bfloat16 (or
     re-round each partial sum), so every rank Allgathers the pieces' bf16 bits
-    and sums the W contributions itself, in rank order and in float32: the
-    same bits on every rank. Each piece carries the rank's ``W·m`` as float32
-    bits in two extra uint16 slots, so the mass stays exact. A rank receives
-    ``(W - 1)`` half-size pieces: fewer bytes than a float32 Allreduce at
-    ``W <= 3``, more beyond (measured in ``benchmarks/bench_round.py``).
+    and sums the W contributions itself, in rank order and in float64: the
+    same bits on every rank. Each piece carries the rank's ``W·m`` as float64
+    bits in four extra uint16 slots (the mass exact), and the values travel
+    unscaled, ``bf16(θ)``: each rank scales the pieces it receives, as the
+    shared-memory bf16 sum does, so values every rank holds alike and that
+    bfloat16 holds exactly (every adopted value after the first round, SPEC §7)
+    come back unchanged, bit for bit (issue 26 item 5; ``bf16(W·m·θ)`` would
+    round again). An idle rank sends true zeros. A rank receives ``(W - 1)``
+    quarter-size pieces (bf16 against the float64 wire): fewer bytes than the
+    float64 ring Allreduce's ``2(W - 1)/W`` frames below W = 8, more beyond.
     """
-    send, recv, acc, tmp, diff = bufs
+    send, recv, acc, tmp, diff, tmp64 = bufs
     W, n = comm.size, layout.n
     scale = float(W) * float(mass)
-    mass_bits = np.array([scale], dtype=np.float32).view(np.uint16)
+    mass_bits = np.array([scale], dtype=np.float64).view(np.uint16)
     clock = time.perf_counter
     total = None
     for i, (lo, hi) in enumerate(reversed(layout.chunks)):
         t0 = clock()
         t_hi = min(hi, n)
-        k = t_hi - lo  # tensor elements in this piece
-        if scale == 0.0 or k <= 0:
-            send[: max(k, 0)] = 0
-        else:
-            np.multiply(staging[lo:t_hi], np.float32(scale), out=tmp[:k])
-            to_bf16(tmp[:k], send[:k])
-        k = max(k, 0)
-        send[k : k + 2] = mass_bits
+        k = max(t_hi - lo, 0)  # tensor elements in this piece
+        if scale == 0.0:
+            send[:k] = 0
+        elif k:
+            to_bf16(staging[lo:t_hi], send[:k])
+        send[k : k + 4] = mass_bits
         t1 = clock()
-        comm.Allgather([send[: k + 2], MPI.UINT16_T], [recv[: W * (k + 2)], MPI.UINT16_T])
-        parts = recv[: W * (k + 2)].reshape(W, k + 2)
-        from_bf16(parts[0, :k], acc[:k])
-        for r in range(1, W):
-            np.add(acc[:k], from_bf16(parts[r, :k], tmp[:k]), out=acc[:k])
+        comm.Allgather([send[: k + 4], MPI.UINT16_T], [recv[: W * (k + 4)], MPI.UINT16_T])
+        parts = recv[: W * (k + 4)].reshape(W, k + 4)
+        scales = np.ascontiguousarray(parts[:, k : k + 4]).view(np.float64).ravel().tolist()
+        first = True
+        for r, s in enumerate(scales):  # float64, rank order; a rank of mass 0 is skipped (true zeros)
+            if s == 0.0:
+                continue
+            x = from_bf16(parts[r, :k], tmp[:k])
+            if first:
+                np.multiply(x, s, out=acc[:k], dtype=np.float64)
+                first = False
+            else:
+                np.add(acc[:k], np.multiply(x, s, out=tmp64[:k], dtype=np.float64), out=acc[:k])
+        if first:
+            acc[:k] = 0.0
         t2 = clock()
-        stats.bytes += 2 * (k + 2)
+        stats.bytes += 2 * (k + 4)
         stats.pack_ms += 1e3 * (t1 - t0)
         stats.allreduce_ms += 1e3 * (t2 - t1)
         if i == 0:
-            masses = np.ascontiguousarray(parts[:, k : k + 2]).view(np.float32).ravel()
-            total = np.float32(0.0)
-            for m in masses:  # float32, rank order, as the tensors
-                total = np.float32(total + m)
-            stats.total_mass = float(total)
+            total = 0.0
+            for m in scales:  # float64, rank order, as the tensors
+                total += m
+            stats.total_mass = total
             stats.realized = is_realized(stats.total_mass)
             if not stats.realized:
                 return
-        if not _unpack(stats, acc, staging, lo, hi, total, diff, t2):
+        if not _unpack(stats, acc, staging, lo, hi, total, tmp, diff, t2):
             return
 
 
@@ -245,7 +270,8 @@ class WireOptions:
             the whole world on one node); ``"auto"``: on when the world spans
             more than one node and ``node_reduce`` is ``shm``.
         bf16: params and float buffers travel as bfloat16; sums and the divide
-            in float32; the mass exact (SPEC §7).
+            in float64, the consensus rounded to float32 once; the mass exact
+            (SPEC §7).
 
     Raises:
         ValueError: an unknown choice.
@@ -268,8 +294,9 @@ class WireOptions:
 
 
 def _window_bytes(layout: WireLayout, ranks: int, bf16: bool) -> int:
-    """Bytes of one node's shared window (:class:`~flodl_mpi.node_reduce.ShmReduce`), about."""
-    return ranks * (2 if bf16 else 4) * layout.size + (4 * layout.size if bf16 else 0)
+    """Bytes of one node's shared window (:class:`~flodl_mpi.node_reduce.ShmReduce`), about: a segment per
+    rank and the leader's float64 node sum."""
+    return ranks * (2 if bf16 else 4) * layout.size + 8 * layout.size
 
 
 def _shm_free() -> int | None:
@@ -293,7 +320,7 @@ class Reducer:
     pack ``W·m·θ`` with the mass slot ``W·m``, sum, one divide by the summed
     mass; the consensus lands in the caller's staging.
 
-    Paths (``path`` attribute): ``"allreduce"`` (chunked float32 Allreduce,
+    Paths (``path`` attribute): ``"allreduce"`` (chunked float64 Allreduce,
     :func:`sumcount_reduce` with a one-piece frame), ``"allgather-bf16"``
     (:func:`_reduce_bf16_allgather`), ``"shm"`` / ``"shm+leaders"`` (one
     node's shared window, then the node leaders across nodes),
@@ -393,12 +420,13 @@ class Reducer:
             node.Free()
             if options.bf16:
                 W = comm.size
-                self._bufs = (np.empty(piece + 2, np.uint16), np.empty(W * (piece + 2), np.uint16),
-                              np.empty(piece, np.float32), np.empty(piece, np.float32), np.empty(piece, np.float32))
+                self._bufs = (np.empty(piece + 4, np.uint16), np.empty(W * (piece + 4), np.uint16),
+                              np.empty(piece, np.float64), np.empty(piece, np.float32), np.empty(piece, np.float32),
+                              np.empty(piece, np.float64))
                 self.path = "allgather-bf16"
                 self.extra_bytes = sum(b.nbytes for b in self._bufs)
             else:
-                self._frame, self._scratch = np.empty(piece, np.float32), np.empty(piece, np.float32)
+                self._frame, self._scratch = np.empty(piece, np.float64), np.empty(piece, np.float32)
                 self.path = "allreduce"
                 self.extra_bytes = self._frame.nbytes + self._scratch.nbytes
 

@@ -10,9 +10,10 @@ memory; :mod:`flodl_mpi.slice_kernel`: one compiled numba call per slice of a
 large model, else the numpy pass):
 
 1. ``c = (Σ_r W·m_r·θ_r) / Σ_r W·m_r``: the segments scaled by their masses
-   and added in rank order in float32, then the one divide (SPEC §2 step 4; the
-   same float32 operations, in the same order, as the packing shared-memory
-   reduce, :class:`flodl_mpi.node_reduce.ShmReduce`). A rank of mass 0 (idle,
+   and added in rank order in float64, then the one divide, rounded to float32
+   once (SPEC §2 step 4; the same operations, in the same order, as the packing
+   shared-memory reduce, :class:`flodl_mpi.node_reduce.ShmReduce`; float64 so
+   that values every rank holds alike come back unchanged, issue 26 item 5). A rank of mass 0 (idle,
    quarantined) is skipped: true zeros, whatever its segment holds (SPEC §1);
 2. each rank's ``‖θ_r − c‖²`` and ``‖c‖²`` of the block (float64 sums of the
    cached block: SPEC §3's sums);
@@ -106,8 +107,8 @@ class InPlaceShmReduce:
     Attributes:
         staging: float32 ``(layout.n,)``, this rank's segment: the caller's
             tensors live here and the consensus lands here.
-        extra_bytes: memory beyond the staging (two blocks of scratch and the
-            segment's padding to a page).
+        extra_bytes: memory beyond the staging (two float64 blocks of scratch
+            and the segment's padding to a page).
         kernel: the slice pass in use (:meth:`use_kernel`): ``"numba"`` for a
             slice of at least :data:`~flodl_mpi.slice_kernel.COMPILED_MIN_ELEMENTS`
             where numba is installed, else ``"numpy"`` (the same bits).
@@ -167,7 +168,7 @@ class InPlaceShmReduce:
         a, b = self.slice
         n = self.layout.n
         self.step = max(1, min(self.layout.chunk_elems, STEPS[kernel], n, max(1024, -(-(b - a) // 4))))
-        self._scratch = np.empty(2 * self.step, dtype=np.float32)
+        self._scratch = np.empty(2 * self.step, dtype=np.float64)  # a block's float64 sum, then its consensus
         self.extra_bytes = self._scratch.nbytes + self._seg_pad
 
     def free(self) -> None:
@@ -213,11 +214,11 @@ class InPlaceShmReduce:
             masses = (self.comm.allgather(float(mass)) if self.gather is None
                       else self.gather.allgather([float(mass)])[:, 0].tolist())
         W = self.world_size
-        scales = [np.float32(float(W) * float(masses[r])) for r in self.members]
-        total = np.float32(0.0)
-        for s in scales:  # float32, rank order: the mass slot of the packing reduce
-            total = np.float32(total + s)
-        stats.total_mass = float(total)
+        scales = np.array([float(W) * float(masses[r]) for r in self.members], dtype=np.float64)
+        total = 0.0
+        for s in scales.tolist():  # float64, rank order: the mass slot of the packing reduce
+            total += s
+        stats.total_mass = total
         stats.realized = is_realized(stats.total_mass)
         stats.bytes += 4 * self.layout.n + 4
         if not stats.realized:  # decided from the gathered masses: every rank returns here
@@ -227,7 +228,7 @@ class InPlaceShmReduce:
         partial[:] = 0.0
         a, b = self.slice
         t_pass = clock()
-        consensus_slice(self.rows, np.array(scales, dtype=np.float32), total, a, b, self.step, self._scratch,
+        consensus_slice(self.rows, scales, total, a, b, self.step, self._scratch,
                         partial, self.kernel, pre_sums)
         t1 = clock()
         if self.gather is None:

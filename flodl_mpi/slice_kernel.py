@@ -4,13 +4,13 @@ Concept (issue 9, the memory floor): rank k of a node owns slice ``[a, b)`` of
 every rank's segment (:mod:`flodl_mpi.shm_in_place`). For each block of that
 slice, last block first, the pass
 
-1. sums the segments scaled by their masses in rank order, in float32:
+1. sums the segments scaled by their masses in rank order, in float64:
    ``c = s_0·x_0``, then ``c = c + s_r·x_r`` for each further rank ``r`` whose
-   scale ``s_r = W·m_r`` is not 0 (a rank of mass 0 is skipped: true zeros,
-   whatever its segment holds; SPEC §1);
-2. divides once by the float32 total (multiplies by its reciprocal when the
-   total is a power of two: the same bits, both are the correctly rounded
-   ``c·2^-k``);
+   scale ``s_r = W·m_r`` (float64) is not 0 (a rank of mass 0 is skipped: true
+   zeros, whatever its segment holds; SPEC §1);
+2. divides once by the float64 total (multiplies by its float64 reciprocal,
+   :func:`flodl_mpi.wire.reciprocal`, as every path does) and rounds the
+   quotient to float32, once;
 3. stops if the block's consensus is not finite (never writes it; flags it);
 4. adds ``‖c‖²`` and each rank's ``‖x_r − c‖²`` (float64 sums; SPEC §3) and,
    when asked, each rank's ``‖x_r‖²`` (its pre-round norm; not finite exactly
@@ -19,11 +19,21 @@ slice, last block first, the pass
    and redoes it in float64 when that is not finite);
 5. writes ``c`` into every rank's segment.
 
+Why float64 (issue 26 item 5): a value every rank holds alike must come back
+unchanged, bit for bit (a frozen layer, an embedding row no rank touched). In
+float32, ``Σ fl(W·m_r·θ) / Σ W·m_r`` is not ``θ`` at W = 3 or 5 (the sum of three
+equal values needs two more bits than float32 has), and a frozen layer drifted
+by ulps every round. In float64 the sum and the divide err by a few 2^-53
+relative, far below half a float32 ulp (2^-25 relative at least), so the one
+rounding to float32 gives ``θ`` back for any masses and any W < 2^20. The
+accumulator is a cache-resident block (registers and L1 in the compiled pass),
+so the pass moves no more memory than before (``benchmarks/bench_slice_pass.py``).
+
 Two implementations of the same operations: a compiled kernel (numba, one call
 per slice, every step of a small block from L1 cache: measured 1.7x faster
 than the numpy pass at 16M parameters, ``benchmarks/README.md``) and the numpy
 pass (about eleven cache-resident calls per block), used where numba is not
-installed. The consensus bits are the same in both (the same float32
+installed. The consensus bits are the same in both (the same float64
 operations in the same order, no fused multiply-add: the kernel is compiled
 without ``fastmath``, only its float64 sums of squares may be reassociated);
 the sums of squares differ by rounding (float64 accumulation in the kernel,
@@ -36,7 +46,7 @@ import math
 
 import numpy as np
 
-from flodl_mpi.wire import sum_squares
+from flodl_mpi.wire import reciprocal, sum_squares
 
 __all__ = ["COMPILED_MIN_ELEMENTS", "KERNELS", "STEPS", "compiled_available", "consensus_slice", "default_kernel",
            "warm_up"]
@@ -82,8 +92,8 @@ def default_kernel(n_elements: int | None = None) -> str:
     return "numba" if compiled_available() else "numpy"
 
 
-def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: int, b: int, step: int,
-                    c: np.ndarray, partial: np.ndarray, kernel: str = "numba", pre_sums: bool = False) -> None:
+def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: float, a: int, b: int, step: int,
+                    scratch: np.ndarray, partial: np.ndarray, kernel: str = "numba", pre_sums: bool = False) -> None:
     """The pass over slice ``[a, b)`` of every segment (see the module docstring), in place.
 
     Args:
@@ -91,12 +101,13 @@ def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: 
             rank r's segment; slice ``[a, b)`` of every row is overwritten with
             the consensus, block by block (blocks that follow a non-finite one
             in the pass's order are left untouched).
-        scales: float32 ``(W,)``, ``W·m_r`` per rank (0 skips the rank).
-        total: the float32 sum of ``scales`` in rank order (> 0).
+        scales: ``(W,)``, ``W·m_r`` per rank (0 skips the rank), taken as float64.
+        total: the float64 sum of ``scales`` in rank order (> 0).
         a, b: the slice, ``0 <= a <= b <= m``.
         step: block length in elements, >= 1 (blocks ``[a + i·step, ...)``,
             the last first).
-        c: float32 scratch of at least ``2 * min(step, b - a)`` elements.
+        scratch: float64 scratch of at least ``2 * min(step, b - a)`` elements
+            (the float64 accumulator of a block, then its float32 consensus).
         partial: float64 ``(2W + 2,)``, added to: ``[r]`` += ``‖x_r − c‖²`` of
             the slice, ``[W]`` += ``‖c‖²``, ``[W + 1]`` set to 1.0 when a
             block's consensus was not finite (the pass stopped there),
@@ -118,23 +129,24 @@ def consensus_slice(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: 
     W = segs.shape[0]
     if partial.shape != (2 * W + 2,) or partial.dtype != np.float64:
         raise ValueError(f"partial must be float64 of shape ({2 * W + 2},), got {partial.dtype} {partial.shape}")
-    if not (0 <= a <= b <= segs.shape[1]) or step < 1 or c.size < 2 * min(step, b - a):
-        raise ValueError(f"slice [{a}, {b}) of segments of {segs.shape[1]}, step {step}, scratch {c.size}: "
-                         "out of bounds")
+    if (not (0 <= a <= b <= segs.shape[1]) or step < 1 or scratch.dtype != np.float64
+            or not scratch.flags.c_contiguous or scratch.size < 2 * min(step, b - a)):
+        raise ValueError(f"slice [{a}, {b}) of segments of {segs.shape[1]}, step {step}, scratch {scratch.dtype} "
+                         f"{scratch.size}: out of bounds (the scratch: float64, at least 2 * step)")
     if b <= a:
         return
-    # Dividing by a power of two (equal masses at W = 2, 4, 8...) is multiplying by its
-    # reciprocal, exactly, at half the cost.
-    inverse = np.float32(0.0)
-    if math.frexp(float(total))[0] == 0.5 and np.finfo(np.float32).tiny <= 1.0 / float(total) < 2.0**127:
-        inverse = np.float32(1.0 / float(total))  # a normal float32, exact
+    scales = np.ascontiguousarray(scales, dtype=np.float64)
+    total = float(total)
+    inverse = reciprocal(total)
+    m = min(step, b - a)
+    acc, c = scratch[:m], scratch[m : 2 * m].view(np.float32)  # c: 2m float32, the consensus and a difference
     if kernel == "numba":
         compiled = _compiled_pass()
         if compiled is None:
             raise ValueError("kernel 'numba' needs numba installed (pip install numba)")
-        compiled(segs, scales, np.float32(total), inverse, a, b, step, c, partial, bool(pre_sums))
+        compiled(segs, scales, total, inverse, a, b, step, acc, c, partial, bool(pre_sums))
     else:
-        _numpy_pass(segs, scales, np.float32(total), inverse, a, b, step, c, partial, bool(pre_sums))
+        _numpy_pass(segs, scales, total, inverse, a, b, step, acc, c, partial, bool(pre_sums))
 
 
 def warm_up() -> None:
@@ -142,26 +154,33 @@ def warm_up() -> None:
     if not compiled_available():
         return
     segs = np.ones((2, 32), dtype=np.float32)
-    consensus_slice(segs, np.ones(2, np.float32), np.float32(2.0), 0, 32, 16, np.empty(32, np.float32),
-                    np.zeros(6), "numba")
+    consensus_slice(segs, np.ones(2), 2.0, 0, 32, 16, np.empty(32), np.zeros(6), "numba")
 
 
-def _numpy_pass(segs, scales, total, inverse, a, b, step, scratch, partial, pre_sums) -> None:
+def _numpy_pass(segs, scales, total, inverse, a, b, step, acc_buf, c32, partial, pre_sums) -> None:
     W = segs.shape[0]
     live = [(segs[r], s) for r, s in enumerate(scales) if s != 0.0]
     first, rest = live[0], live[1:]
     m = min(step, b - a)
-    c_buf, tmp = scratch[:m], scratch[m : 2 * m]
+    tmp_buf = c32.view(np.float64)  # m float64: a scaled block, until the consensus is rounded into c32
+    c_buf, d_buf = c32[:m], c32[m : 2 * m]
     for lo in reversed(range(a, b, step)):
         hi = min(lo + step, b)
         k = hi - lo
-        c = np.multiply(first[0][lo:hi], first[1], out=c_buf[:k])
+        # Widen first, then operate in float64 (faster than numpy's buffered casting in the multiply).
+        acc, tmp = acc_buf[:k], tmp_buf[:k]
+        np.copyto(acc, first[0][lo:hi])
+        np.multiply(acc, first[1], out=acc)
         for seg, s in rest:
-            np.add(c, np.multiply(seg[lo:hi], s, out=tmp[:k]), out=c)
+            np.copyto(tmp, seg[lo:hi])
+            np.multiply(tmp, s, out=tmp)
+            np.add(acc, tmp, out=acc)
+        c = c_buf[:k]
         if inverse == 0.0:
-            np.divide(c, total, out=c)
+            np.divide(acc, total, out=acc)
         else:
-            np.multiply(c, inverse, out=c)
+            np.multiply(acc, inverse, out=acc)
+        np.copyto(c, acc)  # the float64 quotient, rounded to float32 once
         post = sum_squares(c)
         if not math.isfinite(post):  # never written; each rank's block says whose values were not finite
             for r in range(W):
@@ -169,7 +188,7 @@ def _numpy_pass(segs, scales, total, inverse, a, b, step, scratch, partial, pre_
             partial[W + 1] = 1.0
             return
         partial[W] += post
-        d = tmp[:k]
+        d = d_buf[:k]
         for r in range(W):
             x = segs[r, lo:hi]
             if pre_sums:

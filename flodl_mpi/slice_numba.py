@@ -64,48 +64,50 @@ def _diff_sq_write2(x, y, c, k):  # pragma: no cover - compiled
     return sx, sy
 
 
-# The consensus of a block, c = (s_0·x_0 + s_1·x_1 + ...) / total, float32, in rank order,
-# the last add fused with the divide (or the multiply by the exact reciprocal). Each
-# expression rounds every operation to float32 as the separate loops of the numpy pass
-# do (no fastmath here, so no fused multiply-add and no reordering): the same bits.
+# The consensus of a block, c = (s_0·x_0 + s_1·x_1 + ...) / total, accumulated in float64 in
+# rank order into ``acc``, the last add fused with the divide (or the multiply by the exact
+# reciprocal), rounded to float32 once into ``c``. Each expression rounds every float64
+# operation as the separate loops of the numpy pass do (no fastmath here, so no fused
+# multiply-add and no reordering): the same bits. The float64 scales, sums and divide err
+# far below half a float32 ulp, so identical inputs come back unchanged (slice_kernel).
 @numba.njit(cache=True, nogil=True)
 def _one(x, s, total, inverse, c, k):  # pragma: no cover - compiled
     if inverse != 0.0:
         for i in range(k):
-            c[i] = (x[i] * s) * inverse
+            c[i] = np.float32((np.float64(x[i]) * s) * inverse)
     else:
         for i in range(k):
-            c[i] = (x[i] * s) / total
+            c[i] = np.float32((np.float64(x[i]) * s) / total)
 
 
 @numba.njit(cache=True, nogil=True)
-def _two(x, y, s, t, total, inverse, last, c, k):  # pragma: no cover - compiled
+def _two(x, y, s, t, total, inverse, last, acc, c, k):  # pragma: no cover - compiled
     if not last:
         for i in range(k):
-            c[i] = x[i] * s + y[i] * t
+            acc[i] = np.float64(x[i]) * s + np.float64(y[i]) * t
     elif inverse != 0.0:
         for i in range(k):
-            c[i] = (x[i] * s + y[i] * t) * inverse
+            c[i] = np.float32((np.float64(x[i]) * s + np.float64(y[i]) * t) * inverse)
     else:
         for i in range(k):
-            c[i] = (x[i] * s + y[i] * t) / total
+            c[i] = np.float32((np.float64(x[i]) * s + np.float64(y[i]) * t) / total)
 
 
 @numba.njit(cache=True, nogil=True)
-def _add(x, s, total, inverse, last, c, k):  # pragma: no cover - compiled
+def _add(x, s, total, inverse, last, acc, c, k):  # pragma: no cover - compiled
     if not last:
         for i in range(k):
-            c[i] = c[i] + x[i] * s
+            acc[i] = acc[i] + np.float64(x[i]) * s
     elif inverse != 0.0:
         for i in range(k):
-            c[i] = (c[i] + x[i] * s) * inverse
+            c[i] = np.float32((acc[i] + np.float64(x[i]) * s) * inverse)
     else:
         for i in range(k):
-            c[i] = (c[i] + x[i] * s) / total
+            c[i] = np.float32((acc[i] + np.float64(x[i]) * s) / total)
 
 
 @numba.njit(cache=True, nogil=True)
-def _numba_pass(segs, scales, total, inverse, a, b, step, c, partial, pre):  # pragma: no cover - compiled
+def _numba_pass(segs, scales, total, inverse, a, b, step, acc, c, partial, pre):  # pragma: no cover - compiled
     W = segs.shape[0]
     live = np.empty(W, np.int64)  # the ranks with a scale, in rank order (0 skips: true zeros)
     n_live = 0
@@ -123,10 +125,10 @@ def _numba_pass(segs, scales, total, inverse, a, b, step, c, partial, pre):  # p
             _one(segs[r0, lo:hi], scales[r0], total, inverse, c, k)
         else:
             r1 = live[1]
-            _two(segs[r0, lo:hi], segs[r1, lo:hi], scales[r0], scales[r1], total, inverse, n_live == 2, c, k)
+            _two(segs[r0, lo:hi], segs[r1, lo:hi], scales[r0], scales[r1], total, inverse, n_live == 2, acc, c, k)
             for q in range(2, n_live):
                 r = live[q]
-                _add(segs[r, lo:hi], scales[r], total, inverse, q == n_live - 1, c, k)
+                _add(segs[r, lo:hi], scales[r], total, inverse, q == n_live - 1, acc, c, k)
         post = _sum_sq(c, k)
         if not math.isfinite(post):  # never written; each rank's block says whose values were not finite
             if pre:

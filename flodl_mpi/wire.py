@@ -1,4 +1,4 @@
-"""The wire: a flat float32 layout over named tensors plus a trailing mass slot.
+"""The wire: a flat layout over named float32 tensors plus a trailing mass slot.
 
 Invariant: the layout is planned once from the model's structure (never from a
 rank-local fact), so every rank's buffer has the same length, the same tensor
@@ -8,7 +8,20 @@ and its mass together (SPEC §1, "the wire-scale trick").
 Layout of a frame of ``n`` tensor elements: ``[W·m·t_0 …, W·m·t_{n-1}, W·m]``.
 The pack multiplies by ``W·m`` while copying (one pass); the unpack divides by
 the summed mass while copying back (one pass) and accumulates the float64 sums
-of squares the divergence triple needs (SPEC §3) in the same pass. The pre-round
+of squares the divergence triple needs (SPEC §3) in the same pass.
+
+A frame that MPI sums is float64 (:meth:`WireLayout.new_frame`), the tensors
+float32: a value every rank holds alike must come back from the round
+unchanged, bit for bit (issue 26 item 5), and a float32 sum of three equal
+values already rounds. The float64 scale, sum and divide err far below half a
+float32 ulp, so rounding the quotient to float32 once gives the value back, for
+any masses. Why not float32 deltas against the last consensus (the same bytes
+as today, exact only where a rank's value equals that reference): it needs a
+copy of the model per rank, and values that move alike on every rank (weight
+decay on rows no rank's gradient touched) would still drift. The cost is twice
+the bytes on the MPI-summed paths only (``--node-reduce mpi``, the leaders'
+step across nodes); the shared-memory paths sum in float64 in cache, at the
+float32 bytes (``benchmarks/bench_round.py``). The pre-round
 sum of squares is a pass of its own before the round (:func:`sum_squares_pieces`):
 its finiteness decides, through the control gather, whether the rank is quarantined.
 """
@@ -27,6 +40,7 @@ __all__ = [
     "from_bf16",
     "pack_chunk",
     "pack_piece",
+    "reciprocal",
     "sum_squares",
     "sum_squares_pieces",
     "to_bf16",
@@ -88,12 +102,30 @@ class WireLayout:
         return np.empty(min(self.chunk_elems, self.size), dtype=np.float32)
 
     def new_frame(self) -> np.ndarray:
-        """A zeroed float32 array of ``size`` elements: the frame sent on the wire."""
-        return np.zeros(self.size, dtype=np.float32)
+        """A zeroed float64 array of ``size`` elements: the frame MPI sums (see the module docstring)."""
+        return np.zeros(self.size, dtype=np.float64)
 
     def views(self, flat: np.ndarray) -> list[np.ndarray]:
         """Views of ``flat`` (length >= ``n``) shaped as the tensors; no copies."""
         return [flat[o : o + k].reshape(s) for o, k, s in zip(self.offsets, self.sizes, self.shapes)]
+
+
+def reciprocal(total: float) -> float:
+    """``1 / total`` in float64: the round's one divide, applied as a multiply; 0.0 where it is not a normal float.
+
+    A float64 sum times this reciprocal, rounded to float32 once, errs by at
+    most a few 2^-53 relative before that rounding: far below half a float32
+    ulp, so values every rank holds alike still come back bit for bit (issue
+    26 item 5), and a multiply costs a fraction of a float64 divide (measured:
+    ``benchmarks/bench_slice_pass.py``). Every path uses it, so every path
+    rounds alike. 0.0 (a total that is not positive and finite, or whose
+    reciprocal is subnormal or infinite) tells the caller to divide instead.
+    """
+    t = float(total)
+    if not (t > 0.0 and math.isfinite(t)):
+        return 0.0
+    inv = 1.0 / t
+    return inv if np.finfo(np.float64).tiny <= inv < math.inf else 0.0
 
 
 def sum_squares(x: np.ndarray) -> float:
@@ -132,16 +164,19 @@ def sum_squares_pieces(flat: np.ndarray, layout: WireLayout) -> float:
 def pack_chunk(staging: np.ndarray, frame: np.ndarray, lo: int, hi: int, scale: float) -> None:
     """Pack piece ``[lo, hi)`` of the frame: ``frame = scale · staging``, mass slot ``= scale``.
 
-    ``scale`` is ``W · m_r``. An idle or quarantined rank (``scale == 0``)
+    ``scale`` is ``W · m_r``, applied in the frame's dtype (float64 for
+    :meth:`WireLayout.new_frame`). An idle or quarantined rank (``scale == 0``)
     writes true zeros, never ``0 · θ``: a NaN in θ would survive the multiply
-    (SPEC §1).
+    (SPEC §1). They are ``-0.0``, the identity of IEEE addition (``+0.0`` would
+    turn a sum of ``-0.0`` into ``+0.0``: a value every rank holds alike must
+    come back bit for bit, issue 26 item 5).
     """
     n = staging.size
     t_hi = min(hi, n)
     if scale == 0.0:
-        frame[lo:hi] = 0.0
+        frame[lo:hi] = -0.0
     else:
-        np.multiply(staging[lo:t_hi], np.float32(scale), out=frame[lo:t_hi])
+        np.multiply(staging[lo:t_hi], frame.dtype.type(scale), out=frame[lo:t_hi], dtype=frame.dtype)
         if hi > n:
             frame[n] = scale
 
@@ -157,8 +192,9 @@ def unpack_chunk(
     """Unpack piece ``[lo, hi)``: ``staging = frame / total_mass``, the one divide.
 
     ``staging`` holds the rank's pre-round tensors on entry and the consensus on
-    return; ``frame`` holds the summed piece and is left holding the consensus
-    piece; ``scratch`` (float32, one piece, from ``new_scratch``) receives
+    return (the quotient in the frame's dtype, rounded to float32 once);
+    ``frame`` holds the summed piece and is left holding the consensus piece
+    (float32-rounded); ``scratch`` (float32, one piece, from ``new_scratch``) receives
     ``pre - post``. Measured here, a cache-resident subtract plus dot costs half
     of ``torch.dist``.
 
@@ -171,7 +207,14 @@ def unpack_chunk(
     t_hi = min(hi, staging.size)
     if t_hi <= lo:
         return 0.0, 0.0
-    post = np.divide(frame[lo:t_hi], total_mass, out=frame[lo:t_hi])
+    inverse = reciprocal(total_mass) if frame.dtype == np.float64 else 0.0
+    if inverse:  # as unpack_piece: every path rounds alike
+        post = np.multiply(frame[lo:t_hi], inverse, out=frame[lo:t_hi])
+    else:
+        post = np.divide(frame[lo:t_hi], total_mass, out=frame[lo:t_hi])
+    if post.dtype != np.float32:  # the float32 consensus, held in the frame: pre - post is 0 where they agree
+        np.copyto(scratch[: t_hi - lo], post)
+        np.copyto(post, scratch[: t_hi - lo])
     pre = staging[lo:t_hi]
     diff_sq = sum_squares(np.subtract(pre, post, out=scratch[: t_hi - lo]))
     post_sq = sum_squares(post)
@@ -184,18 +227,19 @@ def pack_piece(staging: np.ndarray, lo: int, hi: int, out: np.ndarray, scale: fl
     """Pack frame piece ``[lo, hi)`` into ``out`` (float32, ``hi - lo`` elements, any buffer).
 
     ``out[i - lo] = scale · staging[i]`` for tensor elements, ``scale`` at the
-    mass slot (element ``staging.size``); an idle rank (``scale == 0``) writes
-    true zeros, never ``0 · θ`` (SPEC §1). The same arithmetic as
-    :func:`pack_chunk`, into a piece-sized buffer: the wire needs one piece of
-    memory, not a frame (the pieces are reduced one after another).
+    mass slot (element ``staging.size``), in ``out``'s dtype (float64 on the
+    wire MPI sums); an idle rank (``scale == 0``) writes true zeros, never
+    ``0 · θ`` (SPEC §1; ``-0.0``, as :func:`pack_chunk`). The same arithmetic
+    as :func:`pack_chunk`, into a piece-sized buffer: the wire needs one piece
+    of memory, not a frame (the pieces are reduced one after another).
     """
     n = staging.size
     t_hi = min(hi, n)
     if scale == 0.0:
-        out[: hi - lo] = 0.0
+        out[: hi - lo] = -0.0
         return
     if t_hi > lo:
-        np.multiply(staging[lo:t_hi], np.float32(scale), out=out[: t_hi - lo])
+        np.multiply(staging[lo:t_hi], out.dtype.type(scale), out=out[: t_hi - lo], dtype=out.dtype)
     if hi > n:
         out[n - lo] = scale
 
@@ -211,11 +255,16 @@ def unpack_piece(
 ) -> tuple[float, float]:
     """Unpack frame piece ``[lo, hi)`` from ``summed`` (its ``hi - lo`` summed elements).
 
-    The one divide (``post = summed / total_mass``, into ``post``, which may be
-    ``summed`` itself when that buffer is private), ``diff = pre - post`` into
-    ``diff`` (float32 scratch of one piece), the two float64 sums of squares of
+    The one divide (``post = summed / total_mass``, into ``post``: float32
+    scratch of one piece, or ``summed`` itself when that buffer is private and
+    float32), ``diff = pre - post`` into ``diff`` (float32 scratch of one piece;
+    it may alias ``summed``, read before), the two float64 sums of squares of
     the divergence triple, then ``staging[lo:hi] = post``; a non-finite
     consensus piece never reaches the staging (as :func:`unpack_chunk`).
+    ``summed`` float64 (the float64 wire, or a float64 node sum): the quotient
+    is float64 (the sum times :func:`reciprocal`), rounded to float32 once
+    into ``post`` (issue 26 item 5: identical inputs come back unchanged, and
+    their difference is exactly 0).
 
     Returns:
         ``(sum((pre - post) ** 2), sum(post ** 2))`` for this piece, float64.
@@ -224,7 +273,11 @@ def unpack_piece(
     if t_hi <= lo:
         return 0.0, 0.0
     k = t_hi - lo
-    p = np.divide(summed[:k], total_mass, out=post[:k])
+    inverse = reciprocal(total_mass) if summed.dtype == np.float64 else 0.0
+    if inverse:
+        p = np.multiply(summed[:k], inverse, out=post[:k])
+    else:
+        p = np.divide(summed[:k], total_mass, out=post[:k])
     pre = staging[lo:t_hi]
     diff_sq = sum_squares(np.subtract(pre, p, out=diff[:k]))
     post_sq = sum_squares(p)

@@ -219,3 +219,32 @@ def test_resume_continues_the_run_and_keeps_the_scalars_of_the_epochs_done():
         ones = rows["name"] == b"one"
         np.testing.assert_array_equal(rows["epoch"][ones], [1, 2, 3, 4])  # epochs 1-2 kept, 3-4 added
         np.testing.assert_array_equal(read_table(run_dir / "metrics.h5", "epochs")["epoch"], [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_a_frozen_layer_and_an_unused_parameter_stay_bit_identical_over_a_run(policy):
+    """issue 26 item 5: a frozen (``requires_grad=False``) layer and a parameter no step touches hold the
+    same values on every rank, so every round gives them back unchanged: after a multi-round fit (sync:
+    equal masses; cadence: unequal quotas) they are bit for bit rank 0's initial values (broadcast at
+    the start), while the trained layer moved and is the same on every rank. Before, at W = 3 the float32
+    sums drifted the frozen layer by ulps every round."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    torch.manual_seed(comm.rank)  # different initial values per rank: rank 0's are broadcast
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    net[0].requires_grad_(False)
+    net.register_parameter("unused", nn.Parameter(torch.randn(5)))
+    initial = comm.bcast({k: v.detach().clone() for k, v in net.state_dict().items()}, root=0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((120, 8)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0)
+    run = flodl_mpi.fit(net, train_step=ce_step, data=((x, y), (x[:30], y[:30])), epochs=2, batch_size=8, lr=1e-2,
+                        policy=policy, **({"anchor": 2} if policy == "cadence" else {}))
+    history = run.wait()
+    assert run.done and sum(h.summary.rounds for h in history) >= 4  # several rounds
+    final = run.model.state_dict()
+    for name in ("0.weight", "0.bias", "unused"):
+        assert final[name].numpy().tobytes() == initial[name].numpy().tobytes(), name
+    assert not torch.equal(final["2.weight"], initial["2.weight"])  # the trained layer moved
+    assert len(set(comm.allgather(final["2.weight"].numpy().tobytes()))) == 1

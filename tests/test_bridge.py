@@ -12,6 +12,7 @@ from flodl_mpi.bridge import Bridge
 from flodl_mpi.divergence import divergence_triple
 from flodl_mpi.errors import InputError, NonFiniteError, RoundError
 from flodl_mpi.models import digits_mlp
+from flodl_mpi.reduce import WireOptions
 from flodl_mpi.worker import ReplacedTensorError, Replica, state_arrays
 from flodl_mpi.world import agree
 
@@ -310,11 +311,27 @@ def test_every_rank_non_finite_stops_the_job_naming_them():
         bridge.round(steps=1, window=1, loss_finite=comm.rank != comm.size - 1)
 
 
-def test_an_overflowing_consensus_of_finite_ranks_stops_every_rank():
+@pytest.mark.parametrize("wire", ["mpi", "shm"])
+def test_finite_ranks_near_float32_s_largest_give_their_consensus_back(wire):
+    """issue 26 item 5: 3e38 on every rank (W·m·3e38 overflowed the float32 sum, and the job stopped)
+    is summed in float64 and comes back exactly, on the MPI wire and in shared memory."""
     replica = make_replica()
     with torch.no_grad():
-        replica.params[0].fill_(3e38)  # finite in float32; W * m * 3e38 is not
-    bridge = make_bridge(replica)
+        replica.params[0].fill_(3e38)
+    bridge = make_bridge(replica, wire=WireOptions(wire))
+    replica.snapshot(bridge)
+    update = bridge.round(steps=1, window=1)
+    replica.adopt(bridge)
+    bridge.close()
+    assert update.adopted and (replica.params[0] == np.float32(3e38)).all()
+
+
+def test_an_overflowing_bf16_consensus_of_finite_ranks_stops_every_rank():
+    # bfloat16's largest finite is about 3.39e38: a finite float32 above it travels as an infinity.
+    replica = make_replica()
+    with torch.no_grad():
+        replica.params[0].fill_(3.4e38)
+    bridge = make_bridge(replica, wire=WireOptions(bf16=True))
     replica.snapshot(bridge)
     with pytest.raises(NonFiniteError, match="finite but their weighted sum overflowed"):
         bridge.round(steps=1, window=1)

@@ -75,8 +75,8 @@ def test_consensus_matches_float64_reference(comm, chunk_elems):
     flat = [np.concatenate([t.ravel() for t in rank_tensors(r)]).astype(np.float64) for r in range(comm.size)]
     ref = sum(m * f for m, f in zip(masses, flat)) / sum(masses)
     assert stats.realized
-    assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= 1e-6
-    assert stats.total_mass == pytest.approx(comm.size * sum(masses), rel=1e-6)
+    assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= 1e-7  # float64 sums, one float32 rounding
+    assert stats.total_mass == pytest.approx(comm.size * sum(masses), rel=1e-12)
     assert stats.post_sq == pytest.approx(float(np.sum(ref**2)), rel=1e-5)
     assert stats.diff_sq == pytest.approx(float(np.sum((pre - ref) ** 2)), rel=1e-4)
     assert len(set(comm.allgather(digest(staging)))) == 1  # identical on every rank
@@ -136,4 +136,4 @@ def test_a_non_finite_reduced_piece_stops_every_rank_before_it_is_unpacked(comm)
     lo = layout.chunks[0][1]  # the first piece (reduced last) holds element 3
     np.testing.assert_array_equal(staging[:lo], before[:lo])
     np.testing.assert_allclose(staging[lo:], np.mean([1.0 + r for r in range(comm.size)]), rtol=1e-6)
-    assert stats.bytes == 4 * layout.size  # every piece was reduced once, the last one included
+    assert stats.bytes == 8 * layout.size  # every piece was reduced once (float64), the last one included

@@ -1,9 +1,11 @@
 import math
+from functools import reduce
 
 import numpy as np
 import pytest
 
-from flodl_mpi.wire import WireLayout, pack_chunk, sum_squares, sum_squares_pieces, unpack_chunk
+from flodl_mpi.wire import (WireLayout, pack_chunk, pack_piece, sum_squares, sum_squares_pieces, unpack_chunk,
+                            unpack_piece)
 
 
 def test_layout_offsets_and_chunks_cover_the_frame():
@@ -117,3 +119,46 @@ def test_pinned_staging_is_a_zeroed_float32_array_and_falls_back_without_cuda():
     assert all(np.all(v == 2.0) for v in layout.views(staging))
     if torch.cuda.is_available():
         assert torch.from_numpy(staging).is_pinned()
+
+
+def _tree_sum(parts):
+    """A pairwise (recursive-halving) sum, one order an MPI Allreduce may take."""
+    if len(parts) == 1:
+        return parts[0].copy()
+    h = len(parts) // 2
+    return _tree_sum(parts[:h]) + _tree_sum(parts[h:])
+
+
+@pytest.mark.parametrize("masses", [[1.0] * 5, [(1.0 + 2 * r) ** 0.5 for r in range(5)],
+                                    [float(10 * (r + 1) + 3 * r * r) for r in range(5)],
+                                    [0.0, 3.0, 7.0 / 3, 0.0, 1e-3]],
+                         ids=["equal", "gamma-0.5", "quotas", "idle"])
+@pytest.mark.parametrize("W", [2, 3, 4, 5])
+def test_the_float64_wire_gives_values_every_rank_holds_alike_back_bit_for_bit(W, masses):
+    """issue 26 item 5: W simulated ranks pack the same float32 values (pack_piece into the float64
+    frame, scale W·m_r), the frames are summed as an Allreduce(SUM) would (in rank order, in reverse,
+    pairwise), and unpack_piece gives exactly the input back, for equal and unequal masses; the
+    divergence sum is exactly 0. In float32 (the wire before) W = 3 and 5 rounded by ulps."""
+    rng = np.random.default_rng(W)
+    f = np.finfo(np.float32)
+    values = np.concatenate([rng.standard_normal(300), rng.standard_normal(20) * 1e30, rng.standard_normal(20) * 1e-40,
+                             [0.0, -0.0, f.max, -f.max, f.tiny, f.smallest_subnormal]]).astype(np.float32)
+    layout = WireLayout([(values.size,)], chunk_elems=37)
+    m = masses[:W] if any(masses[:W]) else [1.0] * W
+    for lo, hi in layout.chunks:
+        frames = []
+        for r in range(W):
+            out = layout.new_frame()[: hi - lo]
+            pack_piece(values, lo, hi, out, W * m[r])
+            frames.append(out)
+        for summed in (reduce(np.add, frames), reduce(np.add, frames[::-1]), _tree_sum(frames)):
+            staging = values.copy()
+            post = np.empty(hi - lo, np.float32)
+            d, p = unpack_piece(summed, staging, lo, hi, summed[-1] if hi > layout.n else
+                                float(sum(W * x for x in m)), post, layout.new_scratch())
+            assert staging.tobytes() == values.tobytes()
+            assert d == 0.0 and math.isfinite(p)
+            staging = values.copy()  # the whole-frame unpack, in place in the float64 frame
+            d, p = unpack_chunk(np.concatenate([np.zeros(lo), summed]), staging, lo, hi,
+                                float(sum(W * x for x in m)), layout.new_scratch())
+            assert staging.tobytes() == values.tobytes() and d == 0.0
