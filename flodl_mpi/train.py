@@ -805,7 +805,7 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
                     log.info(f"warning: {line}")
         trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop,
                           progress=progress, log_detail=log.debug if late_header is None else None, task=task,
-                          replay=replay)
+                          replay=replay, warn=log.warning)
         if trainer.state_average is not None and late_header is None:
             averaged = trainer.state_average
             log.info(f"optimizer state averaged ({averaged.mode}): {len(averaged.plan.wire)} state tensors, "

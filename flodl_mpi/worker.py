@@ -27,6 +27,7 @@ from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num
 from flodl_mpi.faults import Fault, InjectedFault
 from flodl_mpi.model_record import model_record
 from flodl_mpi.optimizer_state import OptimizerStateAverager, adopt_delta, resolve_mode
+from flodl_mpi.outer_watch import OuterWatch
 from flodl_mpi.policy import Plan
 from flodl_mpi.progress import EpochProgress
 from flodl_mpi.replay import RecordedPlan
@@ -502,6 +503,7 @@ class Trainer:
         replay: ``--replay-plan``'s recorded plan (`flodl_mpi.replay`), already checked against
             this run: each window runs the quotas recorded for the round that closes it (the
             policy still observes every round: its guard verdicts and state are recorded).
+        warn: a callable taking one line: rank 0's warnings during training (default: ``log``).
 
     Failure semantics: any exception leaves :meth:`fit`; the caller ends the
     job. Checkpoints already written stay; the one in progress is either
@@ -511,13 +513,19 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, data: Dataset, replica: Replica,
                  bridge: Bridge, writer=None, fault: Fault | None = None, log=print,
                  stop: StopRequest | None = None, progress: EpochProgress | None = None,
-                 log_detail=None, task=None, replay: RecordedPlan | None = None) -> None:
+                 log_detail=None, task=None, replay: RecordedPlan | None = None, warn=None) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.data, self.replica, self.bridge, self.writer = data, replica, bridge, writer
         self.fault, self.log = fault, log
         self.progress = progress if progress is not None else EpochProgress(enabled=False)
         self.log_detail = log_detail if log_detail is not None else (lambda line: None)
+        self.warn = warn if warn is not None else log
         self.task = task if task is not None else ClassificationTask(cfg, world_size)
+        outer = bridge.outer
+        #: Says once when a run with an outer optimizer is going wrong (issue 26 item 11).
+        self.outer_watch = OuterWatch("avg" if outer is None else outer.kind, 1.0 if outer is None else outer.lr,
+                                      0.0 if outer is None else outer.momentum,
+                                      api=type(self.task) is not ClassificationTask)
         self.optimizer = self.task.make_optimizer(cfg, replica.model)
         #: The next window's plan (quotas, anchor): the policy's, the same on every rank.
         self.plan = bridge.policy.plan()
@@ -866,6 +874,10 @@ class Trainer:
             self.log_detail("  per rank: " + "; ".join(
                 f"r{r} {s.per_rank_throughput[r]:.0f} samples/s, {s.per_rank_batches[r]} batches, "
                 f"data wait {s.per_rank_data_ms[r] / 1e3:.2f} s" for r in range(self.world_size)))
+        if not stopped:  # a complete epoch's loss (every rank's watch sees the same; rank 0 says it)
+            line = self.outer_watch.observe(s.epoch, s.avg_loss)
+            if line is not None and self.rank == 0:
+                self.warn(line)
         # Decided from the config and gathered values only: every rank agrees, and
         # every rank joins the state gather of the save.
         due = (cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0) or self.task.checkpoint_now
