@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
+from flodl_mpi.metrics import read_table
 from flodl_mpi.outer_watch import EPOCHS, UNDONE, OuterWatch
+from tests.conftest import run_flodl
 
 # Measured (python benchmarks/outer.py --datasets mnist1d-adam ...: 2 ranks, the paper's CNN, Adam, 40
 # epochs): each epoch's cohort training loss (epochs/avg_loss), rounded to 4 places.
@@ -78,3 +81,19 @@ def test_the_measured_failing_run_warns_and_the_healthy_ones_do_not():
     for healthy in (NESTEROV_W10, SLOWMO_W50):
         assert _first_warning(healthy, kind="nesterov", lr=0.7)[0] is None
         assert _reference_epoch(healthy) is None
+
+
+@pytest.mark.slow
+def test_a_run_going_wrong_says_so_once_in_train_log_and_on_stdout(tmp_path):
+    """issue 26 item 11: digits, slowmo at window 10 (benchmarks/outer.py: 0.92 at epoch 3, 0.82 at 10): the
+    warning at epoch 6, once, also under -q (a warning); the epoch's losses in metrics.h5 give the same epoch."""
+    run_dir = tmp_path / "r"
+    proc = run_flodl(2, "train", "--epochs", "7", "--window", "10", "--outer", "slowmo", "-q",
+                     "--run-dir", str(run_dir), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = read_table(run_dir / "metrics.h5", "epochs")["avg_loss"].tolist()
+    epoch, line = _first_warning(losses)
+    assert epoch == 6 == _reference_epoch(losses)
+    assert (proc.stdout + proc.stderr).count(line) == 1  # rank 0 only
+    assert (run_dir / "train.log").read_text().count("the run is going wrong") == 1
+    assert line in (run_dir / "train.log").read_text()
