@@ -15,6 +15,7 @@ against sync, and the epoch at which the run's going-wrong warning
     python benchmarks/outer.py                        # every dataset (about 25 minutes here)
     python benchmarks/outer.py --datasets digits --windows 1 5 10 20 50 --json out.json
     python benchmarks/outer.py --datasets mnist1d-adam --windows 50 --outers slowmo --lr 4e-3 --no-sync
+    python benchmarks/outer.py --datasets digits --windows 10 --outers nesterov --no-sync --extra=--outer-reset-inner
 
 Inner optimizer per dataset (the same for every row): ``digits``, the built-in
 MLP with Adam 1e-3 for 10 epochs; ``mnist1d``, the paper's CNN with SGD 0.05,
@@ -62,7 +63,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--epochs", type=int, help="override every dataset's epochs (quick looks)")
     p.add_argument("--lr", help="override every dataset's inner learning rate")
-    p.add_argument("--extra", nargs="*", default=[], help="more flodl-mpi train options for every run")
+    p.add_argument("--extra", nargs="*", default=[],
+                   help="more flodl-mpi train options for every run (one flag: --extra=--outer-reset-inner)")
     p.add_argument("--no-sync", action="store_true", help="leave out the plain --policy sync row")
     p.add_argument("--json", help="write every run's per-epoch results here")
     args = p.parse_args()
