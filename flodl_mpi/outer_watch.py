@@ -14,6 +14,7 @@ runs rise three epochs in a row by noise. Measured (``python benchmarks/outer.py
 --datasets mnist1d-adam ...``, README "Outer optimizers, measured"): SlowMo at Adam
 4e-3, window 50, which falls from 0.70 test accuracy at epoch 10 to 0.38 at 40, undoes
 12-17 % from epoch 13 on (the warning comes at epoch 15); the healthy runs undo at most 6 %.
+A resumed run's watch starts again at its first epoch after the resume.
 """
 
 from __future__ import annotations
