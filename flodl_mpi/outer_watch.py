@@ -13,7 +13,9 @@ why a share of the progress and not a run of rises: at training losses near 0.05
 runs rise three epochs in a row by noise. Measured (``python benchmarks/outer.py
 --datasets mnist1d-adam ...``, README "Outer optimizers, measured"): SlowMo at Adam
 4e-3, window 50, which falls from 0.70 test accuracy at epoch 10 to 0.38 at 40, undoes
-12-17 % from epoch 13 on (the warning comes at epoch 15); the healthy runs undo at most 6 %.
+12-17 % from epoch 13 on (the warning comes at epoch 15); of the healthy runs none undoes more than
+6 % two epochs in a row (slowmo at window 50 undoes 10 % once, at epoch 3, early noise). Every diverging
+SGD outer run of that table warns, at epoch 5 to 15.
 A resumed run's watch starts again at its first epoch after the resume.
 """
 
