@@ -31,9 +31,10 @@ def run_flodl(ranks: int, args: list[str], run_dir: str | os.PathLike | None = N
     """``mpiexec -n ranks python -m flodl_mpi train ARGS``; per-epoch test metrics and bytes.
 
     Returns:
-        ``{"test_accuracy": [per epoch], "test_loss": [...], "rounds": int,
+        ``{"test_accuracy": [per epoch], "test_loss": [...], "train_loss": [...], "rounds": int,
         "bytes_per_rank": int (params and buffers put into Allreduce by one rank),
-        "seconds": float (the run's clock at its last epoch)}``.
+        "seconds": float (the run's clock at its last epoch)}``; ``train_loss`` is the cohort's
+        ``epochs/avg_loss``.
 
     Raises:
         RuntimeError: the run failed (its stderr tail in the message).
@@ -51,6 +52,7 @@ def run_flodl(ranks: int, args: list[str], run_dir: str | os.PathLike | None = N
     out = {
         "test_accuracy": [float(v) for v in epochs["test_accuracy"]],
         "test_loss": [float(v) for v in epochs["test_loss"]],
+        "train_loss": [float(v) for v in epochs["avg_loss"]],
         "rounds": int(len(rounds["round"])),
         "bytes_per_rank": int(np.sum(rounds["bytes"])),
         "seconds": float(epochs["time_s"][-1]),

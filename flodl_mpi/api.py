@@ -570,6 +570,7 @@ def _setup(session, a: dict) -> Run:
         _make_run_dir,
         _setup_logging,
         check_resume_data,
+        load_replay_plan,
         pick_device,
         resume_point,
         start_trainer,
@@ -629,6 +630,7 @@ def _setup(session, a: dict) -> Run:
         data = for_task(_load_data(cfg, world, watchdog), a["task"])  # integer labels: never raises
     else:
         data = agree(comm, "data", lambda: for_task(_load(a["data"], a["names"]), a["task"]), watchdog)
+    replay = load_replay_plan(cfg, world, watchdog, data)  # before anything is written
 
     # -- the task: the user's callables, the cohort's epoch boundary
     step_fn = a["train_step"] or default_train_step
@@ -718,7 +720,7 @@ def _setup(session, a: dict) -> Run:
         cfg, world, watchdog, data, replica, run_dir, ckpt, keep_rows,
         session.stop if session.stop is not None else StopRequest("resume=True"),
         record=lambda: _record(cfg, a, data, model, probe), task=task, late_header=threads_line,
-        on_resume=reset_groups if callable(opt) else None, remove_bad_new_run=False)
+        on_resume=reset_groups if callable(opt) else None, remove_bad_new_run=False, replay=replay)
     resumed_mid_epoch = ckpt is not None and int(ckpt.meta.get("cursor", 0)) > 0
     # a stop cut the epoch short: its scalars go on from the checkpoint's books
     if resumed_mid_epoch and not boundary.resume_scalars(ckpt.meta, world.rank, world.size) and world.rank == 0:

@@ -149,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-divergence-guard", dest="divergence_guard", action="store_false", default=None,
                    help="cadence/async: let the anchor grow whatever the divergence guard says (its verdicts are "
                         "still recorded)")
+    g.add_argument("--replay-plan", metavar="RUN_DIR/metrics.h5",
+                   help="cadence/async: follow the quotas and anchors another run recorded per round, instead of "
+                        "the balancer's (which read this machine's speeds): the same command, data and seed then "
+                        "give that run's windows exactly; refused unless its world size, policy and data size are "
+                        "this run's")
     g.add_argument("--async-adopt", choices=ASYNC_ADOPTS,
                    help="async: how a rank adopts the consensus of a round it trained past, keeping its own "
                         "steps since the round's snapshot: delta takes the consensus in place of the snapshot; "

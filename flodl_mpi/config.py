@@ -124,6 +124,7 @@ class TrainConfig:
     max_anchor: int | None = None     # cadence/async: the anchor's ceiling, batches; None = 1000
     overhead_target: float | None = None  # cadence/async: round time / anchor window time to grow past; None = 0.05
     divergence_guard: bool = True     # cadence/async: the divergence guard gates anchor growth (SPEC §3)
+    replay_plan: str | None = None    # cadence/async: follow this metrics.h5's recorded quotas and anchors
     easgd_alpha: float | None = None  # async easgd: theta += alpha (consensus - theta_snapshot), (0, 1]; None = 0.5
     async_adopt: str | None = None    # async: "delta" (consensus + own steps since the snapshot) or "easgd"
     #                                   (pull); None = delta, or easgd when easgd_alpha is set
@@ -237,11 +238,14 @@ class TrainConfig:
         need(self.overhead_target is None or (number(self.overhead_target) and self.overhead_target > 0),
              "overhead_target", self.overhead_target, "a finite number > 0")
         need(isinstance(self.divergence_guard, bool), "divergence_guard", self.divergence_guard, "true or false")
+        need(self.replay_plan is None or (isinstance(self.replay_plan, str) and self.replay_plan != ""),
+             "replay_plan", self.replay_plan, "a run's metrics.h5 path")
         need(self.easgd_alpha is None or (number(self.easgd_alpha) and 0 < self.easgd_alpha <= 1), "easgd_alpha",
              self.easgd_alpha, "a number in (0, 1] (1 is the delta adoption)")
         if self.policy not in BALANCED_POLICIES:
             given = [f"--{n.replace('_', '-')}" for n in ("anchor", "max_anchor", "overhead_target")
                      if getattr(self, n) is not None] + ([] if self.divergence_guard else ["--no-divergence-guard"])
+            given += ["--replay-plan"] if self.replay_plan is not None else []
             if given:
                 raise ConfigError(f"{', '.join(given)} take(s) effect with --policy cadence or async (the balancer); "
                                   f"--policy {self.policy} runs a fixed window")

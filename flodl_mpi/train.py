@@ -66,6 +66,7 @@ from flodl_mpi.outer import OuterOptimizer, short_window_warning
 from flodl_mpi.policy import make_policy
 from flodl_mpi.progress import EpochProgress, stdout_is_terminal, write_above_bars
 from flodl_mpi.reduce import WireOptions
+from flodl_mpi.replay import RecordedPlan, read_recorded_plan
 from flodl_mpi.resume_inputs import data_path_difference, model_file_record, model_spec_difference
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
@@ -100,6 +101,29 @@ def _load_data(cfg: TrainConfig, world: World, watchdog: Watchdog) -> Dataset:
     agree(world.comm, "data", lambda: ensure_digits(path) if world.local_rank == 0 else None, watchdog,
           name_ranks=False)
     return agree(world.comm, "data", lambda: load_dataset(path, names), watchdog)
+
+
+def load_replay_plan(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset) -> RecordedPlan | None:
+    """``--replay-plan``: the recorded plan, checked against this run before anything is written (None: not asked).
+
+    Collective. Rank 0 reads the file (`flodl_mpi.replay.read_recorded_plan`), every rank
+    gets it and checks the same values: the recorded world size, policy, samples an epoch,
+    every window against this run's batches an epoch, and enough complete epochs.
+
+    Raises:
+        InputError: on every rank alike, one line naming the file and what differs.
+    """
+    if cfg.replay_plan is None:
+        return None
+    comm = world.comm
+    plan = comm.bcast(agree(comm, "replay plan", lambda: read_recorded_plan(cfg.replay_plan) if world.rank == 0
+                            else None, watchdog, name_ranks=False), root=0)
+    n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
+    samples = n_batches * cfg.batch_size if cfg.drop_last else data.train.n
+    why = plan.refusal(world.size, cfg.policy, n_batches, samples, cfg.epochs)
+    if why is not None:
+        raise InputError(why)
+    return plan
 
 
 def _smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str]:
@@ -660,6 +684,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     torch.set_num_threads(threads)
     device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
     data = _load_data(cfg, world, watchdog)
+    replay = load_replay_plan(cfg, world, watchdog, data)
 
     # -- model: same structure everywhere, right output size, then the same initial values
     torch.manual_seed(cfg.seed)
@@ -697,7 +722,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
         return True
     try:
         return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows, stop,
-                      _progress_mode(args, world.rank))
+                      _progress_mode(args, world.rank), replay=replay)
     except BaseException as exc:
         _note_failure(run_dir, world.rank, exc)
         raise
@@ -707,7 +732,8 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
                   run_dir: Path | None, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest, *,
                   record=None, task=None, fault=None, progress: EpochProgress | None = None,
                   late_header: str | None = None, on_resume=None,
-                  remove_bad_new_run: bool = True) -> tuple[Trainer, Bridge, MetricsWriter | None]:
+                  remove_bad_new_run: bool = True,
+                  replay: RecordedPlan | None = None) -> tuple[Trainer, Bridge, MetricsWriter | None]:
     """Open a run's outputs and build its bridge and trainer: one way for the CLI and :func:`flodl_mpi.fit`.
 
     Collective: every rank calls it alike, after the run dir, the resume survey
@@ -729,6 +755,7 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
         on_resume: called with the trainer after `Trainer.resume`.
         remove_bad_new_run: a new run whose input turned out bad during this
             setup (InputError) leaves no run dir behind.
+        replay: the `load_replay_plan` of ``--replay-plan`` (None: the policy plans).
 
     Raises:
         InputError, CohortError: as `agree` (every rank alike); the metrics
@@ -788,7 +815,8 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
                 for line in writer.recovered:
                     log.info(f"warning: {line}")
         trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop,
-                          progress=progress, log_detail=log.debug if late_header is None else None, task=task)
+                          progress=progress, log_detail=log.debug if late_header is None else None, task=task,
+                          replay=replay, warn=log.warning)
         if trainer.state_average is not None and late_header is None:
             averaged = trainer.state_average
             log.info(f"optimizer state averaged ({averaged.mode}): {len(averaged.plan.wire)} state tensors, "
@@ -831,9 +859,9 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
 
 def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
            run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest,
-           progress: EpochProgress | None = None) -> bool:
+           progress: EpochProgress | None = None, replay: RecordedPlan | None = None) -> bool:
     trainer, bridge, writer = start_trainer(cfg, world, watchdog, data, replica, run_dir, ckpt, keep_rows, stop,
-                                            fault=fault, progress=progress)
+                                            fault=fault, progress=progress, replay=replay)
 
     # -- train
     bridge.start()

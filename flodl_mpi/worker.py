@@ -27,7 +27,10 @@ from flodl_mpi.data import Dataset, Split, batch_indices, epoch_permutation, num
 from flodl_mpi.faults import Fault, InjectedFault
 from flodl_mpi.model_record import model_record
 from flodl_mpi.optimizer_state import OptimizerStateAverager, adopt_delta, resolve_mode
+from flodl_mpi.outer_watch import OuterWatch
+from flodl_mpi.policy import Plan
 from flodl_mpi.progress import EpochProgress
+from flodl_mpi.replay import RecordedPlan
 from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch, excluded_words
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.task import ClassificationTask
@@ -498,6 +501,10 @@ class Trainer:
         task: what a step and an evaluation are (:mod:`flodl_mpi.task`): the
             optimizer it builds, a batch's loss, the step (learning rate,
             clipping), the epoch's end. Default: ``ClassificationTask``, the CLI's.
+        replay: ``--replay-plan``'s recorded plan (`flodl_mpi.replay`), already checked against
+            this run: each window runs the quotas recorded for the round that closes it (the
+            policy still observes every round: its guard verdicts and state are recorded).
+        warn: a callable taking one line: rank 0's warnings during training (default: ``log``).
 
     Failure semantics: any exception leaves :meth:`fit`; the caller ends the
     job. Checkpoints already written stay; the one in progress is either
@@ -507,16 +514,26 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, data: Dataset, replica: Replica,
                  bridge: Bridge, writer=None, fault: Fault | None = None, log=print,
                  stop: StopRequest | None = None, progress: EpochProgress | None = None,
-                 log_detail=None, task=None) -> None:
+                 log_detail=None, task=None, replay: RecordedPlan | None = None, warn=None) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.data, self.replica, self.bridge, self.writer = data, replica, bridge, writer
         self.fault, self.log = fault, log
         self.progress = progress if progress is not None else EpochProgress(enabled=False)
         self.log_detail = log_detail if log_detail is not None else (lambda line: None)
+        self.warn = warn if warn is not None else log
         self.task = task if task is not None else ClassificationTask(cfg, world_size)
+        outer = bridge.outer
+        #: Says once when a run with an outer optimizer is going wrong (issue 26 item 11).
+        self.outer_watch = OuterWatch("avg" if outer is None else outer.kind, 1.0 if outer is None else outer.lr,
+                                      0.0 if outer is None else outer.momentum,
+                                      api=type(self.task) is not ClassificationTask)
         self.optimizer = self.task.make_optimizer(cfg, replica.model)
         #: The next window's plan (quotas, anchor): the policy's, the same on every rank.
         self.plan = bridge.policy.plan()
+        #: ``--replay-plan``: each window runs the recorded plan of the round that closes it, not the policy's.
+        self.replay = replay
+        #: Rounds this trainer started (blocking or async), so the index of the round the next window closes.
+        self.rounds_started = bridge.version
         #: Async's adoption of a round it trained past: "delta" or "easgd" (None: blocking).
         self.adoption = None if bridge.policy.blocking else cfg.async_adopt_value
         replica.keep_snapshot = self.adoption is not None  # both adoptions are relative to the snapshot
@@ -600,6 +617,7 @@ class Trainer:
         else:  # written before the policies kept state: the guard's only
             self.bridge.guard.load_state_dict(meta["guard"])
         self.plan = self.bridge.policy.plan()
+        self.rounds_started = self.bridge.version  # no round in flight at a checkpoint
         if self.bridge.outer is not None and self.bridge.outer.kind != "avg":
             self.bridge.outer.load_state_dict(*read_cohort_state(ckpt.path))
         self.start_epoch, self.start_cursor = int(meta["epoch"]), int(meta["cursor"])
@@ -661,7 +679,7 @@ class Trainer:
         self.progress.start(f"epoch {epoch + 1}/{cfg.epochs}", n_batches, cursor, self.bridge.version)
         while cursor < n_batches:
             # -- plan: the same on every rank, no communication (SPEC §4)
-            plan = self.plan
+            plan = self.plan if self.replay is None else Plan(*self.replay.plan(self.rounds_started))
             window = plan_window(plan.quotas, cursor, n_batches)
             first = window.starts[self.rank]
             mine = range(first, first + window.counts[self.rank])
@@ -684,6 +702,7 @@ class Trainer:
                     self.state_average.fill(self.bridge.state_tensors)
                 update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested,
                                            loss_finite=self.loss_finite, **facts)
+                self.rounds_started += 1
                 self.loss_finite = True
                 self._adopt(update)
             else:
@@ -785,6 +804,7 @@ class Trainer:
         if self.state_average is not None:
             self.state_average.fill(self.bridge.state_tensors)
         self.bridge.submit(self.steps, window, stop=self.stop.requested, loss_finite=self.loss_finite, **facts)
+        self.rounds_started += 1
         self.loss_finite = True
         return update
 
@@ -858,6 +878,10 @@ class Trainer:
             self.log_detail("  per rank: " + "; ".join(
                 f"r{r} {s.per_rank_throughput[r]:.0f} samples/s, {s.per_rank_batches[r]} batches, "
                 f"data wait {s.per_rank_data_ms[r] / 1e3:.2f} s" for r in range(self.world_size)))
+        if not stopped:  # a complete epoch's loss (every rank's watch sees the same; rank 0 says it)
+            line = self.outer_watch.observe(s.epoch, s.avg_loss)
+            if line is not None and self.rank == 0:
+                self.warn(line)
         # Decided from the config and gathered values only: every rank agrees, and
         # every rank joins the state gather of the save.
         due = (cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0) or self.task.checkpoint_now

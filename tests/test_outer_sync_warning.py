@@ -12,25 +12,33 @@ from tests.conftest import run_flodl
 
 
 @pytest.mark.parametrize("kind, window, cadence, quoted", [
-    ("slowmo", 1, "--policy sync", "ended at 0.678 test accuracy at sync against 0.950 for --outer avg"),
-    ("slowmo", 5, "--window 5", "ended at 0.831 test accuracy at --window 5"),
-    ("slowmo", 19, "--window 19", "ended at 0.919 test accuracy at --window 10"),
-    ("nesterov", 1, "--policy sync", "ended at 0.767 test accuracy at sync"),
-    ("nesterov", 9, "--window 9", "ended at 0.914 test accuracy at --window 5"),
+    ("slowmo", 1, "--policy sync", "ended at 0.678 test accuracy after 3 epochs and 0.972 after 10 at sync, against "
+                                   "0.950 and 0.975 for --outer avg"),
+    ("slowmo", 5, "--window 5", "(2 ranks, Adam, 10 epochs) it ended at 0.850 test accuracy at --window 5 against "
+                                "0.978 for --outer avg"),
+    ("slowmo", 49, "--window 49", "ended at 0.919 test accuracy at --window 20 against 0.975"),
+    ("nesterov", 1, "--policy sync", "ended at 0.767 test accuracy after 3 epochs and 0.969 after 10 at sync"),
+    ("nesterov", 9, "--window 9", "ended at 0.925 test accuracy at --window 5 against 0.978"),
+    # issue 26 item 7: the README's own case, nesterov at a window of 10 on the digits, was not warned about
+    ("nesterov", 10, "--window 10", "ended at 0.953 test accuracy at --window 10 against 0.981 for --outer avg"),
+    ("nesterov", 20, "--policy cadence, first anchor 20", "ended at 0.961 test accuracy at --window 20"),
 ])
 def test_a_short_window_is_warned_about_with_what_it_cost(kind, window, cadence, quoted):
+    """issue 26 item 7: windows under 50 warn (measured on the digits at 10 epochs: benchmarks/outer.py)."""
     line = short_window_warning(kind, window, cadence)
     gain = {"slowmo": 1.0 / (1 - 0.9), "nesterov": 0.7 / (1 - 0.9)}[kind]  # lr / (1 - momentum), the defaults
     assert line.startswith(f"warning: --outer {kind} with a round ")
     assert f"({cadence}) amplifies each round's change about {gain:.0f}x" in line
     assert quoted in line and f"--policy window --window {SHORT_WINDOW[kind]} or more" in line
+    assert "(the cost depends on the task: README, 'Outer optimizers, measured')" in line
     assert "\n" not in line
 
 
 def test_no_warning_where_the_outer_step_is_meant_or_tamed():
-    assert SHORT_WINDOW == {"slowmo": 20, "nesterov": 10}
-    assert short_window_warning("slowmo", 20, "--window 20") is None
-    assert short_window_warning("nesterov", 10, "--window 10") is None
+    """issue 26 item 7: from a window of 50 (one round an epoch on the digits) nesterov ends level with avg."""
+    assert SHORT_WINDOW == {"slowmo": 50, "nesterov": 50}
+    assert short_window_warning("slowmo", 50, "--window 50") is None
+    assert short_window_warning("nesterov", 50, "--window 50") is None
     assert short_window_warning("avg", 1, "--policy sync") is None
     # lr / (1 - momentum) below 2: the step is not amplified much; other settings: no measured figure quoted
     assert short_window_warning("slowmo", 1, "--policy sync", lr=0.1, momentum=0.9) is None
@@ -70,6 +78,6 @@ def test_a_sync_run_with_slowmo_warns_once_and_logs_its_averaging_path(tmp_path)
 def test_the_python_api_is_told_in_its_own_keywords():
     line = short_window_warning("nesterov", 5, "window=5", api=True)
     assert line.startswith("warning: outer='nesterov' with a round every 5 batches (window=5) amplifies")
-    assert "at window=5 against 0.950 for outer='avg'" in line
-    assert line.endswith("use outer='avg' at this cadence, or policy='window', window=10 or more")
+    assert "at window=5 against 0.978 for outer='avg'" in line
+    assert line.endswith("use outer='avg' at this cadence, or policy='window', window=50 or more")
     assert "--" not in line
