@@ -276,7 +276,9 @@ class Replica:
 
         Bound params are not copied; one the model swapped out is bound again.
         The tensors found here are the ones the next :meth:`adopt` writes into.
+        Its time is counted as the round's ``snapshot_ms`` (`Bridge.add_training_ms`).
         """
+        t0 = time.perf_counter()
         params, buffers, changed = self._resolve_changes()
         if self.bound:
             for i in changed:  # a new parameter, or p.data replaced: bind again (one copy)
@@ -304,6 +306,7 @@ class Replica:
             self._kept_norms = (self._norm_layers, _tracked_counts(self._norm_layers))
         _wait_for_device(params, buffers)
         self._live = (params, buffers)
+        bridge.add_training_ms("snapshot", 1e3 * (time.perf_counter() - t0))
 
     @torch.no_grad()
     def adopt(self, bridge: Bridge, alpha: float = 1.0, delta: bool = False) -> None:
@@ -349,6 +352,7 @@ class Replica:
         """
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        t0 = time.perf_counter()  # counted as the round's adopt_ms (the copies are queued, not waited for)
         if alpha != 1.0 and not delta:
             raise ValueError("a pull alpha < 1 is computed at the snapshot: it needs delta = True")
         if delta and self.bound:
@@ -391,6 +395,7 @@ class Replica:
         else:
             for dst, src in zip(buffers, bridge.buffer_tensors):
                 dst.copy_(src, non_blocking=True)
+        bridge.add_training_ms("adopt", 1e3 * (time.perf_counter() - t0))
 
     @contextlib.contextmanager
     def consensus_in_place(self, bridge: Bridge):
@@ -677,7 +682,7 @@ class Trainer:
             if self.bridge.policy.blocking:
                 self.replica.snapshot(self.bridge)
                 if self.state_average is not None:
-                    self.state_average.fill(self.bridge.state_tensors)
+                    self._timed("snapshot", self.state_average.fill, self.bridge.state_tensors)
                 update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested,
                                            loss_finite=self.loss_finite, **facts)
                 self.loss_finite = True
@@ -779,7 +784,7 @@ class Trainer:
             self._adopt(update, alpha=self.cfg.easgd_alpha_value, delta=True)
         self.replica.snapshot(self.bridge)
         if self.state_average is not None:
-            self.state_average.fill(self.bridge.state_tensors)
+            self._timed("snapshot", self.state_average.fill, self.bridge.state_tensors)
         self.bridge.submit(self.steps, window, stop=self.stop.requested, loss_finite=self.loss_finite, **facts)
         self.loss_finite = True
         return update
@@ -806,6 +811,12 @@ class Trainer:
             self._end_epoch(end.epoch, end.report, end.rows, end.cursor, stopped=False)
         self._end_ms += 1e3 * (time.perf_counter() - t0)
 
+    def _timed(self, part: str, fn, *args, **kw) -> None:
+        """``fn(*args, **kw)``, its time counted as the round's ``part`` (`Bridge.add_training_ms`)."""
+        t0 = time.perf_counter()
+        fn(*args, **kw)
+        self.bridge.add_training_ms(part, 1e3 * (time.perf_counter() - t0))
+
     def _adopt(self, update: RoundUpdate, alpha: float = 1.0, delta: bool = False) -> None:
         if update.plan is not None:
             self.plan = update.plan
@@ -814,8 +825,8 @@ class Trainer:
             whole = self.rank in update.quarantined
             self.replica.adopt(self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
             if self.state_average is not None:
-                self.state_average.adopt(self.bridge.state_tensors, delta=delta and not whole,
-                                         steps=self.steps - update.steps_at_snapshot, alpha=1.0 if whole else alpha)
+                self._timed("adopt", self.state_average.adopt, self.bridge.state_tensors, delta=delta and not whole,
+                            steps=self.steps - update.steps_at_snapshot, alpha=1.0 if whole else alpha)
         if update.quarantined:
             if self.writer is not None:
                 self.log(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
