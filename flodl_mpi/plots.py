@@ -418,8 +418,9 @@ def not_drawn(runs: Sequence[Run]) -> list[str]:
         return []
     which = ", ".join(f"{r.label.split(' [')[0]} (policy {_policy(r)})" for r in fixed) if len(runs) > 1 \
         else f"policy {_policy(fixed[0])}"
-    return [f"cadence.png: {'not drawn' if len(fixed) == len(runs) else 'without'} {which}: only "
-            f"{' and '.join(QUOTA_POLICIES)} plan quotas per rank; a fixed policy's window is its option"]
+    head = "not drawn" if len(fixed) == len(runs) else "left out"
+    return [f"cadence.png: {head}: {which} plans no quotas per rank (only {' and '.join(QUOTA_POLICIES)} do; "
+            "a fixed policy's window is its --window option)"]
 
 
 #: File stem -> figure function, in the order the report writes them.

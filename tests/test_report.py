@@ -151,12 +151,17 @@ def test_figures_draw_the_expected_series(tmp_path, n_runs):
     W = 3
     runs = [load_run(write_synthetic(tmp_path / f"r{i}", world_size=W)) for i in range(n_runs)]
     assert _lines(plots.training_figure(runs)) == [2 * n_runs, n_runs]       # train+test loss | accuracy
-    assert _lines(plots.ranks_figure(runs)) == [W * n_runs, W * n_runs]      # throughput | batch share
-    assert _lines(plots.divergence_figure(runs)) == [(W + 1) * n_runs]       # ranks + guard markers
+    assert _lines(plots.ranks_figure(runs)) == [W * n_runs, 2 * W * n_runs]  # throughput | done + allocation
+    # ranks + guard markers + the 3 epochs' last rounds (vertical lines)
+    assert _lines(plots.divergence_figure(runs)) == [(W + 1 + 3) * n_runs]
     assert _lines(plots.round_times_figure(runs)) == [3 * n_runs]            # pack, allreduce, unpack
-    assert _lines(plots.cadence_figure(runs)) == [(1 + W) * n_runs]          # anchor + windows
+    assert plots.cadence_figure(runs) is None                                # sync plans no quotas
+    cadence = [load_run(write_synthetic(tmp_path / f"c{i}", world_size=W, config={"policy": "cadence"}))
+               for i in range(n_runs)]
+    assert _lines(plots.cadence_figure(cadence)) == [(1 + W) * n_runs]       # anchor + windows
     bars = plots.time_figure(runs).axes[0].containers
-    assert [len(c) for c in bars] == [W * n_runs] * 4                        # compute, data, averaging, other
+    # every part but the outer step and async's wait (0 in a sync run without --outer)
+    assert [len(c) for c in bars] == [W * n_runs] * 12
     for fig in (plots.training_figure(runs), plots.divergence_figure(runs)):
         for ax in fig.axes:
             assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
@@ -168,11 +173,14 @@ def test_write_plots_gives_valid_pngs(tmp_path):
 
     runs = [load_run(write_synthetic(tmp_path / "r"))]
     written = plots.write_plots(runs, tmp_path / "out")
-    assert [p.name for p in written] == [f"{name}.png" for name in plots.FIGURES]
+    assert [p.name for p in written] == [f"{name}.png" for name in plots.FIGURES if name != "cadence"]
+    assert plots.not_drawn(runs) == ["cadence.png: not drawn: policy sync plans no quotas per rank (only cadence "
+                                     "and async do; a fixed policy's window is its --window option)"]
     for p in written:
         img = matplotlib.image.imread(p)
-        # figsize (11, 4.5) inches at 100 dpi; the time bars: 1.2 in + 0.45 in per bar, at least 2.5 in
-        assert img.shape[:2] == ((250 if p.stem == "time" else 450), 1100), p
+        # figsize (11, 4.5) inches at 100 dpi; the time bars (13 in wide): 1.2 in + 0.45 in per bar, at
+        # least 2.5 in, + 0.22 in per part defined under the axes (12 parts)
+        assert img.shape[:2] == ((514, 1300) if p.stem == "time" else (450, 1100)), p
         assert img.std() > 0                  # not blank
     assert not list((tmp_path / "out").glob(".*tmp*"))
 
@@ -229,7 +237,9 @@ def test_report_on_a_finished_run(run_a):
 
     acc = read_table(run_a / "metrics.h5", "epochs")["test_accuracy"]
     assert f"test accuracy {acc[-1]:.4f} (last)" in proc.stdout
-    assert sorted(p.name for p in (run_a / "plots").iterdir()) == sorted(f"{n}.png" for n in plots.FIGURES)
+    assert sorted(p.name for p in (run_a / "plots").iterdir()) == sorted(f"{n}.png" for n in plots.FIGURES
+                                                                        if n != "cadence")  # a sync run
+    assert "plots: cadence.png: not drawn: policy sync plans no quotas per rank" in proc.stdout
 
 
 @pytest.mark.slow
@@ -242,7 +252,7 @@ def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path):
             in proc.stdout)
     header = next(line for line in proc.stdout.splitlines() if line.split() == ["A", "B"])
     assert header
-    assert len(list(out.glob("*.png"))) == len(plots.FIGURES)
+    assert len(list(out.glob("*.png"))) == len(plots.FIGURES) - 1  # sync and window: no cadence figure
 
 
 @pytest.mark.slow
@@ -270,7 +280,7 @@ def test_report_while_the_run_writes(tmp_path):
         epochs = int(proc.stdout.split("epochs", 1)[1].split()[0])
         assert 1 <= epochs < 200 and "of 200 (running)" in proc.stdout  # its lock is held
         assert still_running, "the run must still be writing while the report reads"
-        assert len(list((tmp_path / "plots").glob("*.png"))) == len(plots.FIGURES)
+        assert len(list((tmp_path / "plots").glob("*.png"))) == len(plots.FIGURES) - 1  # sync: no cadence
     finally:
         if train.poll() is None:
             os.killpg(train.pid, signal.SIGTERM)
