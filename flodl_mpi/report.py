@@ -484,9 +484,9 @@ def run(args: argparse.Namespace) -> int:
             return _tensorboard(args, runs)
         out = Path(args.out) if args.out else (runs[0].path / "plots" if len(runs) == 1 else Path("plots-compare"))
         written = plots.write_plots(_with_option_labels(runs), out)
+        print(f"plots: {', '.join(str(p) for p in written)}" if written else "plots: none yet (no rows to draw)")
         for line in plots.not_drawn(runs):
             print(f"plots: {line}")
-        print(f"plots: {', '.join(str(p) for p in written)}" if written else "plots: none yet (no rows to draw)")
     return _tensorboard(args, runs)
 
 
