@@ -142,6 +142,13 @@ def test_batch_share_is_batches_done_in_the_plot_and_the_summary(tmp_path):
     assert alloc == {"rank 0: policy's allocation": [50.0, 50.0], "rank 1: policy's allocation": [50.0, 50.0]}
     assert all(ln.get_linestyle() == ":" for ln in ax.get_lines() if ln.get_gid() == "allocation")
     assert "batches done" in ax.get_title() and "allocation" in ax.get_title()
+    # TensorBoard's tags: the same two quantities under the same two names
+    from flodl_mpi.tensorboard_export import scalars
+
+    tags = scalars(run)
+    assert tags["epoch/batches_done_rank0"][1].tolist() == [0.75, 0.5]
+    assert tags["epoch/allocation_rank1"][1].tolist() == [0.5, 0.5]
+    assert not any("batch_share" in tag for tag in tags)
 
 
 # ---------------------------------------------------------------- (c) idle ranks and epochs' ends
