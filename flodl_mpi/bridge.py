@@ -48,6 +48,7 @@ __all__ = ["RoundUpdate", "Bridge", "boundary_verdict"]
 _LOSS, _TENSORS = NON_FINITE_LOSS, NON_FINITE_TENSORS
 #: The epoch exchange's row: the last round's ack, the batch records' count, the report.
 _EPOCH = ACK + Columns("records") + Columns(*EPOCH_FIELDS)
+_ADOPT_MS = ACK.index("adopt_ms")
 
 
 @dataclass
@@ -384,11 +385,11 @@ class Bridge:
         Raises:
             ValueError: another ``part``.
         """
-        if part == "snapshot":
-            self._snapshot_ms = float(np.nansum([self._snapshot_ms, ms]))
+        if part == "snapshot":  # plain floats: this runs twice a round, also for a small model
+            self._snapshot_ms = ms if math.isnan(self._snapshot_ms) else self._snapshot_ms + ms
         elif part == "adopt":
-            i = ACK.index("adopt_ms")
-            self._ack[i] = float(np.nansum([self._ack[i], ms]))
+            i = _ADOPT_MS
+            self._ack[i] = ms if math.isnan(self._ack[i]) else self._ack[i] + ms
         else:
             raise ValueError(f"part must be 'snapshot' or 'adopt', got {part!r}")
 

@@ -276,9 +276,7 @@ class Replica:
 
         Bound params are not copied; one the model swapped out is bound again.
         The tensors found here are the ones the next :meth:`adopt` writes into.
-        Its time is counted as the round's ``snapshot_ms`` (`Bridge.add_training_ms`).
         """
-        t0 = time.perf_counter()
         params, buffers, changed = self._resolve_changes()
         if self.bound:
             for i in changed:  # a new parameter, or p.data replaced: bind again (one copy)
@@ -306,7 +304,6 @@ class Replica:
             self._kept_norms = (self._norm_layers, _tracked_counts(self._norm_layers))
         _wait_for_device(params, buffers)
         self._live = (params, buffers)
-        bridge.add_training_ms("snapshot", 1e3 * (time.perf_counter() - t0))
 
     @torch.no_grad()
     def adopt(self, bridge: Bridge, alpha: float = 1.0, delta: bool = False) -> None:
@@ -352,7 +349,6 @@ class Replica:
         """
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
-        t0 = time.perf_counter()  # counted as the round's adopt_ms (the copies are queued, not waited for)
         if alpha != 1.0 and not delta:
             raise ValueError("a pull alpha < 1 is computed at the snapshot: it needs delta = True")
         if delta and self.bound:
@@ -395,7 +391,6 @@ class Replica:
         else:
             for dst, src in zip(buffers, bridge.buffer_tensors):
                 dst.copy_(src, non_blocking=True)
-        bridge.add_training_ms("adopt", 1e3 * (time.perf_counter() - t0))
 
     @contextlib.contextmanager
     def consensus_in_place(self, bridge: Bridge):
@@ -680,7 +675,7 @@ class Trainer:
             facts = dict(batch_ms=busy_ms / len(mine) if len(mine) else math.nan, quota=plan.quotas[self.rank],
                          anchor=plan.anchor)
             if self.bridge.policy.blocking:
-                self.replica.snapshot(self.bridge)
+                self._timed("snapshot", self.replica.snapshot, self.bridge)
                 if self.state_average is not None:
                     self._timed("snapshot", self.state_average.fill, self.bridge.state_tensors)
                 update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested,
@@ -782,7 +777,7 @@ class Trainer:
             if self._open_end is not None:
                 self._end_carried(update)
             self._adopt(update, alpha=self.cfg.easgd_alpha_value, delta=True)
-        self.replica.snapshot(self.bridge)
+        self._timed("snapshot", self.replica.snapshot, self.bridge)
         if self.state_average is not None:
             self._timed("snapshot", self.state_average.fill, self.bridge.state_tensors)
         self.bridge.submit(self.steps, window, stop=self.stop.requested, loss_finite=self.loss_finite, **facts)
@@ -812,7 +807,8 @@ class Trainer:
         self._end_ms += 1e3 * (time.perf_counter() - t0)
 
     def _timed(self, part: str, fn, *args, **kw) -> None:
-        """``fn(*args, **kw)``, its time counted as the round's ``part`` (`Bridge.add_training_ms`)."""
+        """``fn(*args, **kw)``, its time counted as the round's ``part`` (`Bridge.add_training_ms`: the
+        snapshot's and adoption's copies, metrics.h5 ``rounds/snapshot_ms``, ``rounds/adopt_ms``)."""
         t0 = time.perf_counter()
         fn(*args, **kw)
         self.bridge.add_training_ms(part, 1e3 * (time.perf_counter() - t0))
@@ -823,7 +819,7 @@ class Trainer:
         if update.adopted:
             # A quarantined rank's own values are not finite: it takes the consensus whole.
             whole = self.rank in update.quarantined
-            self.replica.adopt(self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
+            self._timed("adopt", self.replica.adopt, self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
             if self.state_average is not None:
                 self._timed("adopt", self.state_average.adopt, self.bridge.state_tensors, delta=delta and not whole,
                             steps=self.steps - update.steps_at_snapshot, alpha=1.0 if whole else alpha)
