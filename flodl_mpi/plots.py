@@ -237,7 +237,8 @@ def ranks_figure(runs: Sequence[Run]) -> Figure | None:
                               label=_label(runs, run, f"rank {r}: policy's allocation"),
                               **{**style, "linestyle": ":"})
     ax_thr.set(title="Throughput per rank (samples / s of compute + data wait)", xlabel="epoch", ylabel="samples / s")
-    ax_share.set(title="Share of the epoch's batches done per rank\n(dotted: the policy's allocation at the epoch's end)",
+    ax_share.set(title="Share of the epoch's batches done per rank\n"
+                       "(dotted: the policy's allocation at the epoch's end)",
                  xlabel="epoch", ylabel="% of the epoch's batches")
     for ax in (ax_thr, ax_share):
         _mark_events(ax, runs, "epoch")

@@ -254,6 +254,7 @@ def load_run(run_dir: str | os.PathLike, label: str | None = None) -> Run:
     log = path / "train.log"
     lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
     records = list(path.glob("config-resume-*.json"))
-    rounds = sorted(int(m.group(1)) for m in (re.fullmatch(r"config-resume-r(\d+)\.json", p.name) for p in records) if m)
+    names = (re.fullmatch(r"config-resume-r(\d+)\.json", p.name) for p in records)
+    rounds = sorted(int(m.group(1)) for m in names if m)
     return Run(path=path, label=label or path.resolve().name, attrs=attrs, tables=tables,
                log_lines=lines, resumes=len(records), resume_rounds=rounds)

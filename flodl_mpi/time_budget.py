@@ -16,7 +16,7 @@ import numpy as np
 
 from flodl_mpi.runinfo import Run
 
-__all__ = ["AVERAGING", "PARTS", "averaging_seconds", "blocking", "rank_seconds", "time_parts"]
+__all__ = ["AVERAGING", "NAMES", "PARTS", "averaging_seconds", "blocking", "rank_seconds", "time_parts"]
 
 #: (name, what it counts, from which columns): the legend and README's definitions, in stacking order.
 PARTS = (
