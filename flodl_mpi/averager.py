@@ -576,14 +576,18 @@ class Averager:
         return itertools.islice(batches, skip, None)
 
     def _round(self, final: bool = False):
+        t0 = time.perf_counter()  # the snapshot's and the adoption's copies: rounds/snapshot_ms, adopt_ms
         self.replica.snapshot(self.bridge)
+        self.bridge.add_training_ms("snapshot", 1e3 * (time.perf_counter() - t0))
         stop = self._session.stop is not None and self._session.stop.requested
         update = self.bridge.round(self.steps, self._calls, stop=stop, loss_finite=self._loss_finite,
                                    calls=self._epoch_calls)
         self._calls, self._loss_finite = 0, True
         self._round_pending = True
         if update.adopted:
+            t0 = time.perf_counter()
             self.replica.adopt(self.bridge)
+            self.bridge.add_training_ms("adopt", 1e3 * (time.perf_counter() - t0))
         if update.quarantined:  # gathered: the same on every rank; rank 0 says it, as fit does
             self._say(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
                       "non-finite loss or NaN/Inf parameters: quarantined (mass 0), adopted the consensus")

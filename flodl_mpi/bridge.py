@@ -48,6 +48,7 @@ __all__ = ["RoundUpdate", "Bridge", "boundary_verdict"]
 _LOSS, _TENSORS = NON_FINITE_LOSS, NON_FINITE_TENSORS
 #: The epoch exchange's row: the last round's ack, the batch records' count, the report.
 _EPOCH = ACK + Columns("records") + Columns(*EPOCH_FIELDS)
+_ADOPT_MS = ACK.index("adopt_ms")
 
 
 @dataclass
@@ -228,6 +229,7 @@ class Bridge:
         self.policy = policy if policy is not None else FixedPolicy(self.world_size, max(1, int(anchor)), TrendGuard())
         self._stage = "idle"
         self._ack = ACK.row()
+        self._snapshot_ms = math.nan  # the training thread's snapshot time for the next submit()
         self._inflight = False  # a submitted round whose reply was not taken yet
         self._reply = None  # unthreaded: the reply of the round run at submit()
         # Ranks whose divergence the guard reads in the acks of the last round:
@@ -350,7 +352,8 @@ class Bridge:
             raise RuntimeError("submit(): a round is in flight already; wait() for it first")
         row = ROUND_HEAD.row(steps=int(steps), window=int(window), stop=float(bool(stop)),
                              non_finite=0 if loss_finite else _LOSS, batch_ms=batch_ms, quota=quota, anchor=anchor,
-                             calls=calls)
+                             calls=calls, snapshot_ms=self._snapshot_ms)
+        self._snapshot_ms = math.nan
         self._send(("round", row))
 
     def wait(self) -> RoundUpdate:
@@ -368,6 +371,27 @@ class Bridge:
         # reads the ack only at the next request, after this write).
         self._ack[ACK.index("wait_ms")] = 1e3 * (time.perf_counter() - t0)
         return update
+
+    def add_training_ms(self, part: str, ms: float) -> None:
+        """Count ``ms`` of the training thread's own averaging work in the round's record.
+
+        ``part`` ``"snapshot"``: copying the rank's values into the staging, before
+        the next :meth:`submit` (recorded with that round); ``"adopt"``: copying the
+        consensus back, after :meth:`wait` (recorded with the round just taken).
+        Calls add up. The training thread calls it between :meth:`wait` and the next
+        :meth:`submit`, when the bridge thread holds no round (the ack is its to write,
+        as ``wait_ms`` is). metrics.h5 ``rounds/snapshot_ms`` and ``rounds/adopt_ms``.
+
+        Raises:
+            ValueError: another ``part``.
+        """
+        if part == "snapshot":  # plain floats: this runs twice a round, also for a small model
+            self._snapshot_ms = ms if math.isnan(self._snapshot_ms) else self._snapshot_ms + ms
+        elif part == "adopt":
+            i = _ADOPT_MS
+            self._ack[i] = ms if math.isnan(self._ack[i]) else self._ack[i] + ms
+        else:
+            raise ValueError(f"part must be 'snapshot' or 'adopt', got {part!r}")
 
     @property
     def in_flight(self) -> bool:
@@ -650,7 +674,7 @@ class Bridge:
             round=round_index, version=self.version, time_s=self.elapsed, skipped=skipped,
             steps=all_steps.astype(np.int64), mass=np.asarray(masses.mass), quarantined=quarantined,
             window=cols["window"].astype(np.int64), quota=cols["quota"].astype(np.int64),
-            anchor=anchor, batch_ms=cols["batch_ms"].copy(),
+            anchor=anchor, batch_ms=cols["batch_ms"].copy(), snapshot_ms=cols["snapshot_ms"].copy(),
         )
         return RoundUpdate(
             version=self.version,

@@ -71,8 +71,10 @@ class Columns:
 #: :class:`flodl_mpi.Averager`; NaN elsewhere): ``ending`` is 1 when the rank sends the
 #: row from ``end_epoch()``, 2 from ``close()``, NaN from a round; ``calls`` its ``step()``
 #: calls in the epoch so far, so a rank that ends its epoch while another still steps is
-#: seen in the same gather by both (``bridge.boundary_verdict``).
-ROUND_HEAD = Columns("steps", "window", "stop", "non_finite", "batch_ms", "quota", "anchor", "ending", "calls")
+#: seen in the same gather by both (``bridge.boundary_verdict``). ``snapshot_ms``: the
+#: training thread's copy of this round's values into the staging (`Bridge.add_training_ms`).
+ROUND_HEAD = Columns("steps", "window", "stop", "non_finite", "batch_ms", "quota", "anchor", "ending", "calls",
+                     "snapshot_ms")
 
 #: The ack of a rank's previous round (SPEC §2 step 9); it rides the next gather.
 #: ``control_ms``: the control gather, its wait for the slowest rank included.
@@ -82,9 +84,10 @@ ROUND_HEAD = Columns("steps", "window", "stop", "non_finite", "batch_ms", "quota
 #: gather with its wait for the slowest rank, reduces). ``wait_ms``: how long the training
 #: thread was blocked waiting for that round's consensus (blocking policies: about
 #: ``bridge_ms``; async: the part compute did not hide, so ``1 - wait_ms / bridge_ms`` is
-#: the overlap).
+#: the overlap). ``adopt_ms``: the training thread's copy of that round's consensus into
+#: the live values (`Bridge.add_training_ms`; NaN: nothing adopted).
 ACK = Columns("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "outer_ms", "bytes",
-              "control_ms", "round_ms", "bridge_ms", "wait_ms")
+              "control_ms", "round_ms", "bridge_ms", "wait_ms", "adopt_ms")
 
 #: The whole row of a round's control gather.
 ROUND = ROUND_HEAD + ACK

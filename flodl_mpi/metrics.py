@@ -95,6 +95,9 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             "round_ms": (_F64, W),  # the round's time after its control gather (the balancer's overhead)
             "bridge_ms": (_F64, W),  # the bridge thread's whole time in the round, its control gather's wait included
             "wait_ms": (_F64, W),  # ms the training thread was blocked waiting for this round's consensus
+            # the training thread's copies (issue 26 item 8): its values into the staging before
+            # the round, the consensus back into its live values after it (NaN: not measured)
+            "snapshot_ms": (_F64, W), "adopt_ms": (_F64, W),
             "guard": (guard, ()),
         },
         "epochs": {

@@ -19,14 +19,18 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from flodl_mpi import time_budget
 from flodl_mpi.metrics import GUARD_VERDICTS
+from flodl_mpi.run_events import epoch_ends, events, round_epochs, rounds_to_epochs
 from flodl_mpi.runinfo import Run
 
 __all__ = [
     "FIGURES",
+    "QUOTA_POLICIES",
     "cadence_figure",
     "divergence_figure",
     "eval_metrics",
+    "not_drawn",
     "ranks_figure",
     "round_times_figure",
     "time_figure",
@@ -58,6 +62,47 @@ def _title(runs: Sequence[Run], what: str) -> str:
     """``what — A vs B``, with the run directories' names (legends carry the options)."""
     names = [r.label.split(" [")[0] for r in runs]
     return f"{what} — " + " vs ".join(names)
+
+
+#: How each kind of `flodl_mpi.run_events.Event` is drawn (a vertical line, its gid ``event:<kind>``).
+_EVENT_STYLE = {"stop": {"color": "red", "linestyle": "--"}, "resume": {"color": "green", "linestyle": "-."},
+                "world": {"color": "purple", "linestyle": "-"}}
+
+
+def _round_axis(runs: Sequence[Run]) -> str:
+    """``"epoch"`` for several runs that all have an epoch axis (their round counts differ with
+    their windows: rounds do not compare), else ``"round"``."""
+    if len(runs) > 1 and all(round_epochs(r) is not None for r in runs):
+        return "epoch"
+    return "round"
+
+
+def _round_x(run: Run, axis: str) -> np.ndarray | None:
+    """Each round's place on ``axis``: its number, or its epoch (`round_epochs`)."""
+    return round_epochs(run) if axis == "epoch" else run.column("rounds", "round")
+
+
+_AXIS_LABEL = {"round": "round", "epoch": "epoch (a round at the share of its epoch's batches done by then)"}
+
+
+def _mark_events(ax, runs: Sequence[Run], axis: str) -> None:
+    """A vertical line at each stop, resume and world-size change of each run (`run_events.events`):
+    on a round axis between the last round before it and the first after, on an epoch axis
+    where the rounds done by then end. Each line's gid is ``event:<kind>``."""
+    for i, run in enumerate(runs):
+        x = round_epochs(run) if axis == "epoch" else None
+        seen = set()
+        for ev in events(run):
+            pos = ev.rounds - 0.5 if axis == "round" else rounds_to_epochs(run, ev.rounds, x)
+            if pos is None:
+                continue
+            style = dict(_EVENT_STYLE[ev.kind])
+            if len(runs) > 1:
+                style["color"] = _color(i)
+            line = ax.axvline(pos, linewidth=1.2, alpha=0.8, gid=f"event:{ev.kind}",
+                              label=_label(runs, run, ev.kind) if ev.kind not in seen else "_nolegend_", **style)
+            line.event_label = ev.label  # what it marks, for a reader of the figure object
+            seen.add(ev.kind)
 
 
 def _epoch_axis(run: Run) -> np.ndarray | None:
@@ -153,6 +198,7 @@ def training_figure(runs: Sequence[Run]) -> Figure | None:
         ax_acc.set(title="Test metrics per epoch (consensus model)", xlabel="epoch",
                    ylabel="value (Σ sum / Σ count over the test set)")
     for ax in (a for a in (ax_loss, ax_acc) if a is not None):
+        _mark_events(ax, runs, "epoch")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -161,24 +207,41 @@ def training_figure(runs: Sequence[Run]) -> Figure | None:
 
 
 def ranks_figure(runs: Sequence[Run]) -> Figure | None:
-    """Per-rank throughput (samples/s) and batch share per epoch: W + W lines per run."""
-    cols = ("per_rank_throughput", "per_rank_batch_share")
+    """Per-rank throughput (samples/s) per epoch, and the share of each epoch's batches each rank
+    did (``per_rank_batches`` / the epoch's batches; dotted: the policy's allocation,
+    ``per_rank_batch_share``): W + 2W lines per run."""
+    cols = ("per_rank_throughput", "per_rank_batches", "per_rank_batch_share")
     if not any(_epoch_axis(r) is not None and any(r.column("epochs", c) is not None for c in cols) for r in runs):
         return None
     fig = Figure(figsize=_FIGSIZE, layout="constrained")
     ax_thr, ax_share = fig.subplots(1, 2)
     for i, run in enumerate(runs):
         x = _epoch_axis(run)
-        for ax, col, scale in ((ax_thr, cols[0], 1.0), (ax_share, cols[1], 100.0)):
-            y = run.per_rank("epochs", col)  # NaN (a gap) where the epoch's world had no such rank
-            if x is None or y is None:
-                continue
-            for r in range(y.shape[1]):
-                ax.plot(x, scale * y[:, r], marker="o", markersize=3, label=_label(runs, run, f"rank {r}"),
-                        **_series_style(runs, i, r))
-    ax_thr.set(title="Throughput per rank (compute + data wait)", xlabel="epoch", ylabel="samples / s")
-    ax_share.set(title="Share of the epoch's batches per rank", xlabel="epoch", ylabel="batch share (%)")
+        if x is None:
+            continue
+        thr, done = run.per_rank("epochs", cols[0]), run.per_rank("epochs", cols[1])
+        alloc = run.per_rank("epochs", cols[2])
+        if done is not None:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                total = np.nansum(done, axis=1, keepdims=True)
+                done = np.where(total > 0, done / np.where(total > 0, total, 1.0), np.nan)
+        for r in range(run.width):
+            style = _series_style(runs, i, r)
+            if thr is not None:
+                ax_thr.plot(x, thr[:, r], marker="o", markersize=3, label=_label(runs, run, f"rank {r}"), **style)
+            if done is not None:
+                ax_share.plot(x, 100 * done[:, r], marker="o", markersize=3, gid="batches done",
+                              label=_label(runs, run, f"rank {r}: done"), **style)
+            if alloc is not None:
+                ax_share.plot(x, 100 * alloc[:, r], linewidth=1, alpha=0.7, gid="allocation",
+                              label=_label(runs, run, f"rank {r}: policy's allocation"),
+                              **{**style, "linestyle": ":"})
+    ax_thr.set(title="Throughput per rank (samples / s of compute + data wait)", xlabel="epoch", ylabel="samples / s")
+    ax_share.set(title="Share of the epoch's batches done per rank\n"
+                       "(dotted: the policy's allocation at the epoch's end)",
+                 xlabel="epoch", ylabel="% of the epoch's batches")
     for ax in (ax_thr, ax_share):
+        _mark_events(ax, runs, "epoch")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -187,31 +250,16 @@ def ranks_figure(runs: Sequence[Run]) -> Figure | None:
     return fig
 
 
-#: Where a rank's epoch time goes: (label, how to sum it from a run, per rank, in ms).
-_TIME_PARTS = ("compute", "data wait", "averaging", "other")
-
-
 def time_parts(run: Run) -> np.ndarray | None:
-    """Per rank, seconds of compute, data wait, averaging (pack + allreduce + unpack) and
-    the rest of the epochs' wall time (control gather, snapshot, adoption, waiting),
-    float64 ``(W, 4)``; None without ``per_rank_epoch_ms``."""
-    wall = run.column("epochs", "per_rank_epoch_ms")
-    if wall is None:
-        return None
-    W = wall.shape[1]
-
-    def total(table: str, col: str) -> np.ndarray:
-        c = run.column(table, col)
-        return np.zeros(W) if c is None else np.nansum(c, axis=0)
-
-    compute, data = total("epochs", "per_rank_compute_ms"), total("epochs", "per_rank_data_ms")
-    averaging = sum(total("rounds", p) for p in ("pack_ms", "allreduce_ms", "unpack_ms"))
-    other = np.maximum(np.nansum(wall, axis=0) - compute - data - averaging, 0.0)
-    return np.stack([compute, data, averaging, other], axis=1) / 1e3
+    """`flodl_mpi.time_budget.time_parts`: per rank, seconds of each of its ``PARTS``, float64 ``(W, P)``."""
+    return time_budget.time_parts(run)
 
 
 def time_figure(runs: Sequence[Run]) -> Figure | None:
-    """Where each rank's training time went: one stacked bar per (run, rank), 4 parts."""
+    """Where each rank's wall time went: one stacked bar per (run, rank), the parts of
+    `flodl_mpi.time_budget.PARTS` (a part that is 0 for every bar is left out of the
+    legend), which add up to the seconds the rank was in the run; each part's
+    definition is printed under the axes."""
     parts = [(run, time_parts(run)) for run in runs]
     parts = [(run, p) for run, p in parts if p is not None]
     if not parts:
@@ -222,46 +270,72 @@ def time_figure(runs: Sequence[Run]) -> Figure | None:
             labels.append(f"rank {r}" if len(runs) == 1 else f"{run.label}: rank {r}")
             rows.append(p[r])
     data = np.array(rows)
-    fig = Figure(figsize=(_FIGSIZE[0], max(2.5, 1.2 + 0.45 * len(rows))), layout="constrained")
+    shown = [j for j in range(data.shape[1]) if np.any(np.abs(data[:, j]) > 0)]
+    fig = Figure(figsize=(_FIGSIZE[0] + 2, max(2.5, 1.2 + 0.45 * len(rows)) + 0.22 * len(shown)), layout="constrained")
     ax = fig.subplots()
     y = np.arange(len(rows))[::-1]
     left = np.zeros(len(rows))
-    for j, name in enumerate(_TIME_PARTS):
-        ax.barh(y, data[:, j], left=left, color=_color(j), label=name)
-        left += data[:, j]
+    for j in shown:
+        width = np.maximum(data[:, j], 0.0)  # a rest below 0 (clocks that disagree) is not drawn
+        ax.barh(y, width, left=left, color=_color(j), hatch="//" if j >= 10 else None,
+                label=time_budget.NAMES[j], gid=time_budget.NAMES[j])
+        left += width
     ax.set_yticks(y, labels)
-    ax.set(title=_title(runs, "Where each rank's training time went (evaluation excluded)"), xlabel="time (s)")
+    ax.set(title=_title(runs, "Where each rank's wall time went (the parts add up to its wall time)"),
+           xlabel="time (s)")
     ax.grid(alpha=0.3, axis="x")
     fig.legend(*ax.get_legend_handles_labels(), fontsize="small", loc="outside right upper")
+    definitions = "\n".join(f"{time_budget.PARTS[j][0]}: {time_budget.PARTS[j][1]}" for j in shown)
+    ax.set_xlabel("time (s)\n\n" + definitions, fontsize="small", loc="left")
     return fig
 
 
 def divergence_figure(runs: Sequence[Run]) -> Figure | None:
     """Divergence ‖θ_r − consensus‖ / ‖consensus‖ per round per rank: W lines per run.
 
-    Rounds where the trend guard did not answer ``stable`` are marked on the axis.
+    A line joins the rounds where the rank contributed mass; a round where it was idle
+    (``rounds/mass`` 0: no batch in that window, as at an epoch's end) is an ``x`` of its
+    own (gid ``idle``): its distance from a consensus it did not join. An epoch's last
+    round is a dotted vertical line (gid ``epoch end``); rounds where the trend guard did
+    not answer ``stable`` are marked; stops, resumes and world-size changes are lines
+    (`_mark_events`). Several runs: on an epoch axis.
     """
     if not any(r.column("rounds", "divergence") is not None for r in runs):
         return None
+    axis = _round_axis(runs)
     fig = Figure(figsize=_FIGSIZE, layout="constrained")
     ax = fig.subplots()
     positive = True
     for i, run in enumerate(runs):
-        x, y = run.column("rounds", "round"), run.per_rank("rounds", "divergence")
+        x, y = _round_x(run, axis), run.per_rank("rounds", "divergence")
         if x is None or y is None:
             continue
         positive &= bool(np.all(y[np.isfinite(y)] > 0))  # NaN: a rank the round's world did not have
+        mass = run.per_rank("rounds", "mass")
+        idle = (mass == 0) if mass is not None and mass.shape == y.shape else np.zeros(y.shape, dtype=bool)
         for r in range(y.shape[1]):
-            ax.plot(x, y[:, r], linewidth=1, label=_label(runs, run, f"rank {r}"), **_series_style(runs, i, r))
+            style = _series_style(runs, i, r)
+            ax.plot(x, np.where(idle[:, r], np.nan, y[:, r]), linewidth=1, label=_label(runs, run, f"rank {r}"),
+                    **style)
+            if idle[:, r].any():
+                ax.plot(x[idle[:, r]], y[idle[:, r], r], "x", color=style["color"], markersize=4, linestyle="none",
+                        gid="idle", label=_label(runs, run, f"rank {r} idle (mass 0)"))
+        first = True
+        for k in epoch_ends(run):
+            ax.axvline(x[k], color="gray" if len(runs) == 1 else _color(i), linestyle=":", linewidth=0.8, alpha=0.6,
+                       gid="epoch end", label=_label(runs, run, "an epoch's last round") if first else "_nolegend_")
+            first = False
         guard = run.column("rounds", "guard")
         if guard is not None and np.any(guard != GUARD_VERDICTS["stable"]):
             hit = x[guard != GUARD_VERDICTS["stable"]]
             ax.plot(hit, np.full(len(hit), np.nanmax(y)), "v", color=_color(i), markersize=5, linestyle="none",
                     label=_label(runs, run, "guard: not stable"))
+    _mark_events(ax, runs, axis)
     if positive:
         ax.set_yscale("log")
-    ax.set(title=_title(runs, "Divergence of each rank from the consensus, per round"), xlabel="round",
-           ylabel="‖θ_r − consensus‖ / ‖consensus‖ (ratio)")
+    ax.set(title=_title(runs, "Divergence of each rank from the consensus, per round\n"
+                              "(x: a rank idle in that round, mass 0; dotted: an epoch's last round)"),
+           xlabel=_AXIS_LABEL[axis], ylabel="‖θ_r − consensus‖ / ‖consensus‖ (ratio)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
     return fig
@@ -276,8 +350,9 @@ def round_times_figure(runs: Sequence[Run]) -> Figure | None:
     k = _smoothing(runs)
     fig = Figure(figsize=_FIGSIZE, layout="constrained")
     ax = fig.subplots()
+    axis = _round_axis(runs)
     for i, run in enumerate(runs):
-        x = run.column("rounds", "round")
+        x = _round_x(run, axis)
         for j, p in enumerate(phases):
             y = run.per_rank("rounds", p)
             if x is None or y is None:
@@ -287,21 +362,37 @@ def round_times_figure(runs: Sequence[Run]) -> Figure | None:
             ax.plot(x, _smooth(_rank_mean(y), k), linewidth=1.2, label=_label(runs, run, p[:-3]), **style)
     ax.set_ylim(bottom=0)
     avg = f" (moving average over {k} rounds)" if k > 1 else ""
-    ax.set(title=_title(runs, f"Time per round phase, mean over ranks{avg}"), xlabel="round", ylabel="time (ms)")
+    _mark_events(ax, runs, axis)
+    ax.set(title=_title(runs, f"Time per round phase, mean over ranks{avg}"), xlabel=_AXIS_LABEL[axis],
+           ylabel="time (ms)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return fig
 
 
+#: The policies that plan quotas per rank (an anchor that moves): the cadence figure is theirs.
+QUOTA_POLICIES = ("cadence", "async")
+
+
+def _policy(run: Run) -> str:
+    return str(run.attrs.get("policy", run.config.get("policy", "?")))
+
+
 def cadence_figure(runs: Sequence[Run]) -> Figure | None:
-    """Anchor and per-rank window (batches) per round, when the columns are there: 1 + W lines per run."""
-    if not any(r.column("rounds", "anchor") is not None or r.column("rounds", "window") is not None for r in runs):
+    """Anchor and per-rank window (batches) per round, for the runs whose policy plans quotas
+    (`QUOTA_POLICIES`): 1 + W lines per such run; None when no run has one (`not_drawn` says
+    why). Several runs: on an epoch axis."""
+    runs_q = [r for r in runs if _policy(r) in QUOTA_POLICIES
+              and (r.column("rounds", "anchor") is not None or r.column("rounds", "window") is not None)]
+    drawn = {id(r) for r in runs_q}
+    if not runs_q:
         return None
+    axis = _round_axis(runs)
     fig = Figure(figsize=_FIGSIZE, layout="constrained")
     ax = fig.subplots()
     for i, run in enumerate(runs):
-        x = run.column("rounds", "round")
-        if x is None:
+        x = _round_x(run, axis)
+        if x is None or id(run) not in drawn:
             continue
         anchor, window = run.column("rounds", "anchor"), run.per_rank("rounds", "window")
         if anchor is not None:
@@ -311,12 +402,26 @@ def cadence_figure(runs: Sequence[Run]) -> Figure | None:
             for r in range(window.shape[1]):
                 ax.step(x, window[:, r], where="post", linewidth=1, label=_label(runs, run, f"rank {r} window"),
                         **_series_style(runs, i, r))
+    _mark_events(ax, runs_q, axis)
     ax.set_ylim(bottom=0)
-    ax.set(title=_title(runs, "Anchor and batches per rank in each window"), xlabel="round",
+    ax.set(title=_title(runs_q, "Anchor and batches per rank in each window"), xlabel=_AXIS_LABEL[axis],
            ylabel="batches per window")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return fig
+
+
+def not_drawn(runs: Sequence[Run]) -> list[str]:
+    """One line per figure (or run) `write_plots` leaves out on purpose, saying why: the
+    cadence figure for a run whose policy plans no quotas."""
+    fixed = [r for r in runs if _policy(r) not in QUOTA_POLICIES]
+    if not fixed:
+        return []
+    which = ", ".join(f"{r.label.split(' [')[0]} (policy {_policy(r)})" for r in fixed) if len(runs) > 1 \
+        else f"policy {_policy(fixed[0])}"
+    head = "not drawn" if len(fixed) == len(runs) else "left out"
+    return [f"cadence.png: {head}: {which} plans no quotas per rank (only {' and '.join(QUOTA_POLICIES)} do; "
+            "a fixed policy's window is its --window option)"]
 
 
 #: File stem -> figure function, in the order the report writes them.

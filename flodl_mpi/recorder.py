@@ -58,7 +58,8 @@ class Recorder(NoRecorder):
             return
         rec = dict(self._pending)
         per_rank = {n: acks[n] for n in ("divergence", "pre_norm", "pack_ms", "allreduce_ms", "unpack_ms",
-                                         "outer_ms", "control_ms", "round_ms", "bridge_ms", "wait_ms")}
+                                         "outer_ms", "control_ms", "round_ms", "bridge_ms", "wait_ms",
+                                         "adopt_ms")}
         rec.update(per_rank, post_norm=float(acks["post_norm"][0]), bytes=int(acks["bytes"][0]),
                    guard=0 if verdict is None else int(verdict))
         self._writer.append("rounds", {k: np.asarray([v]) for k, v in rec.items()})

@@ -26,6 +26,7 @@ import numpy as np
 
 from flodl_mpi.metrics import GUARD_VERDICTS
 from flodl_mpi.runinfo import NOT_OPTIONS, Run, RunError, load_run
+from flodl_mpi.time_budget import AVERAGING, NAMES, averaging_seconds, rank_seconds, time_parts
 
 __all__ = ["add_parser", "describe_policy", "describe_world", "differing_options", "format_comparison",
            "format_summary", "main", "plural", "rank_seconds", "summarize"]
@@ -88,16 +89,6 @@ def describe_world(run: Run) -> str:
     return text
 
 
-def rank_seconds(run: Run) -> np.ndarray:
-    """Seconds each rank was in the run, float64 ``(W,)`` (W the widest world size): the
-    stretches (`Run.segments`) whose world had the rank; every rank: the elapsed time,
-    for a run at one world size."""
-    out = np.zeros(run.width)
-    for _, w, start, end in run.segments():
-        out[:w] += max(0.0, end - start)
-    return out
-
-
 def _last_by_name(run: Run, evaluated: bool) -> tuple[dict[str, float], int | None]:
     """The ``scalars`` table's values of the last epoch that has any: evaluation metrics
     (``eval/<name>``, the prefix dropped) or the train step's ``record_scalar`` values."""
@@ -128,9 +119,11 @@ def summarize(run: Run) -> dict[str, Any]:
         round's ``time_s``); ``bytes_per_rank`` (sum of ``rounds/bytes``);
         ``world``: ``[(first round, world size)]`` (`Run.world_size_history`);
         W below is the widest world size; a per-rank figure reads only the rows
-        whose world had the rank (`Run.per_rank`). ``averaging_pct`` (W,): per
-        rank, 100 * (pack + allreduce + unpack) / the seconds the rank was in the
-        run (`rank_seconds`: elapsed, for a run at one world size);
+        whose world had the rank (`Run.per_rank`). ``time_pct`` (W, P): per
+        rank, 100 * each of `flodl_mpi.time_budget.PARTS` / the seconds the rank
+        was in the run (`rank_seconds`: elapsed, for a run at one world size); a
+        row adds up to 100; ``averaging_pct`` (W,): the sum of its `AVERAGING`
+        parts (snapshot, the round's phases or async's wait, adoption);
         ``throughput`` (W,) samples/s of compute + data wait (metrics.h5's
         ``per_rank_throughput``: the time in rounds, evaluation and waits for
         peers left out), mean over the epochs the rank recorded; ``wall_throughput`` (W,) samples /
@@ -138,7 +131,8 @@ def summarize(run: Run) -> dict[str, Any]:
         mean over epochs: what the rank achieved; None when not in the file;
         ``throughput_total``, ``wall_throughput_total``: the cohort's, per epoch
         the sum over its ranks, mean over epochs (None when not in the file);
-        ``batch_share`` (W,): the rank's batches / all batches; ``guard``:
+        ``batch_share`` (W,): the rank's batches done / all batches done (not
+        the policy's allocation, ``epochs/per_rank_batch_share``); ``guard``:
         verdict name -> rounds (non-stable verdicts only); ``quarantined``: rank ->
         rounds it was quarantined in, from a ``rounds/quarantined`` column when the
         file has one (ranks never quarantined left out); ``stops``: "stopped on
@@ -181,13 +175,15 @@ def summarize(run: Run) -> dict[str, Any]:
         s["best_test_accuracy"], s["best_epoch"] = float(acc[best]), best + 1
     # Per-rank figures read only the rows whose world had the rank (a resume at another
     # world size pads the others with NaN / -1: Run.per_rank masks both).
-    phases = [c for c in (run.per_rank("rounds", n) for n in ("pack_ms", "allreduce_ms", "unpack_ms"))
-              if c is not None]
     in_run = rank_seconds(run)
-    if phases and elapsed > 0:
-        spent = sum(np.nansum(p, axis=0) for p in phases) / 1e3
+    parts = time_parts(run)
+    s["time_pct"] = None
+    if parts is not None and elapsed > 0:
         with np.errstate(invalid="ignore", divide="ignore"):
-            s["averaging_pct"] = np.where(in_run > 0, 100.0 * spent / np.where(in_run > 0, in_run, 1.0), np.nan)
+            s["time_pct"] = np.where(in_run[:, None] > 0, 100.0 * parts / np.where(in_run > 0, in_run, 1.0)[:, None],
+                                     np.nan)
+            s["averaging_pct"] = np.where(in_run > 0, 100.0 * averaging_seconds(parts)
+                                          / np.where(in_run > 0, in_run, 1.0), np.nan)
     thr = run.per_rank("epochs", "per_rank_throughput")
     samples, epoch_ms = run.per_rank("epochs", "per_rank_samples"), run.per_rank("epochs", "per_rank_epoch_ms")
     rate = None
@@ -302,12 +298,13 @@ def format_summary(run: Run) -> str:
          f"[{s['loss_name']}]"),
         (f"  rounds        {s['rounds']} ({s['skipped_rounds']} skipped) in {s['elapsed_s']:.1f} s;"
         f" {_fmt_bytes(s['bytes_per_rank'])} on the wire per rank"),
-        f"  averaging     {_per_rank(s['averaging_pct'], '.1f')} % of wall time (pack + allreduce + unpack)",
+        f"  averaging     {_per_rank(s['averaging_pct'], '.1f')} % of wall time (snapshot, the round, adoption)",
+        _time_line(s["time_pct"]),
         (f"  throughput    {_per_rank(s['wall_throughput'], '.0f')} samples/s of epoch wall time; compute "
          f"{_per_rank(s['throughput'], '.0f')} samples/s of compute + data wait (means over epochs)"
          if s["throughput"] is None or np.isfinite(s["throughput"]).any() else
          "  throughput    not recorded (an own loop's step() calls gave no samples=)"),
-        f"  batch share   {_per_rank(s['batch_share'], '.3f')}",
+        f"  batches done  {_per_rank(s['batch_share'], '.3f')} (share of all batches done)",
         f"  stops {s['stops']}, resumes {s['resumes']}; guard "
         + (", ".join(f"{k} {v}" for k, v in s["guard"].items()) or "stable in every round"),
     ]
@@ -321,6 +318,19 @@ def format_summary(run: Run) -> str:
     if s["last_log"]:
         lines.append(f"  last log line {s['last_log']}")
     return "\n".join(lines)
+
+
+def _time_line(pct: np.ndarray | None) -> str:
+    """``  wall time     compute 40.1 %, ...`` (mean over ranks), the parts that add up to 100 %."""
+    if pct is None or not np.isfinite(pct).any():
+        return "  wall time     - (no per-rank epoch times in the file)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(pct, axis=0)
+    avg = {NAMES.index(n) for n in AVERAGING}
+    words = [f"{NAMES[j]} {v:.1f}" for j, v in enumerate(mean) if j not in avg and np.isfinite(v)]
+    words.insert(2, f"averaging {sum(mean[j] for j in avg):.1f}")
+    return "  wall time     " + ", ".join(words) + " % (mean rank; adds up to 100)"
 
 
 def _shown(run: Run, key: str) -> Any:
@@ -475,6 +485,8 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out else (runs[0].path / "plots" if len(runs) == 1 else Path("plots-compare"))
         written = plots.write_plots(_with_option_labels(runs), out)
         print(f"plots: {', '.join(str(p) for p in written)}" if written else "plots: none yet (no rows to draw)")
+        for line in plots.not_drawn(runs):
+            print(f"plots: {line}")
     return _tensorboard(args, runs)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,9 @@ class Run:
             Per-rank columns have shape ``(rows, W)``.
         log_lines: ``train.log`` (rank 0's log), or empty.
         resumes: how many times the run was resumed (``config-resume-*.json`` files).
+        resume_rounds: the rounds done when each resume started, ascending (the
+            ``rNNNNNN`` of ``config-resume-rNNNNNN.json``; a resume at a round already
+            resumed from once rewrites its file: listed once).
     """
 
     path: Path
@@ -54,6 +58,7 @@ class Run:
     tables: dict[str, dict[str, np.ndarray]]
     log_lines: list[str] = field(default_factory=list)
     resumes: int = 0
+    resume_rounds: list[int] = field(default_factory=list)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -248,6 +253,8 @@ def load_run(run_dir: str | os.PathLike, label: str | None = None) -> Run:
             raise RunError(f"{metrics}: locked by its writer; try again") from None
     log = path / "train.log"
     lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
-    resumes = len(list(path.glob("config-resume-*.json")))
+    records = list(path.glob("config-resume-*.json"))
+    names = (re.fullmatch(r"config-resume-r(\d+)\.json", p.name) for p in records)
+    rounds = sorted(int(m.group(1)) for m in names if m)
     return Run(path=path, label=label or path.resolve().name, attrs=attrs, tables=tables,
-               log_lines=lines, resumes=resumes)
+               log_lines=lines, resumes=len(records), resume_rounds=rounds)

@@ -7,7 +7,9 @@ TensorBoard's charts as they do in the report's plots. Only reads metrics.h5.
 
 Tags (step = epoch counted from 1, or the round index):
 ``epoch/train_loss``, ``epoch/test_loss``, ``epoch/test_accuracy``,
-``epoch/throughput_rank<r>`` (samples/s), ``epoch/batch_share_rank<r>``,
+``epoch/throughput_rank<r>`` (samples/s), ``epoch/batches_done_rank<r>`` (the rank's
+share of the epoch's batches done) and ``epoch/allocation_rank<r>`` (the policy's
+allocation, ``per_rank_batch_share``: one name, one quantity, as the report's),
 ``round/divergence_rank<r>``, ``round/<phase>_ms`` (mean over ranks) for pack,
 allreduce, unpack, and ``round/anchor`` when the column is there.
 """
@@ -41,8 +43,14 @@ def scalars(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
             if y is not None:
                 out[f"epoch/{tag}"] = (step, y.astype(np.float64))
         present = run.present("epochs")
-        for tag, col in (("throughput", "per_rank_throughput"), ("batch_share", "per_rank_batch_share")):
-            y = run.per_rank("epochs", col)
+        done = run.per_rank("epochs", "per_rank_batches")
+        if done is not None:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                total = np.nansum(done, axis=1, keepdims=True)
+                done = np.where(total > 0, done / np.where(total > 0, total, 1.0), np.nan)
+        for tag, col in (("throughput", "per_rank_throughput"), ("batches_done", None),
+                         ("allocation", "per_rank_batch_share")):
+            y = done if col is None else run.per_rank("epochs", col)
             if y is not None:
                 keep = _rows_of(present, y)
                 for r in range(y.shape[1]):  # only the epochs whose world had rank r (a resume may change it)

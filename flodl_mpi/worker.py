@@ -697,9 +697,9 @@ class Trainer:
             facts = dict(batch_ms=busy_ms / len(mine) if len(mine) else math.nan, quota=plan.quotas[self.rank],
                          anchor=plan.anchor)
             if self.bridge.policy.blocking:
-                self.replica.snapshot(self.bridge)
+                self._timed("snapshot", self.replica.snapshot, self.bridge)
                 if self.state_average is not None:
-                    self.state_average.fill(self.bridge.state_tensors)
+                    self._timed("snapshot", self.state_average.fill, self.bridge.state_tensors)
                 update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested,
                                            loss_finite=self.loss_finite, **facts)
                 self.rounds_started += 1
@@ -800,9 +800,9 @@ class Trainer:
             if self._open_end is not None:
                 self._end_carried(update)
             self._adopt(update, alpha=self.cfg.easgd_alpha_value, delta=True)
-        self.replica.snapshot(self.bridge)
+        self._timed("snapshot", self.replica.snapshot, self.bridge)
         if self.state_average is not None:
-            self.state_average.fill(self.bridge.state_tensors)
+            self._timed("snapshot", self.state_average.fill, self.bridge.state_tensors)
         self.bridge.submit(self.steps, window, stop=self.stop.requested, loss_finite=self.loss_finite, **facts)
         self.rounds_started += 1
         self.loss_finite = True
@@ -830,16 +830,23 @@ class Trainer:
             self._end_epoch(end.epoch, end.report, end.rows, end.cursor, stopped=False)
         self._end_ms += 1e3 * (time.perf_counter() - t0)
 
+    def _timed(self, part: str, fn, *args, **kw) -> None:
+        """``fn(*args, **kw)``, its time counted as the round's ``part`` (`Bridge.add_training_ms`: the
+        snapshot's and adoption's copies, metrics.h5 ``rounds/snapshot_ms``, ``rounds/adopt_ms``)."""
+        t0 = time.perf_counter()
+        fn(*args, **kw)
+        self.bridge.add_training_ms(part, 1e3 * (time.perf_counter() - t0))
+
     def _adopt(self, update: RoundUpdate, alpha: float = 1.0, delta: bool = False) -> None:
         if update.plan is not None:
             self.plan = update.plan
         if update.adopted:
             # A quarantined rank's own values are not finite: it takes the consensus whole.
             whole = self.rank in update.quarantined
-            self.replica.adopt(self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
+            self._timed("adopt", self.replica.adopt, self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
             if self.state_average is not None:
-                self.state_average.adopt(self.bridge.state_tensors, delta=delta and not whole,
-                                         steps=self.steps - update.steps_at_snapshot, alpha=1.0 if whole else alpha)
+                self._timed("adopt", self.state_average.adopt, self.bridge.state_tensors, delta=delta and not whole,
+                            steps=self.steps - update.steps_at_snapshot, alpha=1.0 if whole else alpha)
         if update.quarantined:
             if self.writer is not None:
                 self.log(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "

@@ -82,6 +82,7 @@ def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, .
             "outer_ms": np.zeros((R, W)), "quota": np.ones((R, W), np.int64), "batch_ms": np.full((R, W), 20.0),
             "round_ms": np.full((R, W), 50.0), "wait_ms": np.full((R, W), 61.0),
             "bridge_ms": np.full((R, W), 60.0), "control_ms": np.full((R, W), 2.0),
+            "snapshot_ms": np.full((R, W), 1.0), "adopt_ms": np.full((R, W), 1.5),
         },
         "epochs": {
             "epoch": np.arange(E) + 1, "time_s": (R * 0.5) * (np.arange(E) + 1) / E, "rounds": (np.arange(E) + 1) * R // E,

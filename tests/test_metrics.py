@@ -38,7 +38,8 @@ def round_rows(start, k):
             "unpack_ms": per_rank, "outer_ms": per_rank / 2, "bytes": i * 4096, "window": per_rank.astype(np.int64) + 1,
             "anchor": np.full(k, 3), "guard": (i % 3).astype(np.int8), "quota": per_rank.astype(np.int64) + 2,
             "batch_ms": per_rank / 3, "round_ms": per_rank * 2, "wait_ms": per_rank / 5,
-            "bridge_ms": per_rank * 3, "control_ms": per_rank / 7}
+            "bridge_ms": per_rank * 3, "control_ms": per_rank / 7, "snapshot_ms": per_rank / 11,
+            "adopt_ms": per_rank / 13}
 
 
 def expected(rows_list):
@@ -59,10 +60,11 @@ def test_schema_shapes():
     assert schema["rounds"]["quarantined"] == (np.dtype(np.bool_), (4,))
     assert schema["rounds"]["outer_ms"] == (np.dtype(np.float64), (4,))
     assert schema["rounds"]["quota"] == (np.dtype(np.int64), (4,))
-    for name in ("control_ms", "round_ms", "bridge_ms", "wait_ms"):  # where the round's time went (issues 6, 9)
+    # where the round's time went (issues 6, 9; the training thread's copies: issue 26 item 8)
+    for name in ("control_ms", "round_ms", "bridge_ms", "wait_ms", "snapshot_ms", "adopt_ms"):
         assert schema["rounds"][name] == (np.dtype(np.float64), (4,))
     assert schema["epochs"]["nonfinite_batches"] == (np.dtype(np.int64), ())
-    assert len(schema["rounds"]) == 24 and len(schema["epochs"]) == 18 and len(schema["batches"]) == 8
+    assert len(schema["rounds"]) == 26 and len(schema["epochs"]) == 18 and len(schema["batches"]) == 8
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         table_schema(0)
 

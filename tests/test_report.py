@@ -39,8 +39,9 @@ def _write_raw(run_dir: Path, tables: dict, attrs: dict) -> Path:
 def test_summary_numbers_match_the_hand_computed_values(tmp_path):
     run = load_run(write_synthetic(tmp_path / "r", world_size=2, rounds=20, epochs=3))
     s = summarize(run)
-    # 20 rounds of (10 + 30 + 10) ms per rank = 1 s, in 20 * 0.5 = 10 s of run: 10 %.
-    np.testing.assert_allclose(s["averaging_pct"], [10.0, 10.0])
+    # 20 rounds per rank of snapshot 1 + bridge 60 (control 2, pack 10, allreduce 30, unpack 10,
+    # the rest 8) + hand-off 61 - 60 + adoption 1.5 = 63.5 ms: 1.27 s in 20 * 0.5 = 10 s of run.
+    np.testing.assert_allclose(s["averaging_pct"], [12.7, 12.7])
     assert s["elapsed_s"] == 10.0
     assert s["bytes_per_rank"] == 20 * 1000
     assert s["rounds"] == 20 and s["skipped_rounds"] == 4           # rounds 4, 9, 14, 19
@@ -52,13 +53,9 @@ def test_summary_numbers_match_the_hand_computed_values(tmp_path):
     assert (s["epochs"], s["epochs_planned"]) == (3, 3)
     text = format_summary(run)
     assert "best 0.9000 at epoch 2" in text and "20.0 KB on the wire per rank" in text
-    assert "r0 10.0  r1 10.0 % of wall time" in text and "suppress_growth 1" in text
+    assert "r0 12.7  r1 12.7 % of wall time" in text and "suppress_growth 1" in text
 
 
-def test_time_parts_add_up_to_the_epochs_wall_time(tmp_path):
-    run = load_run(write_synthetic(tmp_path / "r", world_size=2, rounds=20, epochs=3))
-    # per rank: compute 3 * 600 ms, data 3 * 50 ms, averaging 20 * 50 ms, wall 3 * 1000 ms
-    np.testing.assert_allclose(plots.time_parts(run), [[1.8, 0.15, 1.0, 0.05]] * 2)
 
 
 def test_absent_and_extra_columns_are_tolerated(tmp_path):
@@ -69,8 +66,9 @@ def test_absent_and_extra_columns_are_tolerated(tmp_path):
                                                       "json_attrs": json.dumps(["config"])}))
     s = summarize(run)
     assert np.isnan(s["test_loss"])
-    # averaging from the phases that are there: (30 + 10) ms * 10 rounds / 5 s
-    np.testing.assert_allclose(s["averaging_pct"], [8.0, 8.0])
+    # without pack_ms the bridge's round is control 2 + allreduce 30 + unpack 10 + the rest 18:
+    # 10 rounds of (1 + 60 + 1 + 1.5) ms / 5 s
+    np.testing.assert_allclose(s["averaging_pct"], [12.7, 12.7])
     assert plots.cadence_figure([run]) is None
     assert len(plots.training_figure([run]).axes[0].get_lines()) == 1   # train loss only
     assert len(plots.round_times_figure([run]).axes[0].get_lines()) == 2
@@ -153,12 +151,17 @@ def test_figures_draw_the_expected_series(tmp_path, n_runs):
     W = 3
     runs = [load_run(write_synthetic(tmp_path / f"r{i}", world_size=W)) for i in range(n_runs)]
     assert _lines(plots.training_figure(runs)) == [2 * n_runs, n_runs]       # train+test loss | accuracy
-    assert _lines(plots.ranks_figure(runs)) == [W * n_runs, W * n_runs]      # throughput | batch share
-    assert _lines(plots.divergence_figure(runs)) == [(W + 1) * n_runs]       # ranks + guard markers
+    assert _lines(plots.ranks_figure(runs)) == [W * n_runs, 2 * W * n_runs]  # throughput | done + allocation
+    # ranks + guard markers + the 3 epochs' last rounds (vertical lines)
+    assert _lines(plots.divergence_figure(runs)) == [(W + 1 + 3) * n_runs]
     assert _lines(plots.round_times_figure(runs)) == [3 * n_runs]            # pack, allreduce, unpack
-    assert _lines(plots.cadence_figure(runs)) == [(1 + W) * n_runs]          # anchor + windows
+    assert plots.cadence_figure(runs) is None                                # sync plans no quotas
+    cadence = [load_run(write_synthetic(tmp_path / f"c{i}", world_size=W, config={"policy": "cadence"}))
+               for i in range(n_runs)]
+    assert _lines(plots.cadence_figure(cadence)) == [(1 + W) * n_runs]       # anchor + windows
     bars = plots.time_figure(runs).axes[0].containers
-    assert [len(c) for c in bars] == [W * n_runs] * 4                        # compute, data, averaging, other
+    # every part but the outer step and async's wait (0 in a sync run without --outer)
+    assert [len(c) for c in bars] == [W * n_runs] * 12
     for fig in (plots.training_figure(runs), plots.divergence_figure(runs)):
         for ax in fig.axes:
             assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()
@@ -170,11 +173,14 @@ def test_write_plots_gives_valid_pngs(tmp_path):
 
     runs = [load_run(write_synthetic(tmp_path / "r"))]
     written = plots.write_plots(runs, tmp_path / "out")
-    assert [p.name for p in written] == [f"{name}.png" for name in plots.FIGURES]
+    assert [p.name for p in written] == [f"{name}.png" for name in plots.FIGURES if name != "cadence"]
+    assert plots.not_drawn(runs) == ["cadence.png: not drawn: policy sync plans no quotas per rank (only cadence "
+                                     "and async do; a fixed policy's window is its --window option)"]
     for p in written:
         img = matplotlib.image.imread(p)
-        # figsize (11, 4.5) inches at 100 dpi; the time bars: 1.2 in + 0.45 in per bar, at least 2.5 in
-        assert img.shape[:2] == ((250 if p.stem == "time" else 450), 1100), p
+        # figsize (11, 4.5) inches at 100 dpi; the time bars (13 in wide): 1.2 in + 0.45 in per bar, at
+        # least 2.5 in, + 0.22 in per part defined under the axes (12 parts)
+        assert img.shape[:2] == ((514, 1300) if p.stem == "time" else (450, 1100)), p
         assert img.std() > 0                  # not blank
     assert not list((tmp_path / "out").glob(".*tmp*"))
 
@@ -231,7 +237,9 @@ def test_report_on_a_finished_run(run_a):
 
     acc = read_table(run_a / "metrics.h5", "epochs")["test_accuracy"]
     assert f"test accuracy {acc[-1]:.4f} (last)" in proc.stdout
-    assert sorted(p.name for p in (run_a / "plots").iterdir()) == sorted(f"{n}.png" for n in plots.FIGURES)
+    assert sorted(p.name for p in (run_a / "plots").iterdir()) == sorted(f"{n}.png" for n in plots.FIGURES
+                                                                        if n != "cadence")  # a sync run
+    assert "plots: cadence.png: not drawn: policy sync plans no quotas per rank" in proc.stdout
 
 
 @pytest.mark.slow
@@ -244,7 +252,7 @@ def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path):
             in proc.stdout)
     header = next(line for line in proc.stdout.splitlines() if line.split() == ["A", "B"])
     assert header
-    assert len(list(out.glob("*.png"))) == len(plots.FIGURES)
+    assert len(list(out.glob("*.png"))) == len(plots.FIGURES) - 1  # sync and window: no cadence figure
 
 
 @pytest.mark.slow
@@ -272,7 +280,7 @@ def test_report_while_the_run_writes(tmp_path):
         epochs = int(proc.stdout.split("epochs", 1)[1].split()[0])
         assert 1 <= epochs < 200 and "of 200 (running)" in proc.stdout  # its lock is held
         assert still_running, "the run must still be writing while the report reads"
-        assert len(list((tmp_path / "plots").glob("*.png"))) == len(plots.FIGURES)
+        assert len(list((tmp_path / "plots").glob("*.png"))) == len(plots.FIGURES) - 1  # sync: no cadence
     finally:
         if train.poll() is None:
             os.killpg(train.pid, signal.SIGTERM)

@@ -22,7 +22,8 @@ from flodl_mpi.report import format_comparison, format_summary, summarize
 from flodl_mpi.runinfo import load_run
 from tests.conftest import MPIEXEC, run_flodl
 
-PHASES = ("pack_ms", "allreduce_ms", "unpack_ms")
+#: The bridge's named phases of a round (a blocking policy's; issue 26 item 8: averaging counts all of a round).
+PHASES = ("control_ms", "pack_ms", "allreduce_ms", "unpack_ms", "outer_ms")
 
 
 # ---------------------------------------------------------------- an independent reading of the file
@@ -56,7 +57,13 @@ def _expected(path: Path) -> dict:
     out = {"averaging_pct": [], "throughput": [], "wall_throughput": [], "batch_share": [], "width": width}
     total_batches = sum(int(epochs["per_rank_batches"][e, r]) for e in range(n_epochs) for r in range(w_epoch[e]))
     for r in range(width):
-        spent = sum(float(rounds[p][i, r]) for p in PHASES for i in range(n_rounds) if r < w_round[i]) / 1e3
+        spent = 0.0
+        for i in (i for i in range(n_rounds) if r < w_round[i]):  # the rows whose world had the rank
+            named = sum(float(rounds[p][i, r]) for p in PHASES)
+            bridge, wait = float(rounds["bridge_ms"][i, r]), float(rounds["wait_ms"][i, r])
+            spent += (float(rounds["snapshot_ms"][i, r]) + named + max(bridge - named, 0.0) + max(wait - bridge, 0.0)
+                      + float(rounds["adopt_ms"][i, r]))
+        spent /= 1e3
         in_run = sum(times[k + 1] - times[k] for k, (_, w) in enumerate(history) if r < w)
         out["averaging_pct"].append(100.0 * spent / in_run)
         mine = [e for e in range(n_epochs) if r < w_epoch[e]]
@@ -119,17 +126,18 @@ def _rows(world: int, first_round: int, n_rounds: int, first_epoch: int, n_epoch
     return rows
 
 
-def _write_resumed(run_dir: Path, stretches: list[tuple[int, int, int]], seed: int = 0) -> Path:
+def _write_resumed(run_dir: Path, stretches: list[tuple[int, int, int]], seed: int = 0,
+                   policy: str = "sync") -> Path:
     """metrics.h5 of a run at ``stretches`` = ``[(world size, rounds, epochs), ...]``, each one
     after the first written as ``--resume`` does (MetricsFile with ``keep_rows``: the real widening)."""
     rng = np.random.default_rng(seed)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = {"epochs": sum(e for _, _, e in stretches), "policy": "sync", "window": 1, "gamma": 1.0}
+    cfg = {"epochs": sum(e for _, _, e in stretches), "policy": policy, "window": 1, "gamma": 1.0}
     kept = {"rounds": 0, "epochs": 0, "batches": 0, "scalars": 0}
     t0 = 0.0
     for k, (world, n_rounds, n_epochs) in enumerate(stretches):
         rows = _rows(world, kept["rounds"], n_rounds, kept["epochs"], n_epochs, t0, rng)
-        with MetricsFile(run_dir / "metrics.h5", world, {"config": cfg, "policy": "sync"},
+        with MetricsFile(run_dir / "metrics.h5", world, {"config": cfg, "policy": policy},
                          keep_rows=dict(kept) if k else None) as m:
             for table, cols in rows.items():
                 m.append(table, cols)
@@ -179,7 +187,7 @@ def test_plots_and_tensorboard_tags_leave_the_padding_out(tmp_path):
     plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
     from flodl_mpi.tensorboard_export import scalars
 
-    run_dir = _write_resumed(tmp_path / "r", [(2, 9, 3), (3, 12, 2)])
+    run_dir = _write_resumed(tmp_path / "r", [(2, 9, 3), (3, 12, 2)], policy="cadence")  # a cadence figure
     run = load_run(run_dir)
     want = _expected(run_dir / "metrics.h5")
     with h5py.File(run_dir / "metrics.h5", "r") as f:
