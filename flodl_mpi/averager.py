@@ -119,8 +119,9 @@ class Averager:
         resume: continue the run in ``run_dir`` from its newest checkpoint: the
             consensus, this rank's optimizer state, step count and integer buffers,
             the round count and :attr:`epoch` (the epochs done: start your loop
-            there); metrics.h5 keeps the rows the checkpoint had seen. Without a
-            checkpoint the run starts afresh. Needs ``run_dir``.
+            there); metrics.h5 keeps the rows the checkpoint had seen. A ``run_dir``
+            that does not exist or holds no checkpoint is refused (``InputError``);
+            ``resume="auto"`` starts the run then, saying so. Needs ``run_dir``.
 
     Raises:
         flodl_mpi.errors.InputError: a bad argument (the message names it as the
@@ -154,7 +155,7 @@ class Averager:
                  policy: str = "sync", window: int = 1, gamma: float = 1.0, run_dir: str | os.PathLike | None = None,
                  checkpoint_every: int = 1, keep_checkpoints: int = 3, stall_timeout: float = 600.0,
                  on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True,
-                 resume: bool = False) -> None:
+                 resume: bool | str = False) -> None:
         # -- validate every argument (STYLE 13), agreed by every rank: bad input is one
         # line from rank 0 and exit status 2, as the CLI's (flodl_mpi.errors.InputError)
         def validate() -> TrainConfig:
@@ -200,7 +201,7 @@ class Averager:
                                    checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                                    stall_timeout=float(stall_timeout), on_non_finite=on_non_finite,
                                    chunk_elems=chunk_elems, optimizer=_optimizer_name(optimizer),
-                                   resume=bool(resume))
+                                   resume=resume)
             except TypeError as exc:  # the wrong kind is bad input too (agree: ValueError is input)
                 raise ValueError(str(exc)) from None
 
