@@ -603,6 +603,15 @@ def _setup(session, a: dict) -> Run:
         )
 
     cfg = agree(comm, "config", config, watchdog)  # its flags become fit()'s keywords in fit (api_words)
+
+    def nothing_to_resume() -> None:  # a plain resume=True with nothing to continue: before the data and model
+        from flodl_mpi.resume_target import early_refusal
+
+        refusal = early_refusal(cfg.run_dir, cfg.resume) if world.rank == 0 else None
+        if refusal is not None:
+            raise ValueError(refusal)
+
+    agree(comm, "run dir", nothing_to_resume, watchdog, name_ranks=False)
     watchdog.stall_timeout = cfg.stall_timeout
     threads, threads_line = settle_threads(comm, world.host, agree(comm, "threads", lambda: thread_request(
         cfg.threads), watchdog))

@@ -58,7 +58,7 @@ from flodl_mpi.launcher import (
     mpi_library,
     thread_request,
 )
-from flodl_mpi.resume_target import resume_refusal
+from flodl_mpi.resume_target import early_refusal
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.stale_shm import clear_before_mpi
 
@@ -295,7 +295,7 @@ def settle_early(args: argparse.Namespace) -> None:
     config file, else the defaults (0, False, ``auto``). Checks every value of the
     file and the flags (`config_from_args`: the same checks the ranks make later), so
     a bad one is one line before MPI starts, and so is a plain ``--resume`` with
-    nothing to continue (`flodl_mpi.resume_target.resume_refusal`, asked again once
+    nothing to continue (`flodl_mpi.resume_target.early_refusal`, asked again once
     MPI is up). Checks ``OMP_NUM_THREADS``
     now, before torch is imported: its OpenMP runtime (libgomp) reads the variable at
     load time on every rank and prints a warning of its own for a bad value.
@@ -310,7 +310,7 @@ def settle_early(args: argparse.Namespace) -> None:
         if getattr(args, name, None) is None:
             setattr(args, name, values.get(name, default))
     cfg = config_from_args(args)  # every value, as every rank checks it again once MPI is up
-    refusal = resume_refusal(cfg.run_dir, cfg.resume)  # a plain --resume with nothing to continue
+    refusal = early_refusal(cfg.run_dir, cfg.resume)  # a plain --resume with nothing to continue
     if refusal is not None:
         raise ConfigError(refusal)
     thread_request(cfg.threads)

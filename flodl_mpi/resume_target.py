@@ -19,9 +19,9 @@ import os
 from pathlib import Path
 
 from flodl_mpi.config import RESUME_AUTO
-from flodl_mpi.run_dir_lock import LOCK_NAME
+from flodl_mpi.run_dir_lock import LOCK_NAME, in_use
 
-__all__ = ["AUTO_REMEDY", "has_checkpoint_file", "new_run_line", "resume_refusal"]
+__all__ = ["AUTO_REMEDY", "early_refusal", "has_checkpoint_file", "new_run_line", "resume_refusal"]
 
 #: The end of every refusal of a plain ``--resume`` that has nothing to continue.
 AUTO_REMEDY = f"use --resume {RESUME_AUTO} to start the run when it has none (a requeued job's first start)"
@@ -70,6 +70,16 @@ def resume_refusal(run_dir: str | None, resume: bool | str) -> str | None:
         return (f"--resume: --run-dir {run_dir!r} holds no checkpoint (nothing in its checkpoints/), so there is "
                 f"nothing to continue and nothing in it was touched; check the path, or {AUTO_REMEDY}")
     return None
+
+
+def early_refusal(run_dir: str | None, resume: bool | str) -> str | None:
+    """`resume_refusal` asked before the run dir's lock is taken (the CLI before MPI starts, ``fit``
+    before its data and model): None for a run dir another run holds, whose claim refuses it with
+    its own line (`flodl_mpi.run_dir_lock`), not this one's guess from a run in progress."""
+    refusal = resume_refusal(run_dir, resume)
+    if refusal is None or in_use(run_dir):
+        return None
+    return refusal
 
 
 def new_run_line(run_dir: str | os.PathLike) -> str:

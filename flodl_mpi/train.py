@@ -247,8 +247,6 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
                 except FileExistsError:
                     continue
             run_dir_lock.claim(run_dir)
-        if cfg.resume:  # the lock is held: a temporary file here is an earlier run's unfinished write
-            _say_once(run_dir, stale_files.removal_line(run_dir, stale_files.remove_stale(run_dir)))
         (run_dir / "checkpoints").mkdir(exist_ok=cfg.resume)
         return str(run_dir)
 
@@ -284,9 +282,10 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     Rank 0 surveys the checkpoints once: every dataset of the newest one is read
     (checksums checked); a damaged one is passed over and the next newest tried.
     Each rank then reads the per-rank state it takes over: old rank ``rank mod
-    W_old``'s (`Trainer.resume`). Only once every check passed are the damaged
-    ones set aside as ``*.damaged`` (a warning each) and, with none left, the
-    restart said and ``metrics.h5``'s history kept: a refused resume reads only.
+    W_old``'s (`Trainer.resume`). Only once every check passed are an earlier
+    run's temporary files removed (`flodl_mpi.stale_files`), the damaged
+    checkpoints set aside as ``*.damaged`` (a warning each) and, with none left,
+    the restart said and ``metrics.h5``'s history kept: a refused resume reads only.
 
     Args:
         data_n: training samples (a checkpoint of an older batch plan is checked against it).
@@ -328,6 +327,8 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     def set_aside() -> None:  # rank 0, once every check passed: a refused resume changed nothing
         if comm.rank != 0:
             return
+        # the lock is held: a temporary file here is an earlier run's unfinished write
+        _say_once(run_dir, stale_files.removal_line(run_dir, stale_files.remove_stale(run_dir)))
         for path, why in aside:  # as `flodl_mpi.checkpoint.set_aside_damaged`, from the survey made
             path.rename(path.with_name(path.name + ".damaged"))
             log.info(f"warning: {path.name} is damaged ({why}); not resumed from, kept as {path.name}.damaged")
