@@ -35,7 +35,7 @@ from flodl_mpi.checkpoint import (
     read_rank_state,
 )
 from flodl_mpi.cli import config_from_args
-from flodl_mpi.config import TrainConfig, optimizer_class
+from flodl_mpi.config import RESUME_AUTO, TrainConfig, optimizer_class
 from flodl_mpi.data import (
     DEFAULT_NAMES,
     Dataset,
@@ -67,7 +67,7 @@ from flodl_mpi.policy import make_policy
 from flodl_mpi.progress import EpochProgress, stdout_is_terminal, write_above_bars
 from flodl_mpi.reduce import WireOptions
 from flodl_mpi.resume_inputs import data_path_difference, model_file_record, model_spec_difference
-from flodl_mpi.resume_target import AUTO_REMEDY, new_run_line, resume_refusal
+from flodl_mpi.resume_target import new_run_line, resume_refusal
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree
@@ -316,11 +316,12 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
         if comm.rank != 0:
             return None
         chosen, aside = newest_verified(run_dir / "checkpoints")
-        if chosen is None and cfg.resume is True:
-            names = ", ".join(p.name for p, _ in aside) or "none"
-            raise ValueError(f"--resume: no checkpoint in {run_dir / 'checkpoints'} reads back (damaged: {names}), "
-                             f"so there is nothing to continue and nothing in {run_dir} was touched (flodl-mpi "
-                             f"inspect says why); {AUTO_REMEDY}, keeping them as *.damaged")
+        if chosen is None and cfg.resume is True:  # the names said there was one (`resume_refusal`)
+            names = ", ".join(p.name for p, _ in aside) or "none left"
+            raise ValueError(f"--resume: every checkpoint in {run_dir / 'checkpoints'} is damaged ({names}; "
+                             "flodl-mpi inspect FILE says why), so there is nothing to continue and nothing in "
+                             f"{run_dir} was touched; use --resume {RESUME_AUTO} to start the run again from epoch 1 "
+                             "(keeping them as *.damaged)")
         # (a restart killed after keeping the history still restarts: its metrics.h5 is gone)
         return chosen, aside, (run_dir / "metrics.h5").exists() or any(run_dir.glob("metrics.h5.before-restart-*"))
 
