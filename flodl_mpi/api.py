@@ -473,7 +473,7 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
           policy: str = "sync", window: int = 1, gamma: float = 1.0, seed: int = 0, drop_last: bool = False,
           lr_schedule: Callable[[int], float] | None = None, scale_lr: bool = False, warmup_steps: int = 0,
           clip_grad_norm: float | None = None, eval_every: int = 1, eval_batch_size: int = 1024,
-          run_dir: str | os.PathLike | None = None, resume: bool = False, checkpoint_every: int = 1,
+          run_dir: str | os.PathLike | None = None, resume: bool | str = False, checkpoint_every: int = 1,
           keep_checkpoints: int = 3, device: str = "auto", threads: int | None = None,
           stall_timeout: float = 600.0, on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18,
           verbose: bool = False, comm=None, **options) -> Run:
@@ -527,7 +527,10 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
         run_dir: a new or empty directory for ``config.json`` (the model, optimizer
             and loss as built: `flodl_mpi.run_record`), ``train.log``, ``metrics.h5``,
             ``checkpoints/`` (rank 0 writes, as the CLI); None: no files.
-        resume: continue the run in ``run_dir`` from its newest checkpoint.
+        resume: True: continue the run in ``run_dir`` from its newest checkpoint; a
+            ``run_dir`` that does not exist or holds no checkpoint is refused
+            (``InputError``, nothing in it touched). ``"auto"``: continue it, or start
+            it when it holds none (a requeued job), saying so in one line.
         checkpoint_every, keep_checkpoints, device, threads, stall_timeout,
             on_non_finite, chunk_elems, seed, drop_last, eval_batch_size: as the CLI's options.
         verbose: rank 0 prints the CLI's lines (one per epoch) on stdout.
@@ -619,6 +622,15 @@ def _setup(session, a: dict) -> Run:
         )
 
     cfg = agree(comm, "config", config, watchdog)  # its flags become fit()'s keywords in fit (api_words)
+
+    def nothing_to_resume() -> None:  # a plain resume=True with nothing to continue: before the data and model
+        from flodl_mpi.resume_target import early_refusal
+
+        refusal = early_refusal(cfg.run_dir, cfg.resume) if world.rank == 0 else None
+        if refusal is not None:
+            raise ValueError(refusal)
+
+    agree(comm, "run dir", nothing_to_resume, watchdog, name_ranks=False)
     watchdog.stall_timeout = cfg.stall_timeout
     threads, threads_line = settle_threads(comm, world.host, agree(comm, "threads", lambda: thread_request(
         cfg.threads), watchdog))
@@ -700,9 +712,9 @@ def _setup(session, a: dict) -> Run:
             train_log = _setup_logging(run_dir, world.rank)  # train.log, as the CLI's; closed with the run
             watchdog.log_path = run_dir / "train.log"  # a stall's verdict ends train.log too
             log.setLevel(min(log.level or logging.INFO, logging.INFO))
-            if data_note:
-                log.info(data_note)
         ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
+        if data_note and world.rank == 0:  # after the resume's checks: a refused resume writes nothing to train.log
+            log.info(data_note)
         if ckpt is not None and world.rank == 0:
             kept = _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))
             keep_rows = {**keep_rows, "scalars": kept}

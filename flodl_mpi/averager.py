@@ -129,8 +129,9 @@ class Averager:
             the global RNG) and your other RNGs (numpy, CUDA) are yours to restore;
             the cut-short epoch's loss, sample counts and ``record_scalar`` sums
             carry over, so its rows read as one epoch. metrics.h5 keeps the rows
-            the checkpoint had seen. Without a checkpoint the run starts afresh.
-            Needs ``run_dir``.
+            the checkpoint had seen. A ``run_dir`` that does not exist or holds no
+            checkpoint is refused (``InputError``); ``resume="auto"`` starts the run
+            then, saying so. Needs ``run_dir``.
         **options: none; an unknown keyword is bad input (``InputError``), its line
             naming the closest keyword (``windw (did you mean window?)``), as ``fit``'s.
 
@@ -164,7 +165,7 @@ class Averager:
                  policy: str = "sync", window: int = 1, gamma: float = 1.0, run_dir: str | os.PathLike | None = None,
                  checkpoint_every: int = 1, keep_checkpoints: int = 3, stall_timeout: float = 600.0,
                  on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True,
-                 resume: bool = False, **options) -> None:
+                 resume: bool | str = False, **options) -> None:
         # -- validate every argument (STYLE 13), agreed by every rank: bad input is one
         # line from rank 0 and exit status 2, as the CLI's (flodl_mpi.errors.InputError)
         def validate() -> TrainConfig:
@@ -221,7 +222,7 @@ class Averager:
                                    checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                                    stall_timeout=float(stall_timeout), on_non_finite=on_non_finite,
                                    chunk_elems=chunk_elems, optimizer=_optimizer_name(optimizer),
-                                   resume=bool(resume))
+                                   resume=resume)
             except TypeError as exc:  # the wrong kind is bad input too (agree: ValueError is input)
                 raise ValueError(str(exc)) from None
 

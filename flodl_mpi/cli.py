@@ -43,6 +43,7 @@ from flodl_mpi.config import (
     OUTPUT_OPTIONS,
     POLICIES,
     PROGRESS,
+    RESUME_AUTO,
     ConfigError,
     TrainConfig,
     config_key_text,
@@ -59,6 +60,7 @@ from flodl_mpi.launcher import (
     thread_request,
 )
 from flodl_mpi.precheck import input_problem
+from flodl_mpi.resume_target import early_refusal
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.stale_shm import clear_before_mpi
 
@@ -204,9 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-dir", metavar="DIR",
                    help="where the run writes config, metrics.h5, checkpoints and train.log; must be new or "
                         "empty unless --resume (default runs/<UTC time>)")
-    g.add_argument("--resume", action="store_true", default=None,
-                   help="continue the run in --run-dir from its newest complete checkpoint "
-                        "(or start it, if it has none)")
+    g.add_argument("--resume", nargs="?", const=True, choices=(RESUME_AUTO,), default=None,
+                   help="continue the run in --run-dir from its newest complete checkpoint; a --run-dir that "
+                        "does not exist or holds no checkpoint is refused (exit 2, nothing touched). "
+                        f"--resume {RESUME_AUTO}: continue it, or start it when it has none, saying so (a requeued "
+                        f"job; in a config file: resume = \"{RESUME_AUTO}\")")
     g.add_argument("--checkpoint-every", type=int,
                    help=f"epochs between checkpoints; 0 saves only the last (default {d.checkpoint_every})")
     g.add_argument("--keep-checkpoints", type=int,
@@ -300,14 +304,16 @@ def settle_early(args: argparse.Namespace) -> None:
     Sets ``args.verbose``, ``args.quiet``, ``args.progress`` from the flags, else the
     config file, else the defaults (0, False, ``auto``). Checks every value of the
     file and the flags (`config_from_args`: the same checks the ranks make later), so
-    a bad one is one line before MPI starts; so are a missing data file or dataset, a
-    malformed or unfindable ``--model``, a run dir that cannot be made
-    (`flodl_mpi.precheck.input_problem`). Checks ``OMP_NUM_THREADS``
+    a bad one is one line before MPI starts; so are a plain ``--resume`` with nothing
+    to continue (`flodl_mpi.resume_target.early_refusal`, asked again once MPI is up),
+    a missing data file or dataset, a malformed or unfindable ``--model``, a run dir
+    that cannot be made (`flodl_mpi.precheck.input_problem`). Checks ``OMP_NUM_THREADS``
     now, before torch is imported: its OpenMP runtime (libgomp) reads the variable at
     load time on every rank and prints a warning of its own for a bad value.
 
     Raises:
-        ConfigError: an unreadable config file, a bad value in it or in a flag.
+        ConfigError: an unreadable config file, a bad value in it or in a flag, a
+            refused ``--resume``.
         ValueError: ``OMP_NUM_THREADS`` is not a positive integer (and ``--threads`` is not given);
             a problem `input_problem` found.
     """
@@ -316,6 +322,9 @@ def settle_early(args: argparse.Namespace) -> None:
         if getattr(args, name, None) is None:
             setattr(args, name, values.get(name, default))
     cfg = config_from_args(args)  # every value, as every rank checks it again once MPI is up
+    refusal = early_refusal(cfg.run_dir, cfg.resume)  # a plain --resume with nothing to continue
+    if refusal is not None:
+        raise ConfigError(refusal)
     thread_request(cfg.threads)
     problem = input_problem(cfg)  # the data file and names, the model spec, the run dir (issue 26 item 9)
     if problem is not None:

@@ -22,7 +22,7 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
            "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OPTIMIZER_WEIGHT_DECAY", "OUTERS",
-           "OUTPUT_OPTIONS", "POLICIES", "PROGRESS", "ConfigError", "TrainConfig", "check_output_option",
+           "OUTPUT_OPTIONS", "POLICIES", "PROGRESS", "RESUME_AUTO", "ConfigError", "TrainConfig", "check_output_option",
            "config_key_text", "optimizer_class", "read_config_file", "value_problem"]
 
 POLICIES = ("sync", "window", "cadence", "async")
@@ -50,6 +50,9 @@ HIERARCHICAL = ("auto", "on", "off")
 AVERAGE_OPTIMIZER_STATE = ("auto", "off", "mean", "corrected")
 #: ``--progress``: rank 0's bar within an epoch, or one line per epoch (auto: a bar on a terminal).
 PROGRESS = ("auto", "bar", "lines")
+#: ``--resume auto`` (``resume = "auto"``, ``resume="auto"``): continue the run when it holds a checkpoint,
+#: else start it (a requeued job's first start). A plain ``--resume`` (True) refuses a run dir with none.
+RESUME_AUTO = "auto"
 #: Keys a config file may set besides :class:`TrainConfig`'s fields: what rank 0 prints, not how the
 #: run trains (so they are not saved with the run). Flags given on the command line override them.
 OUTPUT_OPTIONS = ("verbose", "quiet", "progress")
@@ -133,7 +136,8 @@ class TrainConfig:
     checkpoint_every: int = 1         # epochs between checkpoints (0 = only the last)
     keep_checkpoints: int = 3         # newest complete checkpoints kept
     run_dir: str | None = None        # None = runs/<UTC time>, chosen by rank 0
-    resume: bool = False              # continue the run in run_dir from its newest checkpoint
+    resume: bool | str = False        # True: continue the run in run_dir from its newest checkpoint (refused
+    #                                   when there is none); RESUME_AUTO: continue it, or start it when there is none
     device: str = "auto"              # one of DEVICES
     stall_timeout: float = 600.0      # seconds without progress on any rank before the watchdog aborts (exit 3)
     chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
@@ -211,7 +215,8 @@ class TrainConfig:
             raise ConfigError("--policy window needs --window N: the batches each rank trains between rounds, "
                               "N >= 2 (a window of 1 is --policy sync)")
         self._check_balancer(need)
-        need(isinstance(self.resume, bool), "resume", self.resume, "true or false")
+        need(isinstance(self.resume, bool) or self.resume == RESUME_AUTO, "resume", self.resume,
+             f"true, false or {RESUME_AUTO!r}")
         need(isinstance(self.scale_lr, bool), "scale_lr", self.scale_lr, "true or false")
         need(isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool) and self.warmup_steps >= 0,
              "warmup_steps", self.warmup_steps, "an integer >= 0")

@@ -405,7 +405,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
 
     return {"policy": c.POLICIES, "optimizer": c.OPTIMIZERS, "device": c.DEVICES, "on_non_finite": c.ON_NON_FINITE,
             "outer": c.OUTERS, "node_reduce": c.NODE_REDUCES, "hierarchical": c.HIERARCHICAL,
-            "average_optimizer_state": c.AVERAGE_OPTIMIZER_STATE, "async_adopt": c.ASYNC_ADOPTS}
+            "average_optimizer_state": c.AVERAGE_OPTIMIZER_STATE, "async_adopt": c.ASYNC_ADOPTS,
+            "resume": (c.RESUME_AUTO,)}  # --resume auto: resume='auto' (a plain --resume: resume=True)
 
 
 def _api_word(match) -> str:
@@ -414,7 +415,7 @@ def _api_word(match) -> str:
     name, word = match.group(1).replace("-", "_"), match.group(3)
     if word is not None and word in _choices().get(name, ()):  # --on-non-finite stop: on_non_finite='stop'
         return f"{name}={word!r}"
-    if isinstance(getattr(TrainConfig(), name, None), bool):
+    if isinstance(getattr(TrainConfig(), name, None), bool) and not match.group(2):  # "--resume 2": resume=2
         text = f"{name}=True"
     else:
         text = f"{name}=" if match.group(2) else name

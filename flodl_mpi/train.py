@@ -30,12 +30,12 @@ from flodl_mpi.bridge import Bridge
 from flodl_mpi.checkpoint import (
     Checkpoint,
     load_state_dict,
+    newest_verified,
     read_checkpoint,
     read_rank_state,
-    set_aside_damaged,
 )
 from flodl_mpi.cli import config_from_args
-from flodl_mpi.config import TrainConfig, optimizer_class
+from flodl_mpi.config import RESUME_AUTO, TrainConfig, optimizer_class
 from flodl_mpi.data import (
     DEFAULT_NAMES,
     Dataset,
@@ -68,6 +68,7 @@ from flodl_mpi.progress import EpochProgress, stdout_is_terminal, write_above_ba
 from flodl_mpi.reduce import WireOptions
 from flodl_mpi.replay import RecordedPlan, read_recorded_plan
 from flodl_mpi.resume_inputs import data_path_difference, model_file_record, model_spec_difference
+from flodl_mpi.resume_target import new_run_line, resume_refusal
 from flodl_mpi.signals import StopRequest
 from flodl_mpi.worker import Replica, Trainer
 from flodl_mpi.world import Watchdog, World, agree
@@ -230,6 +231,10 @@ def make_bridge(cfg: TrainConfig, world: World, replica: Replica, writer, watchd
 def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
     """Rank 0 claims the run directory: a new or empty one, or with ``--resume`` a run's own.
 
+    A plain ``--resume`` (``cfg.resume`` True) on a run dir that does not exist or holds
+    no checkpoint is refused here, before anything is created, locked or written
+    (`flodl_mpi.resume_target.resume_refusal`); ``--resume auto`` then starts the run.
+
     The default ``runs/<UTC time>`` is claimed with an exclusive ``mkdir`` (a
     suffix ``-1``, ``-2``, ... when several jobs start in the same second).
     Rank 0 then holds the directory's lock (`flodl_mpi.run_dir_lock`) for the
@@ -249,16 +254,16 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
             claimed = run_dir.is_dir() and (run_dir / run_dir_lock.LOCK_NAME).exists()
             if claimed:  # a run used it: another one still may; nothing is looked at before the lock is held
                 run_dir_lock.claim(run_dir, cfg.run_dir)
-            if run_dir.is_dir() and any(p.name != run_dir_lock.LOCK_NAME for p in run_dir.iterdir()):
-                if not cfg.resume and (run_dir / "config.json").is_file():
+            if not cfg.resume and run_dir.is_dir() and any(p.name != run_dir_lock.LOCK_NAME
+                                                           for p in run_dir.iterdir()):
+                if (run_dir / "config.json").is_file():
                     raise ValueError(f"--run-dir {cfg.run_dir!r} holds a flodl-mpi run: add --resume to continue "
                                      "it, or choose a new or empty directory (nothing in it was touched)")
-                if not cfg.resume:
-                    raise ValueError(f"--run-dir {cfg.run_dir!r} is not empty (it may hold another run); "
-                                     "choose a new or empty directory so nothing saved is overwritten")
-                if not (run_dir / "config.json").is_file():
-                    raise ValueError(f"--resume: {cfg.run_dir!r} is not empty but holds no flodl-mpi run "
-                                     "(no config.json); nothing in it was touched")
+                raise ValueError(f"--run-dir {cfg.run_dir!r} is not empty (it may hold another run); "
+                                 "choose a new or empty directory so nothing saved is overwritten")
+            refusal = resume_refusal(cfg.run_dir, cfg.resume)  # a plain --resume with nothing to continue
+            if refusal is not None:  # decided before the run dir is created, locked or written
+                raise ValueError(refusal)
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # under a file, no permission, a read-only file system: one line
@@ -277,8 +282,6 @@ def _make_run_dir(cfg: TrainConfig, comm: MPI.Comm, watchdog: Watchdog) -> Path:
                 except FileExistsError:
                     continue
             run_dir_lock.claim(run_dir)
-        if cfg.resume:  # the lock is held: a temporary file here is an earlier run's unfinished write
-            _say_once(run_dir, stale_files.removal_line(run_dir, stale_files.remove_stale(run_dir)))
         (run_dir / "checkpoints").mkdir(exist_ok=cfg.resume)
         return str(run_dir)
 
@@ -312,9 +315,12 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     """The checkpoint to resume from and the metrics rows to keep (``--resume``).
 
     Rank 0 surveys the checkpoints once: every dataset of the newest one is read
-    (checksums checked); a damaged one is set aside as ``*.damaged`` with a
-    warning and the next newest tried. Each rank then reads the per-rank state
-    it takes over: old rank ``rank mod W_old``'s (`Trainer.resume`).
+    (checksums checked); a damaged one is passed over and the next newest tried.
+    Each rank then reads the per-rank state it takes over: old rank ``rank mod
+    W_old``'s (`Trainer.resume`). Only once every check passed are an earlier
+    run's temporary files removed (`flodl_mpi.stale_files`), the damaged
+    checkpoints set aside as ``*.damaged`` (a warning each) and, with none left,
+    the restart said and ``metrics.h5``'s history kept: a refused resume reads only.
 
     Args:
         data_n: training samples (a checkpoint of an older batch plan is checked against it).
@@ -329,9 +335,11 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
         rows, the old file (when it holds rows) kept as
         ``metrics.h5.before-restart-<UTC time>`` (`flodl_mpi.metrics.keep_before_restart`)
         with one warning line naming the damaged checkpoints; an empty run dir starts a new run.
+        Only ``--resume auto`` (``cfg.resume == "auto"``) starts a run; it says so in one line.
 
     Raises:
-        InputError: the checkpoint is unreadable on some rank, was written by a
+        InputError: a plain ``--resume`` (``cfg.resume`` True) finds no checkpoint that
+            reads back (refused before any is set aside); the checkpoint is unreadable on some rank, was written by a
             run with other options in ``RESUME_MUST_MATCH`` (an option its config
             lacks counts as its default), by a flodl-mpi whose batch plan differs, or
             for another model (module tree, tensor names, shapes, dtypes). The optimizer is checked against the class of the state the checkpoint
@@ -339,29 +347,47 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
     """
     comm = world.comm
 
-    def survey() -> tuple[Path | None, bool] | None:  # rank 0 looks, every rank learns
+    def survey() -> tuple[Path | None, list, bool] | None:  # rank 0 looks (reads only), every rank learns
         if comm.rank != 0:
             return None
-        chosen, aside = set_aside_damaged(run_dir / "checkpoints")
-        for path, why in aside:
-            log.info(f"warning: {path.name} is damaged ({why}); not resumed from, kept as {path.name}.damaged")
-        metrics = run_dir / "metrics.h5"
+        chosen, aside = newest_verified(run_dir / "checkpoints")
+        if chosen is None and cfg.resume is True:  # the names said there was one (`resume_refusal`)
+            names = ", ".join(p.name for p, _ in aside) or "none left"
+            raise ValueError(f"--resume: every checkpoint in {run_dir / 'checkpoints'} is damaged ({names}; "
+                             "flodl-mpi inspect FILE says why), so there is nothing to continue and nothing in "
+                             f"{run_dir} was touched; use --resume {RESUME_AUTO} to start the run again from epoch 1 "
+                             "(keeping them as *.damaged)")
         # (a restart killed after keeping the history still restarts: its metrics.h5 is gone)
-        had_run = metrics.exists() or any(run_dir.glob("metrics.h5.before-restart-*"))
-        if chosen is None:
-            kept = keep_before_restart(metrics)  # the history is not rebuilt away silently
-            history = "" if kept is None else f"; {metrics.name}'s history ({_rows_words(kept[1])}) kept as {kept[0].name}"
-            if aside:
-                names = ", ".join(p.name for p, _ in aside)
-                log.warning(f"warning: every checkpoint in {run_dir / 'checkpoints'} is damaged ({names}; kept as "
-                            f"*.damaged): the run starts again from epoch 1{history}")
-            elif kept is not None:
-                log.warning(f"warning: no checkpoint in {run_dir / 'checkpoints'}: the run starts again from epoch "
-                            f"1{history}")
-        return chosen, had_run
+        return chosen, aside, (run_dir / "metrics.h5").exists() or any(run_dir.glob("metrics.h5.before-restart-*"))
 
-    latest, has_metrics = comm.bcast(agree(comm, "resume", survey, watchdog, name_ranks=False), root=0)
+    def set_aside() -> None:  # rank 0, once every check passed: a refused resume changed nothing
+        if comm.rank != 0:
+            return
+        # the lock is held: a temporary file here is an earlier run's unfinished write
+        _say_once(run_dir, stale_files.removal_line(run_dir, stale_files.remove_stale(run_dir)))
+        for path, why in aside:  # as `flodl_mpi.checkpoint.set_aside_damaged`, from the survey made
+            path.rename(path.with_name(path.name + ".damaged"))
+            log.info(f"warning: {path.name} is damaged ({why}); not resumed from, kept as {path.name}.damaged")
+        if latest is not None:
+            return
+        # --resume auto with nothing to continue: one line says the run starts (stdout; train.log, also
+        # before its handler exists), and the history is not rebuilt away silently
+        metrics = run_dir / "metrics.h5"
+        kept = keep_before_restart(metrics)
+        history = "" if kept is None else f"; {metrics.name}'s history ({_rows_words(kept[1])}) kept as {kept[0].name}"
+        if aside:
+            names = ", ".join(p.name for p, _ in aside)
+            _say_once(run_dir, f"warning: every checkpoint in {run_dir / 'checkpoints'} is damaged ({names}; "
+                               f"kept as *.damaged): the run starts again from epoch 1{history}")
+        elif kept is not None:
+            _say_once(run_dir, f"warning: no checkpoint in {run_dir / 'checkpoints'}: the run starts again from "
+                               f"epoch 1{history}")
+        else:
+            _say_once(run_dir, new_run_line(run_dir))
+
+    latest, aside, has_metrics = comm.bcast(agree(comm, "resume", survey, watchdog, name_ranks=False), root=0)
     if latest is None:
+        agree(comm, "resume", set_aside, watchdog, name_ranks=False)
         return None, ({"rounds": 0, "epochs": 0, "batches": 0} if has_metrics else None)
     # Every rank reads the file itself (run directories live on a shared
     # filesystem), and of the per-rank state only the one it takes over.
@@ -400,6 +426,7 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
         ckpt.meta["epoch_reports"] = agree(
             comm, "resume", lambda: [read_rank_state(latest, r)[1]["epoch_report"] for r in range(old_size)]
             if old_size != world.size else None, watchdog)
+    agree(comm, "resume", set_aside, watchdog, name_ranks=False)
     return ckpt, ckpt.meta["metrics_rows"]
 
 
@@ -711,10 +738,11 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     _setup_logging(run_dir, world.rank)
     if world.rank == 0:  # a stall's verdict ends train.log too
         watchdog.log_path = run_dir / "train.log"
+    # A refused resume writes nothing to train.log: its checks come before the run's first line.
+    ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
     log.info(threads_line)
     if data_note:
         log.info(data_note)
-    ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
     if ckpt is not None and int(ckpt.meta["epoch"]) >= cfg.epochs:
         # Every rank read the same checkpoint: every rank returns here alike, before any collective
         # of the outputs. Nothing more is written: no config record, no metrics.h5 rebuild, no save.
@@ -835,8 +863,6 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
                          f"{trainer.start_cursor} batch(es) into the next, round {bridge.version}")
                 if trainer.remapped:
                     log.info(trainer.remapped)
-        elif keep_rows is not None and late_header is None:
-            log.info(f"nothing to resume in {run_dir}: no complete checkpoint; starting the run again")
     except BaseException as exc:
         # Setup failed after the outputs were opened: close metrics.h5 (no "open for
         # write" flag left), and for a new run whose input turned out bad (a state the

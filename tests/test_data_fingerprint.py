@@ -110,7 +110,7 @@ if relabel:
     y = (y + 1) % 3
 try:
     flodl_mpi.fit(lambda: nn.Linear(4, 3), data={"train": (x, y), "test": (x[:16], y[:16])}, epochs=epochs,
-                  batch_size=8, run_dir=run_dir, resume=True).wait()
+                  batch_size=8, run_dir=run_dir, resume="auto").wait()  # the first call starts the run
 except InputError as exc:
     print("REFUSED", exc)
     sys.exit(2)

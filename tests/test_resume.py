@@ -94,13 +94,24 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
 
 
 def test_resume_refuses_other_options(tmp_path, tmp_path_factory):
+    """A refused resume writes nothing to train.log (issue 26 item 9: it left an orphan "torch threads:" line);
+    ``--resume auto`` starts a run dir that does not exist and says so (issue 26 item 1)."""
     run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")  # a finished 5-epoch run at gamma 1 (its own copy)
+    log = (run_dir / "train.log").read_bytes()
     other = run_flodl(2, "train", "--epochs", "6", "--run-dir", str(run_dir), "--resume", "--gamma", "0.5",
                       timeout=300)
     assert other.returncode == 2
     assert "--resume: the run in" in other.stderr and "--gamma 0.5 (was 1.0)" in other.stderr
-    fresh = run_flodl(2, "train", "--epochs", "1", "--run-dir", str(tmp_path / "new"), "--resume", timeout=300)
-    assert fresh.returncode == 0  # nothing to resume: a requeued job's first start
+    assert "rank(s) up; loading PyTorch" in other.stdout  # refused by the resume's checks, after train.log opened
+    assert (run_dir / "train.log").read_bytes() == log
+    new = tmp_path / "new"
+    fresh = run_flodl(2, "train", "--epochs", "1", "--run-dir", str(new), "--resume", "auto", timeout=300)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]  # nothing to resume: a requeued job's first start
+    line = f"no checkpoint in {new}: starting a new run"
+    assert fresh.stdout.count(line) == 1, fresh.stdout[-3000:]
+    logged = (new / "train.log").read_text().splitlines()
+    assert [entry.split(" ", 1)[1] for entry in logged].count(line) == 1
+    assert logged[-1].split(" ", 1)[1].startswith("done"), logged[-1]
 
 
 def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):

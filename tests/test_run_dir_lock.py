@@ -159,12 +159,12 @@ model = nn.Linear(4, 3)
 try:
     if kind == "averager":
         with flodl_mpi.Averager(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), run_dir=run_dir,
-                                resume=True) as avg:
+                                resume="auto") as avg:  # once the lock is free: a run dir without a checkpoint
             pass
     else:
         x, y = torch.rand(32, 4), torch.randint(0, 3, (32,))
         flodl_mpi.fit(lambda: nn.Linear(4, 3), data={"train": (x, y), "test": (x, y)}, epochs=1,
-                      batch_size=8, run_dir=run_dir, resume=True).wait()
+                      batch_size=8, run_dir=run_dir, resume="auto").wait()
 except InputError as exc:
     print("REFUSED", exc)
     sys.exit(2)

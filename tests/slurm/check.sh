@@ -337,8 +337,8 @@ check_resumed() {
         test "$(attempts "$job")/$(derived "$job")" = "$expected_sacct/4:0"
     check "$name requeued on exit 4" "$(grep -c 'requeueing job' "$out") requeue message(s): $(grep -m1 'requeueing job' "$out" || echo "none")" \
         test "$(grep -c "stopped and saved in runs/$job/checkpoints; requeueing job $job" "$out")" = "$requeues"
-    check "$name resumed" "$(grep -m1 -E 'resuming from|nothing to resume' "$out" || echo "no resume line")" \
-        grep -q -E "resuming from ckpt|nothing to resume" "$out"
+    check "$name resumed" "$(grep -m1 -E 'resuming from|no checkpoint in' "$out" || echo "no resume line")" \
+        grep -q -E "resuming from ckpt|no checkpoint in runs/$job: starting a new run" "$out"
     check "$name world size" "metrics.h5 world_size $(field "$info" world_size)" \
         test "$(field "$info" world_size)" = "$ranks"
     # An uninterrupted sync run has ceil(ceil(samples / 32) / ranks) rounds per epoch:
