@@ -524,9 +524,13 @@ class Trainer:
         self.state_average: OptimizerStateAverager | None = None
         mode = resolve_mode(cfg.average_optimizer_state, self.optimizer)
         if mode != "off":
-            self.state_average = OptimizerStateAverager(self.optimizer, mode)
-            self.state_average.keep_snapshot = self.adoption is not None
-            bridge.attach_optimizer_state(self.state_average)
+            averager = OptimizerStateAverager(self.optimizer, mode)  # refuses a state it cannot plan, at any size
+            # A world of one: the consensus of one rank's state is its state (nothing travels, no second moment
+            # is rebuilt), so the optimizer steps exactly as in a plain PyTorch loop (issue 26 item 10).
+            if not bridge.alone:
+                self.state_average = averager
+                averager.keep_snapshot = self.adoption is not None
+                bridge.attach_optimizer_state(averager)
         #: Async: an epoch's last round runs on while the next epoch's first window
         #: trains, and the epoch ends (evaluation, exchange, checkpoint) on its consensus
         #: when it arrives; the last epoch and a stop wait for it. ``flodl-mpi train``'s
