@@ -469,7 +469,7 @@ class Averager:
                                    calls=self._epoch_calls)
         self._calls, self._loss_finite = 0, True
         self._round_pending = True
-        if update.adopted:
+        if update.adopted and not self.bridge.alone:  # a world of one's consensus is its own values
             self.replica.adopt(self.bridge)
         if update.quarantined:  # gathered: the same on every rank; rank 0 says it, as fit does
             self._say(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "

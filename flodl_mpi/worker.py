@@ -813,7 +813,10 @@ class Trainer:
     def _adopt(self, update: RoundUpdate, alpha: float = 1.0, delta: bool = False) -> None:
         if update.plan is not None:
             self.plan = update.plan
-        if update.adopted:
+        # A world of one's consensus is its own values, bit for bit: copying it back changes nothing (bound
+        # params are the staging, where an outer step already wrote; copied params differ only after one).
+        same = self.bridge.alone and not delta and (self.replica.bound or not update.outer_stepped)
+        if update.adopted and not same:
             # A quarantined rank's own values are not finite: it takes the consensus whole.
             whole = self.rank in update.quarantined
             self.replica.adopt(self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
