@@ -581,13 +581,14 @@ class Bridge:
         self._enter("control gather")
         t_gather = time.perf_counter()
         gathered = self._gather(np.concatenate([head, self._ack]))
-        self._check_boundary(gathered)
+        if not self.alone:  # one rank is always at the same point as itself
+            self._check_boundary(gathered)
         cols = ROUND.read(gathered)
         t_gathered = time.perf_counter()  # the round's own time (the balancer's overhead) starts here
         control_ms = 1e3 * (t_gathered - t_gather)
         steps = int(head[ROUND_HEAD.index("steps")])
         # -- decide, from the gathered matrix only: every rank takes the same branch
-        anchor = int(np.nan_to_num(cols["anchor"]).max())
+        anchor = int(max(0.0 if math.isnan(a) else a for a in cols["anchor"].tolist()))  # NaN (none) as 0
         verdict = self._take_acks(cols, batch_ms=cols["batch_ms"], window=cols["window"], anchor=anchor)
         all_steps, flags = cols["steps"], cols["non_finite"].astype(np.int64)
         if flags.all() or (flags.any() and self.on_non_finite == "stop"):
@@ -697,8 +698,7 @@ class Bridge:
             # cohort's drift. A round where none did (skipped) reads as 0.
             contributed = cols["divergence"][self._contributed]
             max_div = float(np.max(contributed)) if contributed.size else 0.0
-            round_ms = float(np.nanmax(cols["round_ms"])) if np.isfinite(cols["round_ms"]).any() else math.nan
-            wait_ms = float(np.nanmax(cols["wait_ms"])) if np.isfinite(cols["wait_ms"]).any() else math.nan
+            round_ms, wait_ms = _max_if_finite(cols["round_ms"]), _max_if_finite(cols["wait_ms"])
         self._enter("policy")
         verdict = self.policy.observe(RoundFacts(batch_ms=np.asarray(batch_ms, dtype=np.float64),
                                                  window=np.asarray(window).astype(np.int64),
@@ -753,6 +753,14 @@ class _Plane:
         self.reducer = Reducer(comm, layout, wire, in_place=not (pinned and torch.cuda.is_available()))
         self.staging = self.reducer.staging if self.reducer.staging is not None else layout.new_staging(pinned)
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
+
+
+def _max_if_finite(values: np.ndarray) -> float:
+    """``nanmax(values)`` when some value is finite, else NaN (plain floats: a round's few ranks)."""
+    listed = values.tolist()
+    if not any(math.isfinite(v) for v in listed):
+        return math.nan
+    return float(max(v for v in listed if not math.isnan(v)))
 
 
 def _non_finite_message(round_: int, flags: np.ndarray, on_non_finite: str) -> str:
