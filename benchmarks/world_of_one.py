@@ -16,7 +16,8 @@ built-in MLP and Adam at lr 1e-3, every epoch evaluated on the test set:
 - ``fit``: ``flodl_mpi.fit(epochs=E, threads=T, run_dir=...)``, the Python API;
 - ``averager``: the plain loop with ``flodl_mpi.Averager(model, optimizer=opt,
   run_dir=...)``: ``avg.step(loss)`` after each optimizer step and
-  ``avg.end_epoch({...})`` after the evaluation.
+  ``avg.end_epoch({...})`` after the evaluation; ``averager-bare`` without a run
+  dir, ``averager-nockpt`` with ``checkpoint_every=0`` (asked by ``--variants``).
 
 An epoch's time is the whole cycle, training and evaluation (and for ours the
 epoch's exchange, metrics rows and checkpoint): the gaps between consecutive epoch
@@ -41,6 +42,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VARIANTS = ("plain", "cli", "fit", "averager")
+#: The averager's split (``--variants plain,averager-bare,averager-nockpt,averager``): no run dir
+#: (rounds only), and a run dir with ``checkpoint_every=0`` (rows, no checkpoint but the last).
+SPLIT = ("averager-bare", "averager-nockpt")
 
 
 def _data_and_model(seed: int):
@@ -74,7 +78,8 @@ def _evaluate(model, split, batch_size: int = 1024) -> tuple[float, float]:
     return loss_sum / split.n, correct / split.n
 
 
-def _own_loop(epochs: int, batch_size: int, threads: int, seed: int, run_dir: str | None, averaged: bool) -> list:
+def _own_loop(epochs: int, batch_size: int, threads: int, seed: int, run_dir: str | None, averaged: bool,
+              checkpoint_every: int = 1) -> list:
     """The plain loop (``averaged``: with an Averager); the wall time of each epoch's end, seconds."""
     import torch
     from torch import nn
@@ -88,7 +93,7 @@ def _own_loop(epochs: int, batch_size: int, threads: int, seed: int, run_dir: st
     if averaged:
         import flodl_mpi
 
-        avg = flodl_mpi.Averager(model, optimizer=opt, run_dir=run_dir)
+        avg = flodl_mpi.Averager(model, optimizer=opt, run_dir=run_dir, checkpoint_every=checkpoint_every)
     n_batches = num_batches(data.train.n, batch_size)
     ends = [time.perf_counter()]
     for epoch in range(epochs):
@@ -158,21 +163,26 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="torch threads, every variant alike")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
-    ap.add_argument("--child", choices=("plain", "fit", "averager"), help=argparse.SUPPRESS)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated, of " + ",".join(VARIANTS + SPLIT))
+    ap.add_argument("--child", choices=("plain", "fit", "averager") + SPLIT, help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         if args.child == "fit":
             ends = _fit(args.epochs, args.batch_size, args.threads, args.seed, args.run_dir)
         else:
-            ends = _own_loop(args.epochs, args.batch_size, args.threads, args.seed, args.run_dir,
-                             averaged=args.child == "averager")
+            ends = _own_loop(args.epochs, args.batch_size, args.threads, args.seed,
+                             None if args.child == "averager-bare" else args.run_dir,
+                             averaged=args.child != "plain", checkpoint_every=0 if args.child == "averager-nockpt" else 1)
         print(json.dumps(ends))
         return 0
     if args.epochs < 2:
         ap.error("--epochs must be >= 2 (the first epoch is left out)")
     variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS + SPLIT))
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS + SPLIT)}")
     if "plain" not in variants:
         variants.insert(0, "plain")
     from flodl_mpi.data import default_digits_path, ensure_digits, load_dataset
