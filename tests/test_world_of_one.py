@@ -30,20 +30,29 @@ def digits():
     return load_dataset(default_digits_path())
 
 
-def plain_loop(model, make_opt, data, epochs=EPOCHS, batch_size=BATCH):
-    """The reference: zero_grad, loss, backward, step over each epoch's permutation, nothing else."""
-    opt = make_opt(model.parameters())
-    losses = []
+def batches(data, epochs=EPOCHS, batch_size=BATCH):
+    """``(epoch, last batch of the epoch?, (x, y))`` in the trainer's order (each epoch's permutation)."""
     for epoch in range(epochs):
         perm = epoch_permutation(data.train.n, 0, epoch)
-        for b in range(num_batches(data.train.n, batch_size)):
+        n = num_batches(data.train.n, batch_size)
+        for b in range(n):
             idx = batch_indices(perm, batch_size, b)
-            opt.zero_grad(set_to_none=True)
-            loss = ce_step(model, (torch.from_numpy(data.train.x[idx]), torch.from_numpy(data.train.y[idx])))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    return losses
+            yield epoch, b == n - 1, (torch.from_numpy(data.train.x[idx]), torch.from_numpy(data.train.y[idx]))
+
+
+def train_step(model, opt, batch) -> torch.Tensor:
+    """zero_grad, loss, backward, step: a plain PyTorch step."""
+    opt.zero_grad(set_to_none=True)
+    loss = ce_step(model, batch)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def plain_loop(model, make_opt, data, epochs=EPOCHS):
+    """The reference: plain steps over each epoch's permutation, nothing else; the losses."""
+    opt = make_opt(model.parameters())
+    return [train_step(model, opt, batch).item() for _, _, batch in batches(data, epochs)]
 
 
 def assert_same_bits(got: dict, want: dict):
@@ -89,19 +98,13 @@ def test_averager_at_one_rank_is_the_plain_loop_and_still_writes_its_rows_and_ch
     norms, steps = [], 0
     with flodl_mpi.Averager(model, optimizer=opt, run_dir=tmp_path / "run") as avg:
         assert avg.world_size == 1
-        for epoch in range(EPOCHS):
-            perm = epoch_permutation(data.train.n, 0, epoch)
-            for b in range(num_batches(data.train.n, BATCH)):
-                idx = batch_indices(perm, BATCH, b)
-                opt.zero_grad(set_to_none=True)
-                loss = ce_step(model, (torch.from_numpy(data.train.x[idx]), torch.from_numpy(data.train.y[idx])))
-                loss.backward()
-                opt.step()
-                update = avg.step(loss)
-                steps += 1
-                assert update.version == steps and update.adopted and update.divergence == 0.0
-                norms.append(np.sqrt(sum(float((p.detach().double() ** 2).sum()) for p in model.parameters())))
-            avg.end_epoch()
+        for _, last, batch in batches(data):
+            update = avg.step(train_step(model, opt, batch))
+            steps += 1
+            assert update.version == steps and update.adopted and update.divergence == 0.0
+            norms.append(np.sqrt(sum(float((p.detach().double() ** 2).sum()) for p in model.parameters())))
+            if last:
+                avg.end_epoch()
     assert_same_bits(model.state_dict(), reference.state_dict())
     rounds = read_table(tmp_path / "run" / "metrics.h5", "rounds")
     assert rounds["version"].tolist() == list(range(1, steps + 1))
