@@ -585,7 +585,7 @@ class Averager:
                                    calls=self._epoch_calls)
         self._calls, self._loss_finite = 0, True
         self._round_pending = True
-        if update.adopted:
+        if update.adopted and not self.bridge.alone:  # a world of one's consensus is its own values
             t0 = time.perf_counter()
             self.replica.adopt(self.bridge)
             self.bridge.add_training_ms("adopt", 1e3 * (time.perf_counter() - t0))

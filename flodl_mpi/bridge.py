@@ -36,12 +36,12 @@ from flodl_mpi.metrics import WriterError
 from flodl_mpi.optimizer_state import OptimizerStateAverager
 from flodl_mpi.outer import OuterOptimizer
 from flodl_mpi.policy import FixedPolicy, Plan, Policy, RoundFacts
-from flodl_mpi.realized_work import round_masses
+from flodl_mpi.realized_work import is_realized, round_masses
 from flodl_mpi.recorder import recorder_for
 from flodl_mpi.reduce import MAX_COUNT, Reducer, ReduceStats, WireOptions, control_gather
 from flodl_mpi.reporting import BATCH_COLUMNS, EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.round_profile import RunProfile
-from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout
+from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares_pieces
 
 __all__ = ["RoundUpdate", "Bridge", "boundary_verdict"]
 
@@ -112,7 +112,8 @@ class Bridge:
             rank 0 then records rounds and epochs (:mod:`flodl_mpi.recorder`).
         anchor: the fixed window of the default policy (when ``policy`` is None).
         threaded: False runs each round inline on the caller's thread (MPI
-            without THREAD_SERIALIZED support).
+            without THREAD_SERIALIZED support). A world of one always runs
+            inline (:attr:`alone`).
         watchdog: object with ``round_started()``, ``round_finished()`` and
             ``failed()``; None for none.
         fault: test hook ``fault(round, stage)`` called at each stage; may raise.
@@ -224,7 +225,12 @@ class Bridge:
         self._recorder = recorder_for(self.rank, writer)
         self._watchdog = watchdog
         self._fault = fault
-        self._threaded = threaded
+        # A world of one has nothing to overlap: its rounds run inline, with no hand-off to a thread
+        # (measured: the hand-off was 40 % of a round on the 2-core machine; issue 26 item 10).
+        self._threaded = threaded and self.world_size > 1
+        #: A world of one (``comm.size == 1``): the consensus of one rank is its own tensors, so a round moves
+        #: nothing (no gather, no reduce, no pass but the pre-round check); what it decides and records is the same.
+        self.alone = self.world_size == 1
         self.version = 0
         self.policy = policy if policy is not None else FixedPolicy(self.world_size, max(1, int(anchor)), TrendGuard())
         self._stage = "idle"
@@ -503,7 +509,7 @@ class Bridge:
                 self._enter("boundary check")
                 # A peer may be in a round: the same collectives before the gather (the
                 # shared-memory path's node barrier in prepare), then the same gather.
-                for plane in (self._p, self._b):
+                for plane in (self._p, self._b) if not self.alone else ():
                     plane.reducer.prepare(plane.staging)
                 gathered = self._gather(np.concatenate([request[1], self._ack]))
                 self._check_boundary(gathered)
@@ -531,9 +537,19 @@ class Bridge:
     def _gather(self, row: np.ndarray) -> np.ndarray:
         """The control gather (one float64 row per rank, the same ``(W, k)`` matrix on every rank): through the
         node's shared file on the in-place path (no MPI call; a waiting rank yields its core), else MPI's
-        Allgather. Every control gather of the bridge takes the same way (a peer's round meets a boundary)."""
+        Allgather; in a world of one, the row itself. Every control gather of the bridge takes the same way
+        (a peer's round meets a boundary)."""
+        if self.alone:
+            return np.asarray(row, dtype=np.float64).reshape(1, -1)
         shared = self._p.reducer.node_gather
         return control_gather(self.comm, row) if shared is None else shared.allgather(row)
+
+    def _prepare(self, plane: _Plane) -> float:
+        """The pre-round ``sum(staging ** 2)`` (float64) of ``plane``: its reducer's pass (collective over the node on
+        the packing shared-memory path), or, in a world of one, the read alone (no peer to meet, no segment to fill)."""
+        if self.alone:  # torch's dot: no numpy warning to silence
+            return sum_squares_pieces(plane.staging, plane.layout)
+        return plane.reducer.prepare(plane.staging)
 
     def _enter(self, stage: str) -> None:
         self._stage = stage
@@ -581,21 +597,22 @@ class Bridge:
         # Under --on-non-finite stop the in-place pass checks the params itself (below): no
         # rank is quarantined, so no rank's values need to survive a non-finite peer, and
         # the pass never writes a block whose consensus is not finite. The read is saved.
-        deferred = self.on_non_finite == "stop" and p.reducer.checks_in_pass
-        pre_sq = 0.0 if deferred else p.reducer.prepare(p.staging)
-        if not math.isfinite(pre_sq + b.reducer.prepare(b.staging)):
+        deferred = self.on_non_finite == "stop" and p.reducer.checks_in_pass and not self.alone
+        pre_sq = 0.0 if deferred else self._prepare(p)
+        if not math.isfinite(pre_sq + self._prepare(b)):
             head[ROUND_HEAD.index("non_finite")] = int(head[ROUND_HEAD.index("non_finite")]) | _TENSORS
         pre_ms = 1e3 * (time.perf_counter() - t0)  # counted as pack time: it was fused there before
         self._enter("control gather")
         t_gather = time.perf_counter()
         gathered = self._gather(np.concatenate([head, self._ack]))
-        self._check_boundary(gathered)
+        if not self.alone:  # one rank is always at the same point as itself
+            self._check_boundary(gathered)
         cols = ROUND.read(gathered)
         t_gathered = time.perf_counter()  # the round's own time (the balancer's overhead) starts here
         control_ms = 1e3 * (t_gathered - t_gather)
         steps = int(head[ROUND_HEAD.index("steps")])
         # -- decide, from the gathered matrix only: every rank takes the same branch
-        anchor = int(np.nan_to_num(cols["anchor"]).max())
+        anchor = int(max(0.0 if math.isnan(a) else a for a in cols["anchor"].tolist()))  # NaN (none) as 0
         verdict = self._take_acks(cols, batch_ms=cols["batch_ms"], window=cols["window"], anchor=anchor)
         all_steps, flags = cols["steps"], cols["non_finite"].astype(np.int64)
         if flags.all() or (flags.any() and self.on_non_finite == "stop"):
@@ -605,6 +622,10 @@ class Bridge:
         if skipped:
             # No rank moved: every snapshot already equals the consensus.
             stats = ReduceStats()
+        elif self.alone:  # one rank's consensus is its own tensors, bit for bit: nothing moves
+            self._enter("params reduce")
+            mass = float(masses.wire[0])
+            stats = ReduceStats(total_mass=mass, realized=is_realized(mass), post_sq=pre_sq)
         else:
             self._enter("params reduce")
             stats = p.reducer.reduce(p.staging, masses.wire[self.rank], masses.wire, pre_sums=deferred)
@@ -622,7 +643,7 @@ class Bridge:
             triple = triple_from_sums(0.0, stats.pre_sq, stats.pre_sq)
         else:
             triple = triple_from_sums(stats.diff_sq, stats.post_sq, stats.pre_sq)
-        if b.layout.n and stats.realized:
+        if b.layout.n and stats.realized and not self.alone:
             self._enter("buffers reduce")
             bstats = b.reducer.reduce(b.staging, masses.buffers[self.rank], masses.buffers)
             if not bstats.post_finite:
@@ -633,7 +654,7 @@ class Bridge:
             stats.pack_ms += bstats.pack_ms
             stats.allreduce_ms += bstats.allreduce_ms
             stats.unpack_ms += bstats.unpack_ms
-        if self._s.layout.n and stats.realized:
+        if self._s.layout.n and stats.realized and not self.alone:
             # The optimizer state, with the params' masses (flodl_mpi.optimizer_state).
             self._enter("optimizer state reduce")
             s = self._s
@@ -701,8 +722,7 @@ class Bridge:
             # cohort's drift. A round where none did (skipped) reads as 0.
             contributed = cols["divergence"][self._contributed]
             max_div = float(np.max(contributed)) if contributed.size else 0.0
-            round_ms = float(np.nanmax(cols["round_ms"])) if np.isfinite(cols["round_ms"]).any() else math.nan
-            wait_ms = float(np.nanmax(cols["wait_ms"])) if np.isfinite(cols["wait_ms"]).any() else math.nan
+            round_ms, wait_ms = _max_if_finite(cols["round_ms"]), _max_if_finite(cols["wait_ms"])
         self._enter("policy")
         verdict = self.policy.observe(RoundFacts(batch_ms=np.asarray(batch_ms, dtype=np.float64),
                                                  window=np.asarray(window).astype(np.int64),
@@ -757,6 +777,14 @@ class _Plane:
         self.reducer = Reducer(comm, layout, wire, in_place=not (pinned and torch.cuda.is_available()))
         self.staging = self.reducer.staging if self.reducer.staging is not None else layout.new_staging(pinned)
         self.tensors = [torch.from_numpy(v) for v in layout.views(self.staging)]
+
+
+def _max_if_finite(values: np.ndarray) -> float:
+    """``nanmax(values)`` when some value is finite, else NaN (plain floats: a round's few ranks)."""
+    listed = values.tolist()
+    if not any(math.isfinite(v) for v in listed):
+        return math.nan
+    return float(max(v for v in listed if not math.isnan(v)))
 
 
 def _non_finite_message(round_: int, flags: np.ndarray, on_non_finite: str) -> str:

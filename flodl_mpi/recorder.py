@@ -32,7 +32,7 @@ class NoRecorder:
 
 
 class Recorder(NoRecorder):
-    """Rank 0's recorder over a ``MetricsWriter`` (its ``append(table, rows)`` only).
+    """Rank 0's recorder over a ``MetricsWriter`` (its ``append(table, rows)`` and ``append_held(table, row)``).
 
     Args:
         writer: rank 0's metrics writer; ``append`` validates and queues, the writer
@@ -62,7 +62,9 @@ class Recorder(NoRecorder):
                                          "adopt_ms")}
         rec.update(per_rank, post_norm=float(acks["post_norm"][0]), bytes=int(acks["bytes"][0]),
                    guard=0 if verdict is None else int(verdict))
-        self._writer.append("rounds", {k: np.asarray([v]) for k, v in rec.items()})
+        # Held by the writer and appended in blocks (a round may come every few ms): the values are
+        # copies or views of this round's gathered matrix, which nothing writes again.
+        self._writer.append_held("rounds", rec)
         self._pending = None
 
     def epoch(self, summary: EpochSummary, batch_table: np.ndarray | None, time_s: float) -> None:

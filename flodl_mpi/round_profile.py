@@ -33,18 +33,44 @@ class RunProfile:
         rounds: ``(W,)`` int64, rounds counted per rank.
         ms: phase -> ``(W,)`` float64 total milliseconds.
         bytes: ``(W,)`` float64 total bytes each rank put on the wire.
+
+    Rows are held and summed in blocks of :data:`FOLD_ROWS` (and whenever an
+    attribute is read): one vectorized sum per block, since ~20 numpy calls per
+    round were a fifth of a world of one's round (issue 26 item 10). A run and
+    :meth:`from_rounds` of its table fold the same blocks: the same sums, bit for bit.
     """
+
+    #: Rows held before they are summed into the totals.
+    FOLD_ROWS = 256
 
     def __init__(self, world_size: int) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         self.world_size = world_size
-        self.rounds = np.zeros(world_size, dtype=np.int64)
-        self.ms = {p: np.zeros(world_size) for p in PHASES}
-        self.bytes = np.zeros(world_size)
+        self._rounds = np.zeros(world_size, dtype=np.int64)
+        self._ms = {p: np.zeros(world_size) for p in PHASES}
+        self._bytes = np.zeros(world_size)
+        self._held: list[Mapping[str, np.ndarray]] = []
+
+    @property
+    def rounds(self) -> np.ndarray:
+        self._fold()
+        return self._rounds
+
+    @property
+    def ms(self) -> dict[str, np.ndarray]:
+        self._fold()
+        return self._ms
+
+    @property
+    def bytes(self) -> np.ndarray:
+        self._fold()
+        return self._bytes
 
     def add(self, row: Mapping[str, np.ndarray]) -> None:
-        """Add one round: ``row`` maps ``<phase>_ms``, ``bridge_ms``, ``wait_ms`` and ``bytes`` to ``(W,)``.
+        """Add one round: ``row`` maps ``<phase>_ms``, ``bridge_ms``, ``wait_ms`` and ``bytes`` to ``(W,)``
+        (``bytes`` may be one value for every rank). The row is held until its block is summed: do not
+        modify its arrays.
 
         ``other`` is ``bridge_ms`` less the named phases; ``handoff`` is
         ``max(wait_ms - bridge_ms, 0)``.
@@ -52,20 +78,32 @@ class RunProfile:
         A rank whose figures are NaN (no value: a resumed run's first round,
         an older file) is not counted for that round.
         """
-        # One (4, W) array and plain where(): nan_to_num per phase was most of a small
-        # model's round in the bridge's Python (issue 9, "small models pay a small fixed cost").
-        named = np.array([row[f"{p}_ms"] for p in _NAMED], dtype=np.float64).reshape(len(_NAMED), -1)
-        round_ms = np.asarray(row["bridge_ms"], dtype=np.float64)
+        self._held.append(row)
+        if len(self._held) >= self.FOLD_ROWS:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Sum the held rows into the totals: ``(k, W)`` arrays and plain where()."""
+        if not self._held:
+            return
+        rows, self._held = self._held, []
+        k, width = len(rows), self.world_size
+
+        def column(name: str) -> np.ndarray:
+            return np.broadcast_to(np.array([r[name] for r in rows], dtype=np.float64).reshape(k, -1), (k, width))
+
+        named = np.stack([column(f"{p}_ms") for p in _NAMED])  # (4, k, W)
+        round_ms = column("bridge_ms")
         ok = np.isfinite(round_ms)
         named = np.where(np.isnan(named), 0.0, named)
         for p, v in zip(_NAMED, named):
-            self.ms[p] += np.where(ok, v, 0.0)
-        self.ms["other"] += np.where(ok, np.maximum(round_ms - named.sum(axis=0), 0.0), 0.0)
-        handoff = np.asarray(row["wait_ms"], dtype=np.float64) - round_ms
-        self.ms["handoff"] += np.where(ok & np.isfinite(handoff), np.maximum(handoff, 0.0), 0.0)
-        nbytes = np.broadcast_to(np.asarray(row["bytes"], dtype=np.float64), ok.shape)
-        self.bytes += np.where(ok & ~np.isnan(nbytes), nbytes, 0.0)
-        self.rounds += ok
+            self._ms[p] += np.where(ok, v, 0.0).sum(axis=0)
+        self._ms["other"] += np.where(ok, np.maximum(round_ms - named.sum(axis=0), 0.0), 0.0).sum(axis=0)
+        handoff = column("wait_ms") - round_ms
+        self._ms["handoff"] += np.where(ok & np.isfinite(handoff), np.maximum(handoff, 0.0), 0.0).sum(axis=0)
+        nbytes = column("bytes")
+        self._bytes += np.where(ok & ~np.isnan(nbytes), nbytes, 0.0).sum(axis=0)
+        self._rounds += ok.sum(axis=0)
 
     @classmethod
     def from_rounds(cls, table: Mapping[str, np.ndarray]) -> RunProfile:

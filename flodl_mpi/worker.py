@@ -542,9 +542,13 @@ class Trainer:
         self.state_average: OptimizerStateAverager | None = None
         mode = resolve_mode(cfg.average_optimizer_state, self.optimizer)
         if mode != "off":
-            self.state_average = OptimizerStateAverager(self.optimizer, mode)
-            self.state_average.keep_snapshot = self.adoption is not None
-            bridge.attach_optimizer_state(self.state_average)
+            averager = OptimizerStateAverager(self.optimizer, mode)  # refuses a state it cannot plan, at any size
+            # A world of one: the consensus of one rank's state is its state (nothing travels, no second moment
+            # is rebuilt), so the optimizer steps exactly as in a plain PyTorch loop (issue 26 item 10).
+            if not bridge.alone:
+                self.state_average = averager
+                averager.keep_snapshot = self.adoption is not None
+                bridge.attach_optimizer_state(averager)
         #: Async: an epoch's last round runs on while the next epoch's first window
         #: trains, and the epoch ends (evaluation, exchange, checkpoint) on its consensus
         #: when it arrives; the last epoch and a stop wait for it. ``flodl-mpi train``'s
@@ -840,7 +844,10 @@ class Trainer:
     def _adopt(self, update: RoundUpdate, alpha: float = 1.0, delta: bool = False) -> None:
         if update.plan is not None:
             self.plan = update.plan
-        if update.adopted:
+        # A world of one's consensus is its own values, bit for bit: copying it back changes nothing (bound
+        # params are the staging, where an outer step already wrote; copied params differ only after one).
+        same = self.bridge.alone and not delta and (self.replica.bound or not update.outer_stepped)
+        if update.adopted and not same:
             # A quarantined rank's own values are not finite: it takes the consensus whole.
             whole = self.rank in update.quarantined
             self._timed("adopt", self.replica.adopt, self.bridge, 1.0 if whole else alpha, delta=delta and not whole)
