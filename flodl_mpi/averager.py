@@ -589,6 +589,8 @@ class Averager:
             t0 = time.perf_counter()
             self.replica.adopt(self.bridge)
             self.bridge.add_training_ms("adopt", 1e3 * (time.perf_counter() - t0))
+        elif update.adopted:  # a world of one adopts in place: no time (0, not "not recorded")
+            self.bridge.add_training_ms("adopt", 0.0)
         if update.quarantined:  # gathered: the same on every rank; rank 0 says it, as fit does
             self._say(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
                       "non-finite loss or NaN/Inf parameters: quarantined (mass 0), adopted the consensus")

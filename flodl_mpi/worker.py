@@ -854,6 +854,8 @@ class Trainer:
             if self.state_average is not None:
                 self._timed("adopt", self.state_average.adopt, self.bridge.state_tensors, delta=delta and not whole,
                             steps=self.steps - update.steps_at_snapshot, alpha=1.0 if whole else alpha)
+        elif update.adopted:  # adopted in place already: the adoption took no time (0, not "not recorded")
+            self.bridge.add_training_ms("adopt", 0.0)
         if update.quarantined:
             if self.writer is not None:
                 self.log(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
