@@ -3,8 +3,8 @@
 W model replicas start from the same init (``torch.manual_seed(seed)`` then the
 model factory, as flodl-mpi and benchmarks/ddp_baseline.py do) and each has its
 own optimizer. Each epoch the global permutation is
-``flodl_mpi.data.epoch_permutation(n, seed, epoch)`` and the windows come from
-``flodl_mpi.cadence.plan_window(fixed_quotas(W, window), cursor, n_batches)``:
+``flodl_mpi.training.data.epoch_permutation(n, seed, epoch)`` and the windows come from
+``flodl_mpi.policy.cadence.plan_window(fixed_quotas(W, window), cursor, n_batches)``:
 with window 1 (``--policy sync``) rank r trains global batch ``k*W + r`` at step
 k, and in the last incomplete step the ranks without a batch are idle. After
 every window a round replaces every replica's parameters by the mass-weighted
@@ -23,7 +23,7 @@ Variants (``--variant``):
   oracle_v    (diagnosis only; Adam/AdamW, sync) as ``state``, then exp_avg_sq is
               overwritten by DDP's second moment: beta2*v_prev + (1-beta2)*gbar**2,
               gbar the mass-weighted mean of the ranks' gradients.
-  corrected   average the state with flodl_mpi.optimizer_state.OptimizerStateAverager
+  corrected   average the state with flodl_mpi.protocol.optimizer_state.OptimizerStateAverager
               (the product's code): every floating state tensor shaped like its
               parameter is averaged, except an Adam-family second moment, which is
               rebuilt from the averaged first moment as DDP's optimizer would hold it.
@@ -51,9 +51,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flodl_mpi.cadence import fixed_quotas, plan_window
-from flodl_mpi.data import batch_indices, epoch_permutation, num_batches
-from flodl_mpi.models import build_model
+from flodl_mpi.policy.cadence import fixed_quotas, plan_window
+from flodl_mpi.training.data import batch_indices, epoch_permutation, num_batches
+from flodl_mpi.training.models import build_model
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL = f"{HERE / 'models.py'}:mnist1d_cnn"
@@ -81,7 +81,7 @@ def load_data(path: str) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- optimizers
 def make_optimizer(name: str, params, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
-    """The optimizers flodl_mpi.worker builds (SGD with momentum, Adam, AdamW)."""
+    """The optimizers flodl_mpi.training.worker builds (SGD with momentum, Adam, AdamW)."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adam":
@@ -194,8 +194,8 @@ def run(cfg: dict, data, model_spec: str = DEFAULT_MODEL) -> dict:
     oracle = variant == "oracle_v"
     averagers = None
     if variant in ("corrected", "blend"):
-        from flodl_mpi.optimizer_state import OptimizerStateAverager
-        from flodl_mpi.wire import WireLayout
+        from flodl_mpi.protocol.optimizer_state import OptimizerStateAverager
+        from flodl_mpi.protocol.wire import WireLayout
 
         averagers = [OptimizerStateAverager(o, "corrected") for o in opts]
         s_layout = WireLayout(averagers[0].wire_shapes)

@@ -4,7 +4,7 @@ Two ranks, rank 1 slowed 2x (``benchmarks/slowed.py``), the MNIST-1D paper's CNN
 Adam 1e-3, 10 epochs, for each seed: the policies as a user runs them, and the same runs with the
 optimizer state each rank's own (``--average-optimizer-state off``; sync, cadence and async delta
 average Adam's state by default: rebuilt second moment, async adopting it by the decayed delta of
-``flodl_mpi.optimizer_state.adopt_delta``), with both moments averaged (``mean``), and with a fixed
+``flodl_mpi.protocol.optimizer_state.adopt_delta``), with both moments averaged (``mean``), and with a fixed
 anchor (*20*: the same rounds for cadence and async before async's anchor shrank to what hides
 the round; now ``--max-anchor`` is only its ceiling), and async with small anchors (*delta 3*, *delta
 5*: ``--anchor N --max-anchor N``, what showed that short windows, not the adoption, were missing),

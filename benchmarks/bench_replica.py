@@ -6,7 +6,7 @@ Run in one process (no launcher needed)::
 
 The model is ``--layers`` Linear + BatchNorm1d blocks holding about ``--params``
 parameters. Each timed round is ``Replica.snapshot`` then ``Replica.adopt``
-(what :class:`flodl_mpi.worker.Trainer` calls around every round), with the
+(what :class:`flodl_mpi.training.worker.Trainer` calls around every round), with the
 params copied (``copies``) or living in the bridge's staging (``bound``, the
 CPU path). Since parameters and buffers are resolved by name at every call (a
 tensor the model replaced is still averaged), this measures what that costs:
@@ -23,8 +23,8 @@ import time
 import torch
 from mpi4py import MPI
 
-from flodl_mpi.bridge import Bridge
-from flodl_mpi.worker import Replica
+from flodl_mpi.transport.bridge import Bridge
+from flodl_mpi.training.worker import Replica
 
 
 def make_model(params: int, layers: int) -> torch.nn.Module:

@@ -9,7 +9,7 @@ Each rank holds a realistic parameter set (about 50 torch tensors of varied
 sizes summing to P elements, different random values per rank) and every
 method averages it across the ranks:
 
-* ``ours``: ``flodl_mpi.bridge.Bridge.round(steps=1)`` in its background thread.
+* ``ours``: ``flodl_mpi.transport.bridge.Bridge.round(steps=1)`` in its background thread.
   ``+ copies``: the torch params are copied into the bridge's staging and back
   (the CUDA / non-float32 path). ``bound``: float32 CPU params are views of the
   staging (``worker.Replica.bind``, the CPU training path), so a round has no
@@ -55,12 +55,12 @@ from mpi4py import MPI
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from flodl_mpi import shm_in_place
-from flodl_mpi.bridge import Bridge
-from flodl_mpi.reduce import Reducer, WireOptions
-from flodl_mpi.round_profile import PHASES
-from flodl_mpi.slice_kernel import consensus_slice, default_kernel
-from flodl_mpi.wire import DEFAULT_CHUNK_ELEMS, WireLayout
+from flodl_mpi.transport import shm_in_place
+from flodl_mpi.transport.bridge import Bridge
+from flodl_mpi.transport.reduce import Reducer, WireOptions
+from flodl_mpi.protocol.round_profile import PHASES
+from flodl_mpi.transport.slice_kernel import consensus_slice, default_kernel
+from flodl_mpi.protocol.wire import DEFAULT_CHUNK_ELEMS, WireLayout
 
 MIB_ELEMS = 1 << 18  # float32 elements in 1 MiB
 

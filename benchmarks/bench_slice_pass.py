@@ -3,7 +3,7 @@
     python benchmarks/bench_slice_pass.py [--params 16000000] [--world 2] [--repeats 5]
 
 Rank 0's slice of a W-rank node (``[0, P/W)`` of W segments of P float32 each,
-random values, unequal masses): the pass of ``flodl_mpi.slice_kernel`` (sum in
+random values, unequal masses): the pass of ``flodl_mpi.transport.slice_kernel`` (sum in
 rank order, one divide, ``‖c‖²`` and each rank's ``‖x_r − c‖²``, the consensus
 written into every segment) as the numba kernel and as the numpy pass, both at
 their own block sizes and at others, and the same operations as torch CPU ops
@@ -41,8 +41,8 @@ try:
 except ImportError:  # the scratch variant needs it
     numba = None
 
-from flodl_mpi.slice_kernel import KERNELS, STEPS, consensus_slice, default_kernel
-from flodl_mpi.wire import WireLayout, sum_squares_pieces
+from flodl_mpi.transport.slice_kernel import KERNELS, STEPS, consensus_slice, default_kernel
+from flodl_mpi.protocol.wire import WireLayout, sum_squares_pieces
 
 
 def torch_pass(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: int, b: int, step: int) -> np.ndarray:
@@ -69,7 +69,7 @@ def torch_pass(segs: np.ndarray, scales: np.ndarray, total: np.float32, a: int, 
 
 
 if numba is not None:
-    from flodl_mpi.slice_numba import _sum_sq as _sq  # the kept kernel's sum of squares
+    from flodl_mpi.transport.slice_numba import _sum_sq as _sq  # the kept kernel's sum of squares
 
     @numba.njit(nogil=True, fastmath={"reassoc", "nsz", "contract"})
     def _dsq(x, c, k):
@@ -79,7 +79,7 @@ if numba is not None:
             s += d * d
         return s
 
-    from flodl_mpi.slice_numba import _diff_sq_write
+    from flodl_mpi.transport.slice_numba import _diff_sq_write
 
     @numba.njit(nogil=True)
     def before_pass(segs, scales, total, inverse, a, b, step, c, partial):

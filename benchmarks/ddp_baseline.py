@@ -7,9 +7,9 @@ gloo meets on a loopback TCP port that rank 0 picks and broadcasts)::
         --model benchmarks/models.py:mnist1d_cnn --epochs 40 --optimizer adam --lr 1e-3 --out ddp.json
 
 Same as ``flodl-mpi train --policy sync`` in everything but the averaging: the model
-built by ``flodl_mpi.models.build_model`` after ``torch.manual_seed(seed)`` (DDP
+built by ``flodl_mpi.training.models.build_model`` after ``torch.manual_seed(seed)`` (DDP
 broadcasts rank 0's initial parameters, as flodl-mpi does); the epoch's global
-permutation from ``flodl_mpi.data.epoch_permutation(n, seed, epoch)``; at step k
+permutation from ``flodl_mpi.training.data.epoch_permutation(n, seed, epoch)``; at step k
 rank r trains global batch ``k * W + r`` (flodl-mpi's sync window plan); the
 final incomplete step, where some ranks have no batch, runs under
 ``torch.distributed.algorithms.Join`` so DDP does not hang; per-rank batch size,
@@ -63,9 +63,9 @@ def main() -> None:
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel
 
-    from flodl_mpi.data import DEFAULT_NAMES, batch_indices, default_digits_path, ensure_digits, epoch_permutation
-    from flodl_mpi.data import load_dataset, num_batches
-    from flodl_mpi.models import build_model
+    from flodl_mpi.training.data import DEFAULT_NAMES, batch_indices, default_digits_path, ensure_digits, epoch_permutation
+    from flodl_mpi.training.data import load_dataset, num_batches
+    from flodl_mpi.training.models import build_model
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

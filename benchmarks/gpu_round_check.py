@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from flodl_mpi.bridge import Bridge
-from flodl_mpi.worker import Replica
+from flodl_mpi.transport.bridge import Bridge
+from flodl_mpi.training.worker import Replica
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
 Reads ``rounds/divergence`` and ``rounds/mass`` of each metrics.h5 given (a run's, or the copies
 ``benchmarks/async_adoption.py --keep-metrics DIR`` keeps), takes each round's largest divergence
 over the ranks that contributed mass (what the bridge feeds the guard), and feeds the sequence to
-``flodl_mpi.divergence.TrendGuard`` with its defaults (threshold 0.05, ring of 5) and with the
+``flodl_mpi.protocol.divergence.TrendGuard`` with its defaults (threshold 0.05, ring of 5) and with the
 rate-based NudgeDown candidates below. Prints per run: rounds, the divergence's range and median,
 and how many rounds each guard answers SuppressGrowth / NudgeDown::
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flodl_mpi.divergence import TrendGuard, Verdict  # noqa: E402
-from flodl_mpi.metrics import read_table  # noqa: E402
+from flodl_mpi.protocol.divergence import TrendGuard, Verdict  # noqa: E402
+from flodl_mpi.outputs.metrics import read_table  # noqa: E402
 
 #: name -> TrendGuard keyword arguments.
 GUARDS = {

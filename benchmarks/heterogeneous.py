@@ -56,7 +56,7 @@ def flodl(ranks: int, args: list[str], factors: str, slow_ms: float, keep: Path 
     """One flodl-mpi run; its throughput, rounds, bytes, accuracy and overlap from metrics.h5.
 
     ``keep``: copy the run's metrics.h5 there (for benchmarks/guard_replay.py)."""
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.metrics import read_table
 
     with tempfile.TemporaryDirectory(prefix="flodl-het-") as tmp:
         run_dir = Path(tmp) / "run"

@@ -9,7 +9,7 @@ averaged, ``corrected``; SGD's not, ``off``; the inner state kept across outer
 steps). Reports final and best test accuracy at equal epochs, the test loss at its
 lowest and at the end, rounds and bytes each rank put into Allreduce, the bytes saved
 against sync, and the epoch at which the run's going-wrong warning
-(``flodl_mpi.outer_watch``) fired, if it did::
+(``flodl_mpi.protocol.outer_watch``) fired, if it did::
 
     . .venv/bin/activate && pip install mnist1d
     python benchmarks/outer.py                        # every dataset (about 25 minutes here)
@@ -46,7 +46,7 @@ DATASETS = {
 
 def _watch(outer: str, res: dict) -> int | None:
     """The epoch (1-based) at which the run's going-wrong warning fired, from its training losses; None: never."""
-    from flodl_mpi.outer_watch import OuterWatch
+    from flodl_mpi.protocol.outer_watch import OuterWatch
 
     watch = OuterWatch(outer, 1.0, 0.0)
     for epoch, loss in enumerate(res["train_loss"]):

@@ -39,7 +39,7 @@ def run_flodl(ranks: int, args: list[str], run_dir: str | os.PathLike | None = N
     Raises:
         RuntimeError: the run failed (its stderr tail in the message).
     """
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.metrics import read_table
 
     own = run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="flodl-bench-")) / "run" if own else Path(run_dir)

@@ -66,8 +66,8 @@ class Slowed(nn.Module):
 
 
 def slowed_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """flodl-mpi's built-in MLP (``flodl_mpi.models.digits_mlp``), slowed by rank."""
-    from flodl_mpi.models import digits_mlp
+    """flodl-mpi's built-in MLP (``flodl_mpi.training.models.digits_mlp``), slowed by rank."""
+    from flodl_mpi.training.models import digits_mlp
 
     return Slowed(digits_mlp(input_shape, num_classes), rank_sleep_s())
 

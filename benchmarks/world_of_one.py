@@ -10,7 +10,7 @@ built-in MLP and Adam at lr 1e-3, every epoch evaluated on the test set:
 
 - ``plain``: a plain PyTorch loop (zero_grad, forward, cross-entropy, backward,
   step, ``loss.item()``; the epoch's permutation from
-  ``flodl_mpi.data.epoch_permutation``), then the test set's loss and accuracy;
+  ``flodl_mpi.training.data.epoch_permutation``), then the test set's loss and accuracy;
 - ``cli``: ``python -m flodl_mpi train --threads T`` with a run dir (metrics rows,
   a checkpoint every epoch, the watchdog: everything a run does);
 - ``fit``: ``flodl_mpi.fit(epochs=E, threads=T, run_dir=...)``, the Python API;
@@ -50,8 +50,8 @@ SPLIT = ("averager-bare", "averager-nockpt")
 def _data_and_model(seed: int):
     import torch
 
-    from flodl_mpi.data import default_digits_path, ensure_digits, load_dataset
-    from flodl_mpi.models import build_model
+    from flodl_mpi.training.data import default_digits_path, ensure_digits, load_dataset
+    from flodl_mpi.training.models import build_model
 
     path = default_digits_path()
     ensure_digits(path)
@@ -84,7 +84,7 @@ def _own_loop(epochs: int, batch_size: int, threads: int, seed: int, run_dir: st
     import torch
     from torch import nn
 
-    from flodl_mpi.data import batch_indices, epoch_permutation, num_batches
+    from flodl_mpi.training.data import batch_indices, epoch_permutation, num_batches
 
     torch.set_num_threads(threads)
     data, model = _data_and_model(seed)
@@ -185,7 +185,7 @@ def main() -> int:
         ap.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS + SPLIT)}")
     if "plain" not in variants:
         variants.insert(0, "plain")
-    from flodl_mpi.data import default_digits_path, ensure_digits, load_dataset
+    from flodl_mpi.training.data import default_digits_path, ensure_digits, load_dataset
 
     ensure_digits(default_digits_path())
     n = load_dataset(default_digits_path()).train.n

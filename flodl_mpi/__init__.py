@@ -14,9 +14,9 @@ and ``mpiexec -n N python script.py``:
 
 Importing the package loads no torch (the names below load on first use). Under a
 launcher (``mpiexec``, ``srun``) it starts MPI and the exception hooks that abort
-the job on an uncaught error on any rank (:func:`flodl_mpi.session.start_at_import`);
+the job on an uncaught error on any rank (:func:`flodl_mpi.runtime.session.start_at_import`);
 without one, MPI starts as a world of 1 on first use.
-(The API's entry point is ``fit``, not ``train``: ``flodl_mpi.train`` is the CLI's module.)
+(The API's entry point is ``fit``, not ``train``: ``flodl_mpi.training.train`` is the CLI's module.)
 """
 
 __version__ = "0.1.0"
@@ -24,19 +24,19 @@ __version__ = "0.1.0"
 __all__ = ["Averager", "EpochResult", "InputError", "Run", "Stopped", "__version__", "fit", "record_scalar", "request"]
 
 _WHERE = {
-    "Averager": "flodl_mpi.averager",
-    "EpochResult": "flodl_mpi.averager",
+    "Averager": "flodl_mpi.api.averager",
+    "EpochResult": "flodl_mpi.api.averager",
     "InputError": "flodl_mpi.errors",
     "Stopped": "flodl_mpi.errors",
-    "Run": "flodl_mpi.api",
-    "fit": "flodl_mpi.api",
-    "record_scalar": "flodl_mpi.scalars",
-    "request": "flodl_mpi.scalars",
+    "Run": "flodl_mpi.api.fit",
+    "fit": "flodl_mpi.api.fit",
+    "record_scalar": "flodl_mpi.training.scalars",
+    "request": "flodl_mpi.training.scalars",
 }
 
 
 def _start_if_launched() -> None:
-    from flodl_mpi.session import start_at_import
+    from flodl_mpi.runtime.session import start_at_import
 
     start_at_import()
 
@@ -46,7 +46,7 @@ _start_if_launched()
 
 def __getattr__(name: str):
     # Lazy (PEP 562): importing the package must not start MPI (the launcher checks
-    # come first, in flodl_mpi.session) nor load torch (the CLI's start-up order).
+    # come first, in flodl_mpi.runtime.session) nor load torch (the CLI's start-up order).
     if name in _WHERE:
         import importlib
 

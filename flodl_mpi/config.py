@@ -28,10 +28,10 @@ __all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVI
 POLICIES = ("sync", "window", "cadence", "async")
 #: Policies whose quotas the ElChe balancer sets (SPEC §4).
 BALANCED_POLICIES = ("cadence", "async")
-#: How ``async`` adopts a consensus (``--async-adopt``; flodl_mpi.worker.Replica.adopt).
+#: How ``async`` adopts a consensus (``--async-adopt``; flodl_mpi.training.worker.Replica.adopt).
 ASYNC_ADOPTS = ("delta", "easgd")
 OPTIMIZERS = ("sgd", "adam", "adamw")
-#: The class each of `OPTIMIZERS` builds (flodl_mpi.worker.make_optimizer).
+#: The class each of `OPTIMIZERS` builds (flodl_mpi.training.worker.make_optimizer).
 OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 #: Each of `OPTIMIZERS`' weight decay when ``--weight-decay`` is not given: torch.optim's own
 #: defaults (``inspect.signature(torch.optim.AdamW).parameters["weight_decay"].default``; kept
@@ -40,13 +40,13 @@ OPTIMIZER_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}
 DEVICES = ("auto", "cpu", "cuda")
 #: What a round does with a rank whose loss or parameters are NaN/Inf (``--on-non-finite``).
 ON_NON_FINITE = ("quarantine", "stop")
-#: The ``--outer`` choices (flodl_mpi.outer; kept here so the config needs no numpy).
+#: The ``--outer`` choices (flodl_mpi.protocol.outer; kept here so the config needs no numpy).
 OUTERS = ("avg", "slowmo", "nesterov")
-#: ``--node-reduce``: how the ranks of one node sum their frames (flodl_mpi.reduce.WireOptions).
+#: ``--node-reduce``: how the ranks of one node sum their frames (flodl_mpi.transport.reduce.WireOptions).
 NODE_REDUCES = ("auto", "shm", "mpi")
 #: ``--hierarchical``: node sums first, then the node leaders across nodes.
 HIERARCHICAL = ("auto", "on", "off")
-#: The ``--average-optimizer-state`` choices (flodl_mpi.optimizer_state).
+#: The ``--average-optimizer-state`` choices (flodl_mpi.protocol.optimizer_state).
 AVERAGE_OPTIMIZER_STATE = ("auto", "off", "mean", "corrected")
 #: ``--progress``: rank 0's bar within an epoch, or one line per epoch (auto: a bar on a terminal).
 PROGRESS = ("auto", "bar", "lines")
@@ -149,12 +149,12 @@ class TrainConfig:
     outer_lr: float | None = None     # outer learning rate; None = the outer's usual (slowmo 1.0, nesterov 0.7)
     outer_momentum: float | None = None  # outer momentum in [0, 1); None = 0.9
     outer_reset_inner: bool = False   # clear each rank's optimizer state after each outer step
-    average_optimizer_state: str = "auto"  # one of AVERAGE_OPTIMIZER_STATE (flodl_mpi.optimizer_state)
+    average_optimizer_state: str = "auto"  # one of AVERAGE_OPTIMIZER_STATE (flodl_mpi.protocol.optimizer_state)
     scale_lr: bool = False            # linear scaling rule: lr x world size (Goyal et al. 2017)
     warmup_steps: int = 0             # cohort steps (global batches) over which scale_lr ramps from 1x to Wx
     clip_grad_norm: float | None = None  # max L2 norm of each rank's gradients before its step; None = off
     eval_batch_size: int = 1024       # samples per evaluation batch
-    threads: int | None = None        # torch threads per rank; None = the rule in flodl_mpi.launcher
+    threads: int | None = None        # torch threads per rank; None = the rule in flodl_mpi.runtime.launcher
 
     def __post_init__(self) -> None:
         def need(cond: bool, option: str, value: Any, allowed: str) -> None:

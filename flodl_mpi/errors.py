@@ -3,7 +3,7 @@
 A :class:`CohortError` is raised on *every* rank at the same point, decided from
 gathered values, so the ranks can leave together: rank 0 prints one line and
 every rank exits with ``exit_code``. Any other exception is local to one rank
-and ends the job through the world abort (:mod:`flodl_mpi.world`).
+and ends the job through the world abort (:mod:`flodl_mpi.runtime.world`).
 """
 
 from __future__ import annotations

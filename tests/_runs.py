@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flodl_mpi.metrics import MetricsFile, table_schema
+from flodl_mpi.outputs.metrics import MetricsFile, table_schema
 from tests.conftest import run_flodl
 
 #: name -> (the run's arguments, its run dir, what it printed on stdout)
@@ -49,7 +49,7 @@ def session_run_a(tmp_path_factory) -> Path:
 
 def copy_of_run_a(tmp_path_factory, dest: Path) -> Path:
     """A copy at ``dest`` of `session_run_a`, for a test that resumes it or writes into it (the shared run
-    stays as trained). A resume does not compare the run dir's path (`flodl_mpi.train.RESUME_MUST_MATCH`),
+    stays as trained). A resume does not compare the run dir's path (`flodl_mpi.training.train.RESUME_MUST_MATCH`),
     so the copy resumes as the run would in place."""
     shutil.copytree(session_run_a(tmp_path_factory), dest)
     return dest

@@ -100,7 +100,7 @@ def flip_data_byte(path, group: str, name: str) -> None:
     Fletcher-32 checksum fails; ``name`` is the state-dict name (escaped as stored)."""
     import h5py
 
-    from flodl_mpi.checkpoint import escape_name
+    from flodl_mpi.outputs.checkpoint import escape_name
 
     with h5py.File(path, "r") as f:
         ds = f[group][escape_name(name)]

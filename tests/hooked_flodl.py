@@ -26,12 +26,10 @@ import sys
 import threading
 import time
 
-from flodl_mpi import (
-    bridge,
-    checkpoint,
-    cli,
-    worker,  # noqa: F401  (binds the plain write_checkpoint for the setup's trial save)
-)
+from flodl_mpi.transport import bridge
+from flodl_mpi.outputs import checkpoint
+from flodl_mpi.cli.main import main as cli
+from flodl_mpi.training import worker  # noqa: F401  (binds the plain write_checkpoint for the setup's trial save)
 
 
 def main() -> int:
@@ -59,7 +57,7 @@ def main() -> int:
 
         import numpy as np
 
-        from flodl_mpi import policy
+        from flodl_mpi.policy.policies import policies as policy
 
         speeds = None if opts.script_speeds is None else np.array([float(v) for v in opts.script_speeds.split(",")])
         plain_observe = policy.CadencePolicy.observe
@@ -81,7 +79,7 @@ def main() -> int:
 
         import numpy as np
 
-        from flodl_mpi.data import batch_indices
+        from flodl_mpi.training.data import batch_indices
 
         read: dict[str, list] = {}
         plain_batch = worker.Trainer._train_batch

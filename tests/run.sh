@@ -46,7 +46,7 @@ fi
 # worker, so a module-scoped run is made once (the session-scoped runs of
 # tests/_runs.py may be made once per worker). --durations: the slowest tests, so
 # a CI log shows where the time goes.
-echo "== serial tests ($(python -c 'from flodl_mpi.launcher import mpi_library; print(mpi_library())'))"
+echo "== serial tests ($(python -c 'from flodl_mpi.runtime.launcher import mpi_library; print(mpi_library())'))"
 python -m pytest -q -n "${FLODL_TEST_WORKERS:-0}" --dist loadscope --durations=25 "${serial[@]}" "$@"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import flodl_mpi
-from flodl_mpi.cadence import fixed_quotas, plan_window
-from flodl_mpi.data import (
+from flodl_mpi.policy.cadence import fixed_quotas, plan_window
+from flodl_mpi.training.data import (
     batch_indices,
     default_digits_path,
     ensure_digits,
@@ -19,8 +19,8 @@ from flodl_mpi.data import (
     load_dataset,
     num_batches,
 )
-from flodl_mpi.metrics import read_table
-from flodl_mpi.models import digits_mlp
+from flodl_mpi.outputs.metrics import read_table
+from flodl_mpi.training.models import digits_mlp
 
 pytestmark = pytest.mark.mpi
 
@@ -166,7 +166,7 @@ def test_scale_lr_and_a_schedule_follow_the_cohort_step():
     """The lr of every batch record: lr0 x (linear scaling with warm-up) x schedule, at the batch's cohort step."""
     from mpi4py import MPI
 
-    from flodl_mpi.task import learning_rate_factor
+    from flodl_mpi.training.task import learning_rate_factor
 
     comm = MPI.COMM_WORLD
     W = comm.size

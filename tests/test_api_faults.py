@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 #: The launcher's rank, read without importing flodl_mpi (Hydra's and Open MPI's variables).
 RANK_BEFORE_IMPORT = "int(os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '0')))"
-RANK = "__import__('flodl_mpi.launcher').launcher.launcher_rank()"
+RANK = "__import__('flodl_mpi.runtime.launcher').launcher.launcher_rank()"
 #: Upper bound on a job that must end promptly, start-up included: it guards against a hang (or the
 #: 600 s stall timeout), never measures speed; generous for a loaded machine (CI may be 2x slower,
 #: and the serial tests run two at a time).
@@ -179,7 +179,7 @@ def _stop_own_loop(tmp_path):
     (FIT, "SIGINT", "rank"),
 ], ids=["own-loop-sigterm-launcher", "own-loop-ctrl-c-rank", "fit-sigterm-launcher", "fit-ctrl-c-rank"])
 def test_a_stop_signal_saves_and_exits_4(tmp_path, script, signame, target):
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     proc, run_dir, marker = _start_until_marked(tmp_path, script)
     try:
@@ -214,9 +214,9 @@ def test_a_stop_signal_saves_and_exits_4(tmp_path, script, signame, target):
 def _assert_the_stop_is_recorded(run_dir, latest, meta) -> None:
     """What a stopped run leaves, the same for fit and an own loop: train.log and the report count the
     stop, every round reached metrics.h5, the checkpoint is named for the epoch it stopped in."""
-    from flodl_mpi.metrics import read_table
-    from flodl_mpi.report import summarize
-    from flodl_mpi.runinfo import load_run
+    from flodl_mpi.outputs.metrics import read_table
+    from flodl_mpi.cli.report import summarize
+    from flodl_mpi.outputs.run_reader import load_run
 
     log = (run_dir / "train.log").read_text().splitlines()
     assert sum("stopped on request" in line for line in log) == 1, log[-3:]  # was 0 for an own loop
@@ -231,7 +231,7 @@ def _assert_the_stop_is_recorded(run_dir, latest, meta) -> None:
 
 def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
     """The stop's checkpoint is the resume's start: the consensus and the round count continue."""
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     run_dir = _stop_own_loop(tmp_path)
     stopped = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
@@ -248,8 +248,8 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
                           timeout=400, env=launch_env(), check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed {stopped.meta['epoch']} {stopped.meta['round']}" in done.stdout
-    from flodl_mpi.report import summarize
-    from flodl_mpi.runinfo import load_run
+    from flodl_mpi.cli.report import summarize
+    from flodl_mpi.outputs.run_reader import load_run
 
     s = summarize(load_run(run_dir))
     assert (s["stops"], s["resumes"]) == (1, 1)  # was: stops 0, resumes 1
@@ -260,7 +260,7 @@ def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
 UNEVEN = """
     import sys
     import torch, flodl_mpi
-    from flodl_mpi.launcher import launcher_rank
+    from flodl_mpi.runtime.launcher import launcher_rank
     window, where = int(sys.argv[1]), sys.argv[2]
     avg = flodl_mpi.Averager(torch.nn.Linear(2, 1), policy="sync" if window == 1 else "window", window=window)
     for epoch in range(2):
@@ -308,7 +308,7 @@ def test_uneven_step_counts_end_train_log_with_the_reason(tmp_path, where):
 def test_boundary_verdict_from_the_gathered_columns():
     import numpy as np
 
-    from flodl_mpi.bridge import boundary_verdict
+    from flodl_mpi.transport.bridge import boundary_verdict
 
     nan = np.nan
     assert boundary_verdict(np.array([nan, nan]), np.array([3.0, 3.0])) is None  # a round
@@ -395,7 +395,7 @@ def test_a_bad_argument_is_an_input_error_to_catch():
 
 def test_the_api_names_its_keywords_not_the_cli_flags():
     from flodl_mpi.errors import InputError
-    from flodl_mpi.session import api_words
+    from flodl_mpi.runtime.session import api_words
 
     text = str(api_words(InputError("--run-dir '/x' holds a flodl-mpi run: add --resume to continue it; "
                                     "--batch-size 32 (was 16)")))
@@ -471,7 +471,7 @@ def test_an_own_loop_failure_ends_train_log_with_the_reason(tmp_path):
 
 FIT_NAN = """
     import torch, flodl_mpi
-    from flodl_mpi.launcher import launcher_rank
+    from flodl_mpi.runtime.launcher import launcher_rank
 
     def step(model, batch):
         x, y = batch
@@ -506,7 +506,7 @@ def test_a_non_finite_stop_names_the_api_keyword(tmp_path, shape):
 
 def _assert_every_batch_is_recorded(run_dir, global_steps: dict[int, int]) -> None:
     """metrics.h5's batches table holds one row per realized step of each rank: steps 1..global_step."""
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.metrics import read_table
 
     b = read_table(run_dir / "metrics.h5", "batches")
     for rank, n in global_steps.items():
@@ -516,7 +516,7 @@ def _assert_every_batch_is_recorded(run_dir, global_steps: dict[int, int]) -> No
 
 def test_a_stopped_own_loop_records_the_batches_of_the_epoch_it_cut_short(tmp_path):
     """Issue 7 left: the stop's epoch had its rounds in metrics.h5 but not its batches."""
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint, read_rank_state
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint, read_rank_state
 
     run_dir = _stop_own_loop(tmp_path)
     latest = latest_checkpoint(run_dir / "checkpoints")
@@ -531,7 +531,7 @@ def test_a_stopped_own_loop_records_the_batches_of_the_epoch_it_cut_short(tmp_pa
 UNEVEN_WITH = """
     import sys
     import torch, flodl_mpi
-    from flodl_mpi.launcher import launcher_rank
+    from flodl_mpi.runtime.launcher import launcher_rank
     with flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=sys.argv[1]) as avg:
         for epoch in range(2):
             for i in range(8 if launcher_rank() == 0 or epoch == 0 else 7):   # rank 1's loader is one short
@@ -558,7 +558,7 @@ BEFORE_RUN = """
     from pathlib import Path
     import flodl_mpi   # under a launcher: MPI starts here
     run_dir, marker = sys.argv[1], Path(sys.argv[2])
-    if flodl_mpi.launcher.launcher_rank() == 0:
+    if flodl_mpi.runtime.launcher.launcher_rank() == 0:
         marker.write_text("imported")
     time.sleep(100)    # the script's own setup: loading its data
     flodl_mpi.fit(epochs=2, run_dir=run_dir).wait()
@@ -605,7 +605,7 @@ def test_the_scripts_own_handlers_come_back_after_the_run(tmp_path):
             pass
         signal.signal(signal.SIGTERM, mine)
         import flodl_mpi
-        from flodl_mpi.session import _stop_before_run
+        from flodl_mpi.runtime.session import _stop_before_run
         assert signal.getsignal(signal.SIGTERM) is _stop_before_run
         assert signal.getsignal(signal.SIGINT) is _stop_before_run
         with flodl_mpi.Averager(torch.nn.Linear(2, 1)) as avg:

@@ -29,7 +29,7 @@ FIT = """
     import json, os, signal, sys
     import numpy as np, torch, flodl_mpi
     from torch import nn
-    from flodl_mpi.launcher import launcher_rank
+    from flodl_mpi.runtime.launcher import launcher_rank
     run_dir, stop_at, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, 8)).astype("float32")
@@ -89,7 +89,7 @@ def runs(tmp_path_factory):
     script.write_text(textwrap.dedent(FIT))
     base = _launch(script, tmp / "base", 0, False)
     stopped = _launch(script, tmp / "stopped", STOP_AT, False)
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     path = latest_checkpoint(tmp / "stopped" / "checkpoints")
     stopped_meta = read_checkpoint(path).meta if path is not None else {}
@@ -146,7 +146,7 @@ def test_a_checkpoint_without_the_scalar_books_resumes_and_says_they_restart(run
     """An older mid-epoch checkpoint (no ``epoch_scalars``) still resumes; train.log says the scalars restart."""
     import shutil
 
-    from flodl_mpi.checkpoint import latest_checkpoint
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint
 
     src, _, (stopped, *_), _ = runs
     assert stopped.returncode == 4
@@ -178,7 +178,7 @@ def test_a_checkpoint_without_the_scalar_books_resumes_and_says_they_restart(run
 OWN_LOOP = """
     import hashlib, json, os, signal, sys
     import torch, flodl_mpi
-    from flodl_mpi.launcher import launcher_rank
+    from flodl_mpi.runtime.launcher import launcher_rank
     run_dir, stop_at, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))  # draws RNG
@@ -223,7 +223,7 @@ def own_loop(tmp_path_factory):
 
 
 def _table(run_dir, name):
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.metrics import read_table
 
     return read_table(run_dir / "metrics.h5", name)
 
@@ -238,7 +238,7 @@ def test_an_own_loop_resumed_after_a_stop_is_the_uninterrupted_run(own_loop, tmp
     the uninterrupted run's bit for bit, with as many rounds and the same epochs, batches and scalars rows.
     Was: the loop could only restart the epoch at its first batch (avg.epoch), training its first batches twice
     (the issue measured 31 rounds instead of 30 and weights 0.006 apart); the API to go on did not exist."""
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     script, base_dir, base_epochs, base_final = own_loop
     run_dir = tmp_path / "run"
@@ -274,8 +274,8 @@ def test_an_own_loop_resumed_after_a_stop_is_the_uninterrupted_run(own_loop, tmp
 
 def test_a_stopped_epochs_books_go_back_per_rank_and_fold_at_another_world_size():
     """meta -> books: rank r takes old ranks r' ≡ r (mod W), sums and counts added; intents raised again."""
-    from flodl_mpi.api import _Boundary
-    from flodl_mpi.scalars import ScalarBook
+    from flodl_mpi.api.fit import _Boundary
+    from flodl_mpi.training.scalars import ScalarBook
 
     meta = {"epoch_scalars": [{"a": [1.5, 2]}, {"a": [4.0, 3], "b": [2.0, 1]}, {"a": [0.25, 1]}],
             "epoch_intents": [[], ["eval"], ["checkpoint"]]}

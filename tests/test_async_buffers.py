@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_mpi.worker import Replica
+from flodl_mpi.training.worker import Replica
 
 
 class Counter(nn.Module):
@@ -84,7 +84,7 @@ def test_an_async_run_saves_running_statistics_that_follow_training(tmp_path):
     """Built-in MLP (BatchNorm) on digits, 2 ranks, async, 3 epochs: each checkpoint's
     running mean and variance differ from the previous one's (the trial saw them equal in
     every checkpoint of 30 epochs), and are finite with a positive variance."""
-    from flodl_mpi.checkpoint import read_checkpoint
+    from flodl_mpi.outputs.checkpoint import read_checkpoint
     from tests.conftest import run_flodl
 
     proc = run_flodl(2, "train", "--policy", "async", "--epochs", "3", "--run-dir", str(tmp_path), "-q",

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from flodl_mpi.config import TrainConfig
-from flodl_mpi.optimizer_state import OptimizerStateAverager, adopt_delta, decay_base
-from flodl_mpi.wire import WireLayout
+from flodl_mpi.protocol.optimizer_state import OptimizerStateAverager, adopt_delta, decay_base
+from flodl_mpi.protocol.wire import WireLayout
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -220,8 +220,8 @@ def test_an_async_run_averages_adams_first_moment_by_default_and_not_with_off(tm
     """Two ranks on digits, 1 epoch: each realized round moves the params' frame, the buffers'
     and, by default (``auto``: ``corrected``), a third frame the size of the params (Adam's
     ``exp_avg``; ``exp_avg_sq`` is rebuilt, it does not travel); with ``off`` no third frame."""
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.outputs.metrics import read_table
     from tests.conftest import run_flodl
 
     for mode in ("auto", "off"):

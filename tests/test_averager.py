@@ -66,7 +66,7 @@ def _steps(rank: int, round_: int) -> int:
 def test_window_consensus_matches_reference(gamma):
     from mpi4py import MPI
 
-    from flodl_mpi.realized_work import gamma_mass
+    from flodl_mpi.protocol.realized_work import gamma_mass
 
     comm = MPI.COMM_WORLD
     rank = comm.rank
@@ -161,7 +161,7 @@ def test_resume_continues_the_epochs_and_the_metrics():
 
     from mpi4py import MPI
 
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.metrics import read_table
 
     comm = MPI.COMM_WORLD
     run_dir = Path(comm.bcast(tempfile.mkdtemp(prefix="flodl-avg-") if comm.rank == 0 else None, root=0)) / "r"
@@ -230,7 +230,7 @@ def test_end_epoch_closes_an_unfinished_window_so_the_checkpoint_is_the_consensu
 
     from mpi4py import MPI
 
-    from flodl_mpi.checkpoint import load_state_dict
+    from flodl_mpi.outputs.checkpoint import load_state_dict
 
     comm = MPI.COMM_WORLD
     run_dir = Path(comm.bcast(tempfile.mkdtemp(prefix="flodl-avg-") if comm.rank == 0 else None, root=0)) / "r"

@@ -8,13 +8,13 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from flodl_mpi.bridge import Bridge
-from flodl_mpi.divergence import divergence_triple
+from flodl_mpi.transport.bridge import Bridge
+from flodl_mpi.protocol.divergence import divergence_triple
 from flodl_mpi.errors import InputError, NonFiniteError, RoundError
-from flodl_mpi.models import digits_mlp
-from flodl_mpi.reduce import WireOptions
-from flodl_mpi.worker import ReplacedTensorError, Replica, state_arrays
-from flodl_mpi.world import agree
+from flodl_mpi.training.models import digits_mlp
+from flodl_mpi.transport.reduce import WireOptions
+from flodl_mpi.training.worker import ReplacedTensorError, Replica, state_arrays
+from flodl_mpi.runtime.world import agree
 
 pytestmark = pytest.mark.mpi
 
@@ -408,7 +408,7 @@ def test_agree_turns_one_rank_failure_into_an_error_everywhere():
 def test_outer_step_on_the_consensus_matches_a_float64_reference(kind):
     """Three rounds with unequal steps, an all-idle round between: every rank ends with the
     outer step of the float64 mass-weighted consensus, and the idle round does not step."""
-    from flodl_mpi.outer import OuterOptimizer
+    from flodl_mpi.protocol.outer import OuterOptimizer
 
     comm = MPI.COMM_WORLD
     rank = comm.rank
@@ -448,7 +448,7 @@ def test_outer_step_on_the_consensus_matches_a_float64_reference(kind):
 
 
 def test_outer_state_is_identical_on_every_rank_and_round_trips():
-    from flodl_mpi.outer import OuterOptimizer
+    from flodl_mpi.protocol.outer import OuterOptimizer
 
     comm = MPI.COMM_WORLD
     replica = make_replica()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from flodl_mpi.bridge import Bridge
+from flodl_mpi.transport.bridge import Bridge
 
 pytestmark = pytest.mark.mpi
 

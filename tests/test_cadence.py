@@ -1,6 +1,6 @@
 import pytest
 
-from flodl_mpi.cadence import fit_quotas, fixed_quotas, plan_window
+from flodl_mpi.policy.cadence import fit_quotas, fixed_quotas, plan_window
 
 
 def epoch_plan(quotas, n_batches):
@@ -72,7 +72,7 @@ def test_windows_over_the_batch_plan_give_every_sample_once_and_resume_at_any_wi
     """The windows hand out the plan's batches (a lone sample folded in) and a resume cursor continues them."""
     import numpy as np
 
-    from flodl_mpi.data import batch_indices, epoch_permutation, num_batches
+    from flodl_mpi.training.data import batch_indices, epoch_permutation, num_batches
 
     n = 1437  # the digits' training samples
     n_batches = num_batches(n, batch_size, drop_last)

@@ -7,8 +7,8 @@ ms per batch the test says, so quotas are a function of the round, never of the 
 import numpy as np
 import pytest
 
-from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
-from flodl_mpi.metrics import read_table
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
+from flodl_mpi.outputs.metrics import read_table
 from tests.conftest import run_flodl
 from tests.test_resume import STOPPED, run_hooked
 
@@ -103,10 +103,10 @@ def test_async_carries_each_epochs_last_round_and_evaluates_and_saves_its_consen
     (evaluated again here, in one process, on the whole test set). The last epoch waits for its round."""
     import torch
 
-    from flodl_mpi.checkpoint import list_checkpoints, load_state_dict
-    from flodl_mpi.data import ensure_digits, load_dataset
-    from flodl_mpi.models import digits_mlp
-    from flodl_mpi.worker import evaluate
+    from flodl_mpi.outputs.checkpoint import list_checkpoints, load_state_dict
+    from flodl_mpi.training.data import ensure_digits, load_dataset
+    from flodl_mpi.training.models import digits_mlp
+    from flodl_mpi.training.worker import evaluate
 
     run_dir = tmp_path / "async"
     proc = run_flodl(2, "train", "--policy", "async", "--epochs", "3", "--checkpoint-every", "1", "--run-dir",

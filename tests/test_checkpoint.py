@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_mpi.checkpoint import (
+from flodl_mpi.outputs.checkpoint import (
     LIBVER,
     SCHEMA_VERSION,
     CheckpointError,

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_mpi import checkpoint
-from flodl_mpi.checkpoint import (
+from flodl_mpi.outputs import checkpoint
+from flodl_mpi.outputs.checkpoint import (
     RELISTS,
     CheckpointError,
     CheckpointMissing,
@@ -29,8 +29,8 @@ from flodl_mpi.checkpoint import (
     read_newest,
     write_checkpoint,
 )
-from flodl_mpi.export import export_state_dict
-from flodl_mpi.export import main as export_main
+from flodl_mpi.cli.export import export_state_dict
+from flodl_mpi.cli.export import main as export_main
 
 
 def _save(directory: Path, i: int) -> Path:
@@ -304,7 +304,7 @@ WRITER = r"""
 import sys, time
 from pathlib import Path
 import numpy as np
-from flodl_mpi.checkpoint import checkpoint_name, prune_checkpoints, write_checkpoint
+from flodl_mpi.outputs.checkpoint import checkpoint_name, prune_checkpoints, write_checkpoint
 directory, stop = Path(sys.argv[1]), Path(sys.argv[2])
 i = 1
 while not stop.exists() and i < 100000:

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_mpi import rank_state
-from flodl_mpi.checkpoint_room import Room, optimizer_state_bytes, refusal, room_needed, saves_ahead
+from flodl_mpi.training import rank_state
+from flodl_mpi.outputs.checkpoint_room import Room, optimizer_state_bytes, refusal, room_needed, saves_ahead
 
 
 def _model() -> nn.Module:

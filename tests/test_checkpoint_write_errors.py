@@ -16,9 +16,9 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi import checkpoint, h5sink
-from flodl_mpi.checkpoint import read_checkpoint, verify_checkpoint, write_checkpoint
-from flodl_mpi.metrics import MetricsFile, MetricsWriter, WriterError, disk_error, read_table, table_schema
+from flodl_mpi.outputs import checkpoint, h5sink
+from flodl_mpi.outputs.checkpoint import read_checkpoint, verify_checkpoint, write_checkpoint
+from flodl_mpi.outputs.metrics import MetricsFile, MetricsWriter, WriterError, disk_error, read_table, table_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ _WRITER_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     import numpy as np
     sys.path.insert(0, sys.argv[2])
-    from flodl_mpi.metrics import MetricsWriter, WriterError, table_schema
+    from flodl_mpi.outputs.metrics import MetricsWriter, WriterError, table_schema
     def _rows(table, k):
         return {c: np.zeros((k, *shape), dtype) for c, (dtype, shape) in table_schema(1)[table].items()}
     run = Path(sys.argv[1])

@@ -71,7 +71,7 @@ def test_models_that_differ_across_ranks_are_refused(tmp_path):
     module = tmp_path / "net.py"
     module.write_text(
         "import torch\n"
-        "from flodl_mpi.launcher import launcher_rank\n"
+        "from flodl_mpi.runtime.launcher import launcher_rank\n"
         "def make(input_shape, num_classes):\n"
         "    hidden = 8 + launcher_rank()\n"
         "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, hidden),\n"
@@ -87,7 +87,7 @@ def test_a_parameter_free_layer_that_differs_across_ranks_is_refused(tmp_path):
     module = tmp_path / "net.py"
     module.write_text(
         "import torch\n"
-        "from flodl_mpi.launcher import launcher_rank\n"
+        "from flodl_mpi.runtime.launcher import launcher_rank\n"
         "def make(input_shape, num_classes):\n"
         "    act = torch.nn.ReLU() if launcher_rank() == 0 else torch.nn.Tanh()\n"
         "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), act,\n"
@@ -152,8 +152,8 @@ def test_a_writer_failure_on_rank_0_ends_the_job_and_keeps_what_was_written(tmp_
     assert "rank 0: error: WriterError" in proc.stderr and "checkpoints" in proc.stderr
     assert (run_dir / "checkpoints").is_file()  # the fault was in place: the save had nowhere to go
     assert elapsed < 2 * PROMPT_S
-    from flodl_mpi.checkpoint import latest_checkpoint
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint
+    from flodl_mpi.outputs.metrics import read_table
 
     # Epoch 1's checkpoint (moved aside by the fault) is whole; epoch 2's save failed
     # and ended the job at the next round instead of training on without saving.
@@ -162,7 +162,7 @@ def test_a_writer_failure_on_rank_0_ends_the_job_and_keeps_what_was_written(tmp_
 
 
 def test_flags_override_the_config_file_with_what_they_imply(tmp_path):
-    from flodl_mpi.cli import build_parser, config_from_args
+    from flodl_mpi.cli.main import build_parser, config_from_args
 
     toml = tmp_path / "run.toml"
     toml.write_text('policy = "window"\nwindow = 2\nepochs = 4\n')
@@ -184,8 +184,8 @@ def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path, si
     import os
     import signal
 
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.outputs.metrics import read_table
     run_dir = tmp_path / "sig"
     proc = start_flodl(2, "train", "--epochs", "50", "--run-dir", str(run_dir))
     try:
@@ -244,7 +244,7 @@ def test_a_malformed_fault_hook_is_refused():
 def test_every_option_has_a_sentence_and_no_test_machinery():
     import re
 
-    from flodl_mpi.cli import build_parser
+    from flodl_mpi.cli.main import build_parser
     from flodl_mpi.config import TrainConfig
 
     parser = build_parser()
@@ -260,7 +260,7 @@ def test_every_option_has_a_sentence_and_no_test_machinery():
 
 
 def test_the_fault_hook_is_read_from_the_environment_only():
-    from flodl_mpi.faults import Fault, active_fault
+    from flodl_mpi.runtime.faults import Fault, active_fault
 
     assert active_fault({}) is None and active_fault({"FLODL_MPI_FAULT": ""}) is None
     assert active_fault({"FLODL_MPI_FAULT": "nan@0:40"}) == Fault("nan", 0, 40)
@@ -269,7 +269,7 @@ def test_the_fault_hook_is_read_from_the_environment_only():
 
 
 def test_learning_rate_options_parse_and_bad_values_name_the_option():
-    from flodl_mpi.cli import build_parser, config_from_args
+    from flodl_mpi.cli.main import build_parser, config_from_args
     from flodl_mpi.config import ConfigError
 
     cfg = config_from_args(build_parser().parse_args(
@@ -283,7 +283,7 @@ def test_learning_rate_options_parse_and_bad_values_name_the_option():
 
 def test_the_header_states_the_effective_batch_and_how_to_scale():
     from flodl_mpi.config import TrainConfig
-    from flodl_mpi.train import effective_batch_line
+    from flodl_mpi.training.train import effective_batch_line
 
     line = effective_batch_line(TrainConfig(batch_size=32, lr=1e-3), 2)
     assert "effective batch 32 x 2 ranks = 64 samples" in line and "raise --lr toward 0.002 or add --scale-lr" in line
@@ -298,7 +298,7 @@ def test_the_effective_batch_is_what_the_data_allows():
     process takes as many steps per epoch (no lr advice); batches of 40 on 4 ranks: 4 batches (40, 40, 40,
     13), one round of 133 samples, one process 4 steps."""
     from flodl_mpi.config import TrainConfig
-    from flodl_mpi.train import effective_batch_line
+    from flodl_mpi.training.train import effective_batch_line
 
     line = effective_batch_line(TrainConfig(batch_size=1000, lr=1e-3), 2, n_samples=133)
     assert line == ("batch 1000 per rank, effective batch 133 samples per step of the averaged model, at most: "
@@ -318,7 +318,7 @@ def test_the_effective_batch_is_what_the_data_allows():
 
 def test_every_flag_is_a_config_key_or_refused_with_a_reason(tmp_path):
     """A config file takes every train flag that makes sense in a file (output flags included)."""
-    from flodl_mpi.cli import build_parser, config_from_args, settle_early
+    from flodl_mpi.cli.main import build_parser, config_from_args, settle_early
     from flodl_mpi.config import NOT_IN_FILE, ConfigError, read_config_file
 
     parser = build_parser()
@@ -371,7 +371,7 @@ def test_a_bad_config_file_is_refused_before_mpi_starts(tmp_path):
     ("max-anchor = 5\npolicy = \"cadence\"", "max-anchor", "5", "an integer >= the anchor (10)"),
 ])
 def test_a_bad_value_in_the_config_file_names_the_file_and_key(tmp_path, line, key, shown, allowed):
-    from flodl_mpi.cli import build_parser, config_from_args, settle_early
+    from flodl_mpi.cli.main import build_parser, config_from_args, settle_early
     from flodl_mpi.config import ConfigError
 
     toml = tmp_path / "run.toml"
@@ -384,7 +384,7 @@ def test_a_bad_value_in_the_config_file_names_the_file_and_key(tmp_path, line, k
 
 
 def test_a_flag_names_the_flag_and_overrides_the_file(tmp_path):
-    from flodl_mpi.cli import build_parser, config_from_args, settle_early
+    from flodl_mpi.cli.main import build_parser, config_from_args, settle_early
     from flodl_mpi.config import ConfigError
 
     toml = tmp_path / "run.toml"
@@ -424,7 +424,7 @@ def test_bare_command_lists_the_subcommands():
         assert any(line.split()[:1] == [name] for line in proc.stderr.splitlines()), name
 
 
-@pytest.mark.parametrize("entry", [("-m", "flodl_mpi", "inspect"), ("-m", "flodl_mpi.inspect_cmd"),
+@pytest.mark.parametrize("entry", [("-m", "flodl_mpi", "inspect"), ("-m", "flodl_mpi.cli.inspect_cmd"),
                                    ("-m", "flodl_mpi", "report", "--no-plots")])
 def test_a_reader_that_goes_away_ends_the_tools_quietly(tmp_path, entry):
     """``flodl-mpi inspect F | head -1``: SIGPIPE ends the process as it ends cat, no traceback."""
@@ -473,7 +473,7 @@ def test_train_keeps_training_when_its_reader_goes_away(tmp_path):
 @pytest.mark.parametrize("quiet", [(), ("-q",)])
 def test_a_warning_is_printed_once(tmp_path, quiet):
     """Rank 0 prints the run's warnings; the other ranks' copies never reach the console (logging's last resort)."""
-    from flodl_mpi.data import write_digits
+    from flodl_mpi.training.data import write_digits
 
     digits = write_digits(tmp_path / "digits.h5")
     tiny = tmp_path / "tiny.h5"

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from flodl_mpi.errors import EXIT_INPUT
-from flodl_mpi.session import START_TIMEOUT_VAR, start_timeout
+from flodl_mpi.runtime.session import START_TIMEOUT_VAR, start_timeout
 from tests.conftest import run_flodl
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flodl_mpi.control import ACK, ROUND, ROUND_HEAD, Columns
+from flodl_mpi.protocol.control import ACK, ROUND, ROUND_HEAD, Columns
 
 
 def test_row_and_read_by_name():

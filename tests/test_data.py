@@ -1,4 +1,4 @@
-"""Tests for flodl_mpi.data: digits file, dataset validation, epoch order and batches."""
+"""Tests for flodl_mpi.training.data: digits file, dataset validation, epoch order and batches."""
 
 import os
 
@@ -8,7 +8,7 @@ import pytest
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from flodl_mpi.data import (
+from flodl_mpi.training.data import (
     DEFAULT_NAMES,
     DataError,
     batch_indices,

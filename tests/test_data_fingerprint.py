@@ -8,8 +8,8 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi.data import dataset_from_arrays
-from flodl_mpi.data_fingerprint import SAMPLED_ROWS, differences, fingerprint
+from flodl_mpi.training.data import dataset_from_arrays
+from flodl_mpi.protocol.data_fingerprint import SAMPLED_ROWS, differences, fingerprint
 from flodl_mpi.errors import EXIT_INPUT
 from tests.conftest import run_flodl
 

@@ -3,7 +3,7 @@
 import pytest
 
 from flodl_mpi.config import TrainConfig
-from flodl_mpi.train import _smallest_training_batch
+from flodl_mpi.training.train import _smallest_training_batch
 
 
 @pytest.mark.parametrize("n, batch_size, drop_last", [(1, 64, False), (1, 1, False), (5, 64, False), (5, 5, True)])
@@ -22,7 +22,7 @@ def test_a_short_last_batch_still_suggests_drop_last():
 
 def test_an_unwritable_data_dir_names_the_variable(tmp_path, monkeypatch):
     """``FLODL_MPI_DATA_DIR=/proc/nope``: the message names the variable, its value and the OS's reason."""
-    from flodl_mpi.data import ensure_digits
+    from flodl_mpi.training.data import ensure_digits
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -38,7 +38,7 @@ def test_non_finite_features_name_the_first_row_and_the_count(tmp_path):
     import h5py
     import numpy as np
 
-    from flodl_mpi.data import DataError, dataset_from_arrays, load_dataset
+    from flodl_mpi.training.data import DataError, dataset_from_arrays, load_dataset
 
     x = np.zeros((50, 2, 3), np.float32)
     x[17, 1, 2], x[30, 0, 0], x[31, 1, 1] = np.nan, np.inf, np.nan

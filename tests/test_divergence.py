@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from flodl_mpi.divergence import TrendGuard, Verdict, divergence_triple, triple_from_sums
+from flodl_mpi.protocol.divergence import TrendGuard, Verdict, divergence_triple, triple_from_sums
 
 
 def test_spec_example():

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from flodl_mpi.divergence import Verdict
-from flodl_mpi.elche import REARM_STABLE_ROUNDS, ElChe
+from flodl_mpi.protocol.divergence import Verdict
+from flodl_mpi.policy.elche import REARM_STABLE_ROUNDS, ElChe
 
 
 @pytest.mark.parametrize("ms, anchor, want", [

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flodl_mpi.metrics import read_table
+from flodl_mpi.outputs.metrics import read_table
 from tests.conftest import launch_argv, launch_env
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def test_regression_example_beats_its_stated_fraction_of_var_y(tmp_path, ranks):
     epochs = read_table(tmp_path / "run" / "metrics.h5", "epochs")
     assert epochs["test_loss"][-1] == pytest.approx(float(m.group(1)), abs=5e-5)  # "loss" fills test_loss
     # ... and the checkpoint holds the model, as the CLI's does
-    from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, load_state_dict
 
     state = load_state_dict(latest_checkpoint(tmp_path / "run" / "checkpoints"))
     assert [tuple(v.shape) for v in state.values()] == [(32, 10), (32,), (1, 32), (1,)]

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict, read_checkpoint, write_checkpoint
-from flodl_mpi.export import main
-from flodl_mpi.metrics import read_table
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, load_state_dict, read_checkpoint, write_checkpoint
+from flodl_mpi.cli.export import main
+from flodl_mpi.outputs.metrics import read_table
 from tests._runs import session_run_a
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_mpi.checkpoint import checkpoint_name, load_state_dict, write_checkpoint
-from flodl_mpi.export import main
+from flodl_mpi.outputs.checkpoint import checkpoint_name, load_state_dict, write_checkpoint
+from flodl_mpi.cli.export import main
 
 
 def _run_dir(tmp_path, epochs=2):

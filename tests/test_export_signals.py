@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from flodl_mpi.checkpoint import checkpoint_name, write_checkpoint
-from flodl_mpi.export import main
+from flodl_mpi.outputs.checkpoint import checkpoint_name, write_checkpoint
+from flodl_mpi.cli.export import main
 
 #: ``python -c`` body: torch.save writes the whole temporary file, then the process signals itself, so the
 #: signal lands while the temporary file exists and before its rename, every time.
@@ -30,7 +30,7 @@ SIGNAL_IN_SAVE = textwrap.dedent("""
         for _ in range(100):   # the handler runs at the next bytecode; never returns normally
             pass
     torch.save = save
-    from flodl_mpi.cli import main
+    from flodl_mpi.cli.main import main
     sys.argv = ["flodl-mpi", "export", *sys.argv[2:]]
     sys.exit(main())
 """)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_mpi.data import ensure_digits, load_dataset, num_batches
+from flodl_mpi.training.data import ensure_digits, load_dataset, num_batches
 from flodl_mpi.errors import EXIT_STOPPED
 from tests.conftest import MPIEXEC, launch_argv, launch_env, run_flodl
 

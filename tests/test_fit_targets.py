@@ -79,7 +79,7 @@ def test_fit_on_float_labels_unseen_labels_and_adamw_decay(tmp_path):
 
 def test_float_targets_that_are_not_labels_still_regress():
     """issue 26 item 6: only whole-number float targets with few values are refused without task=."""
-    from flodl_mpi.data import dataset_from_arrays, for_task
+    from flodl_mpi.training.data import dataset_from_arrays, for_task
 
     x = np.zeros((40, 2), np.float32)
     for y in (np.linspace(0, 1, 40), np.arange(40.0) - 20, np.arange(400.0)[:40].reshape(40, 1) * 0.5,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_mpi.models import wide_tensor
+from flodl_mpi.training.models import wide_tensor
 from tests.conftest import launch_argv, launch_env, run_flodl
 
 TAIL = ("flodl_mpi averages and checkpoints in float32, which would round it at every round; "

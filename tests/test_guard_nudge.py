@@ -10,9 +10,9 @@ import math
 import pytest
 
 from flodl_mpi.config import TrainConfig
-from flodl_mpi.divergence import TrendGuard, Verdict
-from flodl_mpi.elche import ElChe
-from flodl_mpi.policy import CadencePolicy, make_policy
+from flodl_mpi.protocol.divergence import TrendGuard, Verdict
+from flodl_mpi.policy.elche import ElChe
+from flodl_mpi.policy.policies import CadencePolicy, make_policy
 from tests.test_policy import run
 
 S, G, N = Verdict.STABLE, Verdict.SUPPRESS_GROWTH, Verdict.NUDGE_DOWN

@@ -11,8 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi.checkpoint import write_checkpoint
-from flodl_mpi.inspect_cmd import main
+from flodl_mpi.outputs.checkpoint import write_checkpoint
+from flodl_mpi.cli.inspect_cmd import main
 from tests._runs import write_synthetic
 
 
@@ -123,7 +123,7 @@ def test_a_truncated_checkpoint_under_another_name_is_damaged_not_unknown(tmp_pa
 
 def test_inspect_starts_no_mpi_and_no_torch(tmp_path):
     path = _checkpoint(tmp_path)
-    code = ("import sys; from flodl_mpi.inspect_cmd import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from flodl_mpi.cli.inspect_cmd import main; rc = main(sys.argv[1:]); "
             "assert 'mpi4py.MPI' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules); "
             "sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=False,
@@ -137,7 +137,7 @@ KILLED_IN_WRITE = """
 import contextlib, os, signal, sys
 import h5py
 import numpy as np
-from flodl_mpi import checkpoint
+from flodl_mpi.outputs import checkpoint
 @contextlib.contextmanager
 def plain_file(path, **kwargs):  # HDF5's own file driver, as checkpoints were written before h5sink
     class Sink:
@@ -163,7 +163,7 @@ def test_a_checkpoint_killed_in_mid_write_is_damaged_not_a_traceback(tmp_path):
     """trial7 F7: h5py raised RuntimeError ("Can't deserialize object header prefix") in the kind check.
 
     The file a kill left when HDF5 wrote through its own driver (checkpoints of earlier versions; now
-    they go through `flodl_mpi.h5sink`, whose partial file has no superblock yet: "file signature not
+    they go through `flodl_mpi.outputs.h5sink`, whose partial file has no superblock yet: "file signature not
     found", an OSError, DAMAGED as well)."""
     child = subprocess.run([sys.executable, "-c", KILLED_IN_WRITE, str(tmp_path)], check=False, timeout=120)
     assert child.returncode == -9
@@ -190,7 +190,7 @@ def test_a_checkpoint_killed_in_mid_write_is_damaged_not_a_traceback(tmp_path):
 def test_any_error_h5py_raises_on_a_damaged_checkpoint_is_one_damaged_line(tmp_path, capsys, monkeypatch, error, where):
     """h5py maps HDF5's errors onto these five kinds: each is damage, never a traceback."""
     path = _checkpoint(tmp_path)
-    from flodl_mpi import inspect_cmd
+    from flodl_mpi.cli.main import inspect_cmd
 
     def fail(*args, **kwargs):
         raise error

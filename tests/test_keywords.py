@@ -1,6 +1,6 @@
-"""flodl_mpi.keywords: the unknown-keyword line of fit() and Averager() (issue 26 item 9), hand-worked."""
+"""flodl_mpi.api.keywords: the unknown-keyword line of fit() and Averager() (issue 26 item 9), hand-worked."""
 
-from flodl_mpi.keywords import unknown_keywords
+from flodl_mpi.api.keywords import unknown_keywords
 
 
 def test_each_unknown_keyword_gets_its_closest_name_and_the_line_lists_every_name():

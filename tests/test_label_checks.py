@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi.data import DataError, dataset_from_arrays, load_dataset
+from flodl_mpi.training.data import DataError, dataset_from_arrays, load_dataset
 from tests.conftest import run_flodl
 
 
@@ -152,7 +152,7 @@ def test_a_test_label_training_never_has_and_one_based_labels_are_warned(tmp_pat
     import torch
 
     from flodl_mpi.config import TrainConfig
-    from flodl_mpi.train import log, log_header
+    from flodl_mpi.training.train import log, log_header
 
     test_y = np.array([0, 1, 7, 1, 7, 9])
     path = _write(tmp_path / "d.h5", _labels(k=3), test_y)

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from flodl_mpi import launcher
+from flodl_mpi.runtime import launcher
 from flodl_mpi.errors import EXIT_INPUT, EXIT_STOPPED
-from flodl_mpi.launcher import (
+from flodl_mpi.runtime.launcher import (
     LaunchEnv,
     check_world_size,
     clean_text,
@@ -26,7 +26,7 @@ from flodl_mpi.launcher import (
     thread_request,
     torch_threads,
 )
-from flodl_mpi.signals import StopRequest
+from flodl_mpi.runtime.signals import StopRequest
 from tests.conftest import launch_argv, run_flodl
 from tests.conftest import launch_env as clean_launch_env
 
@@ -108,7 +108,7 @@ def test_both_mpi_wheels_installed_is_named(monkeypatch):
 
 
 def _own_library_family() -> str:
-    out = subprocess.run([sys.executable, "-c", "from flodl_mpi.launcher import mpi_library; print(mpi_library())"],
+    out = subprocess.run([sys.executable, "-c", "from flodl_mpi.runtime.launcher import mpi_library; print(mpi_library())"],
                          capture_output=True, text=True, timeout=60, check=True, env=clean_launch_env()).stdout
     return library_family(out)
 
@@ -174,7 +174,7 @@ def test_bad_omp_num_threads_is_refused(value):
 
 THREADS_MODEL = """\
 import torch
-from flodl_mpi.launcher import launcher_rank
+from flodl_mpi.runtime.launcher import launcher_rank
 def make(input_shape, num_classes):
     with open({out!r} + f".{{launcher_rank()}}", "w") as fh:
         fh.write(str(torch.get_num_threads()))
@@ -246,7 +246,7 @@ def test_a_storm_of_stop_signals_is_one_line_and_a_count(capfd):
 
 SIGNAL_AT_START = """\
 import os, signal, sys
-from flodl_mpi import cli
+from flodl_mpi.cli.main import main as cli
 real = cli.mpi_library
 def slow_start():  # the stop signals arrive while the process starts, before MPI does
     for sig in (signal.SIGUSR1, signal.SIGTERM):
@@ -260,7 +260,7 @@ sys.exit(cli.main(sys.argv[1:]))
 @pytest.mark.slow
 def test_stop_signals_before_mpi_starts_end_the_run_resumably(tmp_path):
     """Signals during start-up: the handler is already there, the run stops after its first round, exit 4."""
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     script = tmp_path / "start.py"
     script.write_text(SIGNAL_AT_START)
@@ -277,7 +277,7 @@ def test_stop_signals_before_mpi_starts_end_the_run_resumably(tmp_path):
 # ---- what the serial process must not do --------------------------------------------------------
 
 def test_importing_the_entry_point_starts_neither_mpi_nor_torch():
-    code = "import sys, flodl_mpi.cli; print('mpi4py.MPI' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys, flodl_mpi.cli.main; print('mpi4py.MPI' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                          env=clean_launch_env()).stdout
     assert out.split() == ["False", "False"]

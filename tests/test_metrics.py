@@ -7,9 +7,9 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi import checkpoint
-from flodl_mpi.checkpoint import checkpoint_name, latest_checkpoint, read_checkpoint
-from flodl_mpi.metrics import (
+from flodl_mpi.outputs import checkpoint
+from flodl_mpi.outputs.checkpoint import checkpoint_name, latest_checkpoint, read_checkpoint
+from flodl_mpi.outputs.metrics import (
     GUARD_VERDICTS,
     MetricsFile,
     MetricsWriter,
@@ -220,7 +220,7 @@ def test_resume_salvages_a_file_a_killed_run_left_open(tmp_path):
     path = tmp_path / "metrics.h5"
     script = textwrap.dedent(f"""
         import os, numpy as np
-        from flodl_mpi.metrics import MetricsFile, table_schema
+        from flodl_mpi.outputs.metrics import MetricsFile, table_schema
         f = MetricsFile({str(path)!r}, 2, {{"config": {{"lr": 0.1}}}})
         for i in range(5):
             f.append("batches", {{c: np.full((1, *s), i, dtype=d) for c, (d, s) in table_schema(2)["batches"].items()}})
@@ -286,7 +286,7 @@ def test_a_resume_killed_at_any_step_loses_nothing(tmp_path, point):
     _history(path, 10)
     script = textwrap.dedent(f"""
         import os
-        from flodl_mpi import metrics
+        from flodl_mpi.outputs import metrics
         metrics._step = lambda step: os._exit(9) if step == {point!r} else None
         metrics.MetricsFile({str(path)!r}, {W}, {{}}, keep_rows={KEEP!r})
         os._exit(0)
@@ -305,7 +305,7 @@ def test_a_reader_opening_the_file_as_soon_as_it_is_named_does_not_lock_the_writ
     """``flodl-mpi inspect`` while a run starts: a SWMR reader that opens metrics.h5 the moment it is
     renamed into place (and keeps it open) must not make the writer's open fail ("unable to lock
     file", the run's rank 0 then failed with exit 1)."""
-    from flodl_mpi import metrics
+    from flodl_mpi.outputs import metrics
 
     path = tmp_path / "metrics.h5"
     if resume:

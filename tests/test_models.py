@@ -1,4 +1,4 @@
-"""Tests for flodl_mpi.models: the built-in MLP, the module:factory loader, signatures."""
+"""Tests for flodl_mpi.training.models: the built-in MLP, the module:factory loader, signatures."""
 
 import textwrap
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_mpi.models import (
+from flodl_mpi.training.models import (
     ModelSpecError,
     build_model,
     check_training_step,

@@ -1,4 +1,4 @@
-"""Every reduce path of :class:`flodl_mpi.reduce.Reducer` against a float64 numpy reference (issue 9).
+"""Every reduce path of :class:`flodl_mpi.transport.reduce.Reducer` against a float64 numpy reference (issue 9).
 
 Paths: the chunked float32 Allreduce, the shared-memory node reduce, both
 hierarchical forms (simulated nodes: COMM_WORLD split into groups of ranks on
@@ -13,11 +13,11 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from flodl_mpi.node_reduce import slices
-from flodl_mpi.realized_work import gamma_mass
-from flodl_mpi.reduce import Reducer, WireOptions
-from flodl_mpi.slice_kernel import KERNELS
-from flodl_mpi.wire import WireLayout
+from flodl_mpi.transport.node_reduce import slices
+from flodl_mpi.protocol.realized_work import gamma_mass
+from flodl_mpi.transport.reduce import Reducer, WireOptions
+from flodl_mpi.transport.slice_kernel import KERNELS
+from flodl_mpi.protocol.wire import WireLayout
 
 pytestmark = pytest.mark.mpi
 
@@ -215,7 +215,7 @@ def test_bf16_rounding_is_nearest_even_and_keeps_nan():
 
 
 def test_auto_resolves_the_same_on_every_rank_and_shm_is_refused_without_room(comm, monkeypatch):
-    import flodl_mpi.reduce as reduce_mod
+    import flodl_mpi.transport.reduce as reduce_mod
 
     layout = WireLayout(SHAPES)
     red = Reducer(comm, layout, WireOptions("auto"))
@@ -268,7 +268,7 @@ def test_in_place_equals_the_packing_shm_reduce_bit_for_bit(comm, chunk, equal, 
 def test_in_place_leaves_no_file_and_refuses_a_foreign_staging(comm):
     import os
 
-    from flodl_mpi.shm_in_place import SHM_DIR
+    from flodl_mpi.transport.shm_in_place import SHM_DIR
 
     layout = WireLayout(SHAPES)
     red = Reducer(comm, layout, WireOptions("shm"), in_place=True)
@@ -283,7 +283,7 @@ def test_in_place_leaves_no_file_and_refuses_a_foreign_staging(comm):
 
 
 def test_in_place_falls_back_alike_when_one_rank_has_no_shm_dir(comm, monkeypatch):
-    import flodl_mpi.shm_in_place as mod
+    import flodl_mpi.transport.shm_in_place as mod
 
     if comm.rank == comm.size - 1:
         monkeypatch.setattr(mod, "SHM_DIR", "/nonexistent/flodl-shm")
@@ -363,7 +363,7 @@ def test_in_place_gather_gives_every_rank_the_same_rows_through_skewed_exchanges
     # the partial sums'): ranks out of step, row lengths changing, against MPI's allgather.
     import time
 
-    from flodl_mpi.shm_gather import STORES_ORDERED
+    from flodl_mpi.transport.shm_gather import STORES_ORDERED
 
     red = Reducer(comm, WireLayout(SHAPES), WireOptions("shm", "off"), in_place=True)
     try:
@@ -387,7 +387,7 @@ def test_in_place_gather_gives_every_rank_the_same_rows_through_skewed_exchanges
 
 def _bridge_round(bound_values, steps, loss_finite, mpi_gathers):
     """One Bridge round on the in-place path, its tensors bound to the staging; returns (staging copy, update)."""
-    from flodl_mpi.bridge import Bridge
+    from flodl_mpi.transport.bridge import Bridge
 
     bridge = Bridge(MPI.COMM_WORLD.Dup(), SHAPES, [(4,)], gamma=0.5, wire=WireOptions("shm", "off"))
     try:
@@ -409,8 +409,8 @@ def test_bridge_round_on_the_shared_gather_equals_mpi_gathers_and_the_reference(
     # The whole round through the bridge (control gather, masses, quarantine decision, pass,
     # partial sums) with the shared gather, and with MPI's: the same bits, the same update,
     # and the float64 reference of the finite, moving ranks.
-    import flodl_mpi.bridge as bridge_mod
-    from flodl_mpi.shm_gather import STORES_ORDERED
+    import flodl_mpi.transport.bridge as bridge_mod
+    from flodl_mpi.transport.shm_gather import STORES_ORDERED
 
     comm = MPI.COMM_WORLD
     W, me = comm.size, comm.rank
@@ -520,7 +520,7 @@ def test_in_place_pass_names_a_non_finite_rank_and_never_writes_its_value(comm, 
 def _stop_round(values, steps, monkeypatch, on_non_finite="stop"):
     """One Bridge round on the in-place path with ``on_non_finite``; the params' pre-round read must not run
     under "stop" (the pass checks them). Returns (params copy, update)."""
-    from flodl_mpi.bridge import Bridge
+    from flodl_mpi.transport.bridge import Bridge
 
     bridge = Bridge(MPI.COMM_WORLD.Dup(), SHAPES, [(4,)], gamma=0.5, wire=WireOptions("shm", "off"),
                     on_non_finite=on_non_finite)

@@ -11,16 +11,16 @@ import time
 import numpy as np
 import pytest
 
-from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.errors import EXIT_ERROR
-from flodl_mpi.metrics import read_table
+from flodl_mpi.outputs.metrics import read_table
 from tests.conftest import run_flodl
 
 QUICK = ("--epochs", "1", "--batch-size", "64")
 
 
 def inject(spec: str) -> dict[str, str]:
-    """The test-only fault hook (flodl_mpi.faults): the environment of a run with it set."""
+    """The test-only fault hook (flodl_mpi.runtime.faults): the environment of a run with it set."""
     return {"FLODL_MPI_FAULT": spec}
 
 
@@ -95,7 +95,7 @@ def test_on_non_finite_stop_ends_every_rank_with_one_line_and_keeps_checkpoints(
 
 
 def test_on_non_finite_is_validated_in_config_files_and_flags():
-    from flodl_mpi.cli import build_parser, config_from_args
+    from flodl_mpi.cli.main import build_parser, config_from_args
     from flodl_mpi.config import ConfigError, TrainConfig
 
     assert TrainConfig().on_non_finite == "quarantine"

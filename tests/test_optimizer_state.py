@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from flodl_mpi.config import ConfigError, TrainConfig
-from flodl_mpi.optimizer_state import OptimizerStateAverager, StatePlan, rebuild_second_moment, resolve_mode
-from flodl_mpi.wire import WireLayout
+from flodl_mpi.protocol.optimizer_state import OptimizerStateAverager, StatePlan, rebuild_second_moment, resolve_mode
+from flodl_mpi.protocol.wire import WireLayout
 
 
 class Net(torch.nn.Module):

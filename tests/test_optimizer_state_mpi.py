@@ -5,10 +5,10 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from flodl_mpi.bridge import Bridge
-from flodl_mpi.models import digits_mlp
-from flodl_mpi.optimizer_state import OptimizerStateAverager
-from flodl_mpi.worker import Replica
+from flodl_mpi.transport.bridge import Bridge
+from flodl_mpi.training.models import digits_mlp
+from flodl_mpi.protocol.optimizer_state import OptimizerStateAverager
+from flodl_mpi.training.worker import Replica
 
 pytestmark = pytest.mark.mpi
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.errors import EXIT_STOPPED
-from flodl_mpi.metrics import read_table
+from flodl_mpi.outputs.metrics import read_table
 from tests.conftest import MPIEXEC, launch_argv, launch_env, run_flodl
 
 pytestmark = pytest.mark.slow

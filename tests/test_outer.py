@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flodl_mpi.outer import OUTER_DEFAULTS, OuterOptimizer
+from flodl_mpi.protocol.outer import OUTER_DEFAULTS, OuterOptimizer
 
 # Three realized rounds of a two-element model, lr 0.5, momentum 0.9.
 CONSENSUS = ([1.0, 2.0], [0.0, 3.0], [0.0, 2.0])

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint, read_cohort_state
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint, read_cohort_state
 from flodl_mpi.errors import EXIT_INPUT
-from flodl_mpi.metrics import read_table
+from flodl_mpi.outputs.metrics import read_table
 from tests.conftest import run_flodl
 from tests.test_resume import STOPPED, run_hooked
 

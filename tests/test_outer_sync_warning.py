@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from flodl_mpi.config import TrainConfig
-from flodl_mpi.outer import SHORT_WINDOW, short_window_warning
-from flodl_mpi.train import describe_averaging_path
+from flodl_mpi.protocol.outer import SHORT_WINDOW, short_window_warning
+from flodl_mpi.training.train import describe_averaging_path
 from tests.conftest import run_flodl
 
 

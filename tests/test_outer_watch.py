@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from flodl_mpi.metrics import read_table
-from flodl_mpi.outer_watch import EPOCHS, UNDONE, OuterWatch
+from flodl_mpi.outputs.metrics import read_table
+from flodl_mpi.protocol.outer_watch import EPOCHS, UNDONE, OuterWatch
 from tests.conftest import run_flodl
 
 # Measured (python benchmarks/outer.py --datasets mnist1d-adam ...: 2 ranks, the paper's CNN, Adam, 40

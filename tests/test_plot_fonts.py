@@ -13,7 +13,7 @@ def test_a_font_cache_without_the_bundled_fonts_prints_no_findfont_warning(caplo
     from matplotlib import font_manager
     from matplotlib.figure import Figure
 
-    from flodl_mpi.plots import _bundled_fonts
+    from flodl_mpi.cli.plots import _bundled_fonts
 
     fm = font_manager.fontManager
     saved = list(fm.ttflist)

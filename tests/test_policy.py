@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from flodl_mpi.config import ConfigError, TrainConfig
-from flodl_mpi.divergence import TrendGuard, Verdict
-from flodl_mpi.elche import ElChe
-from flodl_mpi.policy import CadencePolicy, FixedPolicy, RoundFacts, guard_threshold, make_policy
+from flodl_mpi.protocol.divergence import TrendGuard, Verdict
+from flodl_mpi.policy.elche import ElChe
+from flodl_mpi.policy.policies import CadencePolicy, FixedPolicy, RoundFacts, guard_threshold, make_policy
 
 
 def cadence(guard=None, act=True, **elche):

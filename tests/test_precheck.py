@@ -11,7 +11,7 @@ import time
 import h5py
 import numpy as np
 
-from flodl_mpi.data import DataError, load_dataset
+from flodl_mpi.training.data import DataError, load_dataset
 from flodl_mpi.errors import EXIT_INPUT
 from tests.conftest import launch_env
 
@@ -19,7 +19,7 @@ from tests.conftest import launch_env
 #: MPI nor torch was loaded for any of them (so every refusal came before they start).
 SCRIPT = """
 import contextlib, io, json, sys, time
-from flodl_mpi import cli
+from flodl_mpi.cli.main import main as cli
 out = []
 for argv in json.loads(sys.argv[1]):
     err = io.StringIO()
@@ -83,7 +83,7 @@ def test_what_the_file_system_says_is_checked_early_only_on_one_host(tmp_path):
     """A refusal before MPI is each rank's own: on several hosts (node-local data may differ) only the
     spec's form is judged there, and the rest is left to the ranks' gathered check after MPI starts."""
     from flodl_mpi.config import TrainConfig
-    from flodl_mpi.precheck import input_problem, one_host
+    from flodl_mpi.cli.precheck import input_problem, one_host
 
     hydra = {"PMI_RANK": "0", "PMI_SIZE": "4", "HYDI_CONTROL_FD": "5"}
     assert one_host({}) and one_host({**hydra, "MPI_LOCALNRANKS": "4"})

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from flodl_mpi.progress import EpochProgress, bar_columns, stdout_is_terminal, terminal_columns
+from flodl_mpi.training.progress import EpochProgress, bar_columns, stdout_is_terminal, terminal_columns
 from tests.conftest import MPIEXEC, launch_argv, launch_env
 
 EPOCH_LINE = re.compile(r"^\d\d:\d\d:\d\d epoch (\d+)/(\d+)  loss ", re.MULTILINE)
@@ -38,7 +38,7 @@ def test_a_log_line_during_an_epoch_goes_above_the_bar_not_into_it(monkeypatch):
     """A mid-epoch line (a quarantine, a warning) is printed on a line of its own while the bar is drawn."""
     import logging
 
-    from flodl_mpi.train import _log_to_stdout, log
+    from flodl_mpi.training.train import _log_to_stdout, log
 
     pytest.importorskip("tqdm")
     out = io.StringIO()
@@ -69,7 +69,7 @@ def test_disabled_bar_writes_nothing_and_imports_no_tqdm():
     bar.update(3, 0.1, 1)
     bar.close()
     assert out.getvalue() == ""
-    code = ("import sys; from flodl_mpi.progress import EpochProgress; b = EpochProgress(False); "
+    code = ("import sys; from flodl_mpi.training.progress import EpochProgress; b = EpochProgress(False); "
             "b.start('x', 3); b.update(3, 0.1, 1); b.close(); assert 'tqdm' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
 

@@ -4,7 +4,7 @@ flodl_mpi aborts the job when one rank fails in an ``Averager`` block (never a h
 Under pytest the error line went into pytest's capture and died with the process:
 the session ended with exit status 1 and no error, no test name. `world.abort` now
 writes what the test had written, under a line naming the rank and the test
-(`flodl_mpi.pytest_capture`).
+(`flodl_mpi.runtime.pytest_capture`).
 """
 
 import subprocess

@@ -9,11 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from flodl_mpi.reporting import EPOCH_FIELDS, EpochReport, aggregate_epoch, excluded_words
+from flodl_mpi.protocol.epoch_report import EPOCH_FIELDS, EpochReport, aggregate_epoch, excluded_words
 
 
 def _row(losses: list[float]) -> np.ndarray:
-    """A rank's epoch report as it sums its batches' losses (flodl_mpi.worker.Worker._train_batch)."""
+    """A rank's epoch report as it sums its batches' losses (flodl_mpi.training.worker.Worker._train_batch)."""
     finite = [v for v in losses if math.isfinite(v)]
     return EpochReport(loss_sum=sum(finite), batches=len(losses), nonfinite_batches=len(losses) - len(finite),
                        samples=32 * len(losses), compute_ms=1.0).to_row()
@@ -45,7 +45,7 @@ def test_a_quarantined_rank_leaves_a_finite_epoch_loss_the_mean_of_the_finite_ba
     """2 ranks, rank 1's loss NaN in round 5's window: the epoch's avg_loss is the mean of the
     batches table's finite losses (computed here from it), the count of the rest is in the row
     and in the log line."""
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.metrics import read_table
     from tests.conftest import run_flodl
 
     run_dir = tmp_path / "r"

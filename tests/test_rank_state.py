@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_mpi.checkpoint import read_checkpoint, write_checkpoint
-from flodl_mpi.models import digits_mlp
-from flodl_mpi.rank_state import capture, restore, restore_integer_buffers
+from flodl_mpi.outputs.checkpoint import read_checkpoint, write_checkpoint
+from flodl_mpi.training.models import digits_mlp
+from flodl_mpi.training.rank_state import capture, restore, restore_integer_buffers
 
 
 def train(model, opt, steps, seed):

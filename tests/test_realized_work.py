@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from flodl_mpi.realized_work import gamma_mass, is_realized, mover_mass, relative_masses, round_masses
+from flodl_mpi.protocol.realized_work import gamma_mass, is_realized, mover_mass, relative_masses, round_masses
 
 
 @pytest.mark.parametrize(

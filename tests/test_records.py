@@ -11,8 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from flodl_mpi.metrics import read_table
-from flodl_mpi.reporting import EPOCH_FIELDS, aggregate_epoch
+from flodl_mpi.outputs.metrics import read_table
+from flodl_mpi.protocol.epoch_report import EPOCH_FIELDS, aggregate_epoch
 from tests.conftest import launch_env
 
 
@@ -87,8 +87,8 @@ def test_an_own_loop_records_what_it_measured(tmp_path):
     assert (cfg["policy"], cfg["window"]) == ("window", 2)
     for name in ("epochs", "batch_size", "lr", "seed", "device", "threads", "momentum"):
         assert name not in cfg and name in cfg["not_applicable"]
-    from flodl_mpi.report import format_summary
-    from flodl_mpi.runinfo import load_run
+    from flodl_mpi.cli.report import format_summary
+    from flodl_mpi.outputs.run_reader import load_run
 
     r = load_run(run)
     assert r.config == cfg and r.attrs["loss"] == "loss given to step()"   # metrics.h5 holds the same record
@@ -179,7 +179,7 @@ with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir
 @pytest.mark.slow
 def test_a_fit_run_logs_and_saves_the_factorys_learning_rate(tmp_path):
     """Issue 7: train.log and the checkpoint told the CLI's default lr 0.001 and 'adam', not the factory's SGD."""
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
     from tests.conftest import launch_argv
 
     (tmp_path / "script.py").write_text(textwrap.dedent(FIT_LR))
@@ -201,8 +201,8 @@ def test_a_fit_run_logs_and_saves_the_factorys_learning_rate(tmp_path):
 @pytest.mark.slow
 def test_inspect_shows_an_api_runs_record_not_the_cli_defaults(tmp_path, capsys):
     """Issue 7: an Averager run (SGD, lr 0.05)'s checkpoint read 'adam', lr 0.001, epochs 10, train_x 'train/x'."""
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
-    from flodl_mpi.inspect_cmd import main
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.cli.inspect_cmd import main
 
     _python(tmp_path, OWN_LOOP)
     path = latest_checkpoint(tmp_path / "own" / "checkpoints")
@@ -224,7 +224,7 @@ def test_the_last_round_and_the_test_figures_reach_the_records(tmp_path):
     """The round that closes the epoch's last window has its metrics.h5 row, and the checkpoint after it the
     epoch's test figures (were: lost, NaN). Since issue 26 item 2 end_epoch() runs that round (was: close()),
     so the epoch's checkpoint is the one after it and close() has nothing left to save."""
-    from flodl_mpi.checkpoint import list_checkpoints, read_checkpoint
+    from flodl_mpi.outputs.checkpoint import list_checkpoints, read_checkpoint
 
     proc = _python(tmp_path, CLOSE_ROUND)
     expected = float(proc.stdout.split("expected ")[1].split()[0])
@@ -284,7 +284,7 @@ def _as_the_previous_release_wrote_it(path) -> None:
 @pytest.mark.slow
 def test_a_checkpoint_of_the_previous_fit_with_an_sgd_factory_resumes(tmp_path):
     """Issue 7 left: the previous release recorded 'adam' for any factory; resuming its SGD run was refused."""
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint, read_rank_state
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint, read_rank_state
 
     first = _fit_opt(tmp_path, "sgd", "1", "new")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -306,7 +306,7 @@ def test_a_checkpoint_of_the_previous_fit_with_an_sgd_factory_resumes(tmp_path):
                                                      ("rmsprop", "adam", "RMSprop", "Adam"),
                                                      ("adam", "rmsprop", "Adam", "RMSprop")])
 def test_a_resume_with_another_optimizer_is_refused_in_one_line(tmp_path, first, then, held, uses):
-    from flodl_mpi.checkpoint import latest_checkpoint
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint
 
     assert _fit_opt(tmp_path, first, "1", "new").returncode == 0
     path = latest_checkpoint(tmp_path / "run" / "checkpoints")
@@ -328,8 +328,8 @@ def test_a_resume_with_another_optimizer_is_refused_in_one_line(tmp_path, first,
 @pytest.mark.slow
 def test_an_rmsprop_factory_is_recorded_inspected_and_resumed(tmp_path, capsys):
     """Issue 7 left: an RMSprop factory's run recorded 'adam' in its resume config (and so checked 'adam')."""
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
-    from flodl_mpi.inspect_cmd import main
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.cli.inspect_cmd import main
 
     assert _fit_opt(tmp_path, "rmsprop", "1", "new").returncode == 0
     path = latest_checkpoint(tmp_path / "run" / "checkpoints")
@@ -367,7 +367,7 @@ with flodl_mpi.Averager(model, optimizer=opt, run_dir="own") as avg:
 @pytest.mark.slow
 def test_an_own_loop_closed_mid_epoch_records_every_batch(tmp_path):
     """Issue 7 left: the steps after the last end_epoch() had rounds in metrics.h5 but no batch rows."""
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     _python(tmp_path, CLOSE_MID_EPOCH)
     b = read_table(tmp_path / "own" / "metrics.h5", "batches")
@@ -383,7 +383,7 @@ def test_the_cli_checks_the_optimizer_against_the_saved_state(tmp_path, tmp_path
     """The CLI's resume check reads the same fact (the rank state's class): one line naming both, exit 2."""
     import time
 
-    from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
     from tests._runs import copy_of_run_a
     from tests.conftest import run_flodl
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from flodl_mpi.realized_work import gamma_mass
-from flodl_mpi.reduce import control_gather, sumcount_reduce
-from flodl_mpi.wire import WireLayout
+from flodl_mpi.protocol.realized_work import gamma_mass
+from flodl_mpi.transport.reduce import control_gather, sumcount_reduce
+from flodl_mpi.protocol.wire import WireLayout
 
 pytestmark = pytest.mark.mpi
 

@@ -13,12 +13,12 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi.cadence import fit_quotas
-from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
+from flodl_mpi.policy.cadence import fit_quotas
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.config import ConfigError, TrainConfig
 from flodl_mpi.errors import EXIT_INPUT
-from flodl_mpi.metrics import read_table
-from flodl_mpi.replay import RecordedPlan, ReplayError, read_recorded_plan
+from flodl_mpi.outputs.metrics import read_table
+from flodl_mpi.policy.replay import RecordedPlan, ReplayError, read_recorded_plan
 from tests.conftest import run_flodl
 from tests.test_resume import run_hooked
 

@@ -14,11 +14,11 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi.report import differing_options, format_comparison, format_summary, main, summarize
-from flodl_mpi.runinfo import RunError, load_run
+from flodl_mpi.cli.report import differing_options, format_comparison, format_summary, main, summarize
+from flodl_mpi.outputs.run_reader import RunError, load_run
 from tests._runs import RUN_A_EPOCHS, session_run_a, session_run_b, synthetic_rows, write_synthetic
 
-plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
+plots = pytest.importorskip("flodl_mpi.cli.plots", reason="plots need matplotlib (the plot extra)")
 
 
 def _write_raw(run_dir: Path, tables: dict, attrs: dict) -> Path:
@@ -94,7 +94,7 @@ def test_not_a_run_is_one_line(tmp_path, capsys):
 
 
 def test_metrics_file_records_its_schema_version(tmp_path):
-    from flodl_mpi.metrics import SCHEMA_VERSION
+    from flodl_mpi.outputs.metrics import SCHEMA_VERSION
 
     run_dir = write_synthetic(tmp_path / "r")
     with h5py.File(run_dir / "metrics.h5", "r") as f:
@@ -119,7 +119,7 @@ def test_comparison_names_exactly_the_differing_options(tmp_path):
 
 
 def test_legends_name_the_differing_options(tmp_path):
-    from flodl_mpi.report import _with_option_labels
+    from flodl_mpi.cli.report import _with_option_labels
 
     a = load_run(write_synthetic(tmp_path / "A", config={"window": 1, "policy": "sync"}))
     b = load_run(write_synthetic(tmp_path / "B", config={"window": 4, "policy": "window"}))
@@ -211,7 +211,7 @@ def test_plots_label_epochs_as_the_log_does(run_a):
 
 def _report(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """``flodl-mpi report`` through the CLI entry, in a fresh process that must not load MPI."""
-    code = ("import sys; from flodl_mpi.report import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from flodl_mpi.cli.report import main; rc = main(sys.argv[1:]); "
             "assert 'mpi4py.MPI' not in sys.modules, 'report loaded MPI'; sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False,
                           timeout=timeout)
@@ -219,7 +219,7 @@ def _report(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_the_cli_entry_starts_no_mpi_for_report(tmp_path):
     run_dir = write_synthetic(tmp_path / "r")
-    code = ("import sys; from flodl_mpi.cli import main; rc = main(['report', sys.argv[1], '--no-plots']); "
+    code = ("import sys; from flodl_mpi.cli.main import main; rc = main(['report', sys.argv[1], '--no-plots']); "
             "assert 'mpi4py.MPI' not in sys.modules, 'flodl-mpi report loaded MPI'; sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, check=False,
                           timeout=120)
@@ -233,7 +233,7 @@ def test_report_on_a_finished_run(run_a):
     assert f"epochs        {RUN_A_EPOCHS} of {RUN_A_EPOCHS} (finished)" in proc.stdout
     ep = json.loads((run_a / "config.json").read_text())
     assert ep["epochs"] == RUN_A_EPOCHS
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.metrics import read_table
 
     acc = read_table(run_a / "metrics.h5", "epochs")["test_accuracy"]
     assert f"test accuracy {acc[-1]:.4f} (last)" in proc.stdout
@@ -417,7 +417,7 @@ def test_the_summary_tells_the_wall_clock_rate_beside_the_compute_throughput(tmp
 
 
 def test_the_comparison_sums_both_throughputs_by_name(tmp_path):
-    from flodl_mpi.report import format_comparison
+    from flodl_mpi.cli.report import format_comparison
 
     runs = [load_run(write_synthetic(tmp_path / name, world_size=2, rounds=20, epochs=3)) for name in ("a", "b")]
     lines = format_comparison(runs).splitlines()

@@ -6,9 +6,9 @@ is delta, and ``--policy``'s help said "(EASGD blend on adoption)".
 
 import pytest
 
-from flodl_mpi.cli import build_parser
-from flodl_mpi.report import describe_policy
-from flodl_mpi.runinfo import load_run
+from flodl_mpi.cli.main import build_parser
+from flodl_mpi.cli.report import describe_policy
+from flodl_mpi.outputs.run_reader import load_run
 from tests._runs import write_synthetic
 
 

@@ -17,15 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flodl_mpi.metrics import MetricsFile
-from flodl_mpi.report import format_summary, summarize
-from flodl_mpi.run_events import round_epochs
-from flodl_mpi.runinfo import load_run
-from flodl_mpi.time_budget import NAMES, PARTS, rank_seconds, time_parts
+from flodl_mpi.outputs.metrics import MetricsFile
+from flodl_mpi.cli.report import format_summary, summarize
+from flodl_mpi.cli.run_events import round_epochs
+from flodl_mpi.outputs.run_reader import load_run
+from flodl_mpi.cli.time_budget import NAMES, PARTS, rank_seconds, time_parts
 from tests._runs import session_run_a, synthetic_rows
 from tests.test_report_world_change import _write_resumed
 
-plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
+plots = pytest.importorskip("flodl_mpi.cli.plots", reason="plots need matplotlib (the plot extra)")
 
 
 def _write(run_dir: Path, policy: str = "sync", rounds: int = 4, wait: float = 26.0) -> Path:
@@ -143,7 +143,7 @@ def test_batch_share_is_batches_done_in_the_plot_and_the_summary(tmp_path):
     assert all(ln.get_linestyle() == ":" for ln in ax.get_lines() if ln.get_gid() == "allocation")
     assert "batches done" in ax.get_title() and "allocation" in ax.get_title()
     # TensorBoard's tags: the same two quantities under the same two names
-    from flodl_mpi.tensorboard_export import scalars
+    from flodl_mpi.cli.tensorboard_export import scalars
 
     tags = scalars(run)
     assert tags["epoch/batches_done_rank0"][1].tolist() == [0.75, 0.5]

@@ -17,9 +17,9 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi.metrics import MetricsFile, table_schema
-from flodl_mpi.report import format_comparison, format_summary, summarize
-from flodl_mpi.runinfo import load_run
+from flodl_mpi.outputs.metrics import MetricsFile, table_schema
+from flodl_mpi.cli.report import format_comparison, format_summary, summarize
+from flodl_mpi.outputs.run_reader import load_run
 from tests.conftest import MPIEXEC, run_flodl
 
 #: The bridge's named phases of a round (a blocking policy's; issue 26 item 8: averaging counts all of a round).
@@ -184,8 +184,8 @@ def test_comparison_names_the_world_sizes_and_sums_each_epochs_ranks(tmp_path):
 
 
 def test_plots_and_tensorboard_tags_leave_the_padding_out(tmp_path):
-    plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
-    from flodl_mpi.tensorboard_export import scalars
+    plots = pytest.importorskip("flodl_mpi.cli.plots", reason="plots need matplotlib (the plot extra)")
+    from flodl_mpi.cli.tensorboard_export import scalars
 
     run_dir = _write_resumed(tmp_path / "r", [(2, 9, 3), (3, 12, 2)], policy="cadence")  # a cadence figure
     run = load_run(run_dir)
@@ -251,7 +251,7 @@ def test_report_of_a_real_run_resumed_at_3_then_1_rank(tmp_path):
 
 
 def test_smoothed_round_times_survive_the_padding(tmp_path):
-    plots = pytest.importorskip("flodl_mpi.plots", reason="plots need matplotlib (the plot extra)")
+    plots = pytest.importorskip("flodl_mpi.cli.plots", reason="plots need matplotlib (the plot extra)")
     run_dir = _write_resumed(tmp_path / "r", [(2, 150, 3), (3, 100, 2)])  # 250 rounds: a moving average of 2
     with h5py.File(run_dir / "metrics.h5", "r") as f:
         unpack = f["rounds/unpack_ms"][()]
@@ -263,7 +263,7 @@ def test_smoothed_round_times_survive_the_padding(tmp_path):
 
 
 def test_tensorboard_epoch_steps_are_the_files_epoch_numbers(tmp_path):
-    from flodl_mpi.tensorboard_export import scalars
+    from flodl_mpi.cli.tensorboard_export import scalars
 
     run_dir = _write_resumed(tmp_path / "r", [(2, 9, 3), (3, 12, 2)])
     steps, _ = scalars(load_run(run_dir))["epoch/test_accuracy"]

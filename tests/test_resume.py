@@ -12,10 +12,10 @@ import h5py
 import numpy as np
 import pytest
 
-from flodl_mpi.checkpoint import latest_checkpoint, load_state_dict, read_checkpoint
-from flodl_mpi.data import default_digits_path, load_dataset
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, load_state_dict, read_checkpoint
+from flodl_mpi.training.data import default_digits_path, load_dataset
 from flodl_mpi.errors import EXIT_INPUT, EXIT_STALL, EXIT_STOPPED
-from flodl_mpi.metrics import read_table
+from flodl_mpi.outputs.metrics import read_table
 from tests._runs import copy_of_run_a
 from tests.conftest import MPIEXEC, flip_data_byte, launch_argv, launch_env, run_flodl
 
@@ -215,7 +215,7 @@ def test_state_dict_names_with_slashes_train_checkpoint_resume_and_load_back(tmp
     model.load_state_dict(state)  # strict: exactly the model's names
     for name, value in model.state_dict().items():
         assert value.numpy().tobytes() == ckpt.params[name].tobytes(), name
-    from flodl_mpi.checkpoint import escape_name
+    from flodl_mpi.outputs.checkpoint import escape_name
 
     with h5py.File(path, "r") as f:
         assert sorted(f["params"]) == sorted(escape_name(n) for n in want)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from flodl_mpi.data import ensure_digits
+from flodl_mpi.training.data import ensure_digits
 from flodl_mpi.errors import EXIT_INPUT
-from flodl_mpi.resume_inputs import data_path_difference, file_sha256, model_file_record, model_spec_difference
+from flodl_mpi.training.resume_inputs import data_path_difference, file_sha256, model_file_record, model_spec_difference
 from tests.conftest import launch_command, launch_env
 
 NET = """

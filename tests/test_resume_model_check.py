@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from torch import nn
 
-from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
-from flodl_mpi.model_record import model_record, resume_difference
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
+from flodl_mpi.training.model_record import model_record, resume_difference
 from tests.conftest import launch_argv, launch_env, run_flodl
 
 

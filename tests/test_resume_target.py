@@ -74,7 +74,7 @@ def test_a_plain_resume_of_a_run_dir_without_a_checkpoint_is_refused_on_every_ra
 
 def test_resume_auto_is_the_config_files_and_the_flags_spelling(tmp_path):
     """issue 26 item 1: ``--resume auto`` / ``resume = "auto"``; anything else is refused naming the key."""
-    from flodl_mpi.cli import build_parser, config_from_args
+    from flodl_mpi.cli.main import build_parser, config_from_args
     from flodl_mpi.config import ConfigError
 
     def cfg(*argv):

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from flodl_mpi.metrics import read_table
-from flodl_mpi.round_profile import PHASES, RunProfile
+from flodl_mpi.outputs.metrics import read_table
+from flodl_mpi.protocol.round_profile import PHASES, RunProfile
 from tests._runs import session_run_a
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flodl_mpi.checkpoint import list_checkpoints, verify_checkpoint
+from flodl_mpi.outputs.checkpoint import list_checkpoints, verify_checkpoint
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT
-from flodl_mpi.metrics import disk_error, read_table
+from flodl_mpi.outputs.metrics import disk_error, read_table
 from tests.conftest import launch_command, launch_env, run_flodl, start_flodl
 
 pytestmark = pytest.mark.slow

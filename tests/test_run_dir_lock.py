@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from flodl_mpi import run_dir_lock
-from flodl_mpi.checkpoint import latest_checkpoint
+from flodl_mpi.outputs import run_dir_lock
+from flodl_mpi.outputs.checkpoint import latest_checkpoint
 from flodl_mpi.errors import EXIT_INPUT, EXIT_STOPPED
-from flodl_mpi.metrics import read_table
+from flodl_mpi.outputs.metrics import read_table
 from tests._runs import copy_of_run_a
 from tests.conftest import launch_env, rank_pids, run_flodl, start_flodl
 
@@ -132,7 +132,7 @@ def test_a_run_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
 
 def test_report_tells_running_stopped_failed_and_killed_apart(tmp_path):
     """report's word for a run with epochs left: its lock and train.log's last line decide."""
-    from flodl_mpi.report import _unfinished
+    from flodl_mpi.cli.report import _unfinished
 
     assert _unfinished(tmp_path) == "running or stopped"  # no lock file: an older run, cannot tell
     (tmp_path / "train.log").write_text("12:00:00 epoch 1/5 ...\n")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from flodl_mpi import run_dir_lock
+from flodl_mpi.outputs import run_dir_lock
 
 # A second process that takes the lock as in_use's probe does, says so, holds it for
 # `hold` seconds (far longer than a real probe, so the claim surely meets it held)

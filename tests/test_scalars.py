@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from flodl_mpi import scalars
-from flodl_mpi.task import learning_rate_factor
+from flodl_mpi.training import scalars
+from flodl_mpi.training.task import learning_rate_factor
 
 
 def test_batch_weighted_hand_worked_two_ranks():

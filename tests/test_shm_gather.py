@@ -1,4 +1,4 @@
-"""The node's small Allgather through shared memory (:mod:`flodl_mpi.shm_gather`), ranks played by threads.
+"""The node's small Allgather through shared memory (:mod:`flodl_mpi.transport.shm_gather`), ranks played by threads.
 
 One process, W threads, each with its own :class:`ShmGather` over one shared
 buffer (threads see the same memory as processes mapping one file; the
@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from flodl_mpi.shm_gather import STORES_ORDERED, ShmGather
+from flodl_mpi.transport.shm_gather import STORES_ORDERED, ShmGather
 
 pytestmark = pytest.mark.skipif(not STORES_ORDERED, reason="the shared gather is used on x86-64 only")
 

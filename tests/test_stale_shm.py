@@ -1,4 +1,4 @@
-"""MPICH shared memory left by an earlier Slurm step under this step's name (flodl_mpi/stale_shm.py).
+"""MPICH shared memory left by an earlier Slurm step under this step's name (flodl_mpi/runtime/stale_shm.py).
 
 No Slurm and no MPI needed: the step is an environment, ``/dev/shm`` a temporary
 directory. The real thing (a slab left by killed ranks, and a job that starts in
@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from flodl_mpi import cli, stale_shm
-from flodl_mpi.stale_shm import clear_stale_segments, fnv1a32, kvs_name, process_start_time, segment_prefixes
+from flodl_mpi.cli.main import main as cli
+from flodl_mpi.runtime import stale_shm
+from flodl_mpi.runtime.stale_shm import clear_stale_segments, fnv1a32, kvs_name, process_start_time, segment_prefixes
 
 STEP = {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
         "PMI_RANK": "0", "PMI_JOBID": "1.0", "PMI_FD": "11"}

@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 
-from flodl_mpi.cadence import fixed_quotas, plan_window
-from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
-from flodl_mpi.data import batch_indices, ensure_digits, epoch_permutation, load_dataset, num_batches
+from flodl_mpi.policy.cadence import fixed_quotas, plan_window
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
+from flodl_mpi.training.data import batch_indices, ensure_digits, epoch_permutation, load_dataset, num_batches
 from flodl_mpi.errors import EXIT_ERROR
 from tests.conftest import run_flodl
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flodl_mpi.report import main
-from flodl_mpi.runinfo import load_run
+from flodl_mpi.cli.report import main
+from flodl_mpi.outputs.run_reader import load_run
 from tests._runs import write_synthetic
 
 pytest.importorskip("tensorboard", reason="tensorboard is an optional extra")

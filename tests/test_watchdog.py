@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from flodl_mpi.errors import EXIT_STALL
-from flodl_mpi.world import BEAT_DTYPE, heartbeat_period, overdue_verdict, stall_slack, stall_verdict
+from flodl_mpi.runtime.world import BEAT_DTYPE, heartbeat_period, overdue_verdict, stall_slack, stall_verdict
 from tests.conftest import launch_argv, launch_env, run_flodl
 
 # Stall timeout of the jobs below, seconds: small, yet well above any one setup
@@ -102,7 +102,7 @@ class _Rank0:
 def test_the_verdict_is_appended_to_the_run_log_and_a_hung_file_system_cannot_hold_the_exit(tmp_path):
     from mpi4py import MPI
 
-    from flodl_mpi import world
+    from flodl_mpi.runtime import world
 
     watchdog = world.Watchdog(_Rank0(), stall_timeout=STALL, thread_level=MPI.THREAD_MULTIPLE)  # not started
     watchdog._note("watchdog: nothing set: nothing written")  # no log_path (other ranks, before the run dir)
@@ -130,7 +130,7 @@ def test_the_verdict_is_appended_to_the_run_log_and_a_hung_file_system_cannot_ho
 def test_below_thread_multiple_the_watchdog_says_so_once_and_times_local_waits(capfd):
     from mpi4py import MPI
 
-    from flodl_mpi.world import Watchdog
+    from flodl_mpi.runtime.world import Watchdog
 
     watchdog = Watchdog(MPI.COMM_SELF, stall_timeout=5.0, thread_level=MPI.THREAD_SERIALIZED)
     assert not watchdog.heartbeats
@@ -150,7 +150,7 @@ def test_below_thread_multiple_the_watchdog_says_so_once_and_times_local_waits(c
 def test_heartbeats_run_beside_the_setup_collectives_and_stop_on_every_rank():
     from mpi4py import MPI
 
-    from flodl_mpi.world import Watchdog, agree
+    from flodl_mpi.runtime.world import Watchdog, agree
 
     comm = MPI.COMM_WORLD
     watchdog = Watchdog(comm, stall_timeout=5.0)  # a heartbeat every 0.5 s
@@ -169,7 +169,7 @@ def test_heartbeats_run_beside_the_setup_collectives_and_stop_on_every_rank():
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    from flodl_mpi.data import write_digits
+    from flodl_mpi.training.data import write_digits
 
     return str(write_digits(tmp_path_factory.mktemp("data") / "digits.h5"))
 
@@ -212,7 +212,7 @@ def test_a_rank_waiting_far_longer_than_the_timeout_for_a_slow_peer_finishes(tmp
                      "--run-dir", str(run_dir), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "watchdog" not in proc.stderr
-    from flodl_mpi.metrics import read_table
+    from flodl_mpi.outputs.metrics import read_table
 
     batches = read_table(run_dir / "metrics.h5", "batches")
     slow = batches["batch_ms"][batches["rank"] == 1].sum() / 1e3

@@ -4,7 +4,7 @@ from functools import reduce
 import numpy as np
 import pytest
 
-from flodl_mpi.wire import (WireLayout, pack_chunk, pack_piece, sum_squares, sum_squares_pieces, unpack_chunk,
+from flodl_mpi.protocol.wire import (WireLayout, pack_chunk, pack_piece, sum_squares, sum_squares_pieces, unpack_chunk,
                             unpack_piece)
 
 

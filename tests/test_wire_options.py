@@ -3,7 +3,7 @@
 import pytest
 
 from flodl_mpi.config import ConfigError, TrainConfig
-from flodl_mpi.reduce import WireOptions
+from flodl_mpi.transport.reduce import WireOptions
 
 
 def test_defaults_are_auto_and_float32():

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import flodl_mpi
-from flodl_mpi.checkpoint import latest_checkpoint, read_checkpoint
-from flodl_mpi.data import batch_indices, default_digits_path, ensure_digits, epoch_permutation, load_dataset, num_batches
-from flodl_mpi.metrics import MetricsWriter, read_table
-from flodl_mpi.models import digits_mlp
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
+from flodl_mpi.training.data import batch_indices, default_digits_path, ensure_digits, epoch_permutation, load_dataset, num_batches
+from flodl_mpi.outputs.metrics import MetricsWriter, read_table
+from flodl_mpi.training.models import digits_mlp
 
 EPOCHS, BATCH = 2, 32
 
@@ -137,7 +137,7 @@ def _round_row(i: int) -> dict:
 def test_held_round_rows_reach_the_file_before_anything_queued_after_them(tmp_path):
     """issue 26 item 10: rows a round are held and appended in blocks; a checkpoint (or an epoch's rows, a
     flush, the close) queued after them finds every one of them written, in order."""
-    from flodl_mpi.metrics import HOLD_ROWS
+    from flodl_mpi.outputs.metrics import HOLD_ROWS
 
     writer = MetricsWriter(tmp_path, 1, {"world_size": 1}, checkpoint_dir=tmp_path / "ck")
     writer.start()

@@ -3,14 +3,14 @@
     srun --mpi=pmi2 -n 2 python tests/slurm/allreduce.py [--no-clean]
 
 First, as ``flodl-mpi train`` does before MPI starts, removes the MPICH slab a dead
-earlier step left under this step's name (flodl_mpi/stale_shm.py); ``--no-clean``
+earlier step left under this step's name (flodl_mpi/runtime/stale_shm.py); ``--no-clean``
 skips that, to show what happens without it.
 """
 
 import sys
 
 if "--no-clean" not in sys.argv:
-    from flodl_mpi.cli import _clear_stale_shm
+    from flodl_mpi.cli.main import _clear_stale_shm
 
     _clear_stale_shm()
 

@@ -9,7 +9,7 @@
 # metrics.h5, the epochs, rounds and checkpoints, and its log.
 #
 #   slurm-one-node     started over a stale MPICH slab under its own KVS name (left by
-#                      a job whose ranks were killed; flodl_mpi/stale_shm.py): completes
+#                      a job whose ranks were killed; flodl_mpi/runtime/stale_shm.py): completes
 #   slurm-multi-node   completes (on one node; --exclusive=user, so that it runs beside them)
 #   preemptible, four times, each with the paced model (paced_model.py):
 #     natural          Slurm's own --signal=B:USR1@60 before a --time=2 limit
@@ -142,7 +142,7 @@ cat > "$tmp/work/killer.sbatch" <<'EOF'
 # Two ranks start MPI and are killed (no MPI_Finalize): MPICH's slab stays behind.
 source "$FLODL_VENV/bin/activate"
 # (First, like flodl-mpi, they clear a slab an earlier cluster's job with this id left.)
-srun --mpi=pmi2 python -c 'from flodl_mpi.cli import _clear_stale_shm; _clear_stale_shm()
+srun --mpi=pmi2 python -c 'from flodl_mpi.cli.main import _clear_stale_shm; _clear_stale_shm()
 from mpi4py import MPI; import os, signal; MPI.COMM_WORLD.Barrier(); os.kill(os.getpid(), signal.SIGKILL)'
 EOF
 chown -R "$user:" "$tmp/work"
@@ -185,9 +185,9 @@ attempts() {
 derived() { sacct -c -n -P -j "$1" -o DerivedExitCode 2>/dev/null | tail -n 1; }
 inspect() { "$venv/bin/python" "$here/inspect_run.py" "$tmp/work/runs/$1"; }
 field() { "$venv/bin/python" -c 'import json, sys; print(json.loads(sys.argv[1]).get(sys.argv[2]))' "$1" "$2"; }
-# The name MPICH gives its slab for PMI KVS name $1 on node 0 (flodl_mpi/stale_shm.py).
+# The name MPICH gives its slab for PMI KVS name $1 on node 0 (flodl_mpi/runtime/stale_shm.py).
 slab_name() {
-    "$venv/bin/python" -c 'import sys; from flodl_mpi.stale_shm import segment_prefixes
+    "$venv/bin/python" -c 'import sys; from flodl_mpi.runtime.stale_shm import segment_prefixes
 print(segment_prefixes(sys.argv[1])[0] + "0")' "$1"
 }
 init_failed() {  # init_failed JOB: a rank failed inside MPI_Init (the others may wait there)

@@ -10,7 +10,7 @@
 #
 # Before each launch `srun --mpi=pmi2 -n 2 -K ...` (a job of its own, step 0) it
 # copies a slab left by killed ranks to the name MPICH will use for that job's
-# KVS name "<job id>.0" (flodl_mpi/stale_shm.py), as a requeued job or a reset
+# KVS name "<job id>.0" (flodl_mpi/runtime/stale_shm.py), as a requeued job or a reset
 # Slurm meets it. Prints one line per launch and "launches: N, failed: F".
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -25,11 +25,11 @@ tmp=$(mktemp -d /tmp/flodl-launch.XXXXXX)
 trap 'cluster_down "$tmp/cluster"; rm -f /dev/shm/mpich_shm_${seed_id:-none}_0; rm -rf "$tmp"' EXIT
 cluster_up "$tmp/cluster"
 export FLODL_MPI_DATA_DIR=$tmp/data
-name_of() { python -c 'import sys; from flodl_mpi.stale_shm import segment_prefixes; print(segment_prefixes(sys.argv[1])[0] + "0")' "$1"; }
+name_of() { python -c 'import sys; from flodl_mpi.runtime.stale_shm import segment_prefixes; print(segment_prefixes(sys.argv[1])[0] + "0")' "$1"; }
 
 # A real stale slab: two ranks that start MPI and are killed (no MPI_Finalize).
 # They clear a slab an earlier cluster's job 1 may have left first, as flodl-mpi does.
-srun --mpi=pmi2 -n 2 -K python -c 'from flodl_mpi.cli import _clear_stale_shm; _clear_stale_shm()
+srun --mpi=pmi2 -n 2 -K python -c 'from flodl_mpi.cli.main import _clear_stale_shm; _clear_stale_shm()
 from mpi4py import MPI; import os, signal; MPI.COMM_WORLD.Barrier(); os.kill(os.getpid(), signal.SIGKILL)' \
     >/dev/null 2>&1 || true
 seed_job=$(( $(scontrol show config | sed -n 's/^NEXT_JOB_ID *= *//p') - 1 ))

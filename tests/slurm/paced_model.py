@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from flodl_mpi.models import digits_mlp
+from flodl_mpi.training.models import digits_mlp
 
 #: Seconds each training batch waits (about 23 batches per rank and epoch at 2 ranks).
 PACE_S = 0.4

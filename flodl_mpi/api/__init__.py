@@ -1,0 +1,2 @@
+"""The Python API: :func:`fit` (the trainer loop) and :class:`Averager` (your own loop).
+"""

@@ -1,0 +1,958 @@
+"""Work-weighted parameter averaging for a training loop you already have (the PostLocalSGD shape).
+
+Invariant: the averager only counts and averages. Your loop keeps its optimizer,
+schedule, AMP scaler and clipping; after each optimizer step it calls
+:meth:`Averager.step`, and every ``window`` calls a round runs in the bridge
+thread (SPEC §2) and the consensus is adopted before ``step`` returns. Every rank
+calls ``step`` the same number of times, so every rank enters the same rounds.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from flodl_mpi.training import scalars as _scalars
+from flodl_mpi.config import ON_NON_FINITE, POLICIES, TrainConfig
+
+#: The policies of an own loop: a round every step, or every ``window`` steps.
+_OWN_LOOP_POLICIES = ("sync", "window")
+#: The loss of an own loop, as its records name it (metrics.h5 ``loss``).
+OWN_LOOP_LOSS = "loss given to step()"
+
+__all__ = ["Averager", "EpochResult"]
+
+
+@dataclass
+class EpochResult:
+    """The cohort's view of one epoch, identical on every rank.
+
+    Attributes:
+        epoch: counted from 1.
+        summary: :class:`flodl_mpi.protocol.epoch_report.EpochSummary` (``avg_loss``,
+            per-rank batches and throughput, ``test_loss`` / ``test_accuracy``
+            when evaluation sums named ``loss`` / ``accuracy`` were given, ...).
+        scalars: ``{name: value}``: :func:`flodl_mpi.record_scalar` values, the
+            batch-weighted mean of the ranks' means (SPEC §5).
+        metrics: ``{name: Σ sum / Σ count}`` of the evaluation sums every rank gave.
+        intents: the intents any rank raised (``"eval"``, ``"checkpoint"``).
+        checkpoint: path of the checkpoint saved at this boundary (rank 0), or None.
+    """
+
+    epoch: int
+    summary: object
+    scalars: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    intents: tuple[str, ...] = ()
+    checkpoint: str | None = None
+
+
+def _check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _model_name(model: nn.Module) -> str:
+    cls = type(model)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _optimizer_name(optimizer) -> str:
+    """The resume config's ``optimizer`` (a resume checks it against the saved state); none: the default."""
+    from flodl_mpi.api.run_record import optimizer_name
+
+    return TrainConfig.optimizer if optimizer is None else optimizer_name(optimizer)
+
+
+class Averager:
+    """Average a model across ranks from your own loop: call :meth:`step` after each optimizer step.
+
+    Collective contract: every rank builds it with the same arguments (same
+    model structure: checked), calls :meth:`step` the same number of times
+    (a rank without a batch calls ``step(realized=False)``: it joins the round
+    with mass 0), and calls :meth:`end_epoch` and :meth:`close` at the same
+    points. Every ``window``-th call of :meth:`step` in an epoch runs one round, and
+    :meth:`end_epoch` closes an unfinished window with one: each rank's
+    parameters weighted by its realized steps since its last consensus,
+    ``mass = steps ** gamma`` (SPEC §1), floating buffers averaged among ranks
+    that moved, integer buffers kept local. Under plain ``python`` the world is
+    one rank and the consensus is the model itself.
+
+    Args:
+        model: ``nn.Module`` with floating-point parameters, on its device. It is
+            set to rank 0's parameters and buffers at construction (``broadcast``).
+        comm: an ``mpi4py`` intracommunicator of the ranks that train together;
+            None: ``MPI.COMM_WORLD`` (a world of 1 without a launcher).
+        optimizer: your optimizer, optional. Given, the averager counts the
+            optimizer steps that really happened (a post-step hook: an AMP
+            ``GradScaler`` that skips a step on inf/NaN gradients makes no
+            mass), clears its state when this rank is quarantined, and saves it
+            in checkpoints. Without it each :meth:`step` call is one step.
+        policy: ``"sync"`` (a round after every step) or ``"window"`` (after every ``window`` steps).
+        window: calls of :meth:`step` per rank between rounds, >= 1 (1 with ``"sync"``).
+        gamma: mass exponent, finite (SPEC §1): 1 weights by work.
+        run_dir: directory for ``config.json`` (the model and optimizer as built),
+            ``train.log``, ``metrics.h5`` and ``checkpoints/`` (new or empty), written
+            by rank 0 as ``flodl-mpi train`` does; None: no files.
+        checkpoint_every: epochs (:meth:`end_epoch` calls) between checkpoints, >= 0
+            (0: only the one at :meth:`close`).
+        keep_checkpoints: newest checkpoints kept, >= 1.
+        stall_timeout: seconds, > 0, without progress on any rank before the job
+            ends with exit status 3 (a rank hung in its step, or gone).
+        on_non_finite: ``"quarantine"`` (a rank with a NaN/Inf loss or parameters
+            sends mass 0 for the round and adopts the others' consensus) or ``"stop"``
+            (:class:`~flodl_mpi.errors.NonFiniteError` on every rank; on one node, CPU
+            parameters, the round then skips its read of the parameters before the
+            gather, and after the error they may hold the consensus in part: keep
+            the checkpoints, not the model).
+        chunk_elems: float32 elements per Allreduce piece.
+        broadcast: start every rank from rank 0's parameters and buffers (default True).
+        resume: continue the run in ``run_dir`` from its newest checkpoint: the
+            consensus, this rank's optimizer state, torch RNG (CPU), step count and
+            integer buffers, the round count, and where your loop goes on:
+            :attr:`start_epoch` (the epochs done) and :attr:`start_step` (the step()
+            calls of the next epoch done before a stop cut it short; 0 after a
+            complete epoch). Start your epoch loop at ``start_epoch`` and skip the
+            first ``start_step`` batches of that epoch (:meth:`batches` does), and
+            the resumed run is the uninterrupted one, bit for bit, on the same
+            world size when your batch order is a function of the epoch (not of
+            the global RNG) and your other RNGs (numpy, CUDA) are yours to restore;
+            the cut-short epoch's loss, sample counts and ``record_scalar`` sums
+            carry over, so its rows read as one epoch. metrics.h5 keeps the rows
+            the checkpoint had seen. A ``run_dir`` that does not exist or holds no
+            checkpoint is refused (``InputError``); ``resume="auto"`` starts the run
+            then, saying so. Needs ``run_dir``.
+        **options: none; an unknown keyword is bad input (``InputError``), its line
+            naming the closest keyword (``windw (did you mean window?)``), as ``fit``'s.
+
+    Raises:
+        flodl_mpi.errors.InputError: a bad argument (the message names it as the
+            signature spells it), the model differs across ranks, the run dir is
+            not new or empty, or the launcher is another MPI's: every rank raises
+            it; uncaught, one line from rank 0 and exit status 2.
+
+    Failure semantics: an error on one rank of a larger world (in your loop or in
+    a round) ends the whole job within seconds with exit status 1 and the rank's
+    error printed (use the averager as a context manager, or let the exception
+    reach the top: flodl_mpi's exception hook aborts the job); a non-finite
+    consensus raises :class:`flodl_mpi.errors.NonFiniteError` on every rank alike.
+    Checkpoints already written stay.
+
+    Example (README.rst, "Keep your loop", has a complete one)::
+
+        with flodl_mpi.Averager(model, optimizer=opt, run_dir="runs/a", resume=resuming) as avg:
+            for epoch in range(avg.start_epoch, epochs):      # a resumed run goes on where it stopped
+                for x, y in avg.batches(my_batches(epoch, avg.rank, avg.world_size)):
+                    opt.zero_grad()
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    avg.step(loss, samples=len(x))   # counts the step; every window steps, a round
+                avg.end_epoch()             # closes the window; metrics.h5 row, checkpoint (collective)
+    """
+
+    def __init__(self, model: nn.Module, comm=None, *, optimizer: torch.optim.Optimizer | None = None,
+                 policy: str = "sync", window: int = 1, gamma: float = 1.0, run_dir: str | os.PathLike | None = None,
+                 checkpoint_every: int = 1, keep_checkpoints: int = 3, stall_timeout: float = 600.0,
+                 on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True,
+                 resume: bool | str = False, **options) -> None:
+        # -- validate every argument (STYLE 13), agreed by every rank: bad input is one
+        # line from rank 0 and exit status 2, as the CLI's (flodl_mpi.errors.InputError)
+        def validate() -> TrainConfig:
+            try:
+                if options:  # a misspelt keyword: fit's line (did you mean ...?), not Python's TypeError
+                    import inspect
+
+                    from flodl_mpi.api.keywords import unknown_keywords
+
+                    named = [p.name for p in inspect.signature(Averager).parameters.values()
+                             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+                    raise ValueError(unknown_keywords("Averager()", options, named))
+                if not isinstance(model, nn.Module):
+                    raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+                params = list(model.named_parameters())
+                if not params:
+                    raise ValueError("model has no parameters: nothing to average")
+                bad = [n for n, p in params if not p.is_floating_point()]
+                if bad:
+                    raise ValueError(f"model parameter {bad[0]!r} is not floating point; every parameter must be")
+                if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+                    raise TypeError("optimizer must be a torch.optim.Optimizer or None, got "
+                                    f"{type(optimizer).__name__}")
+                if policy not in _OWN_LOOP_POLICIES:
+                    # cadence and async decide how many batches each rank trains; in your own
+                    # loop you decide that, so they are flodl_mpi.fit's (and the CLI's) only.
+                    raise ValueError(f"policy={policy!r}: must be one of {', '.join(_OWN_LOOP_POLICIES)}"
+                                     + (" (the balanced policies set each rank's batches: use flodl_mpi.fit)"
+                                        if policy in POLICIES else ""))
+                _check_int(window, "window", 1)
+                if policy == "sync" and window != 1:
+                    raise ValueError(f"window={window} contradicts policy='sync' (a round after every step); "
+                                     "use policy='window'")
+                if policy == "window" and window == 1:  # never silently sync (issue 26 item 9)
+                    raise ValueError("policy='window' needs window=N: the step() calls between rounds, N >= 2 "
+                                     "(a window of 1 is policy='sync')")
+                if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma):
+                    raise ValueError(f"gamma must be a finite number, got {gamma!r}")
+                _check_int(checkpoint_every, "checkpoint_every", 0)
+                _check_int(keep_checkpoints, "keep_checkpoints", 1)
+                _check_int(chunk_elems, "chunk_elems", 1)
+                if not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
+                    raise ValueError(f"stall_timeout must be seconds > 0, got {stall_timeout!r}")
+                if on_non_finite not in ON_NON_FINITE:
+                    raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, "
+                                     f"got {on_non_finite!r}")
+                if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+                    raise TypeError(f"run_dir must be a path or None, got {type(run_dir).__name__}")
+                if resume and run_dir is None:
+                    raise ValueError("resume=True needs run_dir: the run directory to continue")
+                return TrainConfig(model=_model_name(model), data="(your training loop)", policy=policy,
+                                   window=window, gamma=float(gamma),
+                                   run_dir=None if run_dir is None else str(run_dir),
+                                   checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                                   stall_timeout=float(stall_timeout), on_non_finite=on_non_finite,
+                                   chunk_elems=chunk_elems, optimizer=_optimizer_name(optimizer),
+                                   resume=resume)
+            except TypeError as exc:  # the wrong kind is bad input too (agree: ValueError is input)
+                raise ValueError(str(exc)) from None
+
+        self.model, self.optimizer = model, optimizer
+        self._closed = True  # until setup is complete
+
+        # -- MPI, then everything that needs it (imported late: MPI starts in open_session)
+        from flodl_mpi.errors import InputError
+        from flodl_mpi.runtime.launcher import launch_env
+        from flodl_mpi.runtime.session import api_words, leave_on_error, open_session
+        from flodl_mpi.runtime.world import agree
+
+        if launch_env().launcher is None:  # a world of 1: refused before MPI starts
+            try:
+                validate()
+            except ValueError as exc:
+                raise InputError(str(exc)) from None
+        timeout = stall_timeout if isinstance(stall_timeout, (int, float)) and stall_timeout > 0 else 600.0
+        self._session = open_session(comm, timeout)
+        self._writer = None
+        try:
+            self.cfg = agree(self._session.world.comm, "arguments", validate, self._session.watchdog)
+            self._setup(broadcast)
+        except BaseException as exc:
+            if self._writer is not None:  # close metrics.h5: no "open for write" flag left
+                import contextlib
+
+                with contextlib.suppress(Exception):
+                    self._writer.close(timeout=10.0)
+            leave_on_error(self._session, exc)
+            if api_words(exc) is not exc:  # the CLI's flags named as the keywords
+                raise api_words(exc) from exc.__cause__
+            raise
+        self._closed = False
+
+    # ---- setup -----------------------------------------------------------------------
+
+    def _setup(self, broadcast: bool) -> None:
+        from flodl_mpi.transport.bridge import Bridge
+        from flodl_mpi.outputs.metrics import MetricsWriter
+        from flodl_mpi.training.train import _check_same_model, _make_run_dir, _run_attrs, resume_point
+        from flodl_mpi.training.worker import Replica
+        from flodl_mpi.runtime.world import agree
+
+        world, watchdog = self._session.world, self._session.watchdog
+        comm = world.comm
+        # -- counters (SPEC §2: n_r, subtracted after each adoption)
+        self.steps = 0            # realized optimizer steps since the consensus last adopted
+        self.global_step = 0      # this rank's realized steps in the run
+        self._calls = 0           # step() calls in the current window
+        self._hooked = 0          # optimizer steps seen by the hook since the last step()
+        self._loss_finite = True
+        self.epoch = 0            # epochs ended (end_epoch calls)
+        self._saved_version = 0
+        #: The latest ended epoch's test figures (accuracy, loss, count): its checkpoints' (NaN, NaN, 0: none).
+        self._tests = (math.nan, math.nan, 0)
+        #: Rows metrics.h5 holds per table (a checkpoint records them for a resume).
+        self._metrics_rows = {"epochs": 0, "batches": 0, "scalars": 0}
+        ckpt = None
+        self._round_pending = False
+        self.world = world
+        #: This rank and the world size (1 under plain ``python``).
+        self.rank, self.world_size = world.rank, world.size
+        self.device = next(self.model.parameters()).device
+        _check_same_model(self.model, comm)
+        self.run_dir = None
+        self._writer = None
+        self._train_log = None
+        if self.cfg.run_dir is not None:
+            self.run_dir = _make_run_dir(self.cfg, comm, watchdog)
+            ckpt, keep_rows = resume_point(self.cfg, self.run_dir, world, watchdog, self.model, 0,
+                                           check_optimizer=self.optimizer is not None)
+            if world.rank == 0:
+                import json
+
+                name = "config.json" if keep_rows is None else \
+                    f"config-resume-r{int(ckpt.meta['round']) if ckpt is not None else 0:06d}.json"
+                from flodl_mpi.api.run_record import OWN_LOOP_OPTIONS, api_config
+
+                # What is true of an own loop: its model and optimizer as built, no planned epochs.
+                record = api_config(self.cfg.to_dict(), "Averager", loss=OWN_LOOP_LOSS, model=self.model,
+                                    optimizer=self.optimizer, applies=OWN_LOOP_OPTIONS)
+                (self.run_dir / name).write_text(json.dumps(record, indent=2) + "\n")
+                attrs = _run_attrs(self.cfg, world, self.device)
+                attrs.update(config=record, loss=OWN_LOOP_LOSS, data_source="(your training loop)")
+                self._writer = MetricsWriter(self.run_dir, world.size, attrs, self.run_dir / "checkpoints",
+                                             self.cfg.keep_checkpoints, keep_rows=keep_rows)
+                self._open_train_log(attrs["devices"])
+            else:
+                _run_attrs(self.cfg, world, self.device)  # collective: hosts and devices
+            agree(comm, "metrics writer", lambda: self._writer.start() if self._writer is not None else None,
+                  watchdog, name_ranks=False)
+        self.replica = Replica(self.model, self.device)
+        self.bridge = Bridge(comm.Dup(), [tuple(p.shape) for p in self.replica.params],
+                             [tuple(b.shape) for b in self.replica.float_buffers], gamma=self.cfg.gamma,
+                             chunk_elems=self.cfg.chunk_elems, writer=self._writer, anchor=self.cfg.window,
+                             threaded=world.threaded_bridge, watchdog=watchdog, on_non_finite=self.cfg.on_non_finite)
+        # Bound params live in the staging: no copies per round. The Parameter objects
+        # stay the same, so an optimizer built before keeps working.
+        self.replica.bind(self.bridge)
+        self.replica.snapshot(self.bridge)
+        if broadcast:
+            self.bridge.broadcast(root=0)
+        self.replica.adopt(self.bridge)
+        if self.run_dir is not None:  # what would fail at save time fails now
+            agree(comm, "checkpoint check", self._check_saveable, watchdog, name_ranks=False)
+        self._new_epoch()
+        self._book = _scalars.ScalarBook()
+        #: Where your loop goes on (see the class docstring): epochs done, and step() calls of the next one done.
+        self.start_epoch, self.start_step = 0, 0
+        self._skip = 0  # batches() calls left to skip: start_step, once
+        carried_ms = 0.0
+        if ckpt is not None:
+            carried_ms = agree(comm, "resume", lambda: self._resume(ckpt), watchdog)
+            self.start_epoch, self.start_step, self._skip = self.epoch, self._epoch_calls, self._epoch_calls
+            self._say_resumed(ckpt)
+        _scalars.activate(self._book)
+        self._hook = None
+        if self.optimizer is not None:
+            self._hook = self.optimizer.register_step_post_hook(self._count_step)
+        now = time.perf_counter()  # the epoch's clock: its time before the stop, then from here
+        self._t_epoch, self._t_last = now - carried_ms / 1e3, now
+        watchdog.begin("training")
+        self.bridge.start()
+
+    def _open_train_log(self, devices: list) -> None:
+        """Rank 0's train.log, as the CLI's: a header now, a line per epoch, a last line at close."""
+        import logging
+
+        from flodl_mpi import __version__
+        from flodl_mpi.training.train import _setup_logging, log
+
+        self._train_log = _setup_logging(self.run_dir, 0)
+        self._session.watchdog.log_path = self.run_dir / "train.log"  # a stall's verdict ends train.log too
+        log.setLevel(min(log.level or logging.INFO, logging.INFO))
+        per = "every step() call" if self.cfg.window == 1 else f"every {self.cfg.window} step() calls"
+        log.info(f"flodl-mpi {__version__}: {self.world_size} rank{'s' if self.world_size > 1 else ''}, your own "
+                 f"loop (flodl_mpi.Averager), policy {self.cfg.policy} (a round after {per}), gamma "
+                 f"{self.cfg.gamma:g}, {sum(p.numel() for p in self.model.parameters())} params on {devices}; "
+                 f"run dir {self.run_dir}")
+
+    def _log(self, line: str) -> None:
+        if self._train_log is not None:
+            from flodl_mpi.training.train import log
+
+            log.info(line)
+
+    def _say(self, line: str) -> None:
+        """Rank 0: a line of the run's events in train.log and on the terminal (stderr)."""
+        if self.rank == 0:
+            import sys
+
+            self._log(line)
+            print(f"flodl-mpi: {line}", file=sys.stderr, flush=True)
+
+    def _resume(self, ckpt) -> float:
+        """This rank's state from the checkpoint (the consensus is loaded already), as ``worker.Trainer.resume``.
+
+        A checkpoint of an epoch cut short (a stop, or :meth:`close` after more
+        steps) also gives back where the epoch was (:meth:`_continue_epoch`).
+        Returns the ms the cut-short epoch had run (0.0: none).
+        """
+        from flodl_mpi.training import rank_state
+
+        meta = ckpt.meta
+        old_size = int(meta["world_size"])
+        arrays, attrs = ckpt.ranks[self.rank % old_size]
+        same = old_size == self.world_size
+        if self.optimizer is not None and "optimizer_class" in attrs:
+            rank_state.restore(self.optimizer, arrays, attrs, rng=same)
+        elif same and "rng/torch" in arrays:
+            torch.set_rng_state(torch.from_numpy(np.array(arrays["rng/torch"])))
+        rank_state.restore_integer_buffers(self.model, arrays)
+        self.global_step = int(attrs.get("global_step", 0))
+        self.bridge.version = self._saved_version = int(meta["round"])
+        self.bridge.guard.load_state_dict(meta["guard"])
+        self.bridge.resume_clock(float(meta["elapsed_s"]))
+        self.epoch = int(meta["epoch"])
+        if meta.get("epoch_complete", True):
+            self._tests = (float(meta["test_accuracy"]), float(meta["test_loss"]), int(meta["test_count"]))
+        self._metrics_rows = {k: int(meta["metrics_rows"].get(k, 0)) for k in self._metrics_rows}
+        progress = meta.get("epoch_progress")
+        if meta.get("epoch_complete", True) or not isinstance(progress, dict):
+            return 0.0  # a complete epoch, or written before the own loop kept its place: the epoch restarts
+        return self._continue_epoch(progress, old_size)
+
+    def _continue_epoch(self, progress: dict, old_size: int) -> float:
+        """The cut-short epoch's counts so far, so that its rows read as if never interrupted.
+
+        ``progress`` (a checkpoint's ``epoch_progress``): ``step``, the step() calls
+        every rank made in the epoch, and ``ranks``, per old rank, its report so
+        far (``loss_sum``, ``batches``, ``nonfinite_batches``, ``samples``, -1 for
+        not recorded, ``compute_ms``, ``epoch_ms``) and its ``record_scalar``
+        book (``scalars``: ``{name: [sum, count]}``, ``intents``). Another world
+        size: rank r carries the sum of old ranks ``r' ≡ r (mod W)``, as
+        ``worker.Trainer.resume``. Returns the epoch's ms so far (this rank's).
+        """
+        self._epoch_calls = int(progress["step"])
+        epoch_ms = 0.0
+        for old, part in enumerate(progress["ranks"]):
+            if old % self.world_size != self.rank:
+                continue
+            self._loss_sum += float(part["loss_sum"])
+            self._batches += int(part["batches"])
+            self._nonfinite += int(part["nonfinite_batches"])
+            self._samples_known = self._samples_known and int(part["samples"]) >= 0
+            self._samples += max(int(part["samples"]), 0)
+            self._compute_ms += float(part["compute_ms"])
+            epoch_ms = max(epoch_ms, float(part["epoch_ms"]))
+            self._book.restore({k: (s, c) for k, (s, c) in part["scalars"].items()}, part["intents"])
+        return epoch_ms
+
+    def _epoch_progress(self) -> dict:
+        """This rank's part of a cut-short epoch's ``epoch_progress`` (see :meth:`_continue_epoch`)."""
+        sums, intents = self._book.drain()
+        self._book.restore(sums, intents)  # read, not taken: the book goes on as it was
+        return {"loss_sum": self._loss_sum, "batches": self._batches, "nonfinite_batches": self._nonfinite,
+                "samples": self._samples if self._samples_known else -1, "compute_ms": self._compute_ms,
+                "epoch_ms": 1e3 * (time.perf_counter() - self._t_epoch),
+                "scalars": {k: [s, c] for k, (s, c) in sums.items()}, "intents": list(intents)}
+
+    def _say_resumed(self, ckpt) -> None:
+        """Rank 0: the resume line (train.log and stderr): where the loop goes on, and what is not exact."""
+        meta = ckpt.meta
+        old_size = int(meta["world_size"])
+        where = (f"epoch {self.start_epoch + 1} from step() call {self.start_step + 1}" if self.start_step else
+                 f"epoch {self.start_epoch + 1}")
+        line = (f"resuming from {ckpt.path.name}: {self.start_epoch} epoch(s) done, {self.start_step} step() "
+                f"call(s) into the next, round {self.bridge.version}; go on at {where} (avg.start_epoch "
+                f"{self.start_epoch}, avg.start_step {self.start_step}; avg.batches() skips them)")
+        if not meta.get("epoch_complete", True) and not isinstance(meta.get("epoch_progress"), dict):
+            line += ("; the checkpoint (an older flodl-mpi's) does not say how far its epoch went: the epoch "
+                     "restarts at its first step, its first batches trained twice")
+        if old_size != self.world_size:
+            line += (f"; world size {old_size} -> {self.world_size}: rank r took the optimizer state, step count "
+                     f"and integer buffers of old rank r mod {old_size}, its RNG not restored: the run is not the "
+                     "uninterrupted one")
+        self._say(line)
+
+    def _count_step(self, optimizer, args, kwargs) -> None:
+        self._hooked += 1
+
+    def _new_epoch(self) -> None:
+        self._t_epoch = self._t_last = time.perf_counter()
+        self._loss_sum, self._batches, self._samples, self._compute_ms = 0.0, 0, 0, 0.0
+        self._nonfinite = 0  # batches with a given loss that was NaN/Inf: out of _loss_sum, counted
+        self._samples_known = True  # every realized step of the epoch gave samples=
+        self._epoch_calls = 0  # step() calls in this epoch: end_epoch() and close() check they agree
+        self._rows: list[tuple] = []
+
+    # ---- the loop's side ----------------------------------------------------------------
+
+    def step(self, loss=None, *, realized: bool | None = None, samples: int | None = None):
+        """Count one step of this rank; every ``window`` calls, run a round and adopt its consensus.
+
+        Collective: every rank calls it the same number of times (a round is
+        entered on every ``window``-th call). Blocks for the round's duration.
+
+        Args:
+            loss: this step's loss (float or one-element tensor), optional: its
+                finiteness decides quarantine (SPEC §2) and it is the
+                ``avg_loss`` of ``metrics.h5`` (NaN, "not recorded", for an epoch in
+                which a step of the rank gave none). A tensor costs a ``.item()`` (a sync point).
+            realized: whether an optimizer step happened. Default: with an
+                ``optimizer`` given, the steps its post-step hook counted since
+                the last call (0 when an AMP scaler skipped it); else True.
+                ``realized=False``: this rank had no batch; it joins the round with mass 0.
+            samples: samples in this step's batch, int >= 0, for the ``per_rank_samples``
+                and ``per_rank_throughput`` columns; an epoch in which a step of
+                this rank did not give it records -1 samples ("not recorded") and
+                NaN throughput for the rank, not a made-up count.
+
+        Returns:
+            The round's :class:`flodl_mpi.transport.bridge.RoundUpdate` when a round ran, else None.
+
+        Raises:
+            RuntimeError: after :meth:`close`.
+            flodl_mpi.errors.NonFiniteError: the same on every rank (see ``on_non_finite``).
+            flodl_mpi.errors.CohortError: the same on every rank: another rank reached
+                :meth:`end_epoch` or :meth:`close` after fewer calls (names each rank's count).
+            flodl_mpi.errors.RoundError: the round failed on this rank.
+            flodl_mpi.Stopped: a stop signal (SIGUSR1, SIGTERM, Ctrl-C) reached some rank:
+                every rank raises it after this round, the checkpoint saved (with
+                ``run_dir``) and the averager closed; uncaught, exit status 4.
+        """
+        if self._closed:
+            raise RuntimeError("Averager.step() after close()")
+        if samples is not None:
+            _check_int(operator.index(samples) if hasattr(samples, "__index__") else samples, "samples", 0)
+        if realized is None:
+            n = self._hooked if self.optimizer is not None else 1
+        else:
+            n = 1 if realized else 0
+        self._hooked = 0
+        now = time.perf_counter()
+        batch_ms = 1e3 * (now - self._t_last)
+        self._t_last = now
+        loss_value = math.nan
+        if loss is not None:
+            loss_value = float(loss.item() if hasattr(loss, "item") else loss)
+            self._loss_finite = self._loss_finite and math.isfinite(loss_value)
+        self.steps += n
+        self.global_step += n
+        self._calls += 1
+        self._epoch_calls += 1
+        if n:
+            self._batches += 1
+            if loss is not None and not math.isfinite(loss_value):
+                self._nonfinite += 1  # quarantined by the round: out of the epoch's loss, counted
+            else:
+                self._loss_sum += loss_value  # NaN without a loss: avg_loss says "not recorded", not 0
+            if samples is None:
+                self._samples_known = False
+            else:
+                self._samples += operator.index(samples)
+            self._compute_ms += batch_ms
+            if self.run_dir is not None:
+                lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else math.nan
+                self._rows.append((self.rank, self.epoch + 1, self.global_step, batch_ms, math.nan, loss_value,
+                                   float(lr), math.nan))
+        self._session.watchdog.progress(f"step {self.global_step}")
+        if self._calls < self.cfg.window:
+            return None
+        try:
+            return self._round()
+        except BaseException as exc:
+            words = self._failing(exc)
+            if words is exc:
+                raise
+            raise words from exc.__cause__
+
+    def batches(self, batches):
+        """Your epoch's batches less those a stopped run trained already: ``for b in avg.batches(mine): ...``.
+
+        The first call after a resume skips the first :attr:`start_step` items of
+        ``batches`` (the step() calls the cut-short epoch had made: see the class
+        docstring); every other call passes ``batches`` through. Call it once per
+        epoch, on the batches you call :meth:`step` for, in the same order as the
+        stopped run (derive the epoch's order from the epoch, not from the global
+        RNG). The skipped items are iterated past (a DataLoader loads them); to
+        skip without loading, start your own index at :attr:`start_step` instead.
+
+        Args:
+            batches: any iterable.
+
+        Returns:
+            An iterator over the items left.
+        """
+        import itertools
+
+        skip, self._skip = self._skip, 0
+        return itertools.islice(batches, skip, None)
+
+    def _round(self, final: bool = False):
+        t0 = time.perf_counter()  # the snapshot's and the adoption's copies: rounds/snapshot_ms, adopt_ms
+        self.replica.snapshot(self.bridge)
+        self.bridge.add_training_ms("snapshot", 1e3 * (time.perf_counter() - t0))
+        stop = self._session.stop is not None and self._session.stop.requested
+        update = self.bridge.round(self.steps, self._calls, stop=stop, loss_finite=self._loss_finite,
+                                   calls=self._epoch_calls)
+        self._calls, self._loss_finite = 0, True
+        self._round_pending = True
+        if update.adopted and not self.bridge.alone:  # a world of one's consensus is its own values
+            t0 = time.perf_counter()
+            self.replica.adopt(self.bridge)
+            self.bridge.add_training_ms("adopt", 1e3 * (time.perf_counter() - t0))
+        elif update.adopted:  # a world of one adopts in place: no time (0, not "not recorded")
+            self.bridge.add_training_ms("adopt", 0.0)
+        if update.quarantined:  # gathered: the same on every rank; rank 0 says it, as fit does
+            self._say(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
+                      "non-finite loss or NaN/Inf parameters: quarantined (mass 0), adopted the consensus")
+        if self.rank in update.quarantined and self.optimizer is not None:
+            self.optimizer.state.clear()  # the non-finite step most likely poisoned it
+        self.steps -= update.steps_at_snapshot  # subtract, don't zero (SPEC §2 step 8)
+        self._t_last = time.perf_counter()  # the round is not the next step's compute
+        if update.stop and not final:  # gathered: every rank stops after this round
+            self._stop_now()
+        return update
+
+    def _stop_now(self) -> None:
+        """A stop signal reached some rank: save (collective), close, raise :class:`Stopped` on every rank."""
+        from flodl_mpi.errors import Stopped
+
+        stop = self._session.stop
+        self._flush_round()  # the stop round's row reaches metrics.h5 before the writer closes
+        # An epoch the stop cut short (end_epoch() not called) is saved incomplete, named as the CLI's
+        # mid-epoch stop: the epoch it stopped in, "epoch" counting the epochs done.
+        complete = self._epoch_calls == 0
+        self._write_cut_rows()  # the batches of the epoch the stop cut short, before the save counts them
+        if self.run_dir is not None:
+            self._save(None, "graceful_shutdown", complete=complete)
+        where = (f"checkpoint saved in {self.run_dir / 'checkpoints'}; run the same script with resume=True "
+                 "to go on" if self.run_dir is not None else "no run_dir: nothing was saved")
+        at = f"in epoch {self.epoch + 1}" if not complete else f"at the end of epoch {self.epoch}"
+        line = (f"stopped on request ({stop.signal_name or 'a stop signal'}) {at} "
+                f"after round {self.bridge.version}; {where}; exit status 4")
+        # train.log records the stop (flodl-mpi report counts it) and ends with the stop's last line, as fit's
+        rounds = f"{self.bridge.version} round{'' if self.bridge.version == 1 else 's'}"
+        last = (f"stopped, not done: {self.epoch} epoch(s) of your loop, {rounds}; "
+                "exit status 4: to go on, run the same script with resume=True")
+        self._finish(last=[line, last])
+        self._session.close()
+        if self.rank == 0:
+            import sys
+
+            print(f"flodl-mpi: {line}", file=sys.stderr, flush=True)
+        raise Stopped(stop.signal_name, self.bridge.version)
+
+    def _flush_round(self) -> None:
+        """Collective: a boundary gather that carries the last round's acks, so its ``rounds`` row is written."""
+        if self._round_pending:
+            self.bridge.boundary(2, self._epoch_calls)
+            self._round_pending = False
+
+    def end_epoch(self, metrics: dict | None = None) -> EpochResult:
+        """Close an epoch for the cohort: exchange reports, write ``metrics.h5`` rows, checkpoint when due.
+
+        Collective: every rank calls it at the same point (after the same number
+        of :meth:`step` calls). An unfinished window (calls since the last round)
+        is closed with a round first, as ``flodl-mpi train`` closes an epoch's
+        last window, so the checkpoint and every rank's model are the consensus of
+        every rank's steps; windows count afresh from each epoch's start. The
+        ``metrics`` you pass were measured before that round, on this rank's model.
+
+        Args:
+            metrics: this rank's evaluation sums, ``{name: (sum, count)}`` (e.g.
+                over its slice of a test set); the cohort's value is
+                ``Σ sum / Σ count``. ``loss`` and ``accuracy`` also fill the
+                ``test_loss`` / ``test_accuracy`` columns.
+
+        Returns:
+            :class:`EpochResult`, identical on every rank.
+
+        Raises:
+            TypeError: ``metrics`` is not a dict of ``(sum, count)`` pairs.
+            flodl_mpi.Stopped: a stop signal rode the round that closed the window:
+                the epoch ended (its rows written), then as in :meth:`step`.
+            flodl_mpi.errors.CohortError: on every rank alike, when the ranks called
+                :meth:`step` a different number of times in this epoch (one line
+                naming each rank and its count; exit status 1 uncaught).
+        """
+        if self._closed:
+            raise RuntimeError("Averager.end_epoch() after close()")
+        sums = _check_metrics(metrics)
+        try:
+            return self._end_epoch(sums)
+        except BaseException as exc:
+            words = self._failing(exc)
+            if words is exc:
+                raise
+            raise words from exc.__cause__
+
+    def _end_epoch(self, sums: dict[str, tuple[float, float]]) -> EpochResult:
+        from flodl_mpi.protocol.epoch_report import EpochReport, excluded_words
+
+        # Shaped like a round: a peer still in step() sees this rank's end in its round (clear error, not a hang)
+        self.bridge.boundary(1, self._epoch_calls)
+        stop = False
+        if self._calls:  # the same count on every rank (the boundary checked): the epoch's last window is short
+            # closed with a round, as the CLI closes an epoch's last window: the checkpoint below, and the
+            # model every rank goes on from, are the consensus of everyone's steps (not rank 0's own)
+            stop = self._round(final=True).stop  # gathered: a stop in it ends the run after this epoch's end
+        report = EpochReport(loss_sum=self._loss_sum, batches=self._batches, nonfinite_batches=self._nonfinite,
+                             samples=self._samples if self._samples_known else -1,
+                             epoch_ms=1e3 * (time.perf_counter() - self._t_epoch), compute_ms=self._compute_ms)
+        _fill_test(report, sums)
+        boundary = _scalars.exchange(self.bridge.allgather, self._book, self._batches, sums)
+        summary = self.bridge.epoch_end(report, np.array(self._rows, dtype=np.float64), self.epoch)
+        self._round_pending = False
+        self.epoch += 1
+        self._tests = (summary.test_accuracy, summary.test_loss, summary.test_count)
+        path = None
+        rows = _scalars.scalar_rows(self.epoch, {**boundary.scalars, **boundary.eval_values},
+                                    {**boundary.counts, **boundary.eval_counts}, boundary.per_rank, self.world_size)
+        self._metrics_rows["epochs"] += 1
+        self._metrics_rows["batches"] += summary.batch_records
+        self._metrics_rows["scalars"] += 0 if rows is None else len(rows["epoch"])
+        if self._writer is not None and rows is not None:
+            self._writer.append("scalars", rows)
+        due = self.cfg.checkpoint_every and self.epoch % self.cfg.checkpoint_every == 0
+        if self.run_dir is not None and (due or "checkpoint" in boundary.intents) and not stop:
+            path = self._save(summary, "checkpoint")
+        tests = "".join(f"  test_{k} {v:.4f}" for k, v in boundary.metrics.items())
+        self._log(f"epoch {self.epoch}  loss {summary.avg_loss:.4f}{excluded_words(summary.nonfinite_batches)}"
+                  f"{tests}  rounds {summary.rounds}  "
+                  f"{summary.epoch_ms / 1e3:.1f} s")
+        self._new_epoch()
+        if stop:  # the stop came with the epoch's last round: the epoch is complete, saved as such (the CLI's)
+            self._stop_now()
+        return EpochResult(self.epoch, summary, dict(boundary.scalars), dict(boundary.metrics), boundary.intents,
+                           path)
+
+    def request(self, intent: str) -> None:
+        """Ask for ``"checkpoint"`` (saved at the next :meth:`end_epoch`, whoever asks) or ``"eval"``
+        (reported in the next :class:`EpochResult`'s ``intents`` on every rank)."""
+        self._book.request(intent)
+
+    # ---- checkpoints ----------------------------------------------------------------
+
+    def _rank_state(self):
+        from flodl_mpi.training import rank_state
+
+        if self.optimizer is not None:
+            return rank_state.capture(self.optimizer, self.global_step, self.model)
+        ints = {f"int_buffers/{k}": v for k, v in rank_state.integer_buffers(self.model).items()}
+        return ({"rng/torch": torch.get_rng_state().numpy().copy(), **ints}, {"global_step": int(self.global_step)})
+
+    def _contents(self, summary, reason: str, ranks: list, complete: bool = True,
+                  progress: list | None = None) -> tuple:
+        from flodl_mpi.outputs.checkpoint import checkpoint_name
+        from flodl_mpi.training.model_record import model_record
+        from flodl_mpi.training.worker import state_arrays
+
+        params, buffers, order = state_arrays(self.model)
+        if summary is not None:
+            tests = (summary.test_accuracy, summary.test_loss, summary.test_count)
+        else:
+            tests = self._tests if complete else (math.nan, math.nan, 0)
+        meta = {
+            "epoch": self.epoch, "epoch_complete": complete, "cursor": 0, "round": self.bridge.version,
+            "global_step": self.global_step, "reason": reason, "world_size": self.world_size,
+            "elapsed_s": self.bridge.elapsed, "config": self.cfg.to_dict(), "guard": self.bridge.guard.state_dict(),
+            # The epoch's test figures (a checkpoint of an epoch cut short: none measured)
+            "test_accuracy": tests[0], "test_loss": tests[1], "test_count": int(tests[2]),
+            "api": "Averager", "time_unix": time.time(),
+            "model": model_record(self.model),  # what a resume compares its model with
+            # A round's row is written when its acks ride the next gather: the last one is
+            # still pending when no epoch exchange came after it.
+            "metrics_rows": {"rounds": self.bridge.version - int(self._round_pending), **self._metrics_rows},
+        }
+        if not complete and progress is not None:  # where the cut-short epoch was: a resume goes on from there
+            meta["epoch_progress"] = {"step": self._epoch_calls, "ranks": progress}
+        # Named as the CLI's: the epoch saved (the one cut short, when not complete); "epoch" counts those done.
+        return checkpoint_name(self.epoch if complete else self.epoch + 1, self.bridge.version), params, buffers, meta, order, ranks
+
+    def _check_saveable(self) -> None:
+        """The save check (rank 0): a checkpoint of the initial state written and removed, then room for one
+        checkpoint (`flodl_mpi.outputs.checkpoint_room.check_before_training`; how many an own loop saves is not known)."""
+        from flodl_mpi.outputs import checkpoint_room
+        from flodl_mpi.outputs.checkpoint import write_checkpoint
+
+        state = self._rank_state()
+        if self.rank != 0:
+            return
+        _, params, buffers, meta, order, ranks = self._contents(None, "checkpoint", [state] * self.world_size)
+        directory = self.run_dir / "checkpoints"
+        size = checkpoint_room.save_check(directory,
+                                          lambda path: write_checkpoint(path, params, buffers, meta, order, ranks))
+        checkpoint_room.check_before_training(directory, size, self.optimizer, state[0], self.world_size,
+                                              self.cfg.keep_checkpoints, saves=1)
+
+    def _save(self, summary, reason: str, complete: bool = True) -> str | None:
+        """Collective: every rank's state is gathered to rank 0, whose writer thread saves."""
+        gathered = self.bridge.gather_to_root((self._rank_state(), None if complete else self._epoch_progress()))
+        self._saved_version = self.bridge.version
+        if self._writer is None:
+            return None
+        name, params, buffers, meta, order, ranks = self._contents(
+            summary, reason, [state for state, _ in gathered], complete,
+            None if complete else [part for _, part in gathered])
+        self._writer.save_checkpoint(name, params, buffers, meta, order, ranks)
+        return str(self.run_dir / "checkpoints" / name)
+
+    # ---- the end ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Average any unfinished window, save the last checkpoint (with a run dir), stop the bridge.
+
+        Collective: every rank calls it (idempotent). Afterwards the model holds
+        the cohort's consensus on every rank.
+        """
+        if self._closed:
+            return
+        try:
+            self._close()
+        except BaseException as exc:
+            words = self._failing(exc)
+            if words is exc:
+                raise
+            raise words from exc.__cause__
+
+    def _close(self) -> None:
+        self.bridge.boundary(2, self._epoch_calls)  # every rank here after as many step() calls, or an error
+        self._round_pending = False  # the boundary carried the last round's acks
+        if self._calls:  # the same count on every rank: a last round for the pending steps
+            self._round(final=True)  # a stop asked now ends nothing: the run is done
+            self._flush_round()  # its row reaches metrics.h5 before the writer closes
+        if self._epoch_calls:  # the same count on every rank: steps after the last end_epoch()
+            self._write_cut_rows()
+        if self.run_dir is not None and self.bridge.version != self._saved_version:
+            self._save(None, "checkpoint", complete=self._epoch_calls == 0)
+        last = None
+        if self.run_dir is not None:
+            rounds = f"{self.bridge.version} round{'' if self.bridge.version == 1 else 's'}"
+            last = [(f"done: {self.epoch} epoch(s) of your loop, {rounds}; metrics "
+                     f"{self.run_dir / 'metrics.h5'}, checkpoints {self.run_dir / 'checkpoints'}")]
+        self._finish(last=last)
+        self._session.close()
+
+    def _finish(self, last: list[str] | None = None) -> None:
+        """Local clean-up: bridge thread, writer, hook, scalar book, train.log (ending with the ``last`` lines)."""
+        self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
+        _scalars.activate(None)
+        self.bridge.close()
+        if self._writer is not None:
+            self._writer.close(timeout=None)
+        for line in last or ():
+            self._log(line)
+        from flodl_mpi.training.train import close_train_log
+
+        close_train_log(self._train_log)
+        self._train_log = None
+        if self.run_dir is not None:
+            from flodl_mpi.outputs import run_dir_lock
+
+            run_dir_lock.release(self.run_dir)  # the run is over: the directory is free for the next one
+
+    def _write_cut_rows(self) -> None:
+        """Collective: the batch rows of an epoch :meth:`end_epoch` did not close reach metrics.h5.
+
+        A stop, :meth:`close` after more steps, or a cohort-wide error cut the epoch
+        short; its batches were trained, so the ``batches`` table holds them (the
+        ``epochs`` table gets no row: the epoch did not end). Every rank calls it at
+        the same point: after a round or boundary check that every rank passed, or
+        that raised the same :class:`CohortError` on every rank (then the bridge is
+        done, on every rank, and the rows go over its communicator directly).
+        """
+        from flodl_mpi.errors import RoundError
+        from flodl_mpi.protocol.epoch_report import BATCH_COLUMNS
+
+        if self.run_dir is None:  # no rows were kept (the same on every rank: the run dir is agreed)
+            return
+        rows = np.array(self._rows, dtype=np.float64).reshape(-1, len(BATCH_COLUMNS))
+        self._rows = []
+        try:
+            gathered = self.bridge.gather_to_root(rows)
+        except RoundError:  # the bridge failed (before any collective): its thread is done
+            from mpi4py.util import pkl5
+
+            gathered = pkl5.Intracomm(self.bridge.comm).gather(rows, root=0)
+        if gathered is None:  # not rank 0
+            return
+        table = np.concatenate(gathered)
+        self._metrics_rows["batches"] += len(table)  # rank 0's count: the checkpoints' metrics_rows
+        if self._writer is not None and len(table):
+            from flodl_mpi.outputs.recorder import batch_columns
+
+            self._writer.append("batches", batch_columns(table))
+
+    def _failing(self, exc: BaseException) -> BaseException:
+        """An error leaves :meth:`step`, :meth:`end_epoch` or :meth:`close`: the exception to raise.
+
+        A :class:`CohortError` (the same on every rank, decided from a gathered
+        verdict: unequal step counts, non-finite values) writes the cut-short
+        epoch's batch rows first, and names ``fit``'s keywords, not the CLI's flags
+        (``on_non_finite='stop'``); train.log ends with it.
+        """
+        import contextlib
+
+        from flodl_mpi.errors import CohortError
+        from flodl_mpi.runtime.session import api_words
+
+        if isinstance(exc, CohortError) and not self._closed:
+            with contextlib.suppress(Exception):  # the error is the news: the rows are a courtesy
+                self._write_cut_rows()
+        words = api_words(exc)
+        self._note_failure(words)
+        return words
+
+    def _note_failure(self, exc: BaseException) -> None:
+        """train.log ends with why the run failed, as the CLI's (a cohort error: rank 0's line; a rank's own: its)."""
+        from flodl_mpi.errors import Stopped
+
+        if self.run_dir is None or isinstance(exc, Stopped) or getattr(exc, "_flodl_noted", False):
+            return
+        from flodl_mpi.training.train import _note_failure
+
+        _note_failure(self.run_dir, self.rank, exc)
+        try:
+            exc._flodl_noted = True  # once, whether the averager or its context manager sees it first
+        except AttributeError:
+            pass
+
+    def __enter__(self) -> Averager:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        from flodl_mpi.errors import CohortError, Stopped
+
+        if exc is None:
+            self.close()
+            return False
+        if isinstance(exc, Stopped) and self._closed:  # every rank stopped after the same round, saved, closed
+            return False
+        from flodl_mpi.runtime.session import leave_on_error
+
+        self._note_failure(exc)  # an error of your loop too: train.log says why the run ended
+        if isinstance(exc, CohortError) or self.world_size == 1:
+            import contextlib
+
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self._finish()
+        leave_on_error(self._session, exc)  # aborts the job unless the ranks can leave together
+        return False
+
+
+def _check_metrics(metrics) -> dict[str, tuple[float, float]]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError(f"metrics must be a dict {{name: (sum, count)}}, got {type(metrics).__name__}")
+    out = {}
+    for name, pair in metrics.items():
+        try:
+            s, c = pair
+            out[str(name)] = (float(s.item() if hasattr(s, "item") else s), float(c.item() if hasattr(c, "item")
+                                                                                   else c))
+        except (TypeError, ValueError):
+            raise TypeError(f"metrics[{name!r}] must be a (sum, count) pair of numbers, got {pair!r}") from None
+    return out
+
+
+def _fill_test(report, sums: dict[str, tuple[float, float]]) -> None:
+    """``loss`` / ``accuracy`` evaluation sums into the report's test columns (same count, or left out)."""
+    if "loss" in sums:
+        report.test_loss_sum, report.test_count = sums["loss"][0], int(sums["loss"][1])
+        report.test_correct = float("nan")  # no accuracy measured: NaN, not 0 correct
+        if "accuracy" in sums and int(sums["accuracy"][1]) == report.test_count:
+            report.test_correct = round(sums["accuracy"][0])
+

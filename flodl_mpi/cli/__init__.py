@@ -1,0 +1,2 @@
+"""The ``flodl-mpi`` command and its sub-commands (train, report, inspect, export).
+"""

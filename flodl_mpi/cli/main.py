@@ -1,0 +1,448 @@
+"""The ``flodl-mpi`` command.
+
+Run it under the mpiexec installed with mpi4py (one rank per GPU or CPU slot)::
+
+    mpiexec -n 2 flodl-mpi train                       # workstation: built-in digits + MLP
+    mpiexec -n 4 flodl-mpi train --data d.h5 --model mypkg.nets:make_net --epochs 30
+    srun flodl-mpi train --config run.toml             # Slurm: see jobs/
+
+Looking at a run needs no mpiexec (and starts no MPI)::
+
+    flodl-mpi report runs/A [runs/B ...]               # summary, plots, A/B comparison
+    flodl-mpi inspect runs/A/checkpoints/ckpt-e000010-r000230.h5
+    flodl-mpi export runs/A model.pt                   # plain state dict
+
+Exit status: 0 done (every epoch), 1 failed while training, 2 bad input, 3 a stalled
+round, 4 stopped on request (checkpoint saved; run again with ``--resume``).
+
+Start-up order matters: the stop handler first (a signal during a slow start-up
+is kept, not fatal), then the launcher checks, which need no MPI, then MPI, then
+torch. Importing this module imports neither ``mpi4py.MPI`` nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import time
+import traceback
+
+from flodl_mpi import __version__
+from flodl_mpi.config import (
+    ASYNC_ADOPTS,
+    AVERAGE_OPTIMIZER_STATE,
+    DEVICES,
+    HIERARCHICAL,
+    NODE_REDUCES,
+    ON_NON_FINITE,
+    OPTIMIZER_WEIGHT_DECAY,
+    OPTIMIZERS,
+    OUTERS,
+    OUTPUT_OPTIONS,
+    POLICIES,
+    PROGRESS,
+    RESUME_AUTO,
+    ConfigError,
+    TrainConfig,
+    config_key_text,
+    read_config_file,
+)
+from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
+from flodl_mpi.runtime.launcher import (
+    check_world_size,
+    foreign_launcher,
+    launch_env,
+    launcher_rank,
+    mixed_install,
+    mpi_library,
+    thread_request,
+)
+from flodl_mpi.cli.precheck import input_problem
+from flodl_mpi.training.resume_target import early_refusal
+from flodl_mpi.runtime.signals import StopRequest
+from flodl_mpi.runtime.stale_shm import clear_before_mpi
+
+__all__ = ["main", "build_parser"]
+
+
+#: Sub-commands that only read a run's files, each in its own module (``add_parser``,
+#: ``run``). They run on a login node without mpiexec, so they never start MPI.
+TOOLS = {"report": "flodl_mpi.cli.report", "inspect": "flodl_mpi.cli.inspect_cmd", "export": "flodl_mpi.cli.export"}
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so only rank 0 prints the one line."""
+
+    def error(self, message: str):
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+    def _print_message(self, message: str, file=None) -> None:
+        if launcher_rank() == 0:  # MPI is not started yet: the launcher's rank
+            super()._print_message(message, file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flodl-mpi`` argument parser (defaults come from :class:`TrainConfig`)."""
+    parser = _Parser(prog="flodl-mpi", allow_abbrev=False,
+                     description="MPI-launched PyTorch training with work-weighted parameter averaging.")
+    parser.add_argument("--version", action="version", version=f"flodl-mpi {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    # allow_abbrev=False below too: `--epoch 3` must not silently mean --epochs.
+    t = sub.add_parser("train", help="train with work-weighted parameter averaging", allow_abbrev=False,
+                       description="Train one replica per rank; a bridge thread averages parameters.")
+    d = TrainConfig()
+    g = t.add_argument_group("data and model")
+    g.add_argument("--data", metavar="FILE.h5",
+                   help="HDF5 file with the train and test datasets (default: the built-in digits, cached in "
+                        "$FLODL_MPI_DATA_DIR or ~/.cache/flodl_mpi)")
+    roles = {"train_x": "training features", "train_y": "training labels", "test_x": "test features",
+             "test_y": "test labels"}
+    for name, role in roles.items():
+        g.add_argument(f"--{name.replace('_', '-')}", metavar="NAME",
+                       help=f"name of the {role} dataset inside --data (default {getattr(d, name)})")
+    g.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="function or class that builds the model, as module:name or path/to/file.py:name; it may "
+                        "take input_shape and num_classes (default: the built-in MLP with BatchNorm)")
+    g = t.add_argument_group("optimization")
+    g.add_argument("--epochs", type=int, help=f"passes over the training set (default {d.epochs})")
+    g.add_argument("--batch-size", type=int,
+                   help="samples per batch per rank; a lone sample left at an epoch's end joins the batch before "
+                        f"it (default {d.batch_size})")
+    g.add_argument("--lr", type=float, help=f"each rank's optimizer's learning rate (default {d.lr:g})")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"each rank's optimizer (default {d.optimizer})")
+    g.add_argument("--momentum", type=float, help=f"momentum of --optimizer sgd (default {d.momentum})")
+    g.add_argument("--weight-decay", type=float,
+                   help="the optimizer's weight decay (default: the optimizer's own, as torch.optim's: "
+                        + ", ".join(f"{k} {v:g}" for k, v in OPTIMIZER_WEIGHT_DECAY.items())
+                        + "; on a resume, the run's)")
+    g.add_argument("--scale-lr", action="store_true", default=None,
+                   help="linear scaling rule: each rank's learning rate x the world size (a round averages one "
+                        "batch per rank, so the cohort takes one step per batch-size x world-size samples)")
+    g.add_argument("--warmup-steps", type=int,
+                   help="with --scale-lr: cohort steps (global batches) over which the factor rises linearly from "
+                        f"1 to the world size (default {d.warmup_steps})")
+    g.add_argument("--clip-grad-norm", type=float, metavar="NORM",
+                   help="clip each rank's gradient L2 norm to NORM before its optimizer step (default: off)")
+    g.add_argument("--drop-last", action="store_true", default=None,
+                   help="drop each epoch's incomplete last batch (as PyTorch's DataLoader) instead of training on it")
+    g.add_argument("--seed", type=int, help=f"seed of the data order and the model's initial values (default {d.seed})")
+    g = t.add_argument_group("averaging")
+    g.add_argument("--policy", choices=POLICIES,
+                   help="when ranks average: sync after every batch, window after every --window batches, cadence "
+                        "after per-rank quotas that make uneven ranks arrive together (the ElChe balancer), async "
+                        "as cadence while training goes on during the round (its consensus adopted by --async-adopt) "
+                        f"(default {d.policy})")
+    g.add_argument("--window", type=int,
+                   help="batches each rank trains between rounds; above 1 it implies --policy window")
+    g.add_argument("--anchor", type=int,
+                   help="cadence/async: batches of the slowest rank in the first window; faster ranks run "
+                        "proportionally more, and the anchor grows with the round overhead (async: also shrinks to the "
+                        "shortest window that hides the round) (default 10)")
+    g.add_argument("--max-anchor", type=int, help="cadence/async: the anchor never grows past this (default 1000)")
+    g.add_argument("--overhead-target", type=float,
+                   help="cadence/async: the anchor grows while a round takes more than this fraction of the "
+                        "slowest rank's window time (default 0.05)")
+    g.add_argument("--no-divergence-guard", dest="divergence_guard", action="store_false", default=None,
+                   help="cadence/async: let the anchor grow whatever the divergence guard says (its verdicts are "
+                        "still recorded)")
+    g.add_argument("--replay-plan", metavar="RUN_DIR/metrics.h5",
+                   help="cadence/async: follow the quotas and anchors another run recorded per round, instead of "
+                        "the balancer's (which read this machine's speeds): the same command, data and seed then "
+                        "give that run's windows exactly; refused unless its world size, policy and data size are "
+                        "this run's")
+    g.add_argument("--async-adopt", choices=ASYNC_ADOPTS,
+                   help="async: how a rank adopts the consensus of a round it trained past, keeping its own "
+                        "steps since the round's snapshot: delta takes the consensus in place of the snapshot; "
+                        "easgd pulls the snapshot only --easgd-alpha of the way to it (EASGD's elastic pull: the "
+                        "ranks keep part of their spread; measured level with delta: README, 'Async's accuracy') "
+                        "(default delta; easgd when only --easgd-alpha is given)")
+    g.add_argument("--easgd-alpha", type=float,
+                   help="async with --async-adopt easgd: adopt each consensus as theta + alpha * (consensus - "
+                        "theta_snapshot), alpha in (0, 1]; 1.0 is the delta adoption (default 0.5)")
+    g.add_argument("--gamma", type=float,
+                   help=f"mass exponent: a rank's weight in the average is its steps**gamma (default {d.gamma:g})")
+    g.add_argument("--chunk-elems", type=int,
+                   help=f"float32 elements per Allreduce piece; a tuning knob (default {d.chunk_elems})")
+    g.add_argument("--node-reduce", choices=NODE_REDUCES,
+                   help="how the ranks of one node sum their parameters: shm through one shared-memory window, "
+                        "mpi (Allreduce), auto: shm when /dev/shm has room for it (and the world is on one node "
+                        f"or --hierarchical allows), else mpi (default {d.node_reduce})")
+    g.add_argument("--hierarchical", choices=HIERARCHICAL,
+                   help="sum within each node first, then across the node leaders; auto: when the world spans "
+                        f"several nodes and --node-reduce is shm (default {d.hierarchical})")
+    g.add_argument("--bf16-wire", action="store_true", default=None,
+                   help="parameters and float buffers travel as bfloat16 (sums and the divide in float64, "
+                        "checkpoints float32); all ranks alike")
+    g.add_argument("--on-non-finite", choices=ON_NON_FINITE,
+                   help="a rank whose loss or parameters are NaN/Inf: quarantine it for the round (mass 0, it "
+                        "adopts the others' consensus; the job stops only when no rank is finite), or stop the "
+                        f"job (default {d.on_non_finite})")
+    g.add_argument("--outer", choices=OUTERS,
+                   help="outer optimizer on each round's consensus: avg adopts it as it is; slowmo (SlowMo) and "
+                        f"nesterov (DiLoCo) step from the previous global parameters with momentum (default {d.outer})")
+    g.add_argument("--outer-lr", type=float,
+                   help="the outer optimizer's learning rate (default: 1.0 for slowmo, 0.7 for nesterov)")
+    g.add_argument("--outer-momentum", type=float, help="the outer optimizer's momentum, in [0, 1) (default 0.9)")
+    g.add_argument("--outer-reset-inner", action="store_true", default=None,
+                   help="clear each rank's optimizer state after each outer step (DiLoCo-style restarts)")
+    g.add_argument("--average-optimizer-state", choices=AVERAGE_OPTIMIZER_STATE,
+                   help="average the optimizer's state with the parameters, with the same masses: off (each rank "
+                        "keeps its own); mean (every floating state tensor shaped like its parameter); corrected "
+                        "(as mean, but Adam's second moment is rebuilt from the mean gradient, as under "
+                        "DistributedDataParallel, and does not travel); auto: corrected for Adam-family optimizers, "
+                        "off otherwise; async: adopted by the params' rule, its correction decayed "
+                        f"(default {d.average_optimizer_state})")
+    g.add_argument("--stall-timeout", type=float,
+                   help="seconds without progress on any rank (or without the ranks' heartbeats) before the "
+                        "watchdog ends the job with exit 3; a rank waiting for a slower one that still trains is "
+                        f"not stalled (default {d.stall_timeout:g})")
+    g = t.add_argument_group("run")
+    g.add_argument("--run-dir", metavar="DIR",
+                   help="where the run writes config, metrics.h5, checkpoints and train.log; must be new or "
+                        "empty unless --resume (default runs/<UTC time>)")
+    g.add_argument("--resume", nargs="?", const=True, choices=(RESUME_AUTO,), default=None,
+                   help="continue the run in --run-dir from its newest complete checkpoint; a --run-dir that "
+                        "does not exist or holds no checkpoint is refused (exit 2, nothing touched). "
+                        f"--resume {RESUME_AUTO}: continue it, or start it when it has none, saying so (a requeued "
+                        f"job; in a config file: resume = \"{RESUME_AUTO}\")")
+    g.add_argument("--checkpoint-every", type=int,
+                   help=f"epochs between checkpoints; 0 saves only the last (default {d.checkpoint_every})")
+    g.add_argument("--keep-checkpoints", type=int,
+                   help=f"newest checkpoints kept; older ones are deleted (default {d.keep_checkpoints})")
+    g.add_argument("--device", choices=DEVICES,
+                   help="where each rank trains; auto: a GPU per local rank when CUDA is present, else the CPU "
+                        f"(default {d.device})")
+    g.add_argument("--eval-batch-size", type=int,
+                   help=f"samples per batch when evaluating the test set (default {d.eval_batch_size})")
+    g.add_argument("--threads", type=int,
+                   help="torch threads per rank (default: OMP_NUM_THREADS if set, else SLURM_CPUS_PER_TASK, "
+                        "else this rank's share of the CPUs it may run on)")
+    g.add_argument("--config", metavar="FILE.toml",
+                   help="TOML file of the options above and below (keys as the long options: batch-size = 64, "
+                        "verbose = 1, quiet = true, progress = \"lines\"); flags override it")
+    # Output flags default to None, so a config file's value applies unless the flag is given.
+    g = t.add_argument_group("output")
+    g.add_argument("-v", "--verbose", action="count", default=None,
+                   help="more detail (per-rank lines each epoch); in a config file: verbose = 1")
+    g.add_argument("-q", "--quiet", action="store_true", default=None,
+                   help="warnings and errors only (train.log keeps all)")
+    g.add_argument("--progress", choices=PROGRESS, default=None,
+                   help="bar: a progress bar within each epoch; lines: one line per epoch; "
+                        "auto: a bar when the output is a terminal (default)")
+    for module in TOOLS.values():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def unix_pipe() -> None:
+    """Die quietly of SIGPIPE when the reader of stdout goes away (``flodl-mpi inspect F | head -1``),
+    as Unix tools do, instead of a BrokenPipeError traceback. For the commands that only read a run:
+    they hold nothing that a kill could leave half done (plots are renamed into place)."""
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+def _run_tool(argv: list[str]) -> int:
+    """``flodl-mpi report|inspect|export ...``: a plain argparse run, no MPI world."""
+    parser = argparse.ArgumentParser(prog="flodl-mpi", allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {name: importlib.import_module(module) for name, module in TOOLS.items()}
+    for module in modules.values():
+        module.add_parser(sub)
+    args = parser.parse_args(argv)
+    return modules[args.command].run(args)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Config file values, overridden by the flags given on the command line.
+
+    Pure (no MPI, no torch): `settle_early` runs it before MPI starts, so a bad
+    value is refused there, with the same checks (:class:`TrainConfig`'s) as later.
+
+    Raises:
+        ConfigError: a bad value or file. A bad value that came from the file names
+            the file and its key (``--config 'run.toml': key 'epochs': 'three': must
+            be an integer >= 1``); one from a flag names the flag.
+    """
+    values = read_config_file(args.config) if args.config else {}
+    from_file = set(values)
+    for name in OUTPUT_OPTIONS:  # what rank 0 prints: settled by `settle_early`, not a training option
+        values.pop(name, None)
+    flags = {name: getattr(args, name) for name in TrainConfig.field_names() if getattr(args, name, None) is not None}
+    # A flag overrides the file, and so does what the flag implies: --policy sync
+    # means a window of 1; a window K > 1 means --policy window unless a policy
+    # was named where the window was (a file saying both is taken at its word).
+    if flags.get("policy") == "sync" and "window" not in flags:
+        values.pop("window", None)
+    window_from_flag = "window" in flags
+    values.update(flags)
+    if values.get("window", 1) != 1 and "policy" not in flags and (window_from_flag or "policy" not in values):
+        values["policy"] = "window"
+    try:
+        if values.get("optimizer", OPTIMIZERS[0]) not in OPTIMIZERS:  # "module:Class" is a Python API run's record
+            allowed = f"one of {', '.join(OPTIMIZERS)}"
+            raise ConfigError(f"--optimizer {values['optimizer']!r}: must be {allowed}", "optimizer",
+                              values["optimizer"], allowed)
+        return TrainConfig(**values)
+    except ConfigError as exc:
+        name = exc.option
+        if name is None or name in flags or name not in from_file:
+            raise
+        raise ConfigError(f"{config_key_text(args.config, name)}: {exc.problem}", name, exc.value,
+                          exc.allowed) from None
+
+
+def settle_early(args: argparse.Namespace) -> None:
+    """What must be known before MPI and torch start: the output options, the values, the thread request.
+
+    Sets ``args.verbose``, ``args.quiet``, ``args.progress`` from the flags, else the
+    config file, else the defaults (0, False, ``auto``). Checks every value of the
+    file and the flags (`config_from_args`: the same checks the ranks make later), so
+    a bad one is one line before MPI starts; so are a plain ``--resume`` with nothing
+    to continue (`flodl_mpi.training.resume_target.early_refusal`, asked again once MPI is up),
+    a missing data file or dataset, a malformed or unfindable ``--model``, a run dir
+    that cannot be made (`flodl_mpi.cli.precheck.input_problem`). Checks ``OMP_NUM_THREADS``
+    now, before torch is imported: its OpenMP runtime (libgomp) reads the variable at
+    load time on every rank and prints a warning of its own for a bad value.
+
+    Raises:
+        ConfigError: an unreadable config file, a bad value in it or in a flag, a
+            refused ``--resume``.
+        ValueError: ``OMP_NUM_THREADS`` is not a positive integer (and ``--threads`` is not given);
+            a problem `input_problem` found.
+    """
+    values = read_config_file(args.config) if args.config else {}
+    for name, default in (("verbose", 0), ("quiet", False), ("progress", "auto")):
+        if getattr(args, name, None) is None:
+            setattr(args, name, values.get(name, default))
+    cfg = config_from_args(args)  # every value, as every rank checks it again once MPI is up
+    refusal = early_refusal(cfg.run_dir, cfg.resume)  # a plain --resume with nothing to continue
+    if refusal is not None:
+        raise ConfigError(refusal)
+    thread_request(cfg.threads)
+    problem = input_problem(cfg)  # the data file and names, the model spec, the run dir (issue 26 item 9)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _say_once(text: str) -> None:
+    if launcher_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+#: Seconds a silent rank waits before it exits on a refusal made before MPI starts.
+SPEAKER_GRACE_S = 2.0
+
+
+def _refuse(text: str) -> int:
+    """Refuse before MPI starts: the launcher's rank 0 says ``text``; every rank returns 2.
+
+    The other ranks wait a moment first: Open MPI's launcher tears the job down at the
+    first non-zero exit, which could kill rank 0 before its line is out (no collective
+    orders the exits here, MPI is not running).
+    """
+    _say_once(text)
+    if launcher_rank() != 0:
+        time.sleep(SPEAKER_GRACE_S)
+    return EXIT_INPUT
+
+
+#: The clean-up before MPI starts under srun (flodl_mpi.runtime.stale_shm); the Slurm harness calls it by this name.
+_clear_stale_shm = clear_before_mpi
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``flodl-mpi``; returns the exit status (see the module docstring)."""
+    command_line = argv is None  # the process's own: its stdout is ours to end on
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:  # looking at a run: no MPI, no stop handling
+        if command_line:
+            unix_pipe()
+        return _run_tool(argv)
+    if not argv:  # what can I do here? The commands, on stderr, and the usage status
+        build_parser().print_help(sys.stderr)
+        return EXIT_INPUT
+    stop = StopRequest()
+    stop.install()  # first thing: before MPI starts and torch loads
+    try:
+        return _main(argv, stop)
+    finally:
+        stop.close()  # the status is decided; a late stop signal must not change it during the exit
+
+
+def _main(argv: list[str] | None, stop: StopRequest) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as exc:
+        return _refuse(str(exc))
+    try:
+        settle_early(args)
+    except ValueError as exc:  # ConfigError included: one line, before MPI and torch start
+        return _refuse(f"flodl-mpi: error: {exc}")
+    # Before MPI starts: a launcher of another MPI makes MPI's own start-up abort
+    # (or start N worlds of 1), so it is recognised from its environment first.
+    library = mpi_library()
+    refusal = foreign_launcher(launch_env(), library)
+    if refusal:
+        return _refuse(f"flodl-mpi: error: {refusal}")
+    mixed = mixed_install()
+    if mixed:
+        _say_once(f"flodl-mpi: warning: {mixed}")
+    from flodl_mpi.errors import InputError
+    from flodl_mpi.runtime.session import _StartBound, start_timeout
+
+    try:  # the API's check and words (flodl_mpi.runtime.session): honoured below, or refused here
+        timeout = start_timeout()
+    except InputError as exc:
+        return _refuse(str(exc))
+    _clear_stale_shm(library)
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():  # `python -m mpi4py` started it already
+        env = launch_env()
+        bound = _StartBound(timeout, env.rank) if env.launcher is not None and env.size > 1 else None
+        try:
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        finally:
+            if bound is not None:
+                bound.done()
+    stop.install()  # again, in case the MPI library set handlers of its own while starting
+    refusal = check_world_size(MPI.COMM_WORLD.size, library)
+    if refusal:  # every process is rank 0 of its own world: the launcher's rank 0 says it
+        return _refuse(f"flodl-mpi: error: {refusal}")
+    from flodl_mpi.runtime.world import Watchdog, abort, install_excepthooks, start_world
+
+    world = start_world()
+    install_excepthooks(world.rank)
+    watchdog = Watchdog(world.comm, stall_timeout=600.0, thread_level=world.thread_level)
+    watchdog.start()
+    try:
+        if world.rank == 0 and not args.quiet:
+            print(f"flodl-mpi: {world.size} rank(s) up; loading PyTorch", flush=True)
+        from flodl_mpi.training.train import run_train  # torch is imported here, after MPI is up
+
+        done = run_train(args, world, watchdog, stop)
+        watchdog.close()  # collective: every rank ends its heartbeat before MPI finalizes
+        return 0 if done else EXIT_STOPPED
+    except CohortError as exc:
+        # Every rank raised this at the same point: leave together, one line.
+        watchdog.expect_exit()
+        if world.rank == 0:
+            print(f"flodl-mpi: error: {exc}", file=sys.stderr)
+        watchdog.close()
+        return exc.exit_code
+    except BaseException as exc:  # the one place that decides to abort (STYLE 14)
+        if getattr(exc, "plain", False):  # the message says it all (a full disk): one line
+            print(f"flodl-mpi: rank {world.rank}: error: {exc}; aborting the job", file=sys.stderr, flush=True)
+        else:
+            print(f"flodl-mpi: rank {world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",
+                  file=sys.stderr)
+            traceback.print_exc()
+        abort(EXIT_ERROR)
+

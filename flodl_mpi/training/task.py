@@ -1,0 +1,165 @@
+"""What one training step and one evaluation are: the trainer's injection point.
+
+Invariant: the trainer (``worker.Trainer``) owns the loop, the windows, the rounds
+and the epoch exchange; a task owns only what the user may change — the
+optimizer it builds, the loss of a batch, how a step is taken (learning rate,
+clipping), what is evaluated at the epoch's end. :class:`ClassificationTask` is
+``flodl-mpi train``'s behaviour; the Python API (:mod:`flodl_mpi.api.fit`) builds a
+:class:`UserTask` from the user's callables. No MPI here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["ClassificationTask", "UserTask", "learning_rate_factor"]
+
+
+class ClassificationTask:
+    """``flodl-mpi train``'s task: cross-entropy on class labels, test loss and accuracy, the config's optimizer.
+
+    Args:
+        cfg: the run's ``TrainConfig`` (``scale_lr``, ``warmup_steps``, ``clip_grad_norm``); None: none of them.
+        world_size: ranks in the run (the linear scaling rule's factor).
+        schedule: ``cohort_step -> factor`` on the initial learning rate, or None.
+    """
+
+    #: The cohort asked for a checkpoint at this epoch's boundary (never, from the CLI).
+    checkpoint_now = False
+
+    def __init__(self, cfg=None, world_size: int = 1, schedule: Callable[[int], float] | None = None) -> None:
+        self.world_size, self.schedule = world_size, schedule
+        self.scale_lr = bool(getattr(cfg, "scale_lr", False))
+        self.warmup_steps = int(getattr(cfg, "warmup_steps", 0))
+        self.clip_grad_norm = getattr(cfg, "clip_grad_norm", None)
+
+    def make_optimizer(self, cfg, model: nn.Module) -> torch.optim.Optimizer:
+        from flodl_mpi.training.worker import make_optimizer
+
+        return self._keep_initial_lr(make_optimizer(cfg, model))
+
+    @staticmethod
+    def _keep_initial_lr(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        for group in opt.param_groups:  # what the factor multiplies (as torch's LR schedulers keep it)
+            group.setdefault("initial_lr", group["lr"])
+        return opt
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], cohort_step: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y)
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, cohort_step: int) -> None:
+        """The learning rate of this cohort step, clipping, then ``optimizer.step()``."""
+        if self.schedule is not None or (self.scale_lr and self.world_size > 1):
+            f = learning_rate_factor(cohort_step, self.world_size, self.scale_lr, self.warmup_steps, self.schedule)
+            for group in optimizer.param_groups:  # (a checkpoint from before may lack initial_lr)
+                group["lr"] = group.setdefault("initial_lr", group["lr"]) * f
+        if self.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+        optimizer.step()
+
+    def end_epoch(self, trainer, epoch: int, report) -> tuple[float, int, int]:
+        """``(test loss sum, correct, count)`` of this rank's slice of the test set (see ``worker.evaluate``)."""
+        from flodl_mpi.training.worker import evaluate
+
+        return evaluate(trainer.replica.model, trainer.data.test, trainer.rank, trainer.world_size,
+                        trainer.replica.device, trainer.cfg.eval_batch_size)
+
+    def after_epoch(self, trainer, summary) -> None:
+        """Called on every rank after the epoch exchange, before the checkpoint decision."""
+
+    def stopped_epoch_meta(self) -> dict:
+        """Meta a mid-epoch checkpoint adds for the task's own epoch state (the CLI's: none)."""
+        return {}
+
+    def epoch_words(self) -> str:
+        """Extra words for the epoch's log line (the test loss and accuracy are the worker's)."""
+        return ""
+
+
+def learning_rate_factor(cohort_step: int, world_size: int, scale_lr: bool, warmup_steps: int,
+                         schedule: Callable[[int], float] | None) -> float:
+    """The factor on each param group's initial learning rate at a cohort step.
+
+    ``schedule(cohort_step)`` (1 without one) times the linear scaling rule when
+    ``scale_lr``: ``W`` after ``warmup_steps`` cohort steps, rising linearly from
+    1 to ``W`` before (Goyal et al. 2017, "Accurate, Large Minibatch SGD",
+    arXiv:1706.02677, §2.1-2.2). The cohort step counts the cohort's optimizer
+    steps, i.e. global batches: ``epoch × batches per epoch + batch index``,
+    the same number a single process training on the same batches would reach.
+
+    Raises:
+        ValueError: the schedule returned a non-finite or negative factor.
+    """
+    factor = 1.0
+    if scale_lr and world_size > 1:
+        ramp = 1.0 if warmup_steps <= 0 else min(1.0, (cohort_step + 1) / warmup_steps)
+        factor = 1.0 + (world_size - 1) * ramp
+    if schedule is not None:
+        s = float(schedule(cohort_step))
+        if not (s >= 0.0 and s < float("inf")):
+            raise ValueError(f"lr_schedule({cohort_step}) returned {s!r}; it must be a finite factor >= 0")
+        factor *= s
+    return factor
+
+
+class UserTask(ClassificationTask):
+    """The Python API's task, from the user's callables (see :func:`flodl_mpi.fit`).
+
+    Args:
+        train_step: ``(model, batch) -> loss`` or ``-> (loss, {name: value})``;
+            ``batch`` is ``(x, y)`` on the device. Extra values are recorded as scalars.
+        optimizer_factory: ``parameters -> Optimizer``, or None for the config's.
+        boundary: ``(trainer, epoch, report) -> (loss_sum, correct, count)`` and
+            ``after_epoch(trainer, summary)``: the API's epoch boundary.
+        record: ``(name, value)`` for the train step's extra scalars.
+        cfg, world_size, schedule: as :class:`ClassificationTask`.
+    """
+
+    def __init__(self, train_step, optimizer_factory, boundary, record, cfg, world_size: int,
+                 schedule=None) -> None:
+        super().__init__(cfg, world_size, schedule)
+        self.train_step, self.optimizer_factory, self.boundary, self.record = (train_step, optimizer_factory,
+                                                                                 boundary, record)
+
+    @property
+    def checkpoint_now(self) -> bool:
+        return self.boundary.checkpoint_now
+
+    def make_optimizer(self, cfg, model: nn.Module) -> torch.optim.Optimizer:
+        opt = super().make_optimizer(cfg, model) if self.optimizer_factory is None \
+            else self.optimizer_factory(model.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+        return self._keep_initial_lr(opt)
+
+    def loss(self, model, batch, cohort_step):
+        out = self.train_step(model, batch)
+        if isinstance(out, tuple):
+            out, extra = out
+            for name, value in dict(extra).items():
+                self.record(name, value)
+        if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.requires_grad:
+            got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(f"train_step must return the batch's loss as a one-element tensor that requires grad "
+                            f"(or (loss, {{name: value}})), got {got}")
+        return out.reshape(())
+
+    def end_epoch(self, trainer, epoch, report):
+        return self.boundary.end_epoch(trainer, epoch, report)
+
+    def after_epoch(self, trainer, summary) -> None:
+        self.boundary.after_epoch(trainer, summary)
+
+    def stopped_epoch_meta(self) -> dict:
+        """A mid-epoch checkpoint's meta of the API's epoch state: the scalar books (``_Boundary``)."""
+        return self.boundary.stopped_epoch_meta(self.world_size)
+
+    def epoch_words(self) -> str:
+        """The user's evaluation metrics of the epoch (``loss`` and ``accuracy`` are in the line already)."""
+        latest = self.boundary.latest
+        metrics = latest.metrics if latest is not None else {}
+        return "".join(f"  test_{k} {v:.4f}" for k, v in metrics.items() if k not in ("loss", "accuracy"))
