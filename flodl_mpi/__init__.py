@@ -21,7 +21,8 @@ without one, MPI starts as a world of 1 on first use.
 
 __version__ = "0.1.0"
 
-__all__ = ["Averager", "EpochResult", "InputError", "Run", "Stopped", "__version__", "fit", "record_scalar", "request"]
+__all__ = ["Averager", "CheckpointError", "EpochResult", "InputError", "Run", "Stopped", "__version__", "build_model",
+           "fit", "latest_checkpoint", "load_state_dict", "read_newest", "read_table", "record_scalar", "request"]
 
 _WHERE = {
     "Averager": "flodl_mpi.api.averager",
@@ -31,6 +32,13 @@ _WHERE = {
     "Run": "flodl_mpi.api.fit",
     "fit": "flodl_mpi.api.fit",
     "record_scalar": "flodl_mpi.training.scalars",
+    # reading a run's outputs (no MPI is needed for these)
+    "CheckpointError": "flodl_mpi.outputs.checkpoint",
+    "latest_checkpoint": "flodl_mpi.outputs.checkpoint",
+    "load_state_dict": "flodl_mpi.outputs.checkpoint",
+    "read_newest": "flodl_mpi.outputs.checkpoint",
+    "read_table": "flodl_mpi.outputs.metrics",
+    "build_model": "flodl_mpi.training.models",
     "request": "flodl_mpi.training.scalars",
 }
 

@@ -35,7 +35,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 #: Each of `OPTIMIZERS`' weight decay when ``--weight-decay`` is not given: torch.optim's own
 #: defaults (``inspect.signature(torch.optim.AdamW).parameters["weight_decay"].default``; kept
-#: here so the config and ``--help`` need no torch; tests/test_config_messages.py compares them).
+#: here so the config and ``--help`` need no torch; tests/cli/test_config_messages.py compares them).
 OPTIMIZER_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}
 DEVICES = ("auto", "cpu", "cuda")
 #: What a round does with a rank whose loss or parameters are NaN/Inf (``--on-non-finite``).

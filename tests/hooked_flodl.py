@@ -28,7 +28,7 @@ import time
 
 from flodl_mpi.transport import bridge
 from flodl_mpi.outputs import checkpoint
-from flodl_mpi.cli.main import main as cli
+from flodl_mpi.cli import main as cli
 from flodl_mpi.training import worker  # noqa: F401  (binds the plain write_checkpoint for the setup's trial save)
 
 
@@ -57,7 +57,7 @@ def main() -> int:
 
         import numpy as np
 
-        from flodl_mpi.policy.policies import policies as policy
+        from flodl_mpi.policy import policies as policy
 
         speeds = None if opts.script_speeds is None else np.array([float(v) for v in opts.script_speeds.split(",")])
         plain_observe = policy.CadencePolicy.observe

@@ -17,8 +17,8 @@ if [[ ${1:-} == --launch ]]; then
     shift
     # test_end_to_end's batch-size cases check the batch plan, which no MPI touches: the
     # first stage runs them; here the whole runs at 1-3 ranks and the window policy.
-    serial=(tests/test_launch.py tests/test_cli.py tests/test_end_to_end.py::test_train_digits
-            tests/test_end_to_end.py::test_fixed_window_policy)
+    serial=(tests/runtime/test_launch.py tests/cli/test_cli.py tests/cli/test_end_to_end.py::test_train_digits
+            tests/cli/test_end_to_end.py::test_fixed_window_policy)
 fi
 
 # Start from a clean environment: variables a launcher left (this shell may run

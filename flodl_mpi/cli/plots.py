@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from flodl_mpi.cli.main import time_budget
+from flodl_mpi.cli import time_budget
 from flodl_mpi.outputs.metrics import GUARD_VERDICTS
 from flodl_mpi.cli.run_events import epoch_ends, events, round_epochs, rounds_to_epochs
 from flodl_mpi.outputs.run_reader import Run

@@ -473,7 +473,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_comparison(runs))
     if not args.no_plots:
         try:
-            from flodl_mpi.cli.main import plots
+            from flodl_mpi.cli import plots
         except ImportError as exc:
             if args.out:  # plots asked for by name: without them the command did not do its job
                 print(f"flodl-mpi report: error: --out {args.out}: plots need matplotlib ({exc}); "
@@ -492,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _tensorboard(args: argparse.Namespace, runs: list[Run]) -> int:
     if args.tensorboard:
-        from flodl_mpi.cli.main import tensorboard_export
+        from flodl_mpi.cli import tensorboard_export
 
         try:
             dirs = tensorboard_export.write_events(runs, Path(args.tensorboard))

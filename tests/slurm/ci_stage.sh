@@ -2,7 +2,7 @@
 # .ci/run's Slurm stage: bash tests/slurm/ci_stage.sh   (with the project's venv active)
 #
 # Where Slurm can be had (root, apt-get, the package mirror reachable), installs
-# Debian's packages (tests/slurm/install.sh) and runs tests/test_slurm.py with
+# Debian's packages (tests/slurm/install.sh) and runs tests/runtime/test_slurm.py with
 # FLODL_TEST_SLURM=require: the job scripts under a real single-node Slurm
 # (tests/slurm/check.sh), jobs run as a normal user. Elsewhere it prints why the
 # stage is skipped and exits 0. Prints how long the install and the test took.
@@ -21,5 +21,5 @@ case $status in
 esac
 start=$SECONDS
 # -s: check.sh's report (one line per check) is printed, passed or not.
-FLODL_TEST_SLURM=require python -m pytest -q -s -p no:cacheprovider -m slurm tests/test_slurm.py
+FLODL_TEST_SLURM=require python -m pytest -q -s -p no:cacheprovider -m slurm tests/runtime/test_slurm.py
 echo ".ci/run: Slurm test took $((SECONDS - start)) s"

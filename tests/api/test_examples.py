@@ -14,7 +14,7 @@ from tests.conftest import launch_argv, launch_env
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def run_example(ranks: int, name: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:

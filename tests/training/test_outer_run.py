@@ -7,7 +7,7 @@ from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint, rea
 from flodl_mpi.errors import EXIT_INPUT
 from flodl_mpi.outputs.metrics import read_table
 from tests.conftest import run_flodl
-from tests.test_resume import STOPPED, run_hooked
+from tests.training.test_resume import STOPPED, run_hooked
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent.parent / "jobs" / "workstation.sh"
+SCRIPT = Path(__file__).parents[2] / "jobs" / "workstation.sh"
 FAKE = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo "$FAKE_MPI_VERSION"; exit 0; fi
 echo "osc=${OMPI_MCA_osc-<unset>}"

@@ -20,7 +20,7 @@ from flodl_mpi.outputs import checkpoint, h5sink
 from flodl_mpi.outputs.checkpoint import read_checkpoint, verify_checkpoint, write_checkpoint
 from flodl_mpi.outputs.metrics import MetricsFile, MetricsWriter, WriterError, disk_error, read_table, table_schema
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rows(table: str, k: int = 1, world_size: int = 1) -> dict[str, np.ndarray]:

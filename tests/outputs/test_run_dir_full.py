@@ -260,7 +260,7 @@ def test_a_resume_with_every_checkpoint_damaged_starts_again_and_keeps_the_histo
     (ckpt,) = list_checkpoints(run_dir / "checkpoints")
     os.truncate(ckpt, ckpt.stat().st_size // 2)
     proc = run_flodl(2, "train", "--run-dir", str(run_dir), "--epochs", "2", "--keep-checkpoints", "1", "--resume",
-                     "auto", "-q", timeout=240)  # a plain --resume refuses it (tests/test_resume_target.py)
+                     "auto", "-q", timeout=240)  # a plain --resume refuses it (tests/training/test_resume_target.py)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kept = sorted(run_dir.glob("metrics.h5.before-restart-*"))
     assert len(kept) == 1

@@ -226,7 +226,7 @@ def test_resume_salvages_a_file_a_killed_run_left_open(tmp_path):
             f.append("batches", {{c: np.full((1, *s), i, dtype=d) for c, (d, s) in table_schema(2)["batches"].items()}})
         os._exit(0)  # like kill -9: the file is never closed
     """)
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=str(Path(__file__).parent.parent))
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=str(Path(__file__).parents[2]))
     with pytest.raises(OSError):  # a plain open refuses the flagged file
         h5py.File(path, "r").close()
 
@@ -291,7 +291,7 @@ def test_a_resume_killed_at_any_step_loses_nothing(tmp_path, point):
         metrics.MetricsFile({str(path)!r}, {W}, {{}}, keep_rows={KEEP!r})
         os._exit(0)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=str(Path(__file__).parent.parent), check=False)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=str(Path(__file__).parents[2]), check=False)
     assert proc.returncode == 9  # it died at the step named, not before or after
 
     with MetricsFile(path, W, {}, keep_rows=KEEP) as f:  # the next resume
@@ -415,7 +415,7 @@ def _written_files(tmp_path):
 def test_written_files_stay_within_hdf5_1_10_formats(tmp_path):
     """Copying every object into a file capped at v110 fails on any newer object version
     (what made Debian's h5dump 1.10 reject metrics.h5)."""
-    from tests.test_checkpoint import assert_readable_by_hdf5_1_10
+    from tests.outputs.test_checkpoint import assert_readable_by_hdf5_1_10
 
     for path in _written_files(tmp_path):
         assert_readable_by_hdf5_1_10(path)

@@ -246,7 +246,7 @@ def test_a_storm_of_stop_signals_is_one_line_and_a_count(capfd):
 
 SIGNAL_AT_START = """\
 import os, signal, sys
-from flodl_mpi.cli.main import main as cli
+from flodl_mpi.cli import main as cli
 real = cli.mpi_library
 def slow_start():  # the stop signals arrive while the process starts, before MPI does
     for sig in (signal.SIGUSR1, signal.SIGTERM):
@@ -290,20 +290,24 @@ def test_the_serial_test_process_has_not_started_mpi():
 
 
 def test_model_files_get_their_rank_from_the_one_helper():
-    # the model files in the tests are written for every launcher
-    here = os.path.dirname(__file__)
-    for name in os.listdir(here):
-        # (test_stale_shm.py builds a Slurm step's environment, test_stop_messages.py and test_precheck.py
-        # each launcher's, not a model file; test_api_faults.py has a script that must know its rank before
-        # it imports flodl_mpi, and reads both launchers')
-        if name.endswith(".py") and name not in ("test_launch.py", "test_stale_shm.py", "test_api_faults.py",
-                                                 "test_stop_messages.py", "test_precheck.py"):
-            with open(os.path.join(here, name)) as fh:
-                assert "PMI_RANK" not in fh.read(), name
+    # the model files in the tests are written for every launcher (every folder of tests/)
+    # (test_stale_shm.py builds a Slurm step's environment, test_stop_messages.py and test_precheck.py
+    # each launcher's, not a model file; test_api_faults.py has a script that must know its rank before
+    # it imports flodl_mpi, and reads both launchers')
+    allowed = ("test_launch.py", "test_stale_shm.py", "test_api_faults.py", "test_stop_messages.py", "test_precheck.py")
+    tests_dir = os.path.dirname(os.path.dirname(__file__))
+    seen = 0
+    for here, _, names in os.walk(tests_dir):
+        for name in names:
+            if name.endswith(".py") and name not in allowed:
+                seen += 1
+                with open(os.path.join(here, name)) as fh:
+                    assert "PMI_RANK" not in fh.read(), name
+    assert seen > 80  # every folder was walked
 
 
 def test_run_sh_and_workstation_script_pass_what_open_mpi_needs():
-    root = os.path.dirname(os.path.dirname(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     for path in ("tests/run.sh", "jobs/workstation.sh"):
         with open(os.path.join(root, path)) as fh:
             text = fh.read()

@@ -1,7 +1,7 @@
 """A tensor the model replaces is still averaged, end to end (issue 5 item 6).
 
 The bridge-level cases (a re-assigned buffer, a replaced ``p.data``, bound and
-copied params, a shape change) are in ``tests/test_bridge.py``; here the command
+copied params, a shape change) are in ``tests/transport/test_bridge.py``; here the command
 runs a model whose ``forward`` re-assigns a registered buffer and whose bias
 ``.data`` is replaced at every training step, and the checkpoint must hold the
 cohort's consensus of that buffer, not rank 0's own value.

@@ -20,7 +20,7 @@ from flodl_mpi.errors import EXIT_INPUT
 from flodl_mpi.outputs.metrics import read_table
 from flodl_mpi.policy.replay import RecordedPlan, ReplayError, read_recorded_plan
 from tests.conftest import run_flodl
-from tests.test_resume import run_hooked
+from tests.training.test_resume import run_hooked
 
 
 def _plan(quotas, n_batches, world_size=2, policy="cadence", samples=1437) -> RecordedPlan:

@@ -13,7 +13,7 @@ from flodl_mpi.config import TrainConfig
 from flodl_mpi.protocol.divergence import TrendGuard, Verdict
 from flodl_mpi.policy.elche import ElChe
 from flodl_mpi.policy.policies import CadencePolicy, make_policy
-from tests.test_policy import run
+from tests.policy.test_policy import run
 
 S, G, N = Verdict.STABLE, Verdict.SUPPRESS_GROWTH, Verdict.NUDGE_DOWN
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tests.conftest import launch_argv, launch_env
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_round.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_round.py"
 
 
 def test_bench_round_quick_mode_runs_and_every_method_is_correct():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-SLURM_DIR = Path(__file__).parent / "slurm"
+SLURM_DIR = Path(__file__).parents[1] / "slurm"
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sacct", "setfacl")
 
 #: Every check check.sh makes, by name: each must print "PASS <name>: ...".
@@ -91,7 +91,7 @@ def test_job_scripts_under_slurm():
 # ranks after a stop) or exits with STUB_SRUN_EXIT; scontrol records its arguments; python
 # prints STUB_MPI as the MPI library version.
 
-JOBS = Path(__file__).parent.parent / "jobs"
+JOBS = Path(__file__).parents[2] / "jobs"
 
 STUB_SRUN = r"""#!/usr/bin/env bash
 # STUB_SRUN_DROP=1: drop the first USR1, as srun does before it has launched the ranks.

@@ -19,7 +19,7 @@ from tests.conftest import launch_env
 #: MPI nor torch was loaded for any of them (so every refusal came before they start).
 SCRIPT = """
 import contextlib, io, json, sys, time
-from flodl_mpi.cli.main import main as cli
+from flodl_mpi.cli import main as cli
 out = []
 for argv in json.loads(sys.argv[1]):
     err = io.StringIO()

@@ -2,7 +2,7 @@
 
 One process, W threads, each with its own :class:`ShmGather` over one shared
 buffer (threads see the same memory as processes mapping one file; the
-multi-process form runs in ``tests/test_node_reduce.py`` under mpiexec).
+multi-process form runs in ``tests/transport/test_node_reduce.py`` under mpiexec).
 """
 
 import random

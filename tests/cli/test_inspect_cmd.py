@@ -190,7 +190,7 @@ def test_a_checkpoint_killed_in_mid_write_is_damaged_not_a_traceback(tmp_path):
 def test_any_error_h5py_raises_on_a_damaged_checkpoint_is_one_damaged_line(tmp_path, capsys, monkeypatch, error, where):
     """h5py maps HDF5's errors onto these five kinds: each is damage, never a traceback."""
     path = _checkpoint(tmp_path)
-    from flodl_mpi.cli.main import inspect_cmd
+    from flodl_mpi.cli import inspect_cmd
 
     def fail(*args, **kwargs):
         raise error

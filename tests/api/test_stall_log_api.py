@@ -1,4 +1,4 @@
-"""The Python API's train.log ends with a stall's verdict, as the CLI's (tests/test_watchdog.py)."""
+"""The Python API's train.log ends with a stall's verdict, as the CLI's (tests/runtime/test_watchdog.py)."""
 
 import re
 import subprocess

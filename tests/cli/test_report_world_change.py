@@ -217,7 +217,7 @@ def test_plots_and_tensorboard_tags_leave_the_padding_out(tmp_path):
 # ---------------------------------------------------------------- a real run: 2 ranks, then 3, then 1
 
 
-HOOKED = str(Path(__file__).with_name("hooked_flodl.py"))
+HOOKED = str(Path(__file__).parents[1] / "hooked_flodl.py")
 
 
 @pytest.mark.slow
@@ -236,7 +236,7 @@ def test_report_of_a_real_run_resumed_at_3_then_1_rank(tmp_path):
         proc = subprocess.run(launch_argv(n, sys.executable, HOOKED, "--stop-at-round", str(stop), "--", *common,
                                           *(("--resume",) if (run_dir / "checkpoints").exists() else ())),
                               env=launch_env(), capture_output=True, text=True, timeout=300, check=False,
-                              cwd=str(Path(__file__).parent.parent))
+                              cwd=str(Path(__file__).parents[2]))
         assert proc.returncode == EXIT_STOPPED, proc.stdout[-2000:] + proc.stderr[-3000:]
 
     hooked(2, 30)   # 2 ranks: 23 rounds an epoch; stops mid-epoch 2

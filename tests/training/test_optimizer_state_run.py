@@ -14,7 +14,7 @@ from tests.conftest import MPIEXEC, launch_argv, launch_env, run_flodl
 
 pytestmark = pytest.mark.slow
 
-HOOKED = str(Path(__file__).with_name("hooked_flodl.py"))
+HOOKED = str(Path(__file__).parents[1] / "hooked_flodl.py")
 
 
 def _final(run_dir: Path):

@@ -23,7 +23,7 @@ from flodl_mpi.cli.run_events import round_epochs
 from flodl_mpi.outputs.run_reader import load_run
 from flodl_mpi.cli.time_budget import NAMES, PARTS, rank_seconds, time_parts
 from tests._runs import session_run_a, synthetic_rows
-from tests.test_report_world_change import _write_resumed
+from tests.cli.test_report_world_change import _write_resumed
 
 plots = pytest.importorskip("flodl_mpi.cli.plots", reason="plots need matplotlib (the plot extra)")
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from flodl_mpi.cli.main import main as cli
+from flodl_mpi.cli import main as cli
 from flodl_mpi.runtime import stale_shm
 from flodl_mpi.runtime.stale_shm import clear_stale_segments, fnv1a32, kvs_name, process_start_time, segment_prefixes
 

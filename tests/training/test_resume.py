@@ -21,7 +21,7 @@ from tests.conftest import MPIEXEC, flip_data_byte, launch_argv, launch_env, run
 
 pytestmark = pytest.mark.slow
 
-HOOKED = str(Path(__file__).with_name("hooked_flodl.py"))
+HOOKED = str(Path(__file__).parents[1] / "hooked_flodl.py")
 #: The exit statuses of a run stopped on request (stopped, resumable: not done).
 STOPPED = (EXIT_STOPPED,)
 
@@ -31,7 +31,7 @@ def run_hooked(n, *args, timeout=300.0):
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     return subprocess.run(launch_argv(n, sys.executable, HOOKED, *args), env=launch_env(), capture_output=True,
-                          text=True, timeout=timeout, cwd=str(Path(__file__).parent.parent), check=False)
+                          text=True, timeout=timeout, cwd=str(Path(__file__).parents[2]), check=False)
 
 
 def _final_state(run_dir):

@@ -10,7 +10,7 @@ import pytest
 from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.outputs.metrics import read_table
 from tests.conftest import run_flodl
-from tests.test_resume import STOPPED, run_hooked
+from tests.training.test_resume import STOPPED, run_hooked
 
 pytestmark = pytest.mark.slow
 
