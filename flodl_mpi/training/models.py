@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from flodl_mpi.cli.precheck import model_spec_problem
+from flodl_mpi.training.model_spec import model_spec_problem
 
 __all__ = ["ModelSpecError", "build_model", "check_model_output", "check_training_step", "digits_mlp",
            "model_difference", "model_signature", "module_structure", "wide_tensor"]
