@@ -26,11 +26,61 @@ import mpi4py
 import pytest
 
 
+#: This process runs the multi-rank tests (``--with-mpi``, set by :func:`pytest_configure`).
+_WITH_MPI = False
+
+
 def pytest_configure(config):
     """A serial run (no ``--with-mpi``): importing ``mpi4py.MPI`` loads the library but must not start MPI."""
-    if not config.getoption("--with-mpi", default=False) and "mpi4py.MPI" not in sys.modules:
+    global _WITH_MPI
+    _WITH_MPI = bool(config.getoption("--with-mpi", default=False))
+    if not _WITH_MPI and "mpi4py.MPI" not in sys.modules:
         mpi4py.rc.initialize = False
         mpi4py.rc.finalize = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``--with-mpi``, a multi-rank test that runs past its timeout (setup.cfg: 600 s) ends its rank.
+
+    pytest-timeout's default method (SIGALRM) raises in Python code only, and a rank waiting in an
+    MPI collective is in C: it would wait on. The thread method dumps the stacks and exits the
+    process (``os._exit(1)``), and the launcher then ends every rank. A test's own timeout marker
+    is kept.
+    """
+    if not _WITH_MPI:
+        return
+    for item in items:
+        if item.get_closest_marker("mpi") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(method="thread"))
+
+
+def pytest_runtest_logreport(report):
+    """Under ``--with-mpi`` on 2+ ranks, a test that fails (or errs) on this rank ends every rank: MPI_Abort.
+
+    Why: the other ranks may be waiting for this one in a collective of the same test (an
+    ``allgather``, the in-place reduce's shared-memory gather) that this rank will never enter.
+    It would go on to the next test, whose first collective waits for them: a hang. ``python -m
+    mpi4py`` aborts the world only when a rank's pytest *exits* non-zero (``-x``, or the end of
+    the session), which then never comes. So this rank writes its report here, to stderr (a
+    first line naming the rank and the test, then pytest's traceback and captured output;
+    ``tests/run.sh`` shows every rank's), and aborts. A multi-rank run therefore stops at its
+    first failing test, as with ``-x``. An expected failure (xfail) is not a failure here.
+    """
+    if not (_WITH_MPI and report.failed):
+        return
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.size < 2:
+        return
+    world = MPI.COMM_WORLD
+    sys.stdout.flush()
+    text = [f"\n== rank {world.rank} of {world.size}: {report.nodeid} failed ({report.when}); aborting every rank "
+            "(the others may be waiting for this one in a collective)\n", report.longreprtext, "\n"]
+    for title, content in report.sections:
+        text += [f"-- {title} --\n", content, "\n"]
+    sys.stderr.write("".join(text))
+    sys.stderr.flush()
+    world.Abort(1)
 
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 

@@ -6,7 +6,10 @@
 #   bash tests/run.sh --launch [pytest args]   # only the tests that start launchers, and the
 #                                              # multi-rank tests (.ci/run's second MPI)
 #
-# `python -m mpi4py` aborts the world when a rank fails, so a failure never hangs.
+# A failure never hangs: a test that fails on one rank aborts every rank at once
+# (tests/conftest.py; the others may be waiting for it in a collective), so a multi-rank
+# stage stops at its first failing test; a rank past its timeout exits (pytest-timeout's
+# thread method), and `python -m mpi4py` aborts the world when a rank's pytest exits non-zero.
 # In the multi-rank stages rank 0 prints pytest's report; every other rank writes
 # its own to a file, printed only if the stage fails (so a failing rank is shown).
 set -euo pipefail
@@ -17,7 +20,8 @@ if [[ ${1:-} == --launch ]]; then
     shift
     # test_end_to_end's batch-size cases check the batch plan, which no MPI touches: the
     # first stage runs them; here the whole runs at 1-3 ranks and the window policy.
-    serial=(tests/runtime/test_launch.py tests/cli/test_cli.py tests/cli/test_end_to_end.py::test_train_digits
+    serial=(tests/test_conftest.py tests/runtime/test_launch.py tests/cli/test_cli.py
+            tests/cli/test_end_to_end.py::test_train_digits
             tests/cli/test_end_to_end.py::test_fixed_window_policy)
 fi
 

@@ -22,6 +22,9 @@ from flodl_mpi.protocol.wire import WireLayout
 pytestmark = pytest.mark.mpi
 
 SHAPES = [(17, 5), (5,), (3, 3, 3), (1,), (40,), (33,)]
+#: A frame of 10 elements: one 16-element block, so at W >= 2 every rank but the first has an empty slice of
+#: the in-place reduce (as the last rank has with SHAPES' 191 elements at W = 5, 7, 8).
+TINY = [(3,), (2, 2), (3,)]
 
 # (node_reduce, hierarchical, bf16, simulated node size or None for the machine's[, in place: its slice kernel])
 PATHS = [
@@ -49,9 +52,9 @@ def comm():
     c.Free()
 
 
-def make(comm, path, chunk):
+def make(comm, path, chunk, shapes=SHAPES):
     node_reduce, hier, bf16, node_size, *in_place = path
-    layout = WireLayout(SHAPES, chunk_elems=chunk)
+    layout = WireLayout(shapes, chunk_elems=chunk)
     node = comm.Split(comm.rank // node_size, key=comm.rank) if node_size else None
     red = Reducer(comm, layout, WireOptions(node_reduce, hier, bf16), node_comm=node, in_place=bool(in_place))
     assert (red.staging is not None) == bool(in_place) and (red.path == "shm-in-place") == bool(in_place)
@@ -81,9 +84,33 @@ def reduce(red, staging, mass, masses, prepared):
     return red.reduce(staging, mass, gathered)
 
 
-def rank_flat(r: int) -> np.ndarray:
+def rank_flat(r: int, shapes=SHAPES) -> np.ndarray:
     rng = np.random.default_rng(1000 + r)
-    return np.concatenate([rng.standard_normal(s).astype(np.float32).ravel() for s in SHAPES])
+    return np.concatenate([rng.standard_normal(s).astype(np.float32).ravel() for s in shapes])
+
+
+def edge_positions(n: int, W: int, extra=()) -> list[int]:
+    """Where a non-finite value is put: ``extra``, the frame's ends, and the first and last element of each
+    non-empty slice of the in-place reduce and the one after it. A slice may be empty (the last ranks' when
+    the frame has fewer 16-element blocks than ranks: 191 elements at W = 5); it has no element to name."""
+    edges = {0, n - 1, *extra}
+    for a, b in slices(n, W):
+        if b > a:
+            edges |= {a, b - 1, min(b, n - 1)}
+    return sorted(p for p in edges if 0 <= p < n)
+
+
+def test_edge_positions_name_only_elements_of_the_frame():
+    # The hand-made positions of the non-finite tests at any world size: before, an empty last slice
+    # (191 elements at W = 5) gave position 191, an IndexError on that rank alone (the others then
+    # waited in the round's collective).
+    for n, W in [(191, 5), (191, 7), (191, 8), (10, 2), (10, 3), (1, 4), (191, 2), (191, 3)]:
+        got = edge_positions(n, W, (6, 7, 8))
+        assert got == sorted(set(got)) and all(0 <= p < n for p in got)
+        for a, b in slices(n, W):
+            if b > a:
+                assert {a, b - 1} <= set(got)
+    assert edge_positions(191, 5) == [0, 47, 48, 95, 96, 143, 144, 190]
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
@@ -321,24 +348,23 @@ def test_a_failed_shared_file_raises_on_every_rank_naming_the_rank(comm, monkeyp
         Reducer(comm, WireLayout(SHAPES), WireOptions("shm"), in_place=True)
 
 
+@pytest.mark.parametrize("shapes", [SHAPES, TINY], ids=["frame", "tiny-frame"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
-def test_in_place_check_finds_a_non_finite_value_anywhere_and_the_quarantine_round_is_exact(comm, bad):
+def test_in_place_check_finds_a_non_finite_value_anywhere_and_the_quarantine_round_is_exact(comm, bad, shapes):
     # The pre-round check reads the segment piece by piece: a value at any position (each
     # slice's first and last element, piece edges, the frame's ends) of any rank is seen by
     # that rank's check only; the round that quarantines the rank (mass 0, as the bridge
     # decides from the gathered flags) equals the float64 mean of the others, is finite
-    # (the bad value is never written anywhere) and gives every rank the same bits.
+    # (the bad value is never written anywhere) and gives every rank the same bits. The tiny
+    # frame gives ranks an empty slice at 2 and 3 ranks already (SHAPES: at 5).
     W = comm.size
-    layout = WireLayout(SHAPES, chunk_elems=7)
+    layout = WireLayout(shapes, chunk_elems=7)
     red = Reducer(comm, layout, WireOptions("shm", "off"), in_place=True)
     try:
         n = layout.n
-        edges = {0, n - 1, 6, 7, 8}
-        for a, b in slices(n, W):
-            edges |= {a, max(a, b - 1), min(b, n - 1)}
         for r in range(W):
-            for pos in sorted(edges):
-                flat = rank_flat(comm.rank)
+            for pos in edge_positions(n, W, (6, 7, 8)):
+                flat = rank_flat(comm.rank, shapes)
                 if comm.rank == r:
                     flat[pos] = bad
                 staging = stage(red, flat)
@@ -349,7 +375,7 @@ def test_in_place_check_finds_a_non_finite_value_anywhere_and_the_quarantine_rou
                     assert pre_sq == pytest.approx(float(np.sum(flat.astype(np.float64) ** 2)), rel=1e-6)
                 masses = [0.0 if flags[q] else 1.0 + q for q in range(W)]
                 stats = red.reduce(staging, masses[comm.rank], masses)
-                ref = sum(m * rank_flat(q).astype(np.float64) for q, m in enumerate(masses)) / sum(masses)
+                ref = sum(m * rank_flat(q, shapes).astype(np.float64) for q, m in enumerate(masses)) / sum(masses)
                 assert stats.realized and stats.post_finite
                 assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= 1e-6
                 assert np.isfinite(staging).all()
@@ -472,27 +498,26 @@ def test_in_place_pass_sums_every_rank_pre_round_values(comm, kernel):
         red.free()
 
 
+@pytest.mark.parametrize("shapes", [SHAPES, TINY], ids=["frame", "tiny-frame"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_in_place_pass_names_a_non_finite_rank_and_never_writes_its_value(comm, bad, kernel):
+def test_in_place_pass_names_a_non_finite_rank_and_never_writes_its_value(comm, bad, kernel, shapes):
     # Without the pre-round check (--on-non-finite stop), a NaN or an infinity at any position
     # of any rank's segment, live or idle, shows in the gathered pre sums for that rank alone;
     # a live rank's stops the pass before the block is written (post_finite False), so the
     # value reaches no other rank; an idle rank's (mass 0: skipped by the sum) is overwritten by
-    # the consensus of the others, which stays exact.
+    # the consensus of the others, which stays exact. The tiny frame gives ranks an empty slice
+    # at 2 and 3 ranks already (SHAPES: at 5); their partial sums of it are zeros.
     if kernel == "numba" and "numba" not in KERNELS:
         pytest.skip("numba not installed")
     W = comm.size
-    layout, red = make(comm, ("shm", "off", False, None, kernel), 7)
+    layout, red = make(comm, ("shm", "off", False, None, kernel), 7, shapes)
     try:
         n = layout.n
-        edges = {0, n - 1, 8}
-        for a, b in slices(n, W):
-            edges |= {a, max(a, b - 1)}
         for r in range(W):
             for idle in (False, True):
-                for pos in sorted(edges):
-                    flat = rank_flat(comm.rank)
+                for pos in edge_positions(n, W, (8,)):
+                    flat = rank_flat(comm.rank, shapes)
                     if comm.rank == r:
                         flat[pos] = bad
                     staging = stage(red, flat)
@@ -503,12 +528,12 @@ def test_in_place_pass_names_a_non_finite_rank_and_never_writes_its_value(comm, 
                     if comm.rank != r:
                         assert np.isfinite(staging).all()
                     if idle:
-                        ref = sum(m * rank_flat(q).astype(np.float64) for q, m in enumerate(masses)) / sum(masses)
+                        ref = sum(m * rank_flat(q, shapes).astype(np.float64) for q, m in enumerate(masses)) / sum(masses)
                         assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= 1e-6
                     assert len(set(comm.allgather(stats.post_finite))) == 1
         # finite values whose float32 weighted sum would overflow: summed in float64, their mean comes
         # back (3e38 exactly: every rank holds it, issue 26 item 5), and nobody's values are named
-        flat = rank_flat(comm.rank)
+        flat = rank_flat(comm.rank, shapes)
         flat[3] = 3e38
         stats = gathered_reduce(red, stage(red, flat), [1.0] * W)
         assert stats.post_finite and red.staging[3] == np.float32(3e38)
