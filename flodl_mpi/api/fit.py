@@ -391,8 +391,8 @@ def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, optimizer) -> dic
     ``optimizer``: the run's optimizer as the trainer builds it (a throwaway, no
     state; None when the factory failed: the trainer reports that on every rank).
     """
-    from flodl_mpi.config import BALANCED_POLICIES
     from flodl_mpi.api.run_record import api_config
+    from flodl_mpi.policy.registry import get as policy_spec
 
     if a["train_step"] is not None:
         loss = f"train_step {_describe(a['train_step'])}"
@@ -405,10 +405,7 @@ def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, optimizer) -> dic
         off.add("momentum")
     if not isinstance(a["data"], (str, os.PathLike)):
         off |= {"train_x", "train_y", "test_x", "test_y"}
-    if cfg.policy not in BALANCED_POLICIES:
-        off |= {"anchor", "max_anchor", "overhead_target", "divergence_guard"}
-    if cfg.policy != "async":
-        off.add("easgd_alpha")
+    off |= {"anchor", "max_anchor", "overhead_target", "divergence_guard", "easgd_alpha"} - policy_spec(cfg.policy).options
     if cfg.outer == "avg":
         off |= {"outer_lr", "outer_momentum", "outer_reset_inner"}
     return api_config(cfg.to_dict(), "fit", loss=loss, model=model, optimizer=optimizer, not_applicable=off)
