@@ -24,6 +24,7 @@ from flodl_mpi.config import ON_NON_FINITE, TrainConfig
 from flodl_mpi.policy.registry import describe as describe_policy
 from flodl_mpi.policy.registry import lookup as policy_spec
 from flodl_mpi.policy.registry import names as policy_names
+
 #: The loss of an own loop, as its records name it (metrics.h5 ``loss``).
 OWN_LOOP_LOSS = "loss given to step()"
 
@@ -98,7 +99,8 @@ class Averager:
             ``GradScaler`` that skips a step on inf/NaN gradients makes no
             mass), clears its state when this rank is quarantined, and saves it
             in checkpoints. Without it each :meth:`step` call is one step.
-        policy: ``"sync"`` (a round after every step) or ``"window"`` (after every ``window`` steps).
+        policy: ``"sync"`` (a round after every step) or ``"window"`` (after every ``window`` steps),
+            or a policy registered with ``own_loop=True`` (`flodl_mpi.policy.registry`).
         window: calls of :meth:`step` per rank between rounds, >= 1 (1 with ``"sync"``).
         gamma: mass exponent, finite (SPEC §1): 1 weights by work.
         run_dir: directory for ``config.json`` (the model and optimizer as built),

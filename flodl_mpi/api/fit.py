@@ -512,7 +512,8 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             numbers >= 0, at most 256 distinct) are refused without a ``task``, as
             ``flodl-mpi train`` refuses float labels.
         batch_size: samples per batch per rank, >= 1. epochs: >= 1. lr: > 0.
-        policy, window, gamma: as ``flodl-mpi train --policy/--window/--gamma``.
+        policy, window, gamma: as ``flodl-mpi train --policy/--window/--gamma`` (``policy``: any
+            policy in `flodl_mpi.policy.registry`, one registered by your script too).
         lr_schedule: ``cohort_step -> factor`` on each group's initial learning
             rate; the cohort step counts the cohort's optimizer steps (global
             batches), so the schedule is the one a single process would follow.
