@@ -15,19 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flodl_mpi.policy.defaults import ADOPTION_DEFAULTS, BALANCER_DEFAULTS
+from flodl_mpi.policy.registry import names as policy_names
+from flodl_mpi.policy.registry import refusal as policy_refusal
+from flodl_mpi.policy.registry import taking
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BALANCED_POLICIES", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
+__all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
            "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OPTIMIZER_WEIGHT_DECAY", "OUTERS",
-           "OUTPUT_OPTIONS", "POLICIES", "PROGRESS", "RESUME_AUTO", "ConfigError", "TrainConfig", "check_output_option",
+           "OUTPUT_OPTIONS", "PROGRESS", "RESUME_AUTO", "ConfigError", "TrainConfig", "check_output_option",
            "config_key_text", "optimizer_class", "read_config_file", "value_problem"]
 
-POLICIES = ("sync", "window", "cadence", "async")
-#: Policies whose quotas the ElChe balancer sets (SPEC §4).
-BALANCED_POLICIES = ("cadence", "async")
 #: How ``async`` adopts a consensus (``--async-adopt``; flodl_mpi.training.worker.Replica.adopt).
 ASYNC_ADOPTS = ("delta", "easgd")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -121,14 +123,14 @@ class TrainConfig:
     optimizer: str = "adam"           # one of OPTIMIZERS; a Python API run's own optimizer: "module:Class"
     momentum: float = 0.9             # sgd only
     weight_decay: float | None = None  # None = the optimizer's own (OPTIMIZER_WEIGHT_DECAY; a resume: the run's)
-    policy: str = "sync"              # one of POLICIES
+    policy: str = "sync"              # a registered policy (flodl_mpi.policy.registry)
     window: int = 1                   # batches per rank between rounds (policy window)
-    anchor: int | None = None         # cadence/async: the slowest rank's first window, batches; None = 10
-    max_anchor: int | None = None     # cadence/async: the anchor's ceiling, batches; None = 1000
-    overhead_target: float | None = None  # cadence/async: round time / anchor window time to grow past; None = 0.05
+    anchor: int | None = None         # cadence/async: the slowest rank's first window, batches (None: BALANCER_DEFAULTS)
+    max_anchor: int | None = None     # cadence/async: the anchor's ceiling, batches (None: BALANCER_DEFAULTS)
+    overhead_target: float | None = None  # cadence/async: round time / anchor window time to grow past (None: the same)
     divergence_guard: bool = True     # cadence/async: the divergence guard gates anchor growth (SPEC §3)
     replay_plan: str | None = None    # cadence/async: follow this metrics.h5's recorded quotas and anchors
-    easgd_alpha: float | None = None  # async easgd: theta += alpha (consensus - theta_snapshot), (0, 1]; None = 0.5
+    easgd_alpha: float | None = None  # async easgd: theta += alpha (consensus - theta_snapshot), (0, 1]; None: ADOPTION_DEFAULTS
     async_adopt: str | None = None    # async: "delta" (consensus + own steps since the snapshot) or "easgd"
     #                                   (pull); None = delta, or easgd when easgd_alpha is set
     gamma: float = 1.0                # params mass exponent (SPEC §1)
@@ -183,7 +185,7 @@ class TrainConfig:
         need(isinstance(self.gamma, (int, float)) and math.isfinite(self.gamma), "gamma", self.gamma, "a finite number")
         need(self.optimizer in OPTIMIZERS or _is_class_path(self.optimizer), "optimizer", self.optimizer,
              f"one of {', '.join(OPTIMIZERS)}")
-        need(self.policy in POLICIES, "policy", self.policy, f"one of {', '.join(POLICIES)}")
+        need(self.policy in policy_names(), "policy", self.policy, f"one of {', '.join(policy_names())}")
         need(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
         need(self.on_non_finite in ON_NON_FINITE, "on_non_finite", self.on_non_finite,
              f"one of {', '.join(ON_NON_FINITE)}")
@@ -208,12 +210,6 @@ class TrainConfig:
                                     or self.outer_reset_inner):
             raise ConfigError("--outer-lr, --outer-momentum and --outer-reset-inner take effect with --outer slowmo "
                               "or nesterov; --outer avg adopts the consensus as it is")
-        if self.policy == "sync" and self.window != 1:
-            raise ConfigError(f"--window {self.window} contradicts --policy sync (a round after every batch); "
-                              "use --policy window")
-        if self.policy == "window" and self.window == 1:  # issue 26 item 9: never silently sync
-            raise ConfigError("--policy window needs --window N: the batches each rank trains between rounds, "
-                              "N >= 2 (a window of 1 is --policy sync)")
         self._check_balancer(need)
         need(isinstance(self.resume, bool) or self.resume == RESUME_AUTO, "resume", self.resume,
              f"true, false or {RESUME_AUTO!r}")
@@ -229,7 +225,7 @@ class TrainConfig:
             raise ConfigError("--resume needs --run-dir: the run directory to continue")
 
     def _check_balancer(self, need) -> None:
-        """The cadence/async options: valid values, and only with a policy they act in."""
+        """The policy options: valid values, and only with a policy that takes them (its registry entry)."""
         def integer(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
@@ -247,30 +243,14 @@ class TrainConfig:
              "replay_plan", self.replay_plan, "a run's metrics.h5 path")
         need(self.easgd_alpha is None or (number(self.easgd_alpha) and 0 < self.easgd_alpha <= 1), "easgd_alpha",
              self.easgd_alpha, "a number in (0, 1] (1 is the delta adoption)")
-        if self.policy not in BALANCED_POLICIES:
-            given = [f"--{n.replace('_', '-')}" for n in ("anchor", "max_anchor", "overhead_target")
-                     if getattr(self, n) is not None] + ([] if self.divergence_guard else ["--no-divergence-guard"])
-            given += ["--replay-plan"] if self.replay_plan is not None else []
-            if given:
-                raise ConfigError(f"{', '.join(given)} take(s) effect with --policy cadence or async (the balancer); "
-                                  f"--policy {self.policy} runs a fixed window")
-        elif self.window != 1:
-            raise ConfigError(f"--window {self.window} contradicts --policy {self.policy}: the balancer sets each "
-                              "rank's window (start it with --anchor)")
         need(self.async_adopt is None or self.async_adopt in ASYNC_ADOPTS, "async_adopt", self.async_adopt,
              f"one of {', '.join(ASYNC_ADOPTS)}")
-        if self.easgd_alpha is not None and self.policy != "async":
-            raise ConfigError(f"--easgd-alpha takes effect with --policy async; --policy {self.policy} adopts the "
-                              "consensus as it is")
-        if self.async_adopt is not None and self.policy != "async":
-            raise ConfigError(f"--async-adopt takes effect with --policy async; --policy {self.policy} adopts the "
-                              "consensus as it is")
+        problem = policy_refusal(self)  # the options the policy does not take, in its entry's words
+        if problem:
+            raise ConfigError(problem)
         if self.easgd_alpha is not None and self.async_adopt == "delta":
             raise ConfigError(f"--easgd-alpha takes effect with --async-adopt easgd; --async-adopt "
                               f"{self.async_adopt_value} adds this rank's own steps to the consensus")
-        if self.policy == "async" and self.outer != "avg":
-            raise ConfigError(f"--outer {self.outer} needs a blocking policy (sync, window or cadence): --policy async "
-                              "blends the consensus into parameters that trained on")
 
     @property
     def weight_decay_value(self) -> float:
@@ -282,32 +262,39 @@ class TrainConfig:
 
     @property
     def anchor_value(self) -> int:
-        """The initial anchor, batches (``--anchor``, default 10)."""
-        return 10 if self.anchor is None else int(self.anchor)
+        """The initial anchor, batches (``--anchor``; default ``BALANCER_DEFAULTS["anchor"]``, 10)."""
+        return BALANCER_DEFAULTS["anchor"] if self.anchor is None else int(self.anchor)
 
     @property
     def max_anchor_value(self) -> int:
-        """The anchor's ceiling, batches (``--max-anchor``, default 1000, at least the anchor)."""
-        return max(1000, self.anchor_value) if self.max_anchor is None else int(self.max_anchor)
+        """The anchor's ceiling, batches (``--max-anchor``; default ``BALANCER_DEFAULTS["max_anchor"]``,
+        1000, at least the anchor)."""
+        if self.max_anchor is None:
+            return max(BALANCER_DEFAULTS["max_anchor"], self.anchor_value)
+        return int(self.max_anchor)
 
     @property
     def overhead_target_value(self) -> float:
-        """The round overhead past which the anchor grows (``--overhead-target``, default 0.05)."""
-        return 0.05 if self.overhead_target is None else float(self.overhead_target)
+        """The round overhead past which the anchor grows (``--overhead-target``; default
+        ``BALANCER_DEFAULTS["overhead_target"]``, 0.05)."""
+        if self.overhead_target is None:
+            return float(BALANCER_DEFAULTS["overhead_target"])
+        return float(self.overhead_target)
 
     @property
     def easgd_alpha_value(self) -> float:
-        """Async's pull on adoption (``--easgd-alpha``, default 0.5; 1.0 is delta's); 1.0 under ``delta``."""
+        """Async's pull on adoption (``--easgd-alpha``; default ``ADOPTION_DEFAULTS["easgd_alpha"]``, 0.5;
+        1.0 is delta's); 1.0 under ``delta``."""
         if self.async_adopt_value != "easgd":
             return 1.0
-        return 0.5 if self.easgd_alpha is None else float(self.easgd_alpha)
+        return float(ADOPTION_DEFAULTS["easgd_alpha"]) if self.easgd_alpha is None else float(self.easgd_alpha)
 
     @property
     def async_adopt_value(self) -> str:
         """How ``async`` adopts (``--async-adopt``; default ``delta``, measured closer to sync in the README;
         ``easgd`` when only ``--easgd-alpha`` is given, which implies it)."""
         if self.async_adopt is None:
-            return "easgd" if self.easgd_alpha is not None else "delta"
+            return "easgd" if self.easgd_alpha is not None else ADOPTION_DEFAULTS["async_adopt"]
         return self.async_adopt
 
     def to_dict(self) -> dict[str, Any]:
@@ -317,6 +304,16 @@ class TrainConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``POLICIES`` (every registered policy) and ``BALANCED_POLICIES`` (those taking ``--anchor``):
+    views of `flodl_mpi.policy.registry`, read when asked (a policy registered later is in them)."""
+    if name == "POLICIES":
+        return policy_names()
+    if name == "BALANCED_POLICIES":
+        return taking("anchor")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_class_path(value: Any) -> bool:

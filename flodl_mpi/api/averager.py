@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from flodl_mpi.training import scalars as _scalars
-from flodl_mpi.config import ON_NON_FINITE, POLICIES, TrainConfig
+from flodl_mpi.config import ON_NON_FINITE, TrainConfig
+from flodl_mpi.policy.registry import describe as describe_policy
+from flodl_mpi.policy.registry import lookup as policy_spec
+from flodl_mpi.policy.registry import names as policy_names
 
-#: The policies of an own loop: a round every step, or every ``window`` steps.
-_OWN_LOOP_POLICIES = ("sync", "window")
 #: The loss of an own loop, as its records name it (metrics.h5 ``loss``).
 OWN_LOOP_LOSS = "loss given to step()"
 
@@ -98,7 +99,8 @@ class Averager:
             ``GradScaler`` that skips a step on inf/NaN gradients makes no
             mass), clears its state when this rank is quarantined, and saves it
             in checkpoints. Without it each :meth:`step` call is one step.
-        policy: ``"sync"`` (a round after every step) or ``"window"`` (after every ``window`` steps).
+        policy: ``"sync"`` (a round after every step) or ``"window"`` (after every ``window`` steps),
+            or a policy registered with ``own_loop=True`` (`flodl_mpi.policy.registry`).
         window: calls of :meth:`step` per rank between rounds, >= 1 (1 with ``"sync"``).
         gamma: mass exponent, finite (SPEC §1): 1 weights by work.
         run_dir: directory for ``config.json`` (the model and optimizer as built),
@@ -189,12 +191,13 @@ class Averager:
                 if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
                     raise TypeError("optimizer must be a torch.optim.Optimizer or None, got "
                                     f"{type(optimizer).__name__}")
-                if policy not in _OWN_LOOP_POLICIES:
+                own_loop = [n for n in policy_names() if policy_spec(n).own_loop]  # the registry's entries
+                if policy not in own_loop:
                     # cadence and async decide how many batches each rank trains; in your own
                     # loop you decide that, so they are flodl_mpi.fit's (and the CLI's) only.
-                    raise ValueError(f"policy={policy!r}: must be one of {', '.join(_OWN_LOOP_POLICIES)}"
+                    raise ValueError(f"policy={policy!r}: must be one of {', '.join(own_loop)}"
                                      + (" (the balanced policies set each rank's batches: use flodl_mpi.fit)"
-                                        if policy in POLICIES else ""))
+                                        if policy in policy_names() else ""))
                 _check_int(window, "window", 1)
                 if policy == "sync" and window != 1:
                     raise ValueError(f"window={window} contradicts policy='sync' (a round after every step); "
@@ -358,9 +361,9 @@ class Averager:
         self._train_log = _setup_logging(self.run_dir, 0)
         self._session.watchdog.log_path = self.run_dir / "train.log"  # a stall's verdict ends train.log too
         log.setLevel(min(log.level or logging.INFO, logging.INFO))
-        per = "every step() call" if self.cfg.window == 1 else f"every {self.cfg.window} step() calls"
+        policy = describe_policy(self.cfg.policy, self.cfg.to_dict(), "step() call")  # the report's words too
         log.info(f"flodl-mpi {__version__}: {self.world_size} rank{'s' if self.world_size > 1 else ''}, your own "
-                 f"loop (flodl_mpi.Averager), policy {self.cfg.policy} (a round after {per}), gamma "
+                 f"loop (flodl_mpi.Averager), {policy}, gamma "
                  f"{self.cfg.gamma:g}, {sum(p.numel() for p in self.model.parameters())} params on {devices}; "
                  f"run dir {self.run_dir}")
 

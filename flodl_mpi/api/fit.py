@@ -391,8 +391,8 @@ def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, optimizer) -> dic
     ``optimizer``: the run's optimizer as the trainer builds it (a throwaway, no
     state; None when the factory failed: the trainer reports that on every rank).
     """
-    from flodl_mpi.config import BALANCED_POLICIES
     from flodl_mpi.api.run_record import api_config
+    from flodl_mpi.policy.registry import get as policy_spec
 
     if a["train_step"] is not None:
         loss = f"train_step {_describe(a['train_step'])}"
@@ -405,10 +405,7 @@ def _record(cfg: TrainConfig, a: dict, data, model: nn.Module, optimizer) -> dic
         off.add("momentum")
     if not isinstance(a["data"], (str, os.PathLike)):
         off |= {"train_x", "train_y", "test_x", "test_y"}
-    if cfg.policy not in BALANCED_POLICIES:
-        off |= {"anchor", "max_anchor", "overhead_target", "divergence_guard"}
-    if cfg.policy != "async":
-        off.add("easgd_alpha")
+    off |= {"anchor", "max_anchor", "overhead_target", "divergence_guard", "easgd_alpha"} - policy_spec(cfg.policy).options
     if cfg.outer == "avg":
         off |= {"outer_lr", "outer_momentum", "outer_reset_inner"}
     return api_config(cfg.to_dict(), "fit", loss=loss, model=model, optimizer=optimizer, not_applicable=off)
@@ -515,7 +512,8 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             numbers >= 0, at most 256 distinct) are refused without a ``task``, as
             ``flodl-mpi train`` refuses float labels.
         batch_size: samples per batch per rank, >= 1. epochs: >= 1. lr: > 0.
-        policy, window, gamma: as ``flodl-mpi train --policy/--window/--gamma``.
+        policy, window, gamma: as ``flodl-mpi train --policy/--window/--gamma`` (``policy``: any
+            policy in `flodl_mpi.policy.registry`, one registered by your script too).
         lr_schedule: ``cohort_step -> factor`` on each group's initial learning
             rate; the cohort step counts the cohort's optimizer steps (global
             batches), so the schedule is the one a single process would follow.

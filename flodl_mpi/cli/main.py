@@ -41,7 +41,6 @@ from flodl_mpi.config import (
     OPTIMIZERS,
     OUTERS,
     OUTPUT_OPTIONS,
-    POLICIES,
     PROGRESS,
     RESUME_AUTO,
     ConfigError,
@@ -49,6 +48,9 @@ from flodl_mpi.config import (
     config_key_text,
     read_config_file,
 )
+from flodl_mpi.policy.defaults import ADOPTION_DEFAULTS, BALANCER_DEFAULTS
+from flodl_mpi.policy.registry import help_text as policy_help
+from flodl_mpi.policy.registry import names as policy_names
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
 from flodl_mpi.runtime.launcher import (
     check_world_size,
@@ -133,21 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop each epoch's incomplete last batch (as PyTorch's DataLoader) instead of training on it")
     g.add_argument("--seed", type=int, help=f"seed of the data order and the model's initial values (default {d.seed})")
     g = t.add_argument_group("averaging")
-    g.add_argument("--policy", choices=POLICIES,
-                   help="when ranks average: sync after every batch, window after every --window batches, cadence "
-                        "after per-rank quotas that make uneven ranks arrive together (the ElChe balancer), async "
-                        "as cadence while training goes on during the round (its consensus adopted by --async-adopt) "
-                        f"(default {d.policy})")
+    g.add_argument("--policy", choices=policy_names(), help=policy_help(d.policy))  # the registry's entries
     g.add_argument("--window", type=int,
                    help="batches each rank trains between rounds; above 1 it implies --policy window")
     g.add_argument("--anchor", type=int,
                    help="cadence/async: batches of the slowest rank in the first window; faster ranks run "
                         "proportionally more, and the anchor grows with the round overhead (async: also shrinks to the "
-                        "shortest window that hides the round) (default 10)")
-    g.add_argument("--max-anchor", type=int, help="cadence/async: the anchor never grows past this (default 1000)")
+                        f"shortest window that hides the round) (default {BALANCER_DEFAULTS['anchor']})")
+    g.add_argument("--max-anchor", type=int,
+                   help=f"cadence/async: the anchor never grows past this (default {BALANCER_DEFAULTS['max_anchor']})")
     g.add_argument("--overhead-target", type=float,
                    help="cadence/async: the anchor grows while a round takes more than this fraction of the "
-                        "slowest rank's window time (default 0.05)")
+                        f"slowest rank's window time (default {BALANCER_DEFAULTS['overhead_target']:g})")
     g.add_argument("--no-divergence-guard", dest="divergence_guard", action="store_false", default=None,
                    help="cadence/async: let the anchor grow whatever the divergence guard says (its verdicts are "
                         "still recorded)")
@@ -161,10 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps since the round's snapshot: delta takes the consensus in place of the snapshot; "
                         "easgd pulls the snapshot only --easgd-alpha of the way to it (EASGD's elastic pull: the "
                         "ranks keep part of their spread; measured level with delta: README, 'Async's accuracy') "
-                        "(default delta; easgd when only --easgd-alpha is given)")
+                        f"(default {ADOPTION_DEFAULTS['async_adopt']}; easgd when only --easgd-alpha is given)")
     g.add_argument("--easgd-alpha", type=float,
                    help="async with --async-adopt easgd: adopt each consensus as theta + alpha * (consensus - "
-                        "theta_snapshot), alpha in (0, 1]; 1.0 is the delta adoption (default 0.5)")
+                        "theta_snapshot), alpha in (0, 1]; 1.0 is the delta adoption "
+                        f"(default {ADOPTION_DEFAULTS['easgd_alpha']:g})")
     g.add_argument("--gamma", type=float,
                    help=f"mass exponent: a rank's weight in the average is its steps**gamma (default {d.gamma:g})")
     g.add_argument("--chunk-elems", type=int,

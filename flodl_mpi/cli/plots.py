@@ -23,14 +23,16 @@ from flodl_mpi.cli import time_budget
 from flodl_mpi.outputs.metrics import GUARD_VERDICTS
 from flodl_mpi.cli.run_events import epoch_ends, events, round_epochs, rounds_to_epochs
 from flodl_mpi.outputs.run_reader import Run
+from flodl_mpi.policy.registry import get as policy_spec
+from flodl_mpi.policy.registry import names as policy_names
 
 __all__ = [
     "FIGURES",
-    "QUOTA_POLICIES",
     "cadence_figure",
     "divergence_figure",
     "eval_metrics",
     "not_drawn",
+    "quota_policies",
     "ranks_figure",
     "round_times_figure",
     "time_figure",
@@ -370,8 +372,10 @@ def round_times_figure(runs: Sequence[Run]) -> Figure | None:
     return fig
 
 
-#: The policies that plan quotas per rank (an anchor that moves): the cadence figure is theirs.
-QUOTA_POLICIES = ("cadence", "async")
+def quota_policies() -> tuple[str, ...]:
+    """The policies that plan quotas per rank (an anchor that moves; registry entries with ``quotas``):
+    the cadence figure is theirs."""
+    return tuple(n for n in policy_names() if policy_spec(n).quotas)
 
 
 def _policy(run: Run) -> str:
@@ -380,9 +384,9 @@ def _policy(run: Run) -> str:
 
 def cadence_figure(runs: Sequence[Run]) -> Figure | None:
     """Anchor and per-rank window (batches) per round, for the runs whose policy plans quotas
-    (`QUOTA_POLICIES`): 1 + W lines per such run; None when no run has one (`not_drawn` says
+    (`quota_policies`): 1 + W lines per such run; None when no run has one (`not_drawn` says
     why). Several runs: on an epoch axis."""
-    runs_q = [r for r in runs if _policy(r) in QUOTA_POLICIES
+    runs_q = [r for r in runs if _policy(r) in quota_policies()
               and (r.column("rounds", "anchor") is not None or r.column("rounds", "window") is not None)]
     drawn = {id(r) for r in runs_q}
     if not runs_q:
@@ -414,13 +418,13 @@ def cadence_figure(runs: Sequence[Run]) -> Figure | None:
 def not_drawn(runs: Sequence[Run]) -> list[str]:
     """One line per figure (or run) `write_plots` leaves out on purpose, saying why: the
     cadence figure for a run whose policy plans no quotas."""
-    fixed = [r for r in runs if _policy(r) not in QUOTA_POLICIES]
+    fixed = [r for r in runs if _policy(r) not in quota_policies()]
     if not fixed:
         return []
     which = ", ".join(f"{r.label.split(' [')[0]} (policy {_policy(r)})" for r in fixed) if len(runs) > 1 \
         else f"policy {_policy(fixed[0])}"
     head = "not drawn" if len(fixed) == len(runs) else "left out"
-    return [f"cadence.png: {head}: {which} plans no quotas per rank (only {' and '.join(QUOTA_POLICIES)} do; "
+    return [f"cadence.png: {head}: {which} plans no quotas per rank (only {' and '.join(quota_policies())} do; "
             "a fixed policy's window is its --window option)"]
 
 

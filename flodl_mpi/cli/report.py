@@ -27,6 +27,7 @@ import numpy as np
 from flodl_mpi.outputs.metrics import GUARD_VERDICTS
 from flodl_mpi.outputs.run_reader import NOT_OPTIONS, Run, RunError, load_run
 from flodl_mpi.cli.time_budget import AVERAGING, NAMES, averaging_seconds, rank_seconds, time_parts
+from flodl_mpi.policy.registry import blocking, describe, lookup
 
 __all__ = ["add_parser", "describe_policy", "describe_world", "differing_options", "format_comparison",
            "format_summary", "main", "plural", "rank_seconds", "summarize"]
@@ -47,31 +48,11 @@ def _or_zero(col: np.ndarray | None) -> np.ndarray:
     return np.zeros(0) if col is None else col
 
 
-def _async_adoption(cfg: dict) -> str:
-    """How an async run adopted, from its config.json: ``async_adopt`` (None: the default,
-    delta; a config written before the option existed: EASGD, then the only one)."""
-    adopt = cfg.get("async_adopt", "easgd") or "delta"
-    if adopt == "easgd":
-        return f"adopt easgd, alpha {cfg.get('easgd_alpha') or 0.5:g}"
-    return f"adopt {adopt}"
-
-
 def describe_policy(run: Run) -> str:
-    """When the run's ranks averaged, in the policy's own words (a window is a fixed policy's notion)."""
-    cfg = run.config
-    policy = run.attrs.get("policy", cfg.get("policy", "?"))
-    unit = "step() call" if run.own_loop else "batch"
-    if policy == "sync":
-        return f"policy sync (a round after every {unit})"
-    if policy == "window":
-        k = cfg.get("window", "?")
-        return f"policy window ({k} {unit}{'' if k == 1 else 'es' if unit == 'batch' else 's'} per rank per round)"
-    if policy in ("cadence", "async"):
-        anchor, top = cfg.get("anchor") or 10, cfg.get("max_anchor") or max(1000, cfg.get("anchor") or 10)
-        span = f"{anchor}, 1 to {top}" if policy == "async" else f"{anchor} to {top}"  # async also shrinks it
-        text = f"policy {policy} (ElChe quotas per rank, anchor {span}"
-        return text + (f", {_async_adoption(cfg)})" if policy == "async" else ")")
-    return f"policy {policy}"
+    """When the run's ranks averaged, in the policy's own words: its registry entry's, the words
+    of train.log's header (`flodl_mpi.policy.registry.describe`; an own loop counts ``step()`` calls)."""
+    policy = run.attrs.get("policy", run.config.get("policy", "?"))
+    return describe(policy, run.config, "step() call" if run.own_loop else "batch")
 
 
 def plural(n: int, noun: str) -> str:
@@ -213,10 +194,11 @@ def summarize(run: Run) -> dict[str, Any]:
     if quarantined is not None and quarantined.ndim == 2:
         s["quarantined"] = {r: int(n) for r, n in enumerate(np.sum(quarantined != 0, axis=0)) if n}
     anchor = run.column("rounds", "anchor")
-    if anchor is not None and len(anchor) and policy in ("cadence", "async"):
+    spec = lookup(policy)
+    if anchor is not None and len(anchor) and spec is not None and spec.quotas:
         s["anchor"] = (int(anchor[0]), int(anchor[-1]), int(anchor.max()))
     wait, bridge = run.column("rounds", "wait_ms"), run.column("rounds", "bridge_ms")
-    if wait is not None and bridge is not None and policy == "async":
+    if wait is not None and bridge is not None and not blocking(policy):
         ok = np.isfinite(wait) & np.isfinite(bridge)
         if ok.any() and bridge[ok].sum() > 0:
             # The wait also holds the hand-off after the bridge finished: never below 0.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from flodl_mpi.outputs.run_reader import Run
+from flodl_mpi.policy.registry import blocking as policy_blocking
 
 __all__ = ["AVERAGING", "NAMES", "PARTS", "averaging_seconds", "blocking", "rank_seconds", "time_parts"]
 
@@ -59,8 +60,8 @@ def rank_seconds(run: Run) -> np.ndarray:
 
 
 def blocking(run: Run) -> bool:
-    """The training thread waited for each round (every policy but ``async``)."""
-    return run.attrs.get("policy", run.config.get("policy")) != "async"
+    """The training thread waited for each round (every policy but ``async``: its registry entry's ``blocking``)."""
+    return policy_blocking(run.attrs.get("policy", run.config.get("policy")))
 
 
 def _total(run: Run, table: str, col: str) -> np.ndarray:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from flodl_mpi.policy.defaults import BALANCER_DEFAULTS
 from flodl_mpi.protocol.divergence import Verdict
 
 __all__ = ["HIDE_HEADROOM", "REARM_STABLE_ROUNDS", "ElChe"]
@@ -45,10 +46,12 @@ class ElChe:
 
     Args:
         world_size: ranks, >= 1.
-        anchor: initial batches of the slowest rank per window, >= 1 (default 10).
-        max_anchor: the anchor never grows past this, >= ``anchor`` (default 1000).
+        anchor: initial batches of the slowest rank per window, >= 1 (default
+            ``BALANCER_DEFAULTS["anchor"]``, 10: `flodl_mpi.policy.defaults`).
+        max_anchor: the anchor never grows past this, >= ``anchor`` (default
+            ``BALANCER_DEFAULTS["max_anchor"]``, 1000).
         overhead_target: round overhead (reduce ms / anchor rank's window ms) above
-            which the anchor grows, > 0 (default 0.05).
+            which the anchor grows, > 0 (default ``BALANCER_DEFAULTS["overhead_target"]``, 0.05).
         history: valid readings averaged per rank, >= 1 (default 5).
         dead_zone: relative change of a speed ratio below which quotas stay, >= 0
             (default 0.05).
@@ -65,8 +68,9 @@ class ElChe:
         counts = elche.quotas()                          # the next window's plan
     """
 
-    def __init__(self, world_size: int, anchor: int = 10, max_anchor: int = 1000, overhead_target: float = 0.05,
-                 history: int = 5, dead_zone: float = 0.05, max_ratio: float = 64.0) -> None:
+    def __init__(self, world_size: int, anchor: int = BALANCER_DEFAULTS["anchor"],
+                 max_anchor: int = BALANCER_DEFAULTS["max_anchor"],
+                 overhead_target: float = BALANCER_DEFAULTS["overhead_target"], history: int = 5, dead_zone: float = 0.05, max_ratio: float = 64.0) -> None:
         def need(ok: bool, name: str, value, allowed: str) -> None:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {value!r}")

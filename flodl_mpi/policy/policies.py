@@ -12,6 +12,11 @@ No MPI, no threads, no clocks: the readings arrive as numbers.
 - ``async``: cadence's plan; the training thread keeps training while the round runs
   (the trainer's concern, :attr:`Policy.blocking` is False), and the guard's threshold is
   0.3 when the EASGD blend is on (SPEC §3).
+
+Which policies exist, their words, defaults and options, and how a config builds one:
+:mod:`flodl_mpi.policy.registry` (:func:`~flodl_mpi.policy.registry.make_policy`). A new
+policy subclasses :class:`Policy` (its :meth:`Policy.plan`, and :meth:`Policy.observe` when
+it reads the rounds) and registers an entry there.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from flodl_mpi.policy.cadence import fixed_quotas
 from flodl_mpi.protocol.divergence import TrendGuard, Verdict
 from flodl_mpi.policy.elche import ElChe
 
-__all__ = ["CadencePolicy", "FixedPolicy", "Plan", "Policy", "RoundFacts", "guard_threshold", "make_policy"]
+__all__ = ["CadencePolicy", "FixedPolicy", "Plan", "Policy", "RoundFacts", "guard_threshold"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,11 @@ def guard_threshold(easgd_alpha: float | None) -> float:
 
 class Policy(ABC):
     """Base of the policies: the guard, the current plan, and checkpoint state.
+
+    A subclass gives :meth:`plan` (the next window's batches per rank, each >= 1, and its
+    anchor); it may override :meth:`observe` to read each round's gathered facts, and
+    :meth:`state_dict` / :meth:`load_state_dict` for state a resume must restore.
+    :func:`~flodl_mpi.policy.registry.make_policy` sets :attr:`name` to its entry's.
 
     Args:
         world_size: ranks, >= 1.
@@ -212,17 +222,3 @@ class CadencePolicy(Policy):
             if pending is not None and len(pending) == 2:  # an older checkpoint kept only the cost
                 pending = [*pending, pending[1] if self.blocking else math.nan]
             self._pending = None if pending is None else (int(pending[0]), float(pending[1]), float(pending[2]))
-
-
-def make_policy(cfg, world_size: int) -> Policy:
-    """The policy ``cfg`` names (a :class:`~flodl_mpi.config.TrainConfig`), with its guard."""
-    # The blend leaves each rank (1 - alpha) of its way from the consensus: the guard reads 0.3 then.
-    alpha = cfg.easgd_alpha_value if cfg.policy == "async" and cfg.async_adopt_value == "easgd" else None
-    # No NudgeDown by default: healthy runs rise 5 rounds in a row to 2-3x (benchmarks/README.md, guard_replay.py).
-    guard = TrendGuard(threshold=guard_threshold(alpha))
-    if cfg.policy in ("sync", "window"):
-        return FixedPolicy(world_size, cfg.window, guard)
-    elche = ElChe(world_size, anchor=cfg.anchor_value, max_anchor=cfg.max_anchor_value,
-                  overhead_target=cfg.overhead_target_value)
-    return CadencePolicy(world_size, elche, guard, act_on_guard=cfg.divergence_guard,
-                         blocking=cfg.policy == "cadence")

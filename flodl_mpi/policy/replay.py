@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 
 from flodl_mpi.policy.cadence import fit_quotas
+from flodl_mpi.policy.registry import either, get, lookup, names
 
 __all__ = ["RecordedPlan", "ReplayError", "read_recorded_plan"]
 
@@ -153,9 +154,10 @@ def read_recorded_plan(path: str | os.PathLike) -> RecordedPlan:
     history = attrs.get("world_size_history") or []
     if len(history) > 1:
         raise ReplayError(f"{where}: the recorded run changed its world size ({history}); its plan cannot be replayed")
-    if attrs["policy"] not in ("cadence", "async"):
+    spec = lookup(attrs["policy"])
+    if spec is None or not spec.quotas:
         raise ReplayError(f"{where} was recorded under --policy {attrs['policy']}, whose plan is fixed: only a "
-                          "cadence or async run's plan is replayed")
+                          f"{either(n for n in names() if get(n).quotas)} run's plan is replayed")
     n = min(len(v) for v in rounds.values())
     if n == 0:
         raise ReplayError(f"{where}: the recorded run has no rounds; nothing to replay")

@@ -402,8 +402,9 @@ def _close_open_sessions() -> None:
 def _choices() -> dict[str, tuple[str, ...]]:
     """The options whose value is one of a few words, by config name."""
     from flodl_mpi import config as c
+    from flodl_mpi.policy.registry import names as policy_names
 
-    return {"policy": c.POLICIES, "optimizer": c.OPTIMIZERS, "device": c.DEVICES, "on_non_finite": c.ON_NON_FINITE,
+    return {"policy": policy_names(), "optimizer": c.OPTIMIZERS, "device": c.DEVICES, "on_non_finite": c.ON_NON_FINITE,
             "outer": c.OUTERS, "node_reduce": c.NODE_REDUCES, "hierarchical": c.HIERARCHICAL,
             "average_optimizer_state": c.AVERAGE_OPTIMIZER_STATE, "async_adopt": c.ASYNC_ADOPTS,
             "resume": (c.RESUME_AUTO,)}  # --resume auto: resume='auto' (a plain --resume: resume=True)

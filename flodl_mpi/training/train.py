@@ -64,7 +64,9 @@ from flodl_mpi.training.models import (
     wide_tensor,
 )
 from flodl_mpi.protocol.outer import OuterOptimizer, short_window_warning
-from flodl_mpi.policy.policies import make_policy
+from flodl_mpi.policy.registry import describe as describe_policy
+from flodl_mpi.policy.registry import get as policy_spec
+from flodl_mpi.policy.registry import make_policy
 from flodl_mpi.training.progress import EpochProgress, stdout_is_terminal, write_above_bars
 from flodl_mpi.transport.reduce import WireOptions
 from flodl_mpi.policy.replay import RecordedPlan, read_recorded_plan
@@ -147,24 +149,10 @@ def _smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str
     return k, "raise --batch-size"
 
 
-def _describe_adopt(cfg: TrainConfig) -> str:
-    if cfg.async_adopt_value == "delta":
-        return ", adopt delta: consensus + own steps since the snapshot)"
-    return f", adopt EASGD alpha {cfg.easgd_alpha_value:g}: own steps + alpha (consensus - snapshot))"
-
-
 def _describe_policy(cfg: TrainConfig) -> str:
-    """The header's words for when ranks average, e.g. ``policy window (4 batches per rank per round)``."""
-    if cfg.policy == "sync":
-        text = "policy sync (a round after every batch)"
-    elif cfg.policy in ("cadence", "async"):
-        low = f"{cfg.anchor_value}, 1" if cfg.policy == "async" else f"{cfg.anchor_value}"  # async also shrinks it
-        text = (f"policy {cfg.policy} (ElChe quotas, anchor {low} to {cfg.max_anchor_value}, overhead "
-                f"target {cfg.overhead_target_value:g}, divergence guard {'on' if cfg.divergence_guard else 'off'}"
-                + (_describe_adopt(cfg) if cfg.policy == "async" else ")"))
-    else:
-        per = f"{cfg.window} batch{'es' if cfg.window != 1 else ''}"
-        text = f"policy {cfg.policy} ({per} per rank per round)"
+    """The header's words for when ranks average, e.g. ``policy window (4 batches per rank per round)``:
+    the policy's entry's (`flodl_mpi.policy.registry.describe`, the report's too), then the outer step."""
+    text = describe_policy(cfg.policy, cfg.to_dict())
     if cfg.outer != "avg":
         outer = OuterOptimizer(cfg.outer, 0, cfg.outer_lr, cfg.outer_momentum)
         text += f", outer {cfg.outer} (lr {outer.lr:g}, momentum {outer.momentum:g})"
@@ -971,13 +959,14 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
     log.info(effective_batch_line(cfg, world_size, api, data.train.n))
     if bridge is not None and world_size > 1:
         log.info(describe_averaging_path(cfg, bridge.reducer.path, bridge.reducer.nodes))
-    policy = f"policy={cfg.policy!r}" if api else f"--policy {cfg.policy}"
-    if cfg.policy == "sync":
-        window, cadence = 1, policy
-    elif cfg.policy == "window":
-        window, cadence = cfg.window, f"window={cfg.window}" if api else f"--window {cfg.window}"
-    else:  # the cadence's first anchor: the slowest rank's window, which may grow
-        window, cadence = cfg.anchor or 10, f"{policy}, first anchor {cfg.anchor or 10}"
+    policy, options = f"policy={cfg.policy!r}" if api else f"--policy {cfg.policy}", policy_spec(cfg.policy).options
+    window = make_policy(cfg, world_size).plan().anchor  # the first plan's (sync: 1; a fixed window: --window)
+    if "window" in options:
+        cadence = f"window={cfg.window}" if api else f"--window {cfg.window}"
+    elif "anchor" in options:  # the cadence's first anchor: the slowest rank's window, which may grow
+        cadence = f"{policy}, first anchor {window}"
+    else:
+        cadence = policy
     warning = short_window_warning(cfg.outer, window, cadence, cfg.outer_lr, cfg.outer_momentum, api=api)
     if warning:
         log.warning(warning)

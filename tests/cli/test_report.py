@@ -355,7 +355,9 @@ def test_sync_shows_no_anchor_or_hidden_share_and_cadence_no_window(tmp_path):
     assert "policy sync (a round after every batch)" in format_summary(sync).splitlines()[0]
     cad = load_run(write_synthetic(tmp_path / "c", config={"policy": "cadence", "window": 1, "anchor": 8}))
     head = format_summary(cad).splitlines()[0]
-    assert "window" not in head and "policy cadence (ElChe quotas per rank, anchor 8 to 1000)" in head
+    # issue 20 item 4: the registry's one wording, train.log's too (the overhead target and the guard added)
+    assert "window" not in head and ("policy cadence (ElChe quotas per rank, anchor 8 to 1000, overhead target 0.05, "
+                                     "divergence guard on)") in head
     assert summarize(cad)["anchor"] == (1, 1, 1) and summarize(cad)["overlap"] is None
     asy = load_run(write_synthetic(tmp_path / "a", config={"policy": "async", "window": 1}))
     assert summarize(asy)["overlap"] == 0.0                         # never negative

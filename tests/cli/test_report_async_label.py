@@ -2,6 +2,12 @@
 
 Before: the report said "EASGD alpha 0.5" for every async run, though the default adoption
 is delta, and ``--policy``'s help said "(EASGD blend on adoption)".
+
+Issue 20 item 4: the report and train.log now say a policy in one wording, the registry's
+(`flodl_mpi.policy.registry.describe`): the report's ``adopt easgd, alpha 0.5`` kept (the
+option's word), followed by train.log's explanation of the rule (``: own steps + alpha
+(consensus - snapshot)``), and the overhead target and the guard as train.log said them; so
+the words are asserted whole, before the closing parenthesis, where they were the ending.
 """
 
 import pytest
@@ -13,17 +19,22 @@ from tests._runs import write_synthetic
 
 
 @pytest.mark.parametrize(("config", "words"), [
-    ({"async_adopt": None, "easgd_alpha": None}, "adopt delta)"),  # the default
-    ({"async_adopt": "delta", "easgd_alpha": None}, "adopt delta)"),
-    ({"async_adopt": "easgd", "easgd_alpha": None}, "adopt easgd, alpha 0.5)"),
-    ({"async_adopt": "easgd", "easgd_alpha": 0.25}, "adopt easgd, alpha 0.25)"),
-    ({"easgd_alpha": 0.75}, "adopt easgd, alpha 0.75)"),  # a config from before --async-adopt: EASGD only
+    ({"async_adopt": None, "easgd_alpha": None}, "adopt delta: consensus + own steps since the snapshot)"),  # default
+    ({"async_adopt": "delta", "easgd_alpha": None}, "adopt delta: consensus + own steps since the snapshot)"),
+    ({"async_adopt": "easgd", "easgd_alpha": None}, "adopt easgd, alpha 0.5: own steps + alpha (consensus - snapshot))"),
+    ({"async_adopt": "easgd", "easgd_alpha": 0.25},
+     "adopt easgd, alpha 0.25: own steps + alpha (consensus - snapshot))"),
+    # a config from before --async-adopt: EASGD only
+    ({"easgd_alpha": 0.75}, "adopt easgd, alpha 0.75: own steps + alpha (consensus - snapshot))"),
+    # --easgd-alpha alone implies easgd (TrainConfig.async_adopt_value); the report said delta
+    ({"async_adopt": None, "easgd_alpha": 0.25}, "adopt easgd, alpha 0.25: own steps + alpha (consensus - snapshot))"),
 ])
 def test_the_report_names_the_adoption_the_run_used(tmp_path, config, words):
     run = load_run(write_synthetic(tmp_path / "r", config={"policy": "async", **config},
                                    attrs={"policy": "async"}))
     text = describe_policy(run)
-    assert text.startswith("policy async (ElChe quotas per rank, anchor 10, 1 to 1000, ") and text.endswith(words), text
+    assert text.startswith("policy async (ElChe quotas per rank, anchor 10, 1 to 1000, overhead target 0.05, "
+                           "divergence guard on, ") and text.endswith(words), text
     assert ("EASGD" in text) is False
 
 

@@ -71,6 +71,9 @@ with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir
 
 @pytest.mark.slow
 def test_an_own_loop_records_what_it_measured(tmp_path):
+    """An Averager run's records say what it measured. Issue 20 item 4: train.log's policy words are
+    the registry's one wording, the report's (``2 step() calls per rank per round``, where train.log
+    said ``a round after every 2 step() calls``)."""
     _python(tmp_path, OWN_LOOP)
     run = tmp_path / "own"
     ep = read_table(run / "metrics.h5", "epochs")
@@ -96,7 +99,8 @@ def test_an_own_loop_records_what_it_measured(tmp_path):
     assert "epochs        2 (end_epoch() calls" in text and "of 10" not in text
     assert "test metrics  mse" in text and "accuracy" not in text.split("\n", 1)[1]
     log = (run / "train.log").read_text().splitlines()  # as the CLI's: a header, a line per epoch, a last line
-    assert "your own loop (flodl_mpi.Averager), policy window (a round after every 2 step() calls)" in log[0]
+    # issue 20 item 4: the registry's one wording, the report's (it said "a round after every 2 step() calls")
+    assert "your own loop (flodl_mpi.Averager), policy window (2 step() calls per rank per round)" in log[0]
     assert [line.split()[1:3] for line in log[1:3]] == [["epoch", "1"], ["epoch", "2"]] and "test_mse" in log[2]
     # 3 step() calls an epoch at window 2: a round after the 2nd, and end_epoch() closes the 3rd's window
     assert log[-1].split(" ", 1)[1].startswith("done: 2 epoch(s) of your loop, 4 rounds")

@@ -12,7 +12,8 @@ import pytest
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.protocol.divergence import TrendGuard, Verdict
 from flodl_mpi.policy.elche import ElChe
-from flodl_mpi.policy.policies import CadencePolicy, make_policy
+from flodl_mpi.policy.policies import CadencePolicy
+from flodl_mpi.policy.registry import make_policy
 from tests.policy.test_policy import run
 
 S, G, N = Verdict.STABLE, Verdict.SUPPRESS_GROWTH, Verdict.NUDGE_DOWN

@@ -8,7 +8,8 @@ import pytest
 from flodl_mpi.config import ConfigError, TrainConfig
 from flodl_mpi.protocol.divergence import TrendGuard, Verdict
 from flodl_mpi.policy.elche import ElChe
-from flodl_mpi.policy.policies import CadencePolicy, FixedPolicy, RoundFacts, guard_threshold, make_policy
+from flodl_mpi.policy.policies import CadencePolicy, FixedPolicy, RoundFacts, guard_threshold
+from flodl_mpi.policy.registry import make_policy
 
 
 def cadence(guard=None, act=True, **elche):
