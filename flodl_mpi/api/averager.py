@@ -757,25 +757,25 @@ class Averager:
     def _check_saveable(self) -> None:
         """The save check (rank 0; `flodl_mpi.outputs.checkpoint_room.check_saveable`, the CLI's too) with a
         checkpoint of the initial state; room for one checkpoint (how many an own loop saves is not known)."""
-        from flodl_mpi.outputs import checkpoint_room
-
         state = self._rank_state()
-        if self.rank != 0:
-            return
-        trial = self._contents(None, "checkpoint", [state] * self.world_size)
-        checkpoint_room.check_saveable(self.run_dir / "checkpoints", trial, self.optimizer,
-                                       self.cfg.keep_checkpoints, saves=1)
+        self._saver.check(self.run_dir / "checkpoints", lambda: self._contents(None, "checkpoint",
+                                                                               [state] * self.world_size),
+                          self.optimizer, self.cfg.keep_checkpoints, saves=1)
 
     def _save(self, summary, reason: str, complete: bool = True) -> str | None:
         """Collective: every rank's state is gathered to rank 0, whose writer thread saves."""
         gathered = self.bridge.gather_to_root((self._rank_state(), None if complete else self._epoch_progress()))
         self._saved_version = self.bridge.version
-        if self._writer is None:
-            return None
-        contents = self._contents(summary, reason, [state for state, _ in gathered], complete,
-                                  None if complete else [part for _, part in gathered])
-        self._writer.save(contents)
-        return str(self.run_dir / "checkpoints" / contents.name)
+        path = self._saver.save(lambda: self._contents(summary, reason, [state for state, _ in gathered], complete,
+                                                       None if complete else [part for _, part in gathered]))
+        return None if path is None else str(path)
+
+    @property
+    def _saver(self):
+        """Rank 0's checkpoint duty over its writer (`flodl_mpi.outputs.saver`); a NoSaver elsewhere."""
+        from flodl_mpi.outputs.saver import saver_for
+
+        return saver_for(self.rank, self._writer)
 
     # ---- the end ------------------------------------------------------------------
 

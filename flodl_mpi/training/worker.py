@@ -23,6 +23,7 @@ from flodl_mpi.training import rank_state, resume_state
 from flodl_mpi.transport.bridge import Bridge, RoundUpdate
 from flodl_mpi.policy.cadence import plan_window
 from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
+from flodl_mpi.outputs.saver import saver_for
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.training.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.runtime.faults import Fault, InjectedFault
@@ -518,6 +519,8 @@ class Trainer:
                  log_detail=None, task=None, replay: RecordedPlan | None = None, warn=None) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.data, self.replica, self.bridge, self.writer = data, replica, bridge, writer
+        #: Rank 0's checkpoint duty (`flodl_mpi.outputs.saver`); a NoSaver on every other rank.
+        self.saver = saver_for(rank, writer)
         self.fault, self.log = fault, log
         self.progress = progress if progress is not None else EpochProgress(enabled=False)
         self.log_detail = log_detail if log_detail is not None else (lambda line: None)
@@ -911,9 +914,7 @@ class Trainer:
         """
         arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
         ranks = self.bridge.gather_to_root((arrays, attrs, dataclasses.asdict(report) if cursor else None))
-        if self.writer is None:
-            return
-        self.writer.save(self._contents(s, reason, cursor, ranks))
+        self.saver.save(lambda: self._contents(s, reason, cursor, ranks))  # rank 0 (the others gathered no state)
 
     def check_saveable(self, directory, start_epoch: int = 0) -> None:
         """The save check (`flodl_mpi.outputs.checkpoint_room.check_saveable`, rank 0) with a checkpoint
@@ -937,13 +938,15 @@ class Trainer:
             OSError: the checkpoint directory is not writable.
         """
         arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
-        if self.writer is None:
-            return
-        s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
-        trial = self._contents(s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))] * self.world_size)
+
+        def trial() -> CheckpointContents:
+            s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
+            return self._contents(s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))]
+                                  * self.world_size)
+
         cfg = self.cfg
-        checkpoint_room.check_saveable(directory, trial, self.optimizer, cfg.keep_checkpoints,
-                                       checkpoint_room.saves_ahead(cfg.epochs, start_epoch, cfg.checkpoint_every))
+        self.saver.check(directory, trial, self.optimizer, cfg.keep_checkpoints,
+                         checkpoint_room.saves_ahead(cfg.epochs, start_epoch, cfg.checkpoint_every))
 
     def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> CheckpointContents:
         """The checkpoint of this run now, from the gathered ``(arrays, attrs, epoch report or None)``
