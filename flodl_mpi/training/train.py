@@ -331,7 +331,9 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
             model (`flodl_mpi.training.model_record.resume_difference`); None: not compared.
 
     Returns:
-        ``(checkpoint or None, keep_rows or None)``: no checkpoint in a run dir
+        ``(contents or None, keep_rows or None)``: the checkpoint's
+        `flodl_mpi.outputs.checkpoint_contents.CheckpointContents` (read by its compatibility
+        rules, ``ranks`` holding the state this rank takes over); no checkpoint in a run dir
         that holds a ``metrics.h5`` restarts the run and cuts every table to 0
         rows, the old file (when it holds rows) kept as
         ``metrics.h5.before-restart-<UTC time>`` (`flodl_mpi.outputs.metrics.keep_before_restart`)
@@ -500,7 +502,7 @@ def check_resume_data(cfg: TrainConfig, run_dir: Path, data: Dataset, world: Wor
 
 def resume_point(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, model: torch.nn.Module,
                  data_n: int, check_optimizer: bool = True):
-    """Where a run in ``run_dir`` goes on: ``(checkpoint or None, keep_rows or None)``, ``(None, None)`` without ``resume``.
+    """Where a run in ``run_dir`` goes on: ``(contents or None, keep_rows or None)``, ``(None, None)`` without ``resume``.
 
     The CLI's, ``fit``'s and the ``Averager``'s one way: `_find_resume` (the checks, the
     rows to keep), then the checkpoint's consensus loaded into ``model`` on every rank.
