@@ -9,6 +9,7 @@ on bit for bit, so its final parameters equal the old version's resume exactly, 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -87,6 +88,8 @@ def test_averager_resumes_an_old_cut_short_epoch_as_the_old_version_did(tmp_path
 
 @pytest.mark.parametrize("name", _old_runs.RUNS)
 def test_report_and_inspect_read_an_old_run(tmp_path_factory, tmp_path, name, capsys):
+    """``flodl-mpi report`` and ``inspect`` read the old run dir as written: its rounds, its stops, a sound
+    newest checkpoint with both ranks' state, and its metrics.h5."""
     from flodl_mpi.cli.inspect_cmd import main as inspect
     from flodl_mpi.cli.report import main as report
 
@@ -94,7 +97,8 @@ def test_report_and_inspect_read_an_old_run(tmp_path_factory, tmp_path, name, ca
     assert report([str(run_dir), "--no-plots"]) == 0
     out = capsys.readouterr().out
     rounds = {"cli_done": 46, "cli_stopped": 30, "averager_cut": 10}[name]
-    assert str(run_dir) in out and f"{rounds} rounds" in out, out
+    assert f"run {run_dir} " in out and re.search(rf"\n  rounds +{rounds} \(0 skipped\)", out), out
+    assert f"stops {int(name == 'cli_stopped')}, resumes 0" in out, out
     newest = list_checkpoints(run_dir / "checkpoints")[-1]
     assert inspect([str(newest)]) == 0
     out = capsys.readouterr().out
@@ -105,6 +109,8 @@ def test_report_and_inspect_read_an_old_run(tmp_path_factory, tmp_path, name, ca
 
 @pytest.mark.parametrize("name", _old_runs.RUNS)
 def test_export_of_an_old_run_is_its_newest_state_dict(tmp_path_factory, tmp_path, name):
+    """``flodl-mpi export RUN_DIR model.pt`` of the old run dir: its newest checkpoint's state dict, in order,
+    bit for bit."""
     from flodl_mpi.cli.export import main as export
 
     run_dir = _old_runs.unpacked(tmp_path_factory) / name
