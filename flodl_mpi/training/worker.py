@@ -620,10 +620,7 @@ class Trainer:
         self.start_epoch, self.start_cursor = ckpt.epoch, ckpt.cursor
         if self.start_cursor:  # the epoch goes on: its report so far, re-evaluated at its end
             old = [r for r in range(old_size) if r % self.world_size == self.rank]
-            if ckpt.epoch_reports is None:  # schema 1, the same world: this rank's own, read with its state
-                reports = {mine.source: mine.attrs["epoch_report"]}
-            else:
-                reports = ckpt.stopped_reports(old)
+            reports = ckpt.stopped_reports(old)  # (schema 1, the same world size: from the state this rank read)
             mine_reports = [EpochReport(**reports[r]) for r in old]
             carried = EpochReport()
             for f in ("loss_sum", "batches", "nonfinite_batches", "samples", "epoch_ms", "compute_ms", "data_ms"):
