@@ -157,5 +157,7 @@ def test_schema_1_stopped_reports_are_read_from_each_ranks_state(tmp_path):
     assert c.reports_in_ranks and c.ranks == {}
     assert c.stopped_reports() == dict(enumerate(reports))
     assert c.stopped_reports([2]) == {2: reports[2]} and c.ranks == {}  # read, not kept
+    c.ranks = {1: ({}, {"epoch_report": {"held": True}})}  # the state a resuming rank read: taken from there
+    assert c.stopped_reports([1]) == {1: {"held": True}}
     c.epoch_reports = reports
     assert not c.reports_in_ranks and c.stopped_reports([1]) == {1: reports[1]}
