@@ -382,35 +382,27 @@ class Averager:
             print(f"flodl-mpi: {line}", file=sys.stderr, flush=True)
 
     def _resume(self, ckpt) -> float:
-        """This rank's state from the checkpoint (the consensus is loaded already), as ``worker.Trainer.resume``.
+        """This rank's state from the checkpoint (the consensus is loaded already): the one per-rank
+        restore (`flodl_mpi.training.resume_state`, the CLI's too), then where the loop was.
 
         A checkpoint of an epoch cut short (a stop, or :meth:`close` after more
         steps) also gives back where the epoch was (:meth:`_continue_epoch`).
         Returns the ms the cut-short epoch had run (0.0: none).
         """
-        from flodl_mpi.training import rank_state
+        from flodl_mpi.training import resume_state
 
-        meta = ckpt.meta
-        old_size = int(meta["world_size"])
-        arrays, attrs = ckpt.ranks[self.rank % old_size]
-        same = old_size == self.world_size
-        if self.optimizer is not None and "optimizer_class" in attrs:
-            rank_state.restore(self.optimizer, arrays, attrs, rng=same)
-        elif same and "rng/torch" in arrays:
-            torch.set_rng_state(torch.from_numpy(np.array(arrays["rng/torch"])))
-        rank_state.restore_integer_buffers(self.model, arrays)
-        self.global_step = int(attrs.get("global_step", 0))
-        self.bridge.version = self._saved_version = int(meta["round"])
-        self.bridge.guard.load_state_dict(meta["guard"])
-        self.bridge.resume_clock(float(meta["elapsed_s"]))
-        self.epoch = int(meta["epoch"])
-        if meta.get("epoch_complete", True):
-            self._tests = (float(meta["test_accuracy"]), float(meta["test_loss"]), int(meta["test_count"]))
-        self._metrics_rows = {k: int(meta["metrics_rows"].get(k, 0)) for k in self._metrics_rows}
-        progress = meta.get("epoch_progress")
-        if meta.get("epoch_complete", True) or not isinstance(progress, dict):
+        self.global_step = resume_state.restore_rank(ckpt, self.rank, self.world_size, self.optimizer,
+                                                     self.model).global_step
+        resume_state.restore_bridge(ckpt, self.bridge)  # round, policy (or guard), clock
+        self._saved_version = ckpt.round
+        self.epoch = ckpt.epoch
+        if ckpt.epoch_complete:
+            self._tests = (ckpt.test_accuracy, ckpt.test_loss, ckpt.test_count)
+        self._metrics_rows = {k: int(ckpt.metrics_rows.get(k, 0)) for k in self._metrics_rows}
+        progress = ckpt.epoch_progress
+        if ckpt.epoch_complete or not isinstance(progress, dict):
             return 0.0  # a complete epoch, or written before the own loop kept its place: the epoch restarts
-        return self._continue_epoch(progress, old_size)
+        return self._continue_epoch(progress, ckpt.world_size)
 
     def _continue_epoch(self, progress: dict, old_size: int) -> float:
         """The cut-short epoch's counts so far, so that its rows read as if never interrupted.
@@ -449,14 +441,13 @@ class Averager:
 
     def _say_resumed(self, ckpt) -> None:
         """Rank 0: the resume line (train.log and stderr): where the loop goes on, and what is not exact."""
-        meta = ckpt.meta
-        old_size = int(meta["world_size"])
+        old_size = ckpt.world_size
         where = (f"epoch {self.start_epoch + 1} from step() call {self.start_step + 1}" if self.start_step else
                  f"epoch {self.start_epoch + 1}")
         line = (f"resuming from {ckpt.path.name}: {self.start_epoch} epoch(s) done, {self.start_step} step() "
                 f"call(s) into the next, round {self.bridge.version}; go on at {where} (avg.start_epoch "
                 f"{self.start_epoch}, avg.start_step {self.start_step}; avg.batches() skips them)")
-        if not meta.get("epoch_complete", True) and not isinstance(meta.get("epoch_progress"), dict):
+        if not ckpt.epoch_complete and not isinstance(ckpt.epoch_progress, dict):
             line += ("; the checkpoint (an older flodl-mpi's) does not say how far its epoch went: the epoch "
                      "restarts at its first step, its first batches trained twice")
         if old_size != self.world_size:
@@ -734,8 +725,10 @@ class Averager:
         return ({"rng/torch": torch.get_rng_state().numpy().copy(), **ints}, {"global_step": int(self.global_step)})
 
     def _contents(self, summary, reason: str, ranks: list, complete: bool = True,
-                  progress: list | None = None) -> tuple:
-        from flodl_mpi.outputs.checkpoint import checkpoint_name
+                  progress: list | None = None):
+        """The checkpoint of this run now (`flodl_mpi.outputs.checkpoint_contents.CheckpointContents`), from
+        every rank's ``(arrays, attrs)``; ``progress``: every rank's part of a cut-short epoch."""
+        from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
         from flodl_mpi.training.model_record import model_record
         from flodl_mpi.training.worker import state_arrays
 
@@ -744,50 +737,48 @@ class Averager:
             tests = (summary.test_accuracy, summary.test_loss, summary.test_count)
         else:
             tests = self._tests if complete else (math.nan, math.nan, 0)
-        meta = {
-            "epoch": self.epoch, "epoch_complete": complete, "cursor": 0, "round": self.bridge.version,
-            "global_step": self.global_step, "reason": reason, "world_size": self.world_size,
-            "elapsed_s": self.bridge.elapsed, "config": self.cfg.to_dict(), "guard": self.bridge.guard.state_dict(),
+        # Named as the CLI's: the epoch saved (the one cut short, when not complete); "epoch" counts those done.
+        return CheckpointContents(
+            params=params, buffers=buffers, order=order,
+            epoch=self.epoch, epoch_complete=complete, cursor=0, round=self.bridge.version,
+            global_step=self.global_step, reason=reason, world_size=self.world_size,
+            elapsed_s=self.bridge.elapsed, config=self.cfg.to_dict(), guard=self.bridge.guard.state_dict(),
+            policy=self.bridge.policy.state_dict(),  # as the CLI's: a resume restores it (the guard's within)
             # The epoch's test figures (a checkpoint of an epoch cut short: none measured)
-            "test_accuracy": tests[0], "test_loss": tests[1], "test_count": int(tests[2]),
-            "api": "Averager", "time_unix": time.time(),
-            "model": model_record(self.model),  # what a resume compares its model with
+            test_accuracy=tests[0], test_loss=tests[1], test_count=int(tests[2]),
+            api="Averager", time_unix=time.time(),
+            model=model_record(self.model),  # what a resume compares its model with
             # A round's row is written when its acks ride the next gather: the last one is
             # still pending when no epoch exchange came after it.
-            "metrics_rows": {"rounds": self.bridge.version - int(self._round_pending), **self._metrics_rows},
-        }
-        if not complete and progress is not None:  # where the cut-short epoch was: a resume goes on from there
-            meta["epoch_progress"] = {"step": self._epoch_calls, "ranks": progress}
-        # Named as the CLI's: the epoch saved (the one cut short, when not complete); "epoch" counts those done.
-        return checkpoint_name(self.epoch if complete else self.epoch + 1, self.bridge.version), params, buffers, meta, order, ranks
+            metrics_rows={"rounds": self.bridge.version - int(self._round_pending), **self._metrics_rows},
+            # where the cut-short epoch was: a resume goes on from there
+            epoch_progress={"step": self._epoch_calls, "ranks": progress} if not complete and progress is not None
+            else None,
+            ranks=dict(enumerate(ranks)),
+        )
 
     def _check_saveable(self) -> None:
-        """The save check (rank 0): a checkpoint of the initial state written and removed, then room for one
-        checkpoint (`flodl_mpi.outputs.checkpoint_room.check_before_training`; how many an own loop saves is not known)."""
-        from flodl_mpi.outputs import checkpoint_room
-        from flodl_mpi.outputs.checkpoint import write_checkpoint
-
+        """The save check (rank 0; `flodl_mpi.outputs.checkpoint_room.check_saveable`, the CLI's too) with a
+        checkpoint of the initial state; room for one checkpoint (how many an own loop saves is not known)."""
         state = self._rank_state()
-        if self.rank != 0:
-            return
-        _, params, buffers, meta, order, ranks = self._contents(None, "checkpoint", [state] * self.world_size)
-        directory = self.run_dir / "checkpoints"
-        size = checkpoint_room.save_check(directory,
-                                          lambda path: write_checkpoint(path, params, buffers, meta, order, ranks))
-        checkpoint_room.check_before_training(directory, size, self.optimizer, state[0], self.world_size,
-                                              self.cfg.keep_checkpoints, saves=1)
+        self._saver.check(self.run_dir / "checkpoints", lambda: self._contents(None, "checkpoint",
+                                                                               [state] * self.world_size),
+                          self.optimizer, self.cfg.keep_checkpoints, saves=1)
 
     def _save(self, summary, reason: str, complete: bool = True) -> str | None:
         """Collective: every rank's state is gathered to rank 0, whose writer thread saves."""
         gathered = self.bridge.gather_to_root((self._rank_state(), None if complete else self._epoch_progress()))
         self._saved_version = self.bridge.version
-        if self._writer is None:
-            return None
-        name, params, buffers, meta, order, ranks = self._contents(
-            summary, reason, [state for state, _ in gathered], complete,
-            None if complete else [part for _, part in gathered])
-        self._writer.save_checkpoint(name, params, buffers, meta, order, ranks)
-        return str(self.run_dir / "checkpoints" / name)
+        path = self._saver.save(lambda: self._contents(summary, reason, [state for state, _ in gathered], complete,
+                                                       None if complete else [part for _, part in gathered]))
+        return None if path is None else str(path)
+
+    @property
+    def _saver(self):
+        """Rank 0's checkpoint duty over its writer (`flodl_mpi.outputs.saver`); a NoSaver elsewhere."""
+        from flodl_mpi.outputs.saver import saver_for
+
+        return saver_for(self.rank, self._writer)
 
     # ---- the end ------------------------------------------------------------------
 

@@ -163,6 +163,8 @@ class Checkpoint:
     #: rank -> ``(arrays, attrs)`` as written by ``write_checkpoint(ranks=...)``
     #: (only the ranks asked for by ``read_checkpoint(ranks=...)``).
     ranks: dict[int, tuple[dict[str, np.ndarray], dict[str, Any]]] = field(default_factory=dict)
+    #: The file's ``schema_version`` (1 or `SCHEMA_VERSION`).
+    schema_version: int = SCHEMA_VERSION
 
 
 # ---------------------------------------------------------------- attributes
@@ -421,7 +423,8 @@ def _read_open(f: h5py.File, path: Path, ranks: Sequence[int] | None) -> Checkpo
     """`read_checkpoint` of a file `_open` opened."""
     with _reading(path):
         # Schema 1 stored names as they were (it refused '/'); schema 2 escapes them.
-        name = unescape_name if int(f.attrs["schema_version"]) >= 2 else str
+        version = int(f.attrs["schema_version"])
+        name = unescape_name if version >= 2 else str
         params = {name(k): np.asarray(v[()]) for k, v in f["params"].items()}
         buffers = {name(k): np.asarray(v[()]) for k, v in f["buffers"].items()}
         order = json.loads(f.attrs["order"])
@@ -432,7 +435,8 @@ def _read_open(f: h5py.File, path: Path, ranks: Sequence[int] | None) -> Checkpo
     lost = [k for k in order if k not in params and k not in buffers]
     if lost:
         raise CheckpointError(path, f"names in 'order' without a dataset: {lost}")
-    return Checkpoint(params=params, buffers=buffers, meta=meta, order=order, path=path, ranks=states)
+    return Checkpoint(params=params, buffers=buffers, meta=meta, order=order, path=path, ranks=states,
+                      schema_version=version)
 
 
 def _read_rank(f: h5py.File, path: Path, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

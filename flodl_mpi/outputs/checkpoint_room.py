@@ -18,14 +18,18 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from flodl_mpi.outputs.checkpoint import list_checkpoints
 from flodl_mpi.outputs.h5sink import free_bytes, size_words
 
-__all__ = ["save_check", "optimizer_state_bytes", "saves_ahead", "Room", "room_needed", "refusal", "check_before_training"]
+if TYPE_CHECKING:
+    from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
+
+
+__all__ = ["check_saveable", "save_check", "optimizer_state_bytes", "saves_ahead", "Room", "room_needed", "refusal", "check_before_training"]
 
 
 def save_check(directory: str | Path, write: Callable[[Path], object]) -> int:
@@ -218,3 +222,29 @@ def check_before_training(directory: str | Path, check_bytes: int, optimizer: to
     refused = refusal(room_needed(one, free, len(list_checkpoints(directory)), keep, saves), directory, keep)
     if refused is not None:
         raise ValueError(refused)
+
+
+def check_saveable(directory: str | Path, contents: CheckpointContents, optimizer: torch.optim.Optimizer | None,
+                   keep: int, saves: int) -> None:
+    """The save check (rank 0): what would fail at save time fails now, before any training.
+
+    ``contents`` (a checkpoint of the initial state, every rank's state as rank 0's) is
+    written to a temporary file and removed (`save_check`), so every name, dtype and meta
+    value the real saves will hold goes through the writer once; then the run's
+    checkpoints must fit (`check_before_training`: one checkpoint's size, the optimizer
+    state a first step creates added for every rank, ``keep`` kept and the next beside them).
+    The CLI's, ``fit``'s and the ``Averager``'s one save check.
+
+    Args:
+        directory: the run's ``checkpoints/`` (exists).
+        optimizer: the rank's optimizer (None: an own loop without one).
+        keep: ``--keep-checkpoints``.
+        saves: the checkpoints the run will write (`saves_ahead`; an own loop's: 1).
+
+    Raises:
+        ValueError: the state cannot be saved, or the checkpoints do not fit; one line
+            naming why, what is needed and what to do.
+        OSError: the directory is not writable.
+    """
+    size = save_check(directory, contents.write)
+    check_before_training(directory, size, optimizer, contents.ranks[0][0], len(contents.ranks), keep, saves)

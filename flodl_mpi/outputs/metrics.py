@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import h5py
 import numpy as np
@@ -30,6 +30,9 @@ from flodl_mpi.outputs import h5sink
 from flodl_mpi.outputs.h5attrs import write_attrs
 
 from . import checkpoint
+
+if TYPE_CHECKING:
+    from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -703,6 +706,11 @@ class MetricsWriter:
             # resume config, whose fields the API did not use hold the CLI's defaults.
             meta = {**meta, "run_record": dict(record)}
         self._put(("checkpoint", name, params, buffers, meta, list(order), list(ranks), cohort))
+
+    def save(self, contents: CheckpointContents) -> None:
+        """Enqueue a run's checkpoint: ``contents`` (`flodl_mpi.outputs.checkpoint_contents`) under its
+        name, as `save_checkpoint` (the run record added, then pruning). Raises as `save_checkpoint`."""
+        self.save_checkpoint(contents.name, **contents.format_args())
 
     def flush_wait(self, timeout: float | None = None) -> bool:
         """Block until everything queued before this call is written.

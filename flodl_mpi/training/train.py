@@ -32,9 +32,9 @@ from flodl_mpi.outputs.checkpoint import (
     Checkpoint,
     load_state_dict,
     newest_verified,
-    read_checkpoint,
     read_rank_state,
 )
+from flodl_mpi.outputs.checkpoint_contents import read_contents
 from flodl_mpi.cli.main import config_from_args
 from flodl_mpi.config import RESUME_AUTO, TrainConfig, optimizer_class
 from flodl_mpi.training.data import (
@@ -319,7 +319,9 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
             model (`flodl_mpi.training.model_record.resume_difference`); None: not compared.
 
     Returns:
-        ``(checkpoint or None, keep_rows or None)``: no checkpoint in a run dir
+        ``(contents or None, keep_rows or None)``: the checkpoint's
+        `flodl_mpi.outputs.checkpoint_contents.CheckpointContents` (read by its compatibility
+        rules, ``ranks`` holding the state this rank takes over); no checkpoint in a run dir
         that holds a ``metrics.h5`` restarts the run and cuts every table to 0
         rows, the old file (when it holds rows) kept as
         ``metrics.h5.before-restart-<UTC time>`` (`flodl_mpi.outputs.metrics.keep_before_restart`)
@@ -380,17 +382,13 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
         return None, ({"rounds": 0, "epochs": 0, "batches": 0} if has_metrics else None)
     # Every rank reads the file itself (run directories live on a shared
     # filesystem), and of the per-rank state only the one it takes over.
-    ckpt = agree(comm, "resume", lambda: read_checkpoint(latest, ranks=[]), watchdog)
-    saved = ckpt.meta["config"]
-    if "drop_last" not in saved and data_n % cfg.batch_size == 1 and data_n > 1:
-        # Written before a lone left-over sample was folded into the batch before it:
-        # that run's epochs had one batch more, so its data cursor means other batches.
-        raise InputError(f"--resume: {latest} was written by an older flodl-mpi whose batch plan differs at "
-                         f"--batch-size {cfg.batch_size} ({data_n} samples leave one over); it cannot be resumed "
-                         "exactly: start a new run (its weights load with flodl_mpi.outputs.checkpoint.load_state_dict)")
-    # An option the saved config lacks was added since: that run had its default.
-    # (Runs from before --average-optimizer-state kept each rank's own state.)
-    saved = {**TrainConfig().to_dict(), "average_optimizer_state": "off", **saved}
+    ckpt = agree(comm, "resume", lambda: read_contents(latest, ranks=[]), watchdog)
+    # What an older flodl-mpi wrote is read by the contents' compatibility rules
+    # (flodl_mpi.outputs.checkpoint_contents): its batch plan, the options added since.
+    old_plan = ckpt.batch_plan_refusal(data_n, cfg.batch_size)
+    if old_plan is not None:
+        raise InputError(f"--resume: {old_plan}")
+    saved = ckpt.saved_config()
     differ = comm.bcast(agree(comm, "resume", lambda: _option_differences(cfg, saved, run_dir)
                               if comm.rank == 0 else None, watchdog, name_ranks=False), root=0)
     if differ:
@@ -400,7 +398,7 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
         if changed is not None:
             raise InputError(f"--resume: the model differs from the one {latest.name} was written for: {changed}; "
                              "resume with the run's model, or start a new run (nothing in it was touched)")
-    old_size = int(ckpt.meta["world_size"])
+    old_size = ckpt.world_size
     source = comm.rank % old_size
 
     def rank_state():  # every rank reads the state of the same class: every rank fails alike
@@ -410,13 +408,13 @@ def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchd
         return state
 
     ckpt.ranks = {source: agree(comm, "resume", rank_state, watchdog)}
-    if int(ckpt.meta.get("cursor", 0)) and "epoch_reports" not in ckpt.meta:
-        # Schema 1 kept the stopped epoch's report in each rank's own state.
-        ckpt.meta["epoch_reports"] = agree(
-            comm, "resume", lambda: [read_rank_state(latest, r)[1]["epoch_report"] for r in range(old_size)]
-            if old_size != world.size else None, watchdog)
+    if ckpt.reports_in_ranks and old_size != world.size:
+        # Schema 1 kept the stopped epoch's report in each rank's own state; on another world
+        # size every rank needs every old rank's (on the same, each takes its own with its state).
+        reports = agree(comm, "resume", ckpt.stopped_reports, watchdog)
+        ckpt.epoch_reports = [reports[r] for r in range(old_size)]
     agree(comm, "resume", set_aside, watchdog, name_ranks=False)
-    return ckpt, ckpt.meta["metrics_rows"]
+    return ckpt, ckpt.metrics_rows
 
 
 def _newest_record(run_dir: Path) -> Path:
@@ -492,7 +490,7 @@ def check_resume_data(cfg: TrainConfig, run_dir: Path, data: Dataset, world: Wor
 
 def resume_point(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, model: torch.nn.Module,
                  data_n: int, check_optimizer: bool = True):
-    """Where a run in ``run_dir`` goes on: ``(checkpoint or None, keep_rows or None)``, ``(None, None)`` without ``resume``.
+    """Where a run in ``run_dir`` goes on: ``(contents or None, keep_rows or None)``, ``(None, None)`` without ``resume``.
 
     The CLI's, ``fit``'s and the ``Averager``'s one way: `_find_resume` (the checks, the
     rows to keep), then the checkpoint's consensus loaded into ``model`` on every rank.

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from flodl_mpi.outputs import checkpoint_room
-from flodl_mpi.training import rank_state
+from flodl_mpi.training import rank_state, resume_state
 from flodl_mpi.transport.bridge import Bridge, RoundUpdate
 from flodl_mpi.policy.cadence import plan_window
-from flodl_mpi.outputs.checkpoint import Checkpoint, checkpoint_name, read_cohort_state, write_checkpoint
+from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
+from flodl_mpi.outputs.saver import saver_for
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.training.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.runtime.faults import Fault, InjectedFault
@@ -518,6 +519,8 @@ class Trainer:
                  log_detail=None, task=None, replay: RecordedPlan | None = None, warn=None) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.data, self.replica, self.bridge, self.writer = data, replica, bridge, writer
+        #: Rank 0's checkpoint duty (`flodl_mpi.outputs.saver`); a NoSaver on every other rank.
+        self.saver = saver_for(rank, writer)
         self.fault, self.log = fault, log
         self.progress = progress if progress is not None else EpochProgress(enabled=False)
         self.log_detail = log_detail if log_detail is not None else (lambda line: None)
@@ -573,13 +576,14 @@ class Trainer:
         #: After a resume at another world size: one line saying what was remapped.
         self.remapped = ""
 
-    def resume(self, ckpt: Checkpoint) -> None:
+    def resume(self, ckpt: CheckpointContents) -> None:
         """Continue from a checkpoint: counters, guard, per-rank state, the stopped epoch's report.
 
         The model's consensus parameters and buffers are loaded by the caller on
         every rank alike; this restores what differs per rank (SPEC §6): the
         optimizer state, the step count and the integer buffers (BatchNorm's
-        ``num_batches_tracked`` counts this rank's batches), and the RNG.
+        ``num_batches_tracked`` counts this rank's batches), and the RNG
+        (`flodl_mpi.training.resume_state`, the Averager's restore too).
 
         Another world size (W_old -> W): the consensus, the round and the global
         data cursor carry over exactly. New rank r takes the optimizer state, step
@@ -594,19 +598,13 @@ class Trainer:
             ValueError: the checkpoint holds no state for the rank this one takes
                 over, or state of another optimizer or model.
         """
-        meta = ckpt.meta
-        old_size = int(meta["world_size"])
-        source = self.rank % old_size
-        if source not in ckpt.ranks:
-            raise ValueError(f"checkpoint {ckpt.path}: no state read for rank {source}")
-        arrays, attrs = ckpt.ranks[source]
-        same = old_size == self.world_size
-        self.global_step = rank_state.restore(self.optimizer, arrays, attrs, rng=same)
+        old_size = ckpt.world_size
+        mine = resume_state.restore_rank(ckpt, self.rank, self.world_size, self.optimizer, self.replica.model)
+        self.global_step, same = mine.global_step, mine.same_world
         if self.state_average is not None:
             self.state_average.start()  # the saved state is the last round's consensus
-        rank_state.restore_integer_buffers(self.replica.model, arrays)
         if not same:
-            seed = np.random.SeedSequence([self.cfg.seed, self.rank, int(meta["round"])]).generate_state(1)[0]
+            seed = np.random.SeedSequence([self.cfg.seed, self.rank, ckpt.round]).generate_state(1)[0]
             torch.manual_seed(int(seed))
         # Hyperparameters are the run's as configured now (a resume may change --lr); the weight
         # decay only when given (else the run's own, restored with the state: issue 26 item 11).
@@ -616,29 +614,23 @@ class Trainer:
                 group["weight_decay"] = self.cfg.weight_decay
             if "momentum" in group:
                 group["momentum"] = self.cfg.momentum
-        self.bridge.version = int(meta["round"])
-        if "policy" in meta and meta["policy"].get("name") == self.bridge.policy.name:
-            self.bridge.policy.load_state_dict(meta["policy"])  # the balancer and the guard
-        else:  # written before the policies kept state: the guard's only
-            self.bridge.guard.load_state_dict(meta["guard"])
+        resume_state.restore_bridge(ckpt, self.bridge)  # round, policy (or guard), outer optimizer, clock
         self.plan = self.bridge.policy.plan()
         self.rounds_started = self.bridge.version  # no round in flight at a checkpoint
-        if self.bridge.outer is not None and self.bridge.outer.kind != "avg":
-            self.bridge.outer.load_state_dict(*read_cohort_state(ckpt.path))
-        self.start_epoch, self.start_cursor = int(meta["epoch"]), int(meta["cursor"])
-        self.bridge.resume_clock(float(meta["elapsed_s"]))
+        self.start_epoch, self.start_cursor = ckpt.epoch, ckpt.cursor
         if self.start_cursor:  # the epoch goes on: its report so far, re-evaluated at its end
-            reports = meta.get("epoch_reports") or {source: attrs["epoch_report"]}
-            mine = [EpochReport(**reports[r]) for r in range(old_size) if r % self.world_size == self.rank]
+            old = [r for r in range(old_size) if r % self.world_size == self.rank]
+            reports = ckpt.stopped_reports(old)  # (schema 1, the same world size: from the state this rank read)
+            mine_reports = [EpochReport(**reports[r]) for r in old]
             carried = EpochReport()
             for f in ("loss_sum", "batches", "nonfinite_batches", "samples", "epoch_ms", "compute_ms", "data_ms"):
-                setattr(carried, f, sum((getattr(r, f) for r in mine), type(getattr(carried, f))()))
+                setattr(carried, f, sum((getattr(r, f) for r in mine_reports), type(getattr(carried, f))()))
             self._carried = carried
-        self.epoch_rows = int(meta["metrics_rows"]["epochs"])
-        self.batch_rows = int(meta["metrics_rows"]["batches"])
+        self.epoch_rows = int(ckpt.metrics_rows["epochs"])
+        self.batch_rows = int(ckpt.metrics_rows["batches"])
         self.remapped = "" if same else (
             f"world size {old_size} -> {self.world_size}: rank r took the optimizer state, step count and "
-            f"integer buffers of old rank r mod {old_size}; RNG reseeded from (seed, rank, round {meta['round']})"
+            f"integer buffers of old rank r mod {old_size}; RNG reseeded from (seed, rank, round {ckpt.round})"
             + (f"; the stopped epoch's reports of old rank r' carried by rank r' mod {self.world_size}"
                if self.start_cursor else ""))
 
@@ -919,20 +911,17 @@ class Trainer:
         """
         arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
         ranks = self.bridge.gather_to_root((arrays, attrs, dataclasses.asdict(report) if cursor else None))
-        if self.writer is None:
-            return
-        self.writer.save_checkpoint(*self._contents(s, reason, cursor, ranks))
+        self.saver.save(lambda: self._contents(s, reason, cursor, ranks))  # rank 0 (the others gathered no state)
 
     def check_saveable(self, directory, start_epoch: int = 0) -> None:
-        """Write a checkpoint of the initial state to a temporary file and remove it (rank 0),
-        then check that the run's checkpoints fit in ``directory``.
+        """The save check (`flodl_mpi.outputs.checkpoint_room.check_saveable`, rank 0) with a checkpoint
+        of the initial state: what would fail at save time fails at setup, before any epoch is trained.
 
         Every name, dtype and meta value the real saves will hold goes through the
-        writer once, so a model or config the format cannot store is refused at
-        setup, before any epoch is trained. The file's size plus the optimizer state
-        the first step creates (`flodl_mpi.outputs.checkpoint_room.optimizer_state_bytes`, for
-        every rank) is one checkpoint's; the run's peak (`checkpoint_room.room_needed`:
-        ``--keep-checkpoints`` kept, the next written beside them) must fit in the
+        writer once (a mid-epoch save's too: the trial holds an epoch report per rank).
+        One checkpoint is the trial's size plus the optimizer state the first step
+        creates for every rank; the run's peak (``--keep-checkpoints`` kept, the next
+        written beside them, for the saves ahead of ``start_epoch``) must fit in the
         free space, and one checkpoint under the file size limit (``ulimit -f``).
         Collective through ``agree``, not the bridge.
 
@@ -946,52 +935,52 @@ class Trainer:
             OSError: the checkpoint directory is not writable.
         """
         arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
-        if self.writer is None:
-            return
-        s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
-        _name, params, buffers, meta, order, ranks, cohort = self._contents(
-            s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))] * self.world_size)
-        size = checkpoint_room.save_check(
-            directory, lambda path: write_checkpoint(path, params, buffers, meta, order, ranks, cohort=cohort))
-        cfg = self.cfg
-        checkpoint_room.check_before_training(
-            directory, size, self.optimizer, arrays, self.world_size, cfg.keep_checkpoints,
-            checkpoint_room.saves_ahead(cfg.epochs, start_epoch, cfg.checkpoint_every))
 
-    def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> tuple:
-        """``(name, params, buffers, meta, order, ranks, cohort)`` of a checkpoint, from the
-        gathered ``(arrays, attrs, epoch report or None)`` of every rank; ``cohort`` is the
-        outer optimizer's state (the same on every rank), or None."""
+        def trial() -> CheckpointContents:
+            s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
+            return self._contents(s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))]
+                                  * self.world_size)
+
+        cfg = self.cfg
+        self.saver.check(directory, trial, self.optimizer, cfg.keep_checkpoints,
+                         checkpoint_room.saves_ahead(cfg.epochs, start_epoch, cfg.checkpoint_every))
+
+    def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> CheckpointContents:
+        """The checkpoint of this run now, from the gathered ``(arrays, attrs, epoch report or None)``
+        of every rank; its cohort state is the outer optimizer's (the same on every rank), if it steps."""
         params, buffers, order = state_arrays(self.replica.model)
-        meta = {
-            "epoch": s.epoch + 1 if cursor == 0 else s.epoch,
-            "epoch_complete": cursor == 0,
-            "cursor": cursor,
-            "batches_done": s.batches,
-            # A stopped epoch's row is dropped on resume: the finished epoch gets one row.
-            "metrics_rows": {"rounds": self.bridge.version, "epochs": self.epoch_rows - (1 if cursor else 0),
-                             "batches": self.batch_rows},
-            "elapsed_s": self.bridge.elapsed,
-            "round": self.bridge.version,
-            "global_step": self.global_step,
-            "reason": reason,
-            "world_size": self.world_size,
-            "test_accuracy": s.test_accuracy,
-            "test_loss": s.test_loss,
-            "test_count": s.test_count,
-            "config": self.cfg.to_dict(),
-            "guard": self.bridge.guard.state_dict(),
-            "policy": self.bridge.policy.state_dict(),  # the balancer (anchor, speeds, latch) and the guard
-            "time_unix": time.time(),
-            "model": model_record(self.replica.model),  # what a resume compares its model with
-        }
-        if cursor:  # stopped mid-epoch: the resumed run finishes this epoch's report
-            meta["epoch_reports"] = [report for _, _, report in ranks]
-            meta.update(self.task.stopped_epoch_meta())  # the API's scalar books of the epoch so far
         outer = self.bridge.outer
-        cohort = outer.state_dict() if outer is not None and outer.kind != "avg" else None
-        return (checkpoint_name(s.epoch + 1, self.bridge.version), params, buffers, meta, order,
-                [(arrays, attrs) for arrays, attrs, _ in ranks], cohort)
+        stopped = self.task.stopped_epoch_meta() if cursor else {}  # the API's scalar books of the epoch so far
+        return CheckpointContents(
+            params=params, buffers=buffers, order=order,
+            epoch=s.epoch + 1 if cursor == 0 else s.epoch,
+            epoch_complete=cursor == 0,
+            cursor=cursor,
+            batches_done=s.batches,
+            # A stopped epoch's row is dropped on resume: the finished epoch gets one row.
+            metrics_rows={"rounds": self.bridge.version, "epochs": self.epoch_rows - (1 if cursor else 0),
+                          "batches": self.batch_rows},
+            elapsed_s=self.bridge.elapsed,
+            round=self.bridge.version,
+            global_step=self.global_step,
+            reason=reason,
+            world_size=self.world_size,
+            test_accuracy=s.test_accuracy,
+            test_loss=s.test_loss,
+            test_count=s.test_count,
+            config=self.cfg.to_dict(),
+            guard=self.bridge.guard.state_dict(),
+            policy=self.bridge.policy.state_dict(),  # the balancer (anchor, speeds, latch) and the guard
+            time_unix=time.time(),
+            model=model_record(self.replica.model),  # what a resume compares its model with
+            # stopped mid-epoch: the resumed run finishes this epoch's report
+            epoch_reports=[report for _, _, report in ranks] if cursor else None,
+            epoch_scalars=stopped.pop("epoch_scalars", None),
+            epoch_intents=stopped.pop("epoch_intents", None),
+            extra=stopped,
+            ranks={r: (arrays, attrs) for r, (arrays, attrs, _) in enumerate(ranks)},
+            cohort=outer.state_dict() if outer is not None and outer.kind != "avg" else None,
+        )
 
     def _fault_hook(self, kind: str) -> None:
         f = self.fault
