@@ -28,7 +28,7 @@ from flodl_mpi.errors import EXIT_INPUT, CohortError, InputError
 from flodl_mpi.runtime.launcher import launch_env
 from flodl_mpi.runtime.startup import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_VAR, mpi_running, start_mpi, start_timeout
 
-__all__ = ["DEFAULT_START_TIMEOUT_S", "START_TIMEOUT_VAR", "Session", "SessionState", "leave_on_error",
+__all__ = ["DEFAULT_START_TIMEOUT_S", "START_TIMEOUT_VAR", "Session", "SessionState", "leave_on_error", "leaves_together",
            "open_session", "start_at_import", "start_timeout"]
 
 
@@ -331,6 +331,18 @@ def api_words(exc: BaseException) -> BaseException:
     new = type(exc)(text)
     new.__cause__, new.__traceback__ = exc.__cause__, exc.__traceback__
     return new
+
+
+def leaves_together(session: Session, exc: BaseException) -> bool:
+    """Whether the ranks of ``session`` leave together after ``exc`` (else :func:`leave_on_error` aborts the job).
+
+    The one abort decision (:func:`flodl_mpi.runtime.world.decide`) as the Python API takes it:
+    a :class:`CohortError`, or any error in a world of 1. A front end asks it to tidy up
+    (close its bridge and writer) before :func:`leave_on_error`.
+    """
+    from flodl_mpi.runtime.world import TOGETHER, decide
+
+    return decide(exc, session.world.size, alone_leaves=True) == TOGETHER
 
 
 def leave_on_error(session: Session, exc: BaseException) -> None:

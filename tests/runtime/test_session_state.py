@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from flodl_mpi.errors import CohortError
 from flodl_mpi.runtime.session import Session, SessionState, _stop_before_run
 from flodl_mpi.runtime.signals import StopRequest
 
@@ -83,3 +84,13 @@ def test_sessions_close_once_and_the_last_one_is_known():
     assert state.remove(a) == (True, False)
     assert state.remove(a) == (False, False) and a.closed
     assert state.remove(b) == (True, True) and state.open == []
+
+
+@pytest.mark.parametrize("size, exc, together", [
+    (2, ValueError("one rank"), False), (1, ValueError("alone"), True), (4, CohortError("x"), True)])
+def test_the_api_takes_the_one_decision(size, exc, together):
+    from types import SimpleNamespace
+
+    from flodl_mpi.runtime.session import leaves_together
+
+    assert leaves_together(Session(SimpleNamespace(size=size, rank=0), FakeWatchdog()), exc) is together
