@@ -114,21 +114,54 @@ def launch_argv(n: int, *argv: str) -> list[str]:
     return [MPIEXEC, *flags, "-n", str(n), *argv]
 
 
-def launch_command(n: int, *args: str) -> list[str]:
-    """``mpiexec [what this launcher needs] -n N python -m flodl_mpi ARGS``."""
+#: ``flodl-mpi`` with test hooks (fault injection and the like): tests/hooked_flodl.py.
+HOOKED = str(Path(__file__).parent / "hooked_flodl.py")
+
+
+def launch_command(n: int, *args: str, hooks: tuple[str, ...] = ()) -> list[str]:
+    """``mpiexec [what this launcher needs] -n N python -m flodl_mpi ARGS``; with ``hooks``
+    (tests/hooked_flodl.py's options, e.g. ``("--fault", "bridge@1:3")``), through that wrapper."""
+    if hooks:
+        return launch_argv(n, sys.executable, HOOKED, *hooks, "--", *args)
     return launch_argv(n, sys.executable, "-m", "flodl_mpi", *args)
 
 
-def run_flodl(n: int, *args: str, timeout: float = 240.0, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``flodl-mpi ARGS`` on N ranks with a hard timeout; returns the finished process."""
-    return subprocess.run(launch_command(n, *args), capture_output=True, text=True, timeout=timeout, check=False,
-                          env=launch_env(env))
+def run_flodl(n: int, *args: str, timeout: float = 240.0, env: dict | None = None,
+              hooks: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run ``flodl-mpi ARGS`` on N ranks with a hard timeout; returns the finished process (``hooks``:
+    as :func:`launch_command`)."""
+    return subprocess.run(launch_command(n, *args, hooks=hooks), capture_output=True, text=True, timeout=timeout,
+                          check=False, env=launch_env(env))
 
 
-def start_flodl(n: int, *args: str, env: dict | None = None) -> subprocess.Popen:
+def start_flodl(n: int, *args: str, env: dict | None = None, hooks: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start ``flodl-mpi ARGS`` on N ranks in the background (stdout and stderr piped, text)."""
-    return subprocess.Popen(launch_command(n, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=launch_env(env))
+    return subprocess.Popen(launch_command(n, *args, hooks=hooks), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=launch_env(env))
+
+
+@pytest.fixture
+def run_hook():
+    """Register callables on the product's hook points (:mod:`flodl_mpi.runtime.hooks`) for one test:
+    ``run_hook(point, fn)``; every one is removed after the test."""
+    from flodl_mpi.runtime import hooks
+
+    removers = []
+    yield lambda point, fn: removers.append(hooks.register(point, fn))
+    for remove in removers:
+        remove()
+
+
+@pytest.fixture
+def inject_fault():
+    """Inject a fault (``KIND@RANK:ROUND``, tests/faults.py) in this process for one test: ``inject_fault(spec)``;
+    removed after the test."""
+    from tests.faults import install, parse_fault
+
+    removers = []
+    yield lambda spec: removers.append(install(parse_fault(spec)))
+    for remove in removers:
+        remove()
 
 
 def rank_pids(launcher: subprocess.Popen, marker: str) -> list[int]:

@@ -17,6 +17,9 @@ Hooks (each patches the package in this process only):
   --script-round-ms X   ... and each round's overhead time as X ms.
   --record-indices DIR  each rank writes DIR/rank<r>.npz at exit: per epoch, the
                         training sample indices it read (``e<epoch>``), in order.
+  --fault KIND@RANK:ROUND
+                        inject that fault (tests/faults.py) on the product's hooks
+                        (flodl_mpi.runtime.hooks): e.g. ``bridge@1:3``.
 """
 
 from __future__ import annotations
@@ -40,9 +43,19 @@ def main() -> int:
     p.add_argument("--script-speeds")
     p.add_argument("--script-round-ms", type=float)
     p.add_argument("--record-indices")
+    p.add_argument("--fault")
     opts, rest = p.parse_known_args()
     if rest[:1] == ["--"]:
         rest = rest[1:]
+
+    if opts.fault is not None:
+        from faults import install, parse_fault  # tests/faults.py: this script's folder is sys.path[0]
+
+        try:
+            fault = parse_fault(opts.fault)
+        except ValueError as exc:
+            p.error(str(exc))
+        install(fault)
 
     if opts.stop_at_round is not None:
         plain_submit = bridge.Bridge.submit  # round() submits too

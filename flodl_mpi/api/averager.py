@@ -906,17 +906,17 @@ class Averager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        from flodl_mpi.errors import CohortError, Stopped
+        from flodl_mpi.errors import Stopped
 
         if exc is None:
             self.close()
             return False
         if isinstance(exc, Stopped) and self._closed:  # every rank stopped after the same round, saved, closed
             return False
-        from flodl_mpi.runtime.session import leave_on_error
+        from flodl_mpi.runtime.session import leave_on_error, leaves_together
 
         self._note_failure(exc)  # an error of your loop too: train.log says why the run ended
-        if isinstance(exc, CohortError) or self.world_size == 1:
+        if leaves_together(self._session, exc):  # the one abort decision (flodl_mpi.runtime.world.decide)
             import contextlib
 
             self._closed = True

@@ -313,12 +313,11 @@ class Run:
         self._session.close()
 
     def _fail(self, exc: BaseException) -> None:
-        from flodl_mpi.errors import CohortError
-        from flodl_mpi.runtime.session import leave_on_error
+        from flodl_mpi.runtime.session import leave_on_error, leaves_together
 
         self._closed = True
         _scalars.activate(None)
-        if isinstance(exc, CohortError) or self.world_size == 1:
+        if leaves_together(self._session, exc):  # the one abort decision (flodl_mpi.runtime.world.decide)
             with contextlib.suppress(Exception):
                 self._trainer.bridge.close()
             if self._writer is not None:

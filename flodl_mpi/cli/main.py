@@ -27,7 +27,6 @@ import importlib
 import signal
 import sys
 import time
-import traceback
 
 from flodl_mpi import __version__
 from flodl_mpi.config import (
@@ -51,14 +50,9 @@ from flodl_mpi.config import (
 from flodl_mpi.policy.defaults import ADOPTION_DEFAULTS, BALANCER_DEFAULTS
 from flodl_mpi.policy.registry import help_text as policy_help
 from flodl_mpi.policy.registry import names as policy_names
-from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, CohortError
+from flodl_mpi.errors import EXIT_INPUT, EXIT_STOPPED
 from flodl_mpi.runtime.launcher import (
-    check_world_size,
-    foreign_launcher,
-    launch_env,
     launcher_rank,
-    mixed_install,
-    mpi_library,
     thread_request,
 )
 from flodl_mpi.cli.precheck import input_problem
@@ -385,41 +379,18 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         settle_early(args)
     except ValueError as exc:  # ConfigError included: one line, before MPI and torch start
         return _refuse(f"flodl-mpi: error: {exc}")
-    # Before MPI starts: a launcher of another MPI makes MPI's own start-up abort
-    # (or start N worlds of 1), so it is recognised from its environment first.
-    library = mpi_library()
-    refusal = foreign_launcher(launch_env(), library)
-    if refusal:
-        return _refuse(f"flodl-mpi: error: {refusal}")
-    mixed = mixed_install()
-    if mixed:
-        _say_once(f"flodl-mpi: warning: {mixed}")
     from flodl_mpi.errors import InputError
-    from flodl_mpi.runtime.session import _StartBound, start_timeout
+    from flodl_mpi.runtime.startup import start_mpi
 
-    try:  # the API's check and words (flodl_mpi.runtime.session): honoured below, or refused here
-        timeout = start_timeout()
-    except InputError as exc:
+    try:  # the one start-up (flodl_mpi.runtime.startup): the checks that need no MPI, then MPI, then the world size
+        MPI = start_mpi(warn=_say_once)
+    except InputError as exc:  # a world of 1 where the launcher started more: every process is rank 0 of its own
         return _refuse(str(exc))
-    _clear_stale_shm(library)
-    from mpi4py import MPI
-
-    if not MPI.Is_initialized():  # `python -m mpi4py` started it already
-        env = launch_env()
-        bound = _StartBound(timeout, env.rank) if env.launcher is not None and env.size > 1 else None
-        try:
-            MPI.Init_thread(MPI.THREAD_MULTIPLE)
-        finally:
-            if bound is not None:
-                bound.done()
     stop.install()  # again, in case the MPI library set handlers of its own while starting
-    refusal = check_world_size(MPI.COMM_WORLD.size, library)
-    if refusal:  # every process is rank 0 of its own world: the launcher's rank 0 says it
-        return _refuse(f"flodl-mpi: error: {refusal}")
-    from flodl_mpi.runtime.world import Watchdog, abort, install_excepthooks, start_world
+    from flodl_mpi.runtime.world import Watchdog, fail, install_excepthooks, start_world
 
-    world = start_world()
-    install_excepthooks(world.rank)
+    world = start_world(MPI.COMM_WORLD)
+    install_excepthooks(world.rank, world.size)
     watchdog = Watchdog(world.comm, stall_timeout=600.0, thread_level=world.thread_level)
     watchdog.start()
     try:
@@ -430,19 +401,9 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         done = run_train(args, world, watchdog, stop)
         watchdog.close()  # collective: every rank ends its heartbeat before MPI finalizes
         return 0 if done else EXIT_STOPPED
-    except CohortError as exc:
-        # Every rank raised this at the same point: leave together, one line.
-        watchdog.expect_exit()
-        if world.rank == 0:
+    except BaseException as exc:  # the one abort decision (flodl_mpi.runtime.world.fail; STYLE 14)
+        fail(exc, world.rank, world.size, watchdog)  # aborts the job unless every rank raised it alike
+        if world.rank == 0:  # a CohortError: leave together, one line
             print(f"flodl-mpi: error: {exc}", file=sys.stderr)
         watchdog.close()
         return exc.exit_code
-    except BaseException as exc:  # the one place that decides to abort (STYLE 14)
-        if getattr(exc, "plain", False):  # the message says it all (a full disk): one line
-            print(f"flodl-mpi: rank {world.rank}: error: {exc}; aborting the job", file=sys.stderr, flush=True)
-        else:
-            print(f"flodl-mpi: rank {world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",
-                  file=sys.stderr)
-            traceback.print_exc()
-        abort(EXIT_ERROR)
-

@@ -2,9 +2,9 @@
 
 Invariant: whatever starts the script (``python script.py``, ``mpiexec -n N
 python script.py``, ``srun``), the same code runs; without a launcher MPI starts
-as a singleton (a world of 1) and averaging is the identity. The checks the CLI
-makes before and after MPI starts (another MPI's launcher, a world of 1 where
-the launcher started more) are made here too, and an uncaught exception on any
+as a singleton (a world of 1) and averaging is the identity. MPI starts through
+the CLI's start-up (:func:`flodl_mpi.runtime.startup.start_mpi`: the same checks
+before and after), and an uncaught exception on any
 rank, in any thread, aborts the whole job (:func:`flodl_mpi.runtime.world.install_excepthooks`)
 instead of leaving the other ranks waiting in a round.
 
@@ -12,6 +12,8 @@ Under a launcher, ``import flodl_mpi`` starts MPI and those hooks at once
 (:func:`start_at_import`), so an error on one rank anywhere after the import
 aborts the job; MPI's start-up itself is bounded (:data:`START_TIMEOUT_VAR`), so
 a rank that ended before starting MPI leaves no peer waiting in ``MPI_Init``.
+The process's state across runs (open sessions, stop-signal handlers, hooks) is
+one object, :class:`SessionState`, owned here.
 """
 
 from __future__ import annotations
@@ -22,130 +24,12 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, CohortError, InputError
-from flodl_mpi.runtime.launcher import check_world_size, foreign_launcher, launch_env, mixed_install, mpi_library
+from flodl_mpi.errors import EXIT_INPUT, CohortError, InputError
+from flodl_mpi.runtime.launcher import launch_env
+from flodl_mpi.runtime.startup import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_VAR, mpi_running, start_mpi, start_timeout
 
-__all__ = ["DEFAULT_START_TIMEOUT_S", "START_TIMEOUT_VAR", "Session", "leave_on_error", "open_session",
-           "start_at_import", "start_timeout"]
-
-#: Environment variable: seconds a launched rank waits in MPI's start-up for the others.
-START_TIMEOUT_VAR = "FLODL_MPI_START_TIMEOUT"
-#: Its default. Every rank starts MPI as it imports flodl_mpi, so the ranks arrive
-#: within their imports' spread of each other; past this, a peer is taken for gone.
-DEFAULT_START_TIMEOUT_S = 120.0
-
-_hooks_installed = False
-_open: list[Session] = []
-_lock = threading.Lock()
-
-
-def start_timeout(environ=None) -> float:
-    """Seconds a launched rank waits in MPI's start-up (``FLODL_MPI_START_TIMEOUT``, default 120).
-
-    Raises:
-        InputError: the variable is set but not a number of seconds > 0.
-    """
-    text = (os.environ if environ is None else environ).get(START_TIMEOUT_VAR, "").strip()
-    if not text:
-        return DEFAULT_START_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise InputError(f"flodl-mpi: error: {START_TIMEOUT_VAR}={text!r}: must be a number of seconds > 0")
-    return value
-
-
-#: The start-up bound's watcher: a separate process, since MPI_Init holds the GIL (no Python
-#: thread runs while the main thread is inside it; measured with mpi4py 4 and MPICH 4).
-_WATCHER = """
-import os, signal, sys, time
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-pid, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
-while time.monotonic() < end:
-    time.sleep(0.2)
-    if os.getppid() != pid:
-        sys.exit(0)
-os.write(2, sys.argv[3].encode())
-os.kill(pid, signal.SIGKILL)
-"""
-
-
-class _StartBound:
-    """Ends this rank if MPI's start-up has not returned within the start timeout.
-
-    Why: MPI_Init waits for every rank the launcher started, and MPICH's Hydra
-    does not end the job when a rank exits *before* it started MPI (measured:
-    rank 0 waits in MPI_Init forever after rank 1 raised at its first line).
-    MPI_Init holds the GIL, so the bound is a small watcher process: at the
-    deadline it prints one line and kills this rank (SIGKILL: nothing else ends
-    a process inside MPI_Init); :meth:`done` ends the watcher.
-    """
-
-    def __init__(self, timeout: float, rank: int) -> None:
-        import subprocess
-
-        text = (f"flodl-mpi: rank {rank}: error: MPI did not start within {timeout:g} s: another rank ended "
-                "before it started MPI (its error is above) or never reached `import flodl_mpi`; ending this rank "
-                f"({START_TIMEOUT_VAR}=SECONDS waits longer)\n")
-        self._watcher = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, str(os.getpid()), repr(timeout), text],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-
-    def done(self) -> None:
-        self._watcher.kill()
-        self._watcher.wait()
-
-
-def _start_mpi():
-    """Start MPI (THREAD_MULTIPLE) unless it runs already; refuse another MPI's launcher first.
-
-    Under a launcher that started more than one rank, the start-up is bounded by
-    :func:`start_timeout`: past it this rank prints one line and exits with status 1.
-
-    Raises:
-        InputError: started by the launcher of another MPI, or a world of 1 where
-            the launcher started more ranks (one line, as the CLI's refusal), or a
-            bad ``FLODL_MPI_START_TIMEOUT``.
-    """
-    import mpi4py
-
-    if "mpi4py.MPI" not in sys.modules or not _initialized():
-        library = mpi_library()
-        refusal = foreign_launcher(launch_env(), library)
-        if refusal:
-            raise InputError(f"flodl-mpi: error: {refusal}")
-        mixed = mixed_install()
-        if mixed:
-            print(f"flodl-mpi: warning: {mixed}", file=sys.stderr)
-        if "mpi4py.MPI" not in sys.modules:
-            # Under srun, MPICH shared memory a dead earlier step left under this step's
-            # name would make MPI_Init fail: the CLI's clean-up (flodl_mpi.runtime.stale_shm).
-            from flodl_mpi.runtime.stale_shm import clear_before_mpi
-
-            clear_before_mpi(library)
-        mpi4py.rc.thread_level = "multiple"
-    env = launch_env()
-    bound = _StartBound(start_timeout(), env.rank) if env.launcher is not None and env.size > 1 else None
-    try:
-        from mpi4py import MPI
-
-        if not MPI.Is_initialized():  # mpi4py.rc.initialize was False
-            MPI.Init_thread(MPI.THREAD_MULTIPLE)
-    finally:
-        if bound is not None:
-            bound.done()
-    refusal = check_world_size(MPI.COMM_WORLD.size, mpi_library())
-    if refusal:
-        raise InputError(f"flodl-mpi: error: {refusal}")
-    return MPI
-
-
-def _initialized() -> bool:
-    from mpi4py import MPI
-
-    return MPI.Is_initialized()
+__all__ = ["DEFAULT_START_TIMEOUT_S", "START_TIMEOUT_VAR", "Session", "SessionState", "leave_on_error", "leaves_together",
+           "open_session", "start_at_import", "start_timeout"]
 
 
 @dataclass
@@ -155,6 +39,7 @@ class Session:
     Attributes:
         world: :class:`flodl_mpi.runtime.world.World` (rank, size, local rank, thread level).
         watchdog: the started :class:`flodl_mpi.runtime.world.Watchdog`.
+        stop: the process's stop request (:class:`flodl_mpi.runtime.signals.StopRequest`) while it is open.
     """
 
     world: object
@@ -168,23 +53,12 @@ class Session:
         The last open session gives the stop signals back to the script's own
         handlers; after a stop (exit status 4 decided) they are ignored instead.
         """
-        with _lock:
-            if self.closed:
-                return
-            self.closed = True
-            if self in _open:
-                _open.remove(self)
-            last = not _open
+        was_open, last = _state.remove(self)
+        if not was_open:
+            return
         self.watchdog.close()
         if last:
-            _release_stop(self.stop)
-
-
-#: The stop request of the open sessions, and the handlers it replaced.
-_stop = None
-_previous: dict = {}
-#: The script's stop-signal handlers before ``import flodl_mpi`` set `_stop_before_run` (under a launcher).
-_original: dict = {}
+            _state.release_stop(self.stop)
 
 
 def _stop_before_run(signum, frame) -> None:
@@ -217,57 +91,121 @@ def _stop_before_run(signum, frame) -> None:
     raise Stopped(name, 0)
 
 
-def _install_stop_before_run() -> None:
-    """Under a launcher, from the import until the first run opens: stop signals end the job with status 4."""
-    import signal
+class SessionState:
+    """The process's state across the Python API's runs: its open sessions, its stop signals, its hooks.
 
-    from flodl_mpi.runtime.signals import StopRequest
+    One instance per process, owned by this module (``_state``); every change to
+    the stop-signal handlers an API run makes goes through it. Signal handlers are
+    only set from the main thread (Python's rule); from another thread the methods
+    leave them as they are.
 
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in StopRequest.SIGNALS:
-        current = signal.getsignal(sig)
-        if current is not _stop_before_run:
-            _original[sig] = current
-        signal.signal(sig, _stop_before_run)
-
-
-def _stop_request():
-    """The process's stop request (SIGUSR1, SIGTERM, SIGINT set a flag the rounds carry), installed.
-
-    As the CLI's (:mod:`flodl_mpi.runtime.signals`): installed before MPI starts and
-    again after it (MPI may set handlers of its own); only from the main thread.
+    Attributes:
+        open: the sessions not yet closed, oldest first (guarded by ``lock``).
+        lock: guards ``open``.
+        stop: the stop request of the open sessions (``StopRequest``), or None while none is open.
+        previous: the handlers ``stop`` replaced, by signal: they come back after the last run
+            (the script's own, not the import's `_stop_before_run`).
+        original: the script's handlers before ``import flodl_mpi`` set `_stop_before_run`, by signal.
+        hooks_installed: the exception hooks are installed (once per process).
     """
-    global _stop
-    import signal
 
-    from flodl_mpi.runtime.signals import StopRequest
+    def __init__(self) -> None:
+        self.open: list[Session] = []
+        self.lock = threading.Lock()
+        self.stop = None
+        self.previous: dict = {}
+        self.original: dict = {}
+        self.hooks_installed = False
 
-    if threading.current_thread() is not threading.main_thread():
-        return _stop or StopRequest("resume=True")
-    if _stop is None:
-        _stop = StopRequest("resume=True")
-        _previous.clear()
-        # the script's own handlers come back after the last run (not the import's `_stop_before_run`)
-        _previous.update({sig: _original.get(sig) if signal.getsignal(sig) is _stop_before_run
-                          else signal.getsignal(sig) for sig in StopRequest.SIGNALS})
-    _stop.install()
-    return _stop
+    # ---- sessions ----------------------------------------------------------------
+
+    def add(self, session: Session) -> None:
+        """``session`` is open."""
+        with self.lock:
+            self.open.append(session)
+
+    def remove(self, session: Session) -> tuple[bool, bool]:
+        """Mark ``session`` closed and forget it; returns (it was open, it was the last open one)."""
+        with self.lock:
+            if session.closed:
+                return False, False
+            session.closed = True
+            if session in self.open:
+                self.open.remove(session)
+            return True, not self.open
+
+    # ---- stop signals ------------------------------------------------------------
+
+    def install_stop_before_run(self) -> None:
+        """From the import until the first run opens: stop signals end the job with status 4 (`_stop_before_run`)."""
+        import signal
+
+        from flodl_mpi.runtime.signals import StopRequest
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in StopRequest.SIGNALS:
+            current = signal.getsignal(sig)
+            if current is not _stop_before_run:
+                self.original[sig] = current
+            signal.signal(sig, _stop_before_run)
+
+    def stop_request(self):
+        """The process's stop request (SIGUSR1, SIGTERM, SIGINT set a flag the rounds carry), installed.
+
+        As the CLI's (:mod:`flodl_mpi.runtime.signals`): installed before MPI starts and
+        again after it (MPI may set handlers of its own); only from the main thread
+        (from another, the open one, or a new one not installed).
+        """
+        import signal
+
+        from flodl_mpi.runtime.signals import StopRequest
+
+        if threading.current_thread() is not threading.main_thread():
+            return self.stop or StopRequest("resume=True")
+        if self.stop is None:
+            self.stop = StopRequest("resume=True")
+            self.previous.clear()
+            self.previous.update({sig: self.original.get(sig) if signal.getsignal(sig) is _stop_before_run
+                                  else signal.getsignal(sig) for sig in StopRequest.SIGNALS})
+        self.stop.install()
+        return self.stop
+
+    def release_stop(self, stop) -> None:
+        """After the last run: a stop ignores later signals (status 4 is decided), else the old handlers return."""
+        import signal
+
+        if stop is None or stop is not self.stop or threading.current_thread() is not threading.main_thread():
+            return
+        self.stop = None
+        if stop.requested:
+            stop.close()
+            return
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    # ---- exception hooks ---------------------------------------------------------
+
+    def install_hooks(self, rank: int) -> None:
+        """Once per process: an uncaught exception goes to the one abort decision
+        (:func:`flodl_mpi.runtime.world.install_excepthooks`); when the ranks leave together
+        (a :class:`CohortError`), the open sessions are closed first."""
+        if self.hooks_installed:
+            return
+        from flodl_mpi.runtime.world import install_excepthooks
+
+        install_excepthooks(rank, on_leave=self.close_all)
+        self.hooks_installed = True
+
+    def close_all(self) -> None:
+        """A script that never closed its averager: end the heartbeats before MPI finalizes."""
+        for session in list(self.open):
+            session.close()
 
 
-def _release_stop(stop) -> None:
-    """After the last run: a stop ignores later signals (status 4 is decided), else the old handlers return."""
-    global _stop
-    import signal
-
-    if stop is None or stop is not _stop or threading.current_thread() is not threading.main_thread():
-        return
-    _stop = None
-    if stop.requested:
-        stop.close()
-        return
-    for sig, handler in _previous.items():
-        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+#: The process's one `SessionState`.
+_state = SessionState()
+atexit.register(_state.close_all)
 
 
 def open_session(comm=None, stall_timeout: float = 600.0) -> Session:
@@ -282,37 +220,24 @@ def open_session(comm=None, stall_timeout: float = 600.0) -> Session:
             the job with exit status 3 (:class:`flodl_mpi.runtime.world.Watchdog`).
 
     Raises:
-        InputError: another MPI's launcher, or a world of 1 where the launcher started more.
+        InputError: another MPI's launcher, or a world of 1 where the launcher started more
+            (:func:`flodl_mpi.runtime.startup.start_mpi`).
         ValueError: ``stall_timeout`` not > 0.
     """
     if not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
         raise ValueError(f"stall_timeout must be a number of seconds > 0, got {stall_timeout!r}")
-    stop = _stop_request()  # before MPI starts: a signal during a slow start-up is kept
-    MPI = _start_mpi()
+    stop = _state.stop_request()  # before MPI starts: a signal during a slow start-up is kept
+    MPI = start_mpi()
     stop.install()  # again: the MPI library may have set handlers of its own while starting
     from flodl_mpi.runtime.world import Watchdog, start_world
 
     world = start_world(MPI.COMM_WORLD if comm is None else comm)
-    _install_hooks(MPI.COMM_WORLD.rank)
+    _state.install_hooks(MPI.COMM_WORLD.rank)
     watchdog = Watchdog(world.comm, stall_timeout=float(stall_timeout), thread_level=world.thread_level)
     watchdog.start()
     session = Session(world, watchdog, stop)
-    with _lock:
-        _open.append(session)
+    _state.add(session)
     return session
-
-
-def _install_hooks(rank: int) -> None:
-    """Once per process: uncaught exceptions abort the world (:mod:`flodl_mpi.runtime.world`), a
-    :class:`CohortError` ends every rank alike (:func:`_cohort_hook`)."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    from flodl_mpi.runtime.world import install_excepthooks
-
-    install_excepthooks(rank)
-    sys.excepthook = _cohort_hook(sys.excepthook, rank)
-    _hooks_installed = True
 
 
 def _cli_process() -> bool:
@@ -357,46 +282,17 @@ def start_at_import() -> None:
     env = launch_env()
     if env.launcher is None or _cli_process() or _worker_process():
         return
-    if "mpi4py.MPI" in sys.modules and _initialized():
+    if mpi_running():
         return
-    _install_stop_before_run()  # before MPI starts: a signal during a slow start-up is kept, then exits 4
+    _state.install_stop_before_run()  # before MPI starts: a signal during a slow start-up is kept, then exits 4
     try:
-        MPI = _start_mpi()
+        MPI = start_mpi()
     except InputError as exc:
         if env.rank == 0:
             print(exc, file=sys.stderr, flush=True)
         raise SystemExit(EXIT_INPUT) from None
-    _install_stop_before_run()  # again: the MPI library may have set handlers of its own while starting
-    _install_hooks(MPI.COMM_WORLD.rank)
-
-
-def _cohort_hook(plain, rank: int):
-    """An uncaught :class:`CohortError` (raised on every rank alike) ends the script as the CLI does:
-    one line from rank 0, exit status ``exc.exit_code`` (2 for bad input) on every rank, no
-    abort and no traceback. Anything else goes to ``plain`` (world's hook: print, abort, 1)."""
-
-    def hook(exc_type, exc, tb) -> None:
-        if not issubclass(exc_type, CohortError):
-            plain(exc_type, exc, tb)
-            return
-        if rank == 0:
-            print(f"flodl-mpi: error: {exc}", file=sys.stderr, flush=True)
-        _close_open_sessions()
-        from mpi4py import MPI
-
-        sys.stdout.flush()
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.Finalize()  # every rank raised the same error at the same point: they leave together
-        os._exit(exc.exit_code)
-
-    return hook
-
-
-@atexit.register
-def _close_open_sessions() -> None:
-    """A script that never closed its averager: end the heartbeats before MPI finalizes."""
-    for session in _open:
-        session.close()
+    _state.install_stop_before_run()  # again: the MPI library may have set handlers of its own while starting
+    _state.install_hooks(MPI.COMM_WORLD.rank)
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
@@ -438,8 +334,20 @@ def api_words(exc: BaseException) -> BaseException:
     return new
 
 
+def leaves_together(session: Session, exc: BaseException) -> bool:
+    """Whether the ranks of ``session`` leave together after ``exc`` (else :func:`leave_on_error` aborts the job).
+
+    The one abort decision (:func:`flodl_mpi.runtime.world.decide`) as the Python API takes it:
+    a :class:`CohortError`, or any error in a world of 1. A front end asks it to tidy up
+    (close its bridge and writer) before :func:`leave_on_error`.
+    """
+    from flodl_mpi.runtime.world import TOGETHER, decide
+
+    return decide(exc, session.world.size, alone_leaves=True) == TOGETHER
+
+
 def leave_on_error(session: Session, exc: BaseException) -> None:
-    """The one decision on an error in the Python API (STYLE 14): leave together or abort.
+    """An error in the Python API: the one abort decision (:func:`flodl_mpi.runtime.world.fail`), then leave.
 
     A :class:`CohortError` was raised on every rank at the same point: the ranks
     close their watchdogs together and the error propagates (rank 0's line is the
@@ -447,15 +355,7 @@ def leave_on_error(session: Session, exc: BaseException) -> None:
     else on a rank of a larger world aborts the whole job now (exit status 1)
     with the rank and the error printed, never a hang.
     """
-    from flodl_mpi.runtime.world import abort
+    from flodl_mpi.runtime.world import fail
 
-    if isinstance(exc, CohortError) or session.world.size == 1:
-        session.watchdog.expect_exit()
-        session.close()
-        return
-    import traceback
-
-    print(f"flodl-mpi: rank {session.world.rank}: error: {type(exc).__name__}: {exc}; aborting the job",
-          file=sys.stderr)
-    traceback.print_exception(type(exc), exc, exc.__traceback__)
-    abort(EXIT_ERROR)
+    fail(exc, session.world.rank, session.world.size, session.watchdog, alone_leaves=True)
+    session.close()  # the ranks leave together (fail returned)

@@ -1,4 +1,4 @@
-"""MPI start-up and the one place that decides to abort (STYLE 14, 16, 17).
+"""The world, agreed setup steps, the one abort decision (:func:`decide`, acted on by :func:`fail`), the watchdog (STYLE 14, 16, 17).
 
 Responsibilities: settle the thread level once; find the local rank; turn
 setup errors on any rank into one agreed error on every rank; and make sure no
@@ -26,7 +26,8 @@ from mpi4py import MPI
 
 from flodl_mpi.errors import EXIT_ERROR, EXIT_STALL, CohortError, InputError
 
-__all__ = ["World", "start_world", "agree", "abort", "Watchdog", "stall_verdict",
+__all__ = ["World", "start_world", "agree", "decide", "fail", "abort", "abort_line", "install_excepthooks",
+           "TOGETHER", "ABORT", "Watchdog", "stall_verdict",
            "overdue_verdict", "heartbeat_period", "stall_slack", "BEAT_DTYPE"]
 
 T = TypeVar("T")
@@ -137,12 +138,83 @@ def agree(comm: MPI.Comm, what: str, fn: Callable[[], T], watchdog: "Watchdog | 
     raise CohortError(text)
 
 
-def abort(code: int = EXIT_ERROR) -> None:
+#: :func:`decide`'s verdicts: the ranks leave together (the caller closes collectively), or this rank aborts the job.
+TOGETHER, ABORT = "together", "abort"
+
+
+def decide(exc: BaseException, world_size: int, *, alone_leaves: bool = False, in_thread: bool = False) -> str:
+    """The one abort decision (STYLE 14): may the ranks leave together after ``exc``, or must the job abort?
+
+    Pure: the same answer for the same error on every rank. :data:`TOGETHER` for a
+    :class:`CohortError` raised in the main thread (raised on every rank alike, at the
+    same point: the ranks leave together, one line, its exit code), and for any error
+    in a world of 1 when ``alone_leaves`` (no peer can hang: the Python API lets it
+    propagate to the script). :data:`ABORT` for anything else, on this rank alone: the
+    peers would wait for it in their next collective forever.
+
+    Args:
+        exc: the error.
+        world_size: ranks in the world.
+        alone_leaves: a world of 1 leaves without an abort (the Python API's choice).
+        in_thread: raised in a thread other than the main one: never raised alike.
+    """
+    if in_thread:
+        return ABORT
+    if isinstance(exc, CohortError) or (alone_leaves and world_size == 1):
+        return TOGETHER
+    return ABORT
+
+
+def abort_line(exc: BaseException, rank: int, thread: str | None = None) -> str:
+    """The one line a rank prints before it aborts the job on ``exc`` (no newline).
+
+    ``flodl-mpi: rank R: error: Type: message; aborting the job``; an error whose
+    message says it all (``exc.plain``, a full disk's) without its type; one from a
+    thread other than the main one names it (``error in thread 'name'``).
+    """
+    where = "error" if thread is None else f"error in thread {thread!r}"
+    what = str(exc) if getattr(exc, "plain", False) else f"{type(exc).__name__}: {exc}"
+    return f"flodl-mpi: rank {rank}: {where}: {what}; aborting the job"
+
+
+def fail(exc: BaseException, rank: int, world_size: int, watchdog: "Watchdog | None" = None, *,
+         alone_leaves: bool = False, thread: str | None = None, comm: MPI.Comm | None = None) -> None:
+    """Act on :func:`decide` for ``exc``: every error path of the CLI, the API and the exception hooks calls it.
+
+    :data:`TOGETHER`: the watchdog (if any) is told this rank is leaving and this returns;
+    the caller then leaves with every rank (closes its watchdog, says rank 0's line or
+    re-raises). :data:`ABORT`: prints :func:`abort_line`, then the traceback (not for an
+    error whose message says it all), and aborts the job with exit status 1 (:func:`abort`;
+    never returns).
+
+    Args:
+        exc: the error.
+        rank, world_size: this rank's place.
+        watchdog: the rank's :class:`Watchdog`, or None.
+        alone_leaves, thread: as :func:`decide` (``thread``: the thread's name, or None for the main one).
+        comm: the communicator to abort (default ``MPI.COMM_WORLD``).
+    """
+    if decide(exc, world_size, alone_leaves=alone_leaves, in_thread=thread is not None) == TOGETHER:
+        if watchdog is not None:
+            watchdog.expect_exit()
+        return
+    plain = getattr(exc, "plain", False)
+    print(abort_line(exc, rank, thread), file=sys.stderr, flush=plain)
+    if not plain:
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    abort(EXIT_ERROR, comm)
+
+
+def abort(code: int = EXIT_ERROR, comm: MPI.Comm | None = None) -> None:
     """End the whole job now: flush, then ``MPI_Abort`` on the world (never returns).
 
     Under pytest, what the running test wrote, the error just printed included, goes
     to the real streams first (:mod:`flodl_mpi.runtime.pytest_capture`): pytest's capture
     would otherwise die with the process, unreported.
+
+    Args:
+        code: the job's exit status.
+        comm: the communicator to abort (default ``MPI.COMM_WORLD``; a test passes a fake).
     """
     from flodl_mpi.runtime import pytest_capture
 
@@ -155,31 +227,48 @@ def abort(code: int = EXIT_ERROR) -> None:
     # The launcher forwards our output through pipes and stops reading once the
     # abort reaches it: give it a moment to pass on the lines just written.
     time.sleep(0.5)
-    MPI.COMM_WORLD.Abort(code)
+    (MPI.COMM_WORLD if comm is None else comm).Abort(code)
     os._exit(code)  # Abort does not return; belt and braces
 
 
-def install_excepthooks(rank: int) -> None:
-    """An uncaught exception in any thread prints with its rank and aborts the world.
+def install_excepthooks(rank: int, world_size: int | None = None, on_leave: Callable[[], None] | None = None) -> None:
+    """An uncaught exception, in any thread, goes to :func:`fail`: the job aborts, or the ranks leave together.
 
-    One line as the CLI's (``flodl-mpi: rank R: error: Type: message; aborting the
-    job``; a thread's names the thread), then the traceback, then ``MPI_Abort``
-    (whose launcher prints its own line).
+    In a thread: :func:`abort_line` naming the thread, the traceback, ``MPI_Abort``
+    (whose launcher prints its own line); a ``SystemExit`` there ends the thread only.
+    In the main thread: a :class:`CohortError` (raised on every rank alike) ends the
+    script as the CLI does: one line from rank 0, ``on_leave()`` (the API closes its
+    sessions), MPI finalized, exit status ``exc.exit_code`` on every rank, no abort and
+    no traceback; anything else aborts as in a thread.
+
+    Args:
+        rank: this rank.
+        world_size: the world's size (default ``MPI.COMM_WORLD``'s).
+        on_leave: called before MPI finalizes when the ranks leave together.
     """
+    size = MPI.COMM_WORLD.Get_size() if world_size is None else world_size
 
     def thread_hook(args: threading.ExceptHookArgs) -> None:
         if args.exc_type is SystemExit:
             return
-        name = args.thread.name if args.thread else "?"
-        print(f"flodl-mpi: rank {rank}: error in thread {name!r}: {args.exc_type.__name__}: {args.exc_value}; "
-              "aborting the job", file=sys.stderr)
-        traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback)
-        abort(EXIT_ERROR)
+        exc = args.exc_value if args.exc_value is not None else args.exc_type()
+        fail(exc, rank, size, thread=args.thread.name if args.thread else "?")
 
     def main_hook(exc_type, exc, tb) -> None:
-        print(f"flodl-mpi: rank {rank}: error: {exc_type.__name__}: {exc}; aborting the job", file=sys.stderr)
-        traceback.print_exception(exc_type, exc, tb)
-        abort(EXIT_ERROR)
+        if exc is None:
+            exc = exc_type()
+        if exc.__traceback__ is None:
+            exc = exc.with_traceback(tb)
+        fail(exc, rank, size)
+        # the ranks leave together (a CohortError, raised on every rank at the same point)
+        if rank == 0:
+            print(f"flodl-mpi: error: {exc}", file=sys.stderr, flush=True)
+        if on_leave is not None:
+            on_leave()
+        sys.stdout.flush()
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()  # every rank raised the same error at the same point: they leave together
+        os._exit(getattr(exc, "exit_code", EXIT_ERROR))
 
     threading.excepthook = thread_hook
     sys.excepthook = main_hook

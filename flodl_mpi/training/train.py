@@ -49,7 +49,6 @@ from flodl_mpi.training.data import (
 from flodl_mpi.protocol.data_fingerprint import differences as data_differences
 from flodl_mpi.protocol.data_fingerprint import fingerprint as data_fingerprint
 from flodl_mpi.errors import CohortError, InputError
-from flodl_mpi.runtime.faults import InjectedFault, active_fault
 from flodl_mpi.runtime.launcher import clean_text, settle_threads, thread_request
 from flodl_mpi.outputs.metrics import MetricsWriter, WriterError, disk_error, disk_writer_error, keep_before_restart
 from flodl_mpi.training.model_record import resume_difference
@@ -193,8 +192,7 @@ def effective_batch_line(cfg: TrainConfig, world_size: int, api: bool = False, n
     return text
 
 
-def make_bridge(cfg: TrainConfig, world: World, replica: Replica, writer, watchdog: Watchdog,
-                fault=None) -> Bridge:
+def make_bridge(cfg: TrainConfig, world: World, replica: Replica, writer, watchdog: Watchdog) -> Bridge:
     """The bridge ``cfg`` describes, over a duplicate of the world's communicator (collective).
 
     One place for the CLI and the Python API (:func:`flodl_mpi.fit`): the policy
@@ -210,7 +208,7 @@ def make_bridge(cfg: TrainConfig, world: World, replica: Replica, writer, watchd
         [tuple(p.shape) for p in replica.params],
         [tuple(b.shape) for b in replica.float_buffers],
         gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, policy=make_policy(cfg, world.size),
-        threaded=world.threaded_bridge, watchdog=watchdog, fault=fault, on_non_finite=cfg.on_non_finite,
+        threaded=world.threaded_bridge, watchdog=watchdog, on_non_finite=cfg.on_non_finite,
         outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr, cfg.outer_momentum),
         wire=WireOptions(cfg.node_reduce, cfg.hierarchical, cfg.bf16_wire),
         pin_staging=replica.device.type == "cuda",
@@ -692,7 +690,6 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
     # -- config, device, data
     cfg = agree(comm, "config", lambda: config_from_args(args), watchdog)
     watchdog.stall_timeout = cfg.stall_timeout
-    fault = agree(comm, "config", active_fault, watchdog)  # tests only: FLODL_MPI_FAULT
     requested = agree(comm, "threads", lambda: thread_request(cfg.threads), watchdog)
     threads, threads_line = settle_threads(comm, world.host, requested)
     torch.set_num_threads(threads)
@@ -736,7 +733,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
         log.info(f"{final_line(cfg, True, [], int(ckpt.meta['epoch']), run_dir)}; no checkpoint, metrics.h5 or config record written")
         return True
     try:
-        return _train(cfg, world, watchdog, data, replica, run_dir, fault, ckpt, keep_rows, stop,
+        return _train(cfg, world, watchdog, data, replica, run_dir, ckpt, keep_rows, stop,
                       _progress_mode(args, world.rank), replay=replay)
     except BaseException as exc:
         _note_failure(run_dir, world.rank, exc)
@@ -745,7 +742,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest) -> bool
 
 def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
                   run_dir: Path | None, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest, *,
-                  record=None, task=None, fault=None, progress: EpochProgress | None = None,
+                  record=None, task=None, progress: EpochProgress | None = None,
                   late_header: str | None = None, on_resume=None,
                   remove_bad_new_run: bool = True,
                   replay: RecordedPlan | None = None) -> tuple[Trainer, Bridge, MetricsWriter | None]:
@@ -762,8 +759,7 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
         run_dir: None: no files (the Python API without ``run_dir``).
         record: rank 0's config record (``flodl_mpi.api.run_record``), called once;
             None: ``cfg.to_dict()`` (the CLI's).
-        task, fault, progress: the `Trainer`'s (fault also arms the bridge's
-            injected fault: ``FLODL_MPI_FAULT``, tests only).
+        task, progress: the `Trainer`'s.
         late_header: None: the CLI's setup lines in train.log (header, warnings,
             what was resumed); a line (the API's threads line): only it and the
             header, once the trainer is ready.
@@ -777,10 +773,6 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
             writer is closed first.
     """
     comm = world.comm
-
-    def bridge_fault(round_: int, stage: str) -> None:
-        if stage == "params reduce" and fault.fires("bridge", world.rank, round_):
-            raise InjectedFault(f"injected fault in the bridge (rank {world.rank}, round {round_})")
 
     attrs = _run_attrs(cfg, world, replica.device)
     attrs["data_source"] = data.source
@@ -811,7 +803,7 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
 
     agree(comm, "metrics writer", open_outputs, watchdog, name_ranks=False)
     try:
-        bridge = make_bridge(cfg, world, replica, writer, watchdog, fault=bridge_fault if fault is not None else None)
+        bridge = make_bridge(cfg, world, replica, writer, watchdog)
         if bridge.policy.blocking:  # async trains on while a round runs: its staging must stay apart
             replica.bind(bridge)  # before the optimizer: it keeps the Parameter objects, not their storage
         replica.snapshot(bridge)
@@ -829,7 +821,7 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
             if writer is not None:
                 for line in writer.recovered:
                     log.info(f"warning: {line}")
-        trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, fault, log=log.info, stop=stop,
+        trainer = Trainer(cfg, world.rank, world.size, data, replica, bridge, writer, log=log.info, stop=stop,
                           progress=progress, log_detail=log.debug if late_header is None else None, task=task,
                           replay=replay, warn=log.warning)
         if trainer.state_average is not None and late_header is None:
@@ -871,10 +863,10 @@ def start_trainer(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Data
 
 
 def _train(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset, replica: Replica,
-           run_dir: Path, fault, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest,
+           run_dir: Path, ckpt: Checkpoint | None, keep_rows: dict | None, stop: StopRequest,
            progress: EpochProgress | None = None, replay: RecordedPlan | None = None) -> bool:
     trainer, bridge, writer = start_trainer(cfg, world, watchdog, data, replica, run_dir, ckpt, keep_rows, stop,
-                                            fault=fault, progress=progress, replay=replay)
+                                            progress=progress, replay=replay)
 
     # -- train
     bridge.start()

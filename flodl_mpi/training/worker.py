@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import sys
 import time
 
 import numpy as np
@@ -26,7 +25,7 @@ from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
 from flodl_mpi.outputs.saver import saver_for
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.training.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
-from flodl_mpi.runtime.faults import Fault, InjectedFault
+from flodl_mpi.runtime import hooks
 from flodl_mpi.training.model_record import model_record
 from flodl_mpi.protocol.optimizer_state import OptimizerStateAverager, adopt_delta, resolve_mode
 from flodl_mpi.protocol.outer_watch import OuterWatch
@@ -493,7 +492,6 @@ class Trainer:
         replica: the model on its device.
         bridge: a started :class:`Bridge` for this rank.
         writer: rank 0's ``MetricsWriter``; None elsewhere.
-        fault: an injected fault (tests), or None.
         log: a callable taking one line (rank 0 prints progress with it).
         stop: the stop request that signals set (``flodl_mpi.runtime.signals``); each
             round carries it to every rank.
@@ -514,14 +512,14 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, data: Dataset, replica: Replica,
-                 bridge: Bridge, writer=None, fault: Fault | None = None, log=print,
+                 bridge: Bridge, writer=None, log=print,
                  stop: StopRequest | None = None, progress: EpochProgress | None = None,
                  log_detail=None, task=None, replay: RecordedPlan | None = None, warn=None) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.data, self.replica, self.bridge, self.writer = data, replica, bridge, writer
         #: Rank 0's checkpoint duty (`flodl_mpi.outputs.saver`); a NoSaver on every other rank.
         self.saver = saver_for(rank, writer)
-        self.fault, self.log = fault, log
+        self.log = log
         self.progress = progress if progress is not None else EpochProgress(enabled=False)
         self.log_detail = log_detail if log_detail is not None else (lambda line: None)
         self.warn = warn if warn is not None else log
@@ -689,8 +687,7 @@ class Trainer:
                 self.made_progress(f"batch {b + 1} of epoch {epoch + 1}")
             cursor = window.end
             # -- snapshot, round, adopt (SPEC §2)
-            self._fault_hook("nan")
-            self._fault_hook("disk")
+            hooks.call("round_start", self)  # extension point (flodl_mpi.runtime.hooks): none by default
             facts = dict(batch_ms=busy_ms / len(mine) if len(mine) else math.nan, quota=plan.quotas[self.rank],
                          anchor=plan.anchor)
             if self.bridge.policy.blocking:
@@ -755,12 +752,10 @@ class Trainer:
         x = torch.from_numpy(self.data.train.x[idx]).to(dev, non_blocking=True)
         y = torch.from_numpy(self.data.train.y[idx]).to(dev, non_blocking=True)
         t1 = time.perf_counter()
-        self._fault_hook("step")
-        self._fault_hook("hang")
+        hooks.call("batch", self)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.task.loss(self.replica.model, (x, y), cohort_step)
-        if self.fault is not None and self.fault.fires("nanloss", self.rank, self.bridge.version):
-            loss = loss * math.nan  # the injected fault: a non-finite loss, and so NaN gradients
+        loss = hooks.fold("loss", loss, self)
         loss.backward()
         self.task.step(self.replica.model, self.optimizer, cohort_step)
         loss_value = loss.item()  # sync point: the step is done on the device
@@ -981,22 +976,3 @@ class Trainer:
             ranks={r: (arrays, attrs) for r, (arrays, attrs, _) in enumerate(ranks)},
             cohort=outer.state_dict() if outer is not None and outer.kind != "avg" else None,
         )
-
-    def _fault_hook(self, kind: str) -> None:
-        f = self.fault
-        if f is None or not f.fires(kind, self.rank, self.bridge.version):
-            return
-        if kind == "step":
-            raise InjectedFault(f"injected fault in the training step (rank {self.rank}, round {f.round})")
-        if kind == "hang":
-            print(f"injected fault: rank {self.rank} hangs in round {f.round}", file=sys.stderr, flush=True)
-            while True:  # the peers' watchdogs must end the job
-                time.sleep(1.0)
-        if kind == "nan":
-            with torch.no_grad():
-                self.replica.params[0].fill_(math.nan)
-        if kind == "disk" and self.writer is not None:
-            self.writer.flush_wait()  # what was queued before the fault is written, however slow the writer
-            moved = self.writer.checkpoint_dir.with_name("checkpoints.moved-by-fault")
-            self.writer.checkpoint_dir.rename(moved)
-            self.writer.checkpoint_dir.write_text("not a directory (injected fault)\n")

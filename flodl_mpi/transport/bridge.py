@@ -20,7 +20,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -38,6 +38,7 @@ from flodl_mpi.protocol.outer import OuterOptimizer
 from flodl_mpi.policy.policies import FixedPolicy, Plan, Policy, RoundFacts
 from flodl_mpi.protocol.realized_work import is_realized, round_masses
 from flodl_mpi.outputs.recorder import recorder_for
+from flodl_mpi.runtime import hooks
 from flodl_mpi.transport.reduce import MAX_COUNT, Reducer, ReduceStats, WireOptions, control_gather
 from flodl_mpi.protocol.epoch_report import BATCH_COLUMNS, EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.protocol.round_profile import RunProfile
@@ -116,7 +117,6 @@ class Bridge:
             inline (:attr:`alone`).
         watchdog: object with ``round_started()``, ``round_finished()`` and
             ``failed()``; None for none.
-        fault: test hook ``fault(round, stage)`` called at each stage; may raise.
         on_non_finite: ``"quarantine"`` (default): a rank whose loss, parameters
             or floating buffers are not finite sends mass 0 for the round and
             adopts the finite ranks' consensus; the job stops only when no rank
@@ -184,7 +184,6 @@ class Bridge:
         anchor: int = 1,
         threaded: bool = True,
         watchdog=None,
-        fault: Callable[[int, str], None] | None = None,
         on_non_finite: str = "quarantine",
         outer: OuterOptimizer | None = None,
         policy: Policy | None = None,
@@ -224,7 +223,6 @@ class Bridge:
         self.buffer_tensors = self._b.tensors
         self._recorder = recorder_for(self.rank, writer)
         self._watchdog = watchdog
-        self._fault = fault
         # A world of one has nothing to overlap: its rounds run inline, with no hand-off to a thread
         # (measured: the hand-off was 40 % of a round on the 2-core machine; issue 26 item 10).
         self._threaded = threaded and self.world_size > 1
@@ -553,8 +551,7 @@ class Bridge:
 
     def _enter(self, stage: str) -> None:
         self._stage = stage
-        if self._fault is not None:
-            self._fault(self.version, stage)
+        hooks.call("bridge_stage", self, stage)  # extension point (flodl_mpi.runtime.hooks): none by default
 
     def _deferred_check(self, stats: ReduceStats, flags: np.ndarray) -> float:
         """This rank's pre-round ``sum(params ** 2)`` when the pass checked the params (``--on-non-finite stop``

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 #: The launcher's rank, read without importing flodl_mpi (Hydra's and Open MPI's variables).
 RANK_BEFORE_IMPORT = "int(os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '0')))"
-RANK = "__import__('flodl_mpi.runtime.launcher').launcher.launcher_rank()"
+RANK = "__import__('flodl_mpi.runtime.launcher').runtime.launcher.launcher_rank()"
 #: Upper bound on a job that must end promptly, start-up included: it guards against a hang (or the
 #: 600 s stall timeout), never measures speed; generous for a loaded machine (CI may be 2x slower,
 #: and the serial tests run two at a time).

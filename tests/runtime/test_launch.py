@@ -247,12 +247,13 @@ def test_a_storm_of_stop_signals_is_one_line_and_a_count(capfd):
 SIGNAL_AT_START = """\
 import os, signal, sys
 from flodl_mpi.cli import main as cli
-real = cli.mpi_library
+from flodl_mpi.runtime import startup  # the one MPI start-up, the CLI's too
+real = startup.mpi_library
 def slow_start():  # the stop signals arrive while the process starts, before MPI does
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         os.kill(os.getpid(), sig)
     return real()
-cli.mpi_library = slow_start
+startup.mpi_library = slow_start
 sys.exit(cli.main(sys.argv[1:]))
 """
 

@@ -20,6 +20,7 @@ import pytest
 from flodl_mpi.errors import EXIT_STALL
 from flodl_mpi.runtime.world import BEAT_DTYPE, heartbeat_period, overdue_verdict, stall_slack, stall_verdict
 from tests.conftest import launch_argv, launch_env, run_flodl
+from tests.faults import fault_hooks
 
 # Stall timeout of the jobs below, seconds: small, yet well above any one setup
 # step's skew between two ranks on a loaded two-core machine.
@@ -277,7 +278,7 @@ def test_a_rank_hung_in_its_training_step_is_named_and_ends_the_job(tmp_path, di
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--data", digits, "--epochs", "1", "--batch-size", "64",
                      "--run-dir", str(run_dir), "--stall-timeout", f"{STALL:g}",
-                     env={"FLODL_MPI_FAULT": f"hang@{hung}:2"}, timeout=400)
+                     hooks=fault_hooks(f"hang@{hung}:2"), timeout=400)
     elapsed = time.monotonic() - t0
     assert f"injected fault: rank {hung} hangs in round 2" in proc.stderr  # the hang was the fault's, not another
     assert proc.returncode == EXIT_STALL, proc.stderr

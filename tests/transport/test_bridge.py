@@ -117,13 +117,14 @@ def test_stop_flag_from_one_rank_reaches_every_rank():
     assert update.stop
 
 
-def test_error_in_a_round_crosses_to_the_training_thread():
-    def fault(round_, stage):
+def test_error_in_a_round_crosses_to_the_training_thread(run_hook):
+    def fault(bridge, stage):
         if stage == "params reduce":  # every rank, before the collective: nobody is left waiting
             raise MemoryError("staging allocation failed (injected)")
 
+    run_hook("bridge_stage", fault)  # the bridge's extension point (flodl_mpi.runtime.hooks)
     replica = make_replica()
-    bridge = make_bridge(replica, fault=fault)
+    bridge = make_bridge(replica)
     replica.snapshot(bridge)
     with pytest.raises(RoundError, match=r"round 0 failed at stage 'params reduce': MemoryError"):
         bridge.round(steps=1, window=1)

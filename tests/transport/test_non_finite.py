@@ -15,13 +15,14 @@ from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.errors import EXIT_ERROR
 from flodl_mpi.outputs.metrics import read_table
 from tests.conftest import run_flodl
+from tests.faults import fault_hooks
 
 QUICK = ("--epochs", "1", "--batch-size", "64")
 
 
-def inject(spec: str) -> dict[str, str]:
-    """The test-only fault hook (flodl_mpi.runtime.faults): the environment of a run with it set."""
-    return {"FLODL_MPI_FAULT": spec}
+def inject(spec: str) -> tuple[str, ...]:
+    """The test-only fault hook (tests/faults.py): tests/hooked_flodl.py's options for a run with it."""
+    return fault_hooks(spec)
 
 
 def error_lines(proc):
@@ -31,7 +32,7 @@ def error_lines(proc):
 @pytest.mark.parametrize(("n", "kind"), [(2, "nan"), (3, "nan"), (2, "nanloss")])
 def test_a_non_finite_rank_is_quarantined_and_the_run_goes_on(tmp_path, n, kind):
     run_dir = tmp_path / "r"
-    proc = run_flodl(n, "train", *QUICK, "--run-dir", str(run_dir), env=inject(f"{kind}@1:5"), timeout=400)
+    proc = run_flodl(n, "train", *QUICK, "--run-dir", str(run_dir), hooks=inject(f"{kind}@1:5"), timeout=400)
     assert proc.returncode == 0, proc.stderr
     assert "round 5: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined" in proc.stdout + proc.stderr
     rounds = read_table(run_dir / "metrics.h5", "rounds")
@@ -82,7 +83,7 @@ def test_on_non_finite_stop_ends_every_rank_with_one_line_and_keeps_checkpoints(
     # Round 40 is in epoch 2 (23 rounds per epoch at batch 32): epoch 1's checkpoint must survive.
     t0 = time.monotonic()
     proc = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--on-non-finite", "stop",
-                     env=inject("nan@0:40"), timeout=400)
+                     hooks=inject("nan@0:40"), timeout=400)
     assert time.monotonic() - t0 < 300  # as above
     assert proc.returncode == EXIT_ERROR, proc.stderr
     lines = error_lines(proc)

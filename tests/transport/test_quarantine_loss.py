@@ -47,10 +47,11 @@ def test_a_quarantined_rank_leaves_a_finite_epoch_loss_the_mean_of_the_finite_ba
     and in the log line."""
     from flodl_mpi.outputs.metrics import read_table
     from tests.conftest import run_flodl
+    from tests.faults import fault_hooks
 
     run_dir = tmp_path / "r"
     proc = run_flodl(2, "train", "--epochs", "1", "--batch-size", "64", "--run-dir", str(run_dir),
-                     env={"FLODL_MPI_FAULT": "nanloss@1:5"}, timeout=180)
+                     hooks=fault_hooks("nanloss@1:5"), timeout=180)
     assert proc.returncode == 0, proc.stderr
     batches = read_table(run_dir / "metrics.h5", "batches")
     epochs = read_table(run_dir / "metrics.h5", "epochs")

@@ -1,0 +1,112 @@
+"""Fault injection for the tests, declared as ``KIND@RANK:ROUND`` (STYLE 34), installed on the product's hooks.
+
+Test machinery: the product knows nothing of it. :func:`install` registers one
+fault on the named points of :mod:`flodl_mpi.runtime.hooks`; a launched run gets it
+through ``tests/hooked_flodl.py --fault KIND@RANK:ROUND`` (``tests.conftest.run_flodl(...,
+hooks=fault_hooks(spec))``), an in-process test through the ``inject_fault`` fixture
+(``tests/conftest.py``).
+
+Kinds: ``bridge`` raises inside the bridge's params reduce; ``step`` raises in the
+training step; ``hang`` blocks the training thread forever (the watchdog must end
+the job); ``nan`` writes NaN into the rank's parameters before the round;
+``nanloss`` makes the rank's losses in the window before the round NaN (so its
+gradients, and after the step its parameters, too); ``disk`` (rank 0) puts a file
+where the checkpoint directory was, so the writer thread's next save fails (the
+directory moves to ``checkpoints.moved-by-fault``). ``ROUND`` counts rounds from 0.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flodl_mpi.runtime import hooks
+
+__all__ = ["KINDS", "Fault", "InjectedFault", "parse_fault", "install", "fault_hooks"]
+
+KINDS = ("bridge", "step", "hang", "nan", "nanloss", "disk")
+
+
+class InjectedFault(RuntimeError):
+    """The error an injected fault raises."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault: ``kind`` on rank ``rank`` at round ``round``."""
+
+    kind: str
+    rank: int
+    round: int
+
+    def fires(self, kind: str, rank: int, round_: int) -> bool:
+        """Whether this fault fires for ``kind`` on ``rank`` at ``round_``."""
+        return self.kind == kind and self.rank == rank and self.round == round_
+
+
+def parse_fault(text: str) -> Fault:
+    """Parse ``KIND@RANK:ROUND``, e.g. ``bridge@1:3``.
+
+    Raises:
+        ValueError: malformed text or unknown kind.
+    """
+    try:
+        kind, where = text.split("@")
+        rank, round_ = (int(v) for v in where.split(":"))
+    except ValueError:
+        raise ValueError(f"--fault must look like KIND@RANK:ROUND (e.g. bridge@1:3), got {text!r}") from None
+    if kind not in KINDS:
+        raise ValueError(f"--fault kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if rank < 0 or round_ < 0:
+        raise ValueError(f"--fault rank and round must be >= 0, got {text!r}")
+    return Fault(kind, rank, round_)
+
+
+def fault_hooks(spec: str) -> tuple[str, ...]:
+    """``tests/hooked_flodl.py``'s options for a launched run with the fault ``spec`` (``KIND@RANK:ROUND``)."""
+    return ("--fault", spec)
+
+
+def _fault_hook(fault: Fault, kind: str, trainer) -> None:
+    """The trainer's faults (``step``, ``hang``, ``nan``, ``disk``) at their points; named in the hang's stacks."""
+    if not fault.fires(kind, trainer.rank, trainer.bridge.version):
+        return
+    if kind == "step":
+        raise InjectedFault(f"injected fault in the training step (rank {trainer.rank}, round {fault.round})")
+    if kind == "hang":
+        print(f"injected fault: rank {trainer.rank} hangs in round {fault.round}", file=sys.stderr, flush=True)
+        while True:  # the peers' watchdogs must end the job
+            time.sleep(1.0)
+    if kind == "nan":
+        import torch
+
+        with torch.no_grad():
+            trainer.replica.params[0].fill_(math.nan)
+    writer = getattr(trainer, "writer", None)
+    if kind == "disk" and writer is not None:
+        writer.flush_wait()  # what was queued before the fault is written, however slow the writer
+        moved = writer.checkpoint_dir.with_name("checkpoints.moved-by-fault")
+        writer.checkpoint_dir.rename(moved)
+        writer.checkpoint_dir.write_text("not a directory (injected fault)\n")
+
+
+def install(fault: Fault) -> Callable[[], None]:
+    """Register ``fault`` on the product's hooks (:mod:`flodl_mpi.runtime.hooks`); returns its remover."""
+    if fault.kind == "bridge":
+        def bridge_stage(bridge, stage: str) -> None:
+            if stage == "params reduce" and fault.fires("bridge", bridge.rank, bridge.version):
+                raise InjectedFault(f"injected fault in the bridge (rank {bridge.rank}, round {bridge.version})")
+
+        return hooks.register("bridge_stage", bridge_stage)
+    if fault.kind == "nanloss":
+        def loss(value, trainer):
+            if fault.fires("nanloss", trainer.rank, trainer.bridge.version):
+                return value * math.nan  # a non-finite loss, and so NaN gradients
+            return value
+
+        return hooks.register("loss", loss)
+    point = "batch" if fault.kind in ("step", "hang") else "round_start"
+    return hooks.register(point, lambda trainer: _fault_hook(fault, fault.kind, trainer))
