@@ -206,8 +206,8 @@ class Averager:
         if launch_env().launcher is None:  # a world of 1: refused before MPI starts
             try:
                 validate()
-            except ValueError as exc:
-                raise InputError(str(exc)) from None
+            except ValueError as exc:  # a combination the config refuses names the keywords (api_words)
+                raise api_words(InputError(str(exc))) from None
         timeout = stall_timeout if isinstance(stall_timeout, (int, float)) and stall_timeout > 0 else 600.0
         self._session = open_session(comm, timeout)
         self._writer = None
