@@ -37,7 +37,7 @@ BALANCED_POLICIES = ("cadence", "async")
 #: How ``async`` adopts a consensus (``--async-adopt``; flodl_mpi.training.worker.Replica.adopt).
 ASYNC_ADOPTS = ("delta", "easgd")
 OPTIMIZERS = ("sgd", "adam", "adamw")
-#: The class each of `OPTIMIZERS` builds (flodl_mpi.training.worker.make_optimizer).
+#: The class each of `OPTIMIZERS` builds (flodl_mpi.training.task.make_optimizer).
 OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 #: Each of `OPTIMIZERS`' weight decay when ``--weight-decay`` is not given: torch.optim's own
 #: defaults (``inspect.signature(torch.optim.AdamW).parameters["weight_decay"].default``; kept
