@@ -272,6 +272,10 @@ class Averager:
                  f"loop (flodl_mpi.Averager), policy {self.cfg.policy} (a round after {per}), gamma "
                  f"{self.cfg.gamma:g}, {sum(p.numel() for p in self.model.parameters())} params on {devices}; "
                  f"run dir {self.run_dir}")
+        if self.world_size > 1:  # how the rounds travel (node_reduce, hierarchical, bf16_wire), as the CLI's
+            from flodl_mpi.training.train import describe_averaging_path
+
+            log.info(describe_averaging_path(self.cfg, self.bridge.reducer.path, self.bridge.reducer.nodes))
 
     def _log(self, line: str) -> None:
         if self._train_log is not None:
@@ -874,11 +878,12 @@ class _OwnLoop:
 
     def opened(self, run) -> None:
         self.avg._writer = run.writer
-        self.avg._header(run.attrs["devices"])
 
     def attach(self, run) -> None:
         avg = self.avg
         avg.cfg, avg.replica, avg.bridge = run.cfg, run.replica, run.bridge
+        if avg._train_log is not None:
+            avg._header(run.attrs["devices"])
         avg._new_epoch()
         avg._book = _scalars.ScalarBook()
         #: Where your loop goes on (see the class docstring): epochs done, and step() calls of the next one done.

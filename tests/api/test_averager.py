@@ -117,14 +117,19 @@ def test_wire_options_give_the_mass_weighted_mean(wire):
     """Issue 20 item 2: the Averager's bridge comes from the CLI's factory (`flodl_mpi.training.setup.make_bridge`),
     so ``node_reduce`` and ``bf16_wire`` reach it, and its consensus is the mass-weighted mean of a float64 numpy
     reference (with ``bf16_wire``: of every rank's parameters rounded to bfloat16, SPEC §7)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank = comm.rank
+    run_dir = Path(comm.bcast(tempfile.mkdtemp(prefix="flodl-wire-") if rank == 0 else None, root=0)) / "r"
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(20 + rank)
-    avg = flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, **wire)
+    avg = flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir=run_dir, **wire)
     try:
         assert avg.bridge.reducer.path in (("allgather-bf16",) if wire.get("bf16_wire") and
                                            wire.get("node_reduce") == "mpi" else
@@ -157,6 +162,13 @@ def test_wire_options_give_the_mass_weighted_mean(wire):
             np.testing.assert_array_equal(a, b)
     finally:
         avg.close()
+    if rank == 0:  # the run's record and train.log say how the rounds travelled
+        cfg = json.loads((run_dir / "config.json").read_text())
+        assert (cfg["node_reduce"], cfg["hierarchical"], cfg["bf16_wire"]) == \
+            (wire.get("node_reduce", "auto"), "auto", wire.get("bf16_wire", False))
+        path = [line for line in (run_dir / "train.log").read_text().splitlines() if "averaging path: " in line]
+        assert len(path) == 1 and f"--node-reduce {wire.get('node_reduce', 'auto')}" in path[0]
+        assert ("--bf16-wire" in path[0]) == wire.get("bf16_wire", False)
 
 
 FAILING_LOOP = textwrap.dedent("""
