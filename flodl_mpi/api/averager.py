@@ -863,7 +863,7 @@ class _OwnLoop:
 
     def prepared(self, run) -> bool:
         avg = self.avg
-        avg.run_dir, avg._train_log, avg._ckpt = run.run_dir, run.train_log, run.ckpt
+        avg.run_dir, avg._train_log = run.run_dir, run.train_log
         return True
 
     def record(self, run) -> dict:

@@ -1,6 +1,7 @@
 """The trainer API: your model, optimizer, train step and data; flodl_mpi's loop, averaging and outputs.
 
-Invariant: :func:`fit` builds the same objects ``flodl-mpi train`` does — a
+Invariant: :func:`fit` builds the same objects ``flodl-mpi train`` does, through the
+same setup (`flodl_mpi.training.setup.setup_rank` with a ``TrainerFront``) — a
 ``worker.Replica``, a ``bridge.Bridge``, rank 0's ``metrics.MetricsWriter`` and a
 ``worker.Trainer`` — and injects the user's callables through a
 :class:`flodl_mpi.training.task.UserTask`; every decision at an epoch boundary (evaluate?
