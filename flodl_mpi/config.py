@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flodl_mpi.policy.defaults import ADOPTION_DEFAULTS, BALANCER_DEFAULTS
+from flodl_mpi.policy.registry import lookup as policy_spec
 from flodl_mpi.policy.registry import names as policy_names
 from flodl_mpi.policy.registry import refusal as policy_refusal
 from flodl_mpi.policy.registry import taking
@@ -27,13 +29,17 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
            "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OPTIMIZER_WEIGHT_DECAY", "OUTERS",
-           "OUTPUT_OPTIONS", "PROGRESS", "RESUME_AUTO", "ConfigError", "TrainConfig", "check_output_option",
-           "config_key_text", "optimizer_class", "read_config_file", "value_problem"]
+           "OUTPUT_OPTIONS", "PROGRESS", "RESUME_AUTO", "TASKS", "ConfigError", "TrainConfig", "check_fit_arguments",
+           "check_int", "check_output_option", "config_key_text", "optimizer_class", "own_loop_config",
+           "read_config_file", "value_problem"]
+
+#: ``fit(task=...)``: None infers it from the targets' dtype (integer: classification).
+TASKS = ("classification", "regression")
 
 #: How ``async`` adopts a consensus (``--async-adopt``; flodl_mpi.training.worker.Replica.adopt).
 ASYNC_ADOPTS = ("delta", "easgd")
 OPTIMIZERS = ("sgd", "adam", "adamw")
-#: The class each of `OPTIMIZERS` builds (flodl_mpi.training.worker.make_optimizer).
+#: The class each of `OPTIMIZERS` builds (flodl_mpi.training.task.make_optimizer).
 OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 #: Each of `OPTIMIZERS`' weight decay when ``--weight-decay`` is not given: torch.optim's own
 #: defaults (``inspect.signature(torch.optim.AdamW).parameters["weight_decay"].default``; kept
@@ -306,13 +312,21 @@ class TrainConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
 
+def own_loop_policies() -> tuple[str, ...]:
+    """The policies an own loop (:class:`flodl_mpi.Averager`) may run: the registry's entries with ``own_loop``."""
+    return tuple(n for n in policy_names() if policy_spec(n).own_loop)
+
+
 def __getattr__(name: str) -> tuple[str, ...]:
-    """``POLICIES`` (every registered policy) and ``BALANCED_POLICIES`` (those taking ``--anchor``):
-    views of `flodl_mpi.policy.registry`, read when asked (a policy registered later is in them)."""
+    """``POLICIES`` (every registered policy), ``BALANCED_POLICIES`` (those taking ``--anchor``) and
+    ``OWN_LOOP_POLICIES`` (those an own loop runs): views of `flodl_mpi.policy.registry`, read when
+    asked (a policy registered later is in them)."""
     if name == "POLICIES":
         return policy_names()
     if name == "BALANCED_POLICIES":
         return taking("anchor")
+    if name == "OWN_LOOP_POLICIES":
+        return own_loop_policies()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -393,3 +407,105 @@ def config_key_text(path: str | Path, name: str) -> str:
     except (ConfigError, OSError):  # changed or gone since: the option's own spelling
         spelled = name.replace("_", "-")
     return _key_text(p, spelled)
+
+
+# ---------------------------------------------------------------- the Python API's arguments (one place)
+
+def check_int(value: Any, name: str, minimum: int) -> int:
+    """``value`` when it is an int (not a bool) >= ``minimum``; the words name the keyword ``name``.
+
+    Raises:
+        TypeError: not an int (``window must be an int, got str '2'``).
+        ValueError: below ``minimum`` (``window must be >= 1, got 0``).
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def own_loop_config(*, model: str, optimizer: str, policy: Any, window: Any, gamma: Any, run_dir: Any,
+                    checkpoint_every: Any, keep_checkpoints: Any, stall_timeout: Any, on_non_finite: Any,
+                    chunk_elems: Any, resume: Any, node_reduce: Any = "auto", hierarchical: Any = "auto",
+                    bf16_wire: Any = False, pin_staging: Any = None) -> TrainConfig:
+    """The ``flodl_mpi.Averager``'s arguments as a :class:`TrainConfig`, checked in the keywords' words.
+
+    Args:
+        model, optimizer: the config's records of them (``module:Class``; the optimizer's
+            name, or the default).
+        policy: one of `own_loop_policies` (the registry's entries with ``own_loop``); window:
+            ``step()`` calls between rounds.
+        node_reduce, hierarchical, bf16_wire: how a round's frames travel, as the CLI's
+            ``--node-reduce``, ``--hierarchical``, ``--bf16-wire``.
+        pin_staging: True, False or None (pinned when the model is on CUDA); checked here,
+            not a config field.
+        others: as :class:`TrainConfig`'s fields.
+
+    Raises:
+        TypeError: a value of the wrong kind (``window must be an int, got str '2'``).
+        ValueError: a bad value or combination, naming the keyword (``policy='cadence': must be ...``);
+            ConfigError (a ValueError) for a combination the config refuses.
+    """
+    own_loop = own_loop_policies()
+    if policy not in own_loop:
+        # cadence and async decide how many batches each rank trains; in your own
+        # loop you decide that, so they are flodl_mpi.fit's (and the CLI's) only.
+        raise ValueError(f"policy={policy!r}: must be one of {', '.join(own_loop)}"
+                         + (" (the balanced policies set each rank's batches: use flodl_mpi.fit)"
+                            if policy in policy_names() else ""))
+    check_int(window, "window", 1)
+    if policy == "sync" and window != 1:
+        raise ValueError(f"window={window} contradicts policy='sync' (a round after every step); "
+                         "use policy='window'")
+    if policy == "window" and window == 1:  # never silently sync (issue 26 item 9)
+        raise ValueError("policy='window' needs window=N: the step() calls between rounds, N >= 2 "
+                         "(a window of 1 is policy='sync')")
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma):
+        raise ValueError(f"gamma must be a finite number, got {gamma!r}")
+    check_int(checkpoint_every, "checkpoint_every", 0)
+    check_int(keep_checkpoints, "keep_checkpoints", 1)
+    check_int(chunk_elems, "chunk_elems", 1)
+    if not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
+        raise ValueError(f"stall_timeout must be seconds > 0, got {stall_timeout!r}")
+    if on_non_finite not in ON_NON_FINITE:
+        raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
+    if node_reduce not in NODE_REDUCES:
+        raise ValueError(f"node_reduce must be one of {', '.join(NODE_REDUCES)}, got {node_reduce!r}")
+    if hierarchical not in HIERARCHICAL:
+        raise ValueError(f"hierarchical must be one of {', '.join(HIERARCHICAL)}, got {hierarchical!r}")
+    if not isinstance(bf16_wire, bool):
+        raise TypeError(f"bf16_wire must be True or False, got {type(bf16_wire).__name__} {bf16_wire!r}")
+    if pin_staging is not None and not isinstance(pin_staging, bool):
+        raise TypeError("pin_staging must be True, False or None (pinned for a model on CUDA), got "
+                        f"{type(pin_staging).__name__} {pin_staging!r}")
+    if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+        raise TypeError(f"run_dir must be a path or None, got {type(run_dir).__name__}")
+    if resume and run_dir is None:
+        raise ValueError("resume=True needs run_dir: the run directory to continue")
+    return TrainConfig(model=model, data="(your training loop)", policy=policy, window=window, gamma=float(gamma),
+                       run_dir=None if run_dir is None else str(run_dir), checkpoint_every=checkpoint_every,
+                       keep_checkpoints=keep_checkpoints, stall_timeout=float(stall_timeout),
+                       on_non_finite=on_non_finite, chunk_elems=chunk_elems, optimizer=optimizer, resume=resume,
+                       node_reduce=node_reduce, hierarchical=hierarchical, bf16_wire=bf16_wire)
+
+
+def check_fit_arguments(*, train_step: Any, eval_fn: Any, lr_schedule: Any, eval_every: Any, optimizer: Any,
+                        task: Any) -> None:
+    """:func:`flodl_mpi.fit`'s own arguments (its other options are :class:`TrainConfig`'s fields).
+
+    Raises:
+        ValueError: ``train_step``, ``eval_fn`` or ``lr_schedule`` given and not callable;
+            ``eval_every`` not an int >= 0; ``optimizer`` neither a factory nor one of
+            `OPTIMIZERS`; ``task`` none of `TASKS` nor None.
+    """
+    for name, value in (("train_step", train_step), ("eval_fn", eval_fn), ("lr_schedule", lr_schedule)):
+        if value is not None and not callable(value):
+            raise ValueError(f"{name} must be callable, got {type(value).__name__}")
+    if not (isinstance(eval_every, int) and eval_every >= 0):
+        raise ValueError(f"eval_every must be an int >= 0, got {eval_every!r}")
+    if optimizer is not None and not callable(optimizer) and optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be a factory or one of sgd, adam, adamw, got {optimizer!r}")
+    if task is not None and task not in TASKS:
+        raise ValueError(f"task={task!r}: must be one of {', '.join(map(repr, TASKS))} or None (from the "
+                         "targets)")

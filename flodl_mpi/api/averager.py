@@ -20,10 +20,8 @@ import torch
 from torch import nn
 
 from flodl_mpi.training import scalars as _scalars
-from flodl_mpi.config import ON_NON_FINITE, TrainConfig
+from flodl_mpi.config import TrainConfig, check_int, own_loop_config
 from flodl_mpi.policy.registry import describe as describe_policy
-from flodl_mpi.policy.registry import lookup as policy_spec
-from flodl_mpi.policy.registry import names as policy_names
 
 #: The loss of an own loop, as its records name it (metrics.h5 ``loss``).
 OWN_LOOP_LOSS = "loss given to step()"
@@ -53,14 +51,6 @@ class EpochResult:
     metrics: dict[str, float] = field(default_factory=dict)
     intents: tuple[str, ...] = ()
     checkpoint: str | None = None
-
-
-def _check_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _model_name(model: nn.Module) -> str:
@@ -118,6 +108,12 @@ class Averager:
             gather, and after the error they may hold the consensus in part: keep
             the checkpoints, not the model).
         chunk_elems: float32 elements per Allreduce piece.
+        node_reduce, hierarchical, bf16_wire: how a round's frames travel, as ``flodl-mpi train``'s
+            ``--node-reduce`` (``"auto"``, ``"shm"``, ``"mpi"``), ``--hierarchical`` (``"auto"``,
+            ``"on"``, ``"off"``) and ``--bf16-wire`` (params and float buffers as bfloat16 on the
+            wire; SPEC §7); train.log's averaging path and metrics.h5's config record them.
+        pin_staging: the bridge's staging in pinned (page-locked) host memory, for a model on
+            CUDA; None (default): pinned when the model is on CUDA, as the CLI's.
         broadcast: start every rank from rank 0's parameters and buffers (default True).
         resume: continue the run in ``run_dir`` from its newest checkpoint: the
             consensus, this rank's optimizer state, torch RNG (CPU), step count and
@@ -167,7 +163,8 @@ class Averager:
                  policy: str = "sync", window: int = 1, gamma: float = 1.0, run_dir: str | os.PathLike | None = None,
                  checkpoint_every: int = 1, keep_checkpoints: int = 3, stall_timeout: float = 600.0,
                  on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True,
-                 resume: bool | str = False, **options) -> None:
+                 resume: bool | str = False, node_reduce: str = "auto", hierarchical: str = "auto",
+                 bf16_wire: bool = False, pin_staging: bool | None = None, **options) -> None:
         # -- validate every argument (STYLE 13), agreed by every rank: bad input is one
         # line from rank 0 and exit status 2, as the CLI's (flodl_mpi.errors.InputError)
         def validate() -> TrainConfig:
@@ -191,41 +188,12 @@ class Averager:
                 if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
                     raise TypeError("optimizer must be a torch.optim.Optimizer or None, got "
                                     f"{type(optimizer).__name__}")
-                own_loop = [n for n in policy_names() if policy_spec(n).own_loop]  # the registry's entries
-                if policy not in own_loop:
-                    # cadence and async decide how many batches each rank trains; in your own
-                    # loop you decide that, so they are flodl_mpi.fit's (and the CLI's) only.
-                    raise ValueError(f"policy={policy!r}: must be one of {', '.join(own_loop)}"
-                                     + (" (the balanced policies set each rank's batches: use flodl_mpi.fit)"
-                                        if policy in policy_names() else ""))
-                _check_int(window, "window", 1)
-                if policy == "sync" and window != 1:
-                    raise ValueError(f"window={window} contradicts policy='sync' (a round after every step); "
-                                     "use policy='window'")
-                if policy == "window" and window == 1:  # never silently sync (issue 26 item 9)
-                    raise ValueError("policy='window' needs window=N: the step() calls between rounds, N >= 2 "
-                                     "(a window of 1 is policy='sync')")
-                if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma):
-                    raise ValueError(f"gamma must be a finite number, got {gamma!r}")
-                _check_int(checkpoint_every, "checkpoint_every", 0)
-                _check_int(keep_checkpoints, "keep_checkpoints", 1)
-                _check_int(chunk_elems, "chunk_elems", 1)
-                if not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
-                    raise ValueError(f"stall_timeout must be seconds > 0, got {stall_timeout!r}")
-                if on_non_finite not in ON_NON_FINITE:
-                    raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, "
-                                     f"got {on_non_finite!r}")
-                if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
-                    raise TypeError(f"run_dir must be a path or None, got {type(run_dir).__name__}")
-                if resume and run_dir is None:
-                    raise ValueError("resume=True needs run_dir: the run directory to continue")
-                return TrainConfig(model=_model_name(model), data="(your training loop)", policy=policy,
-                                   window=window, gamma=float(gamma),
-                                   run_dir=None if run_dir is None else str(run_dir),
-                                   checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                                   stall_timeout=float(stall_timeout), on_non_finite=on_non_finite,
-                                   chunk_elems=chunk_elems, optimizer=_optimizer_name(optimizer),
-                                   resume=resume)
+                return own_loop_config(model=_model_name(model), optimizer=_optimizer_name(optimizer), policy=policy,
+                                       window=window, gamma=gamma, run_dir=run_dir, checkpoint_every=checkpoint_every,
+                                       keep_checkpoints=keep_checkpoints, stall_timeout=stall_timeout,
+                                       on_non_finite=on_non_finite, chunk_elems=chunk_elems, resume=resume,
+                                       node_reduce=node_reduce, hierarchical=hierarchical, bf16_wire=bf16_wire,
+                                       pin_staging=pin_staging)
             except TypeError as exc:  # the wrong kind is bad input too (agree: ValueError is input)
                 raise ValueError(str(exc)) from None
 
@@ -241,14 +209,14 @@ class Averager:
         if launch_env().launcher is None:  # a world of 1: refused before MPI starts
             try:
                 validate()
-            except ValueError as exc:
-                raise InputError(str(exc)) from None
+            except ValueError as exc:  # a combination the config refuses names the keywords (api_words)
+                raise api_words(InputError(str(exc))) from None
         timeout = stall_timeout if isinstance(stall_timeout, (int, float)) and stall_timeout > 0 else 600.0
         self._session = open_session(comm, timeout)
         self._writer = None
         try:
             self.cfg = agree(self._session.world.comm, "arguments", validate, self._session.watchdog)
-            self._setup(broadcast)
+            self._setup(broadcast, pin_staging)
         except BaseException as exc:
             if self._writer is not None:  # close metrics.h5: no "open for write" flag left
                 import contextlib
@@ -263,15 +231,11 @@ class Averager:
 
     # ---- setup -----------------------------------------------------------------------
 
-    def _setup(self, broadcast: bool) -> None:
-        from flodl_mpi.transport.bridge import Bridge
-        from flodl_mpi.outputs.metrics import MetricsWriter
-        from flodl_mpi.training.train import _check_same_model, _make_run_dir, _run_attrs, resume_point
-        from flodl_mpi.training.worker import Replica
-        from flodl_mpi.runtime.world import agree
+    def _setup(self, broadcast: bool, pin_staging: bool | None) -> None:
+        """The one setup (`flodl_mpi.training.setup.setup_rank`) with this own loop as its front end."""
+        from flodl_mpi.training.setup import setup_rank
 
-        world, watchdog = self._session.world, self._session.watchdog
-        comm = world.comm
+        world = self._session.world
         # -- counters (SPEC §2: n_r, subtracted after each adoption)
         self.steps = 0            # realized optimizer steps since the consensus last adopted
         self.global_step = 0      # this rank's realized steps in the run
@@ -284,92 +248,41 @@ class Averager:
         self._tests = (math.nan, math.nan, 0)
         #: Rows metrics.h5 holds per table (a checkpoint records them for a resume).
         self._metrics_rows = {"epochs": 0, "batches": 0, "scalars": 0}
-        ckpt = None
         self._round_pending = False
         self.world = world
         #: This rank and the world size (1 under plain ``python``).
         self.rank, self.world_size = world.rank, world.size
         self.device = next(self.model.parameters()).device
-        _check_same_model(self.model, comm)
         self.run_dir = None
-        self._writer = None
         self._train_log = None
-        if self.cfg.run_dir is not None:
-            self.run_dir = _make_run_dir(self.cfg, comm, watchdog)
-            ckpt, keep_rows = resume_point(self.cfg, self.run_dir, world, watchdog, self.model, 0,
-                                           check_optimizer=self.optimizer is not None)
-            if world.rank == 0:
-                import json
-
-                name = "config.json" if keep_rows is None else \
-                    f"config-resume-r{int(ckpt.meta['round']) if ckpt is not None else 0:06d}.json"
-                from flodl_mpi.api.run_record import OWN_LOOP_OPTIONS, api_config
-
-                # What is true of an own loop: its model and optimizer as built, no planned epochs.
-                record = api_config(self.cfg.to_dict(), "Averager", loss=OWN_LOOP_LOSS, model=self.model,
-                                    optimizer=self.optimizer, applies=OWN_LOOP_OPTIONS)
-                (self.run_dir / name).write_text(json.dumps(record, indent=2) + "\n")
-                attrs = _run_attrs(self.cfg, world, self.device)
-                attrs.update(config=record, loss=OWN_LOOP_LOSS, data_source="(your training loop)")
-                self._writer = MetricsWriter(self.run_dir, world.size, attrs, self.run_dir / "checkpoints",
-                                             self.cfg.keep_checkpoints, keep_rows=keep_rows)
-                self._open_train_log(attrs["devices"])
-            else:
-                _run_attrs(self.cfg, world, self.device)  # collective: hosts and devices
-            agree(comm, "metrics writer", lambda: self._writer.start() if self._writer is not None else None,
-                  watchdog, name_ranks=False)
-        self.replica = Replica(self.model, self.device)
-        self.bridge = Bridge(comm.Dup(), [tuple(p.shape) for p in self.replica.params],
-                             [tuple(b.shape) for b in self.replica.float_buffers], gamma=self.cfg.gamma,
-                             chunk_elems=self.cfg.chunk_elems, writer=self._writer, anchor=self.cfg.window,
-                             threaded=world.threaded_bridge, watchdog=watchdog, on_non_finite=self.cfg.on_non_finite)
-        # Bound params live in the staging: no copies per round. The Parameter objects
-        # stay the same, so an optimizer built before keeps working.
-        self.replica.bind(self.bridge)
-        self.replica.snapshot(self.bridge)
-        if broadcast:
-            self.bridge.broadcast(root=0)
-        self.replica.adopt(self.bridge)
-        if self.run_dir is not None:  # what would fail at save time fails now
-            agree(comm, "checkpoint check", self._check_saveable, watchdog, name_ranks=False)
-        self._new_epoch()
-        self._book = _scalars.ScalarBook()
-        #: Where your loop goes on (see the class docstring): epochs done, and step() calls of the next one done.
-        self.start_epoch, self.start_step = 0, 0
-        self._skip = 0  # batches() calls left to skip: start_step, once
-        carried_ms = 0.0
-        if ckpt is not None:
-            carried_ms = agree(comm, "resume", lambda: self._resume(ckpt), watchdog)
-            self.start_epoch, self.start_step, self._skip = self.epoch, self._epoch_calls, self._epoch_calls
-            self._say_resumed(ckpt)
-        _scalars.activate(self._book)
         self._hook = None
+        setup_rank(self.cfg, world, self._session.watchdog, self.model, self.device,
+                   _OwnLoop(self, broadcast, pin_staging))
+        _scalars.activate(self._book)
         if self.optimizer is not None:
             self._hook = self.optimizer.register_step_post_hook(self._count_step)
         now = time.perf_counter()  # the epoch's clock: its time before the stop, then from here
-        self._t_epoch, self._t_last = now - carried_ms / 1e3, now
-        watchdog.begin("training")
+        self._t_epoch, self._t_last = now - self._carried_ms / 1e3, now
         self.bridge.start()
 
-    def _open_train_log(self, devices: list) -> None:
-        """Rank 0's train.log, as the CLI's: a header now, a line per epoch, a last line at close."""
-        import logging
-
+    def _header(self, devices: list) -> None:
+        """Rank 0's train.log header, as the CLI's: a line per epoch follows, and a last line at close."""
         from flodl_mpi import __version__
-        from flodl_mpi.training.train import _setup_logging, log
+        from flodl_mpi.training.train_log import log
 
-        self._train_log = _setup_logging(self.run_dir, 0)
-        self._session.watchdog.log_path = self.run_dir / "train.log"  # a stall's verdict ends train.log too
-        log.setLevel(min(log.level or logging.INFO, logging.INFO))
         policy = describe_policy(self.cfg.policy, self.cfg.to_dict(), "step() call")  # the report's words too
         log.info(f"flodl-mpi {__version__}: {self.world_size} rank{'s' if self.world_size > 1 else ''}, your own "
                  f"loop (flodl_mpi.Averager), {policy}, gamma "
                  f"{self.cfg.gamma:g}, {sum(p.numel() for p in self.model.parameters())} params on {devices}; "
                  f"run dir {self.run_dir}")
+        if self.world_size > 1:  # how the rounds travel (node_reduce, hierarchical, bf16_wire), as the CLI's
+            from flodl_mpi.training.train import describe_averaging_path
+
+            log.info(describe_averaging_path(self.cfg, self.bridge.reducer.path, self.bridge.reducer.nodes))
 
     def _log(self, line: str) -> None:
         if self._train_log is not None:
-            from flodl_mpi.training.train import log
+            from flodl_mpi.training.train_log import log
 
             log.info(line)
 
@@ -505,7 +418,7 @@ class Averager:
         if self._closed:
             raise RuntimeError("Averager.step() after close()")
         if samples is not None:
-            _check_int(operator.index(samples) if hasattr(samples, "__index__") else samples, "samples", 0)
+            check_int(operator.index(samples) if hasattr(samples, "__index__") else samples, "samples", 0)
         if realized is None:
             n = self._hooked if self.optimizer is not None else 1
         else:
@@ -827,7 +740,7 @@ class Averager:
             self._writer.close(timeout=None)
         for line in last or ():
             self._log(line)
-        from flodl_mpi.training.train import close_train_log
+        from flodl_mpi.training.train_log import close_train_log
 
         close_train_log(self._train_log)
         self._train_log = None
@@ -894,9 +807,9 @@ class Averager:
 
         if self.run_dir is None or isinstance(exc, Stopped) or getattr(exc, "_flodl_noted", False):
             return
-        from flodl_mpi.training.train import _note_failure
+        from flodl_mpi.training.train_log import note_failure
 
-        _note_failure(self.run_dir, self.rank, exc)
+        note_failure(self.run_dir, self.rank, exc)
         try:
             exc._flodl_noted = True  # once, whether the averager or its context manager sees it first
         except AttributeError:
@@ -924,6 +837,67 @@ class Averager:
                 self._finish()
         leave_on_error(self._session, exc)  # aborts the job unless the ranks can leave together
         return False
+
+
+class _OwnLoop:
+    """The ``Averager``'s pieces in the one setup (`flodl_mpi.training.setup.FrontEnd`): no data, no Trainer.
+
+    The config record and train.log's header name the own loop; the consensus is adopted into
+    the user's model (broadcast from rank 0 unless ``broadcast=False``); the save check and the
+    per-rank resume are the averager's own.
+    """
+
+    run_dir_always = False
+    remove_bad_new_run = False
+
+    def __init__(self, avg: Averager, broadcast: bool, pin_staging: bool | None) -> None:
+        self.avg, self.broadcast, self.pin_staging = avg, broadcast, pin_staging
+        self.check_optimizer = avg.optimizer is not None
+
+    def prepared(self, run) -> bool:
+        avg = self.avg
+        avg.run_dir, avg._train_log = run.run_dir, run.train_log
+        return True
+
+    def record(self, run) -> dict:
+        from flodl_mpi.api.run_record import OWN_LOOP_OPTIONS, api_config
+
+        avg = self.avg
+        # What is true of an own loop: its model and optimizer as built, no planned epochs.
+        config = api_config(run.cfg.to_dict(), "Averager", loss=OWN_LOOP_LOSS, model=avg.model,
+                            optimizer=avg.optimizer, applies=OWN_LOOP_OPTIONS)
+        run.attrs.update(config=config, loss=OWN_LOOP_LOSS, data_source="(your training loop)")
+        return config
+
+    def opened(self, run) -> None:
+        self.avg._writer = run.writer
+
+    def attach(self, run) -> None:
+        avg = self.avg
+        avg.cfg, avg.replica, avg.bridge = run.cfg, run.replica, run.bridge
+        if avg._train_log is not None:
+            avg._header(run.attrs["devices"])
+        avg._new_epoch()
+        avg._book = _scalars.ScalarBook()
+        #: Where your loop goes on (see the class docstring): epochs done, and step() calls of the next one done.
+        avg.start_epoch, avg.start_step = 0, 0
+        avg._skip = 0  # batches() calls left to skip: start_step, once
+        avg._carried_ms = 0.0
+
+    def check_saveable(self, run) -> None:
+        self.avg._check_saveable()
+
+    def resume(self, run) -> None:
+        avg = self.avg
+        avg._carried_ms = avg._resume(run.ckpt)
+
+    def resumed(self, run) -> None:
+        avg = self.avg
+        avg.start_epoch, avg.start_step, avg._skip = avg.epoch, avg._epoch_calls, avg._epoch_calls
+        avg._say_resumed(run.ckpt)
+
+    def ready(self, run) -> None:
+        pass
 
 
 def _check_metrics(metrics) -> dict[str, tuple[float, float]]:

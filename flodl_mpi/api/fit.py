@@ -1,6 +1,7 @@
 """The trainer API: your model, optimizer, train step and data; flodl_mpi's loop, averaging and outputs.
 
-Invariant: :func:`fit` builds the same objects ``flodl-mpi train`` does — a
+Invariant: :func:`fit` builds the same objects ``flodl-mpi train`` does, through the
+same setup (`flodl_mpi.training.setup.setup_rank` with a ``TrainerFront``) — a
 ``worker.Replica``, a ``bridge.Bridge``, rank 0's ``metrics.MetricsWriter`` and a
 ``worker.Trainer`` — and injects the user's callables through a
 :class:`flodl_mpi.training.task.UserTask`; every decision at an epoch boundary (evaluate?
@@ -26,7 +27,7 @@ from torch import nn
 
 from flodl_mpi.training import scalars as _scalars
 from flodl_mpi.api.averager import EpochResult
-from flodl_mpi.config import TrainConfig
+from flodl_mpi.config import TrainConfig, check_fit_arguments
 from flodl_mpi.training.task import UserTask
 
 __all__ = ["Run", "fit"]
@@ -304,7 +305,7 @@ class Run:
             log.info(final_line(t.cfg, self.done, t.history, t.start_epoch, self.run_dir,
                                 self.last_eval[1] if self.last_eval else None,
                                 f"to go on, call fit() again with resume=True, run_dir={str(self.run_dir)!r}"))
-            from flodl_mpi.training.train import close_train_log
+            from flodl_mpi.training.train_log import close_train_log
 
             close_train_log(getattr(self, "_train_log", None))
             from flodl_mpi.outputs import run_dir_lock
@@ -560,42 +561,25 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
 
 
 def _setup(session, a: dict) -> Run:
-    from flodl_mpi.training.data import TASKS, for_task
     from flodl_mpi.runtime.launcher import settle_threads, thread_request
-    from flodl_mpi.training.models import _state_kept
     from flodl_mpi.runtime.signals import StopRequest
-    from flodl_mpi.training.train import (
-        _check_same_model,
-        _log_to_stdout,
-        _make_run_dir,
-        _setup_logging,
-        check_resume_data,
-        load_replay_plan,
-        pick_device,
-        resume_point,
-        start_trainer,
-    )
-    from flodl_mpi.training.worker import Replica
     from flodl_mpi.runtime.world import agree
+    from flodl_mpi.training.data import for_task
+    from flodl_mpi.training.models import state_kept
+    from flodl_mpi.training.setup import TrainerFront, load_data, start_trainer
+    from flodl_mpi.training.train import load_replay_plan, pick_device
+    from flodl_mpi.training.train_log import log_to_stdout
 
     world, watchdog = session.world, session.watchdog
     comm = world.comm
     if a["verbose"]:
-        _log_to_stdout(world.rank, 0)  # rank 0 prints the CLI's lines (header, one per epoch)
+        log_to_stdout(world.rank, 0)  # rank 0 prints the CLI's lines (header, one per epoch)
 
     # -- options: one validated config, the CLI's; the API's own options checked here
     def config() -> TrainConfig:
         opt = a["optimizer"]
-        for name in ("train_step", "eval_fn", "lr_schedule"):
-            if a[name] is not None and not callable(a[name]):
-                raise ValueError(f"{name} must be callable, got {type(a[name]).__name__}")
-        if not (isinstance(a["eval_every"], int) and a["eval_every"] >= 0):
-            raise ValueError(f"eval_every must be an int >= 0, got {a['eval_every']!r}")
-        if opt is not None and not callable(opt) and opt not in ("sgd", "adam", "adamw"):
-            raise ValueError(f"optimizer must be a factory or one of sgd, adam, adamw, got {opt!r}")
-        if a["task"] is not None and a["task"] not in TASKS:
-            raise ValueError(f"task={a['task']!r}: must be one of {', '.join(map(repr, TASKS))} or None (from the "
-                             "targets)")
+        check_fit_arguments(train_step=a["train_step"], eval_fn=a["eval_fn"], lr_schedule=a["lr_schedule"],
+                            eval_every=a["eval_every"], optimizer=opt, task=a["task"])
         extra = dict(a["options"])
         passable = (set(TrainConfig.field_names()) - set(a)
                     - {"optimizer", "data", "model", "train_x", "train_y", "test_x", "test_y"})  # names= has those
@@ -634,9 +618,7 @@ def _setup(session, a: dict) -> Run:
     torch.set_num_threads(threads)
     device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
     if a["data"] is None:
-        from flodl_mpi.training.train import _load_data
-
-        data = for_task(_load_data(cfg, world, watchdog), a["task"])  # integer labels: never raises
+        data = for_task(load_data(cfg, world, watchdog), a["task"])  # integer labels: never raises
     else:
         data = agree(comm, "data", lambda: for_task(_load(a["data"], a["names"]), a["task"]), watchdog)
     replay = load_replay_plan(cfg, world, watchdog, data)  # before anything is written
@@ -678,7 +660,7 @@ def _setup(session, a: dict) -> Run:
         batch = (torch.from_numpy(data.train.x[:k]).to(device), torch.from_numpy(data.train.y[:k]).to(device))
         _scalars.activate(_scalars.ScalarBook())  # the check's scalars are dropped
         try:
-            with _state_kept(built, device):
+            with state_kept(built, device):
                 built.train()
                 task.loss(built, batch, 0).backward()
             with torch.no_grad():
@@ -696,40 +678,31 @@ def _setup(session, a: dict) -> Run:
     probe = _probe_optimizer(cfg, task, model)  # one throwaway: the config's and the record's optimizer
     # the factory's optimizer, lr, weight decay, momentum, not the CLI's defaults
     cfg = _as_built(cfg, probe if task.optimizer_factory is not None else None)
-    _check_same_model(model, comm)
-    replica = Replica(model, device)
 
-    # -- outputs: the CLI's run dir, metrics.h5 and checkpoints (rank 0)
-    run_dir, ckpt, keep_rows, train_log = None, None, None, None
-    if cfg.run_dir is not None:
-        run_dir = _make_run_dir(cfg, comm, watchdog)
-        cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
-        data_note = check_resume_data(cfg, run_dir, data, world, watchdog)  # before anything is written
-        if world.rank == 0:
-            train_log = _setup_logging(run_dir, world.rank)  # train.log, as the CLI's; closed with the run
-            watchdog.log_path = run_dir / "train.log"  # a stall's verdict ends train.log too
-            log.setLevel(min(log.level or logging.INFO, logging.INFO))
-        ckpt, keep_rows = resume_point(cfg, run_dir, world, watchdog, model, data.train.n)
-        if data_note and world.rank == 0:  # after the resume's checks: a refused resume writes nothing to train.log
-            log.info(data_note)
-        if ckpt is not None and world.rank == 0:
-            kept = _scalar_rows_before(run_dir / "metrics.h5", int(ckpt.meta["epoch"]))
-            keep_rows = {**keep_rows, "scalars": kept}
-
-    if world.rank == 0:  # the data's warnings (labels training never targets): train.log, and the user's screen
-        for line in data.warnings:
-            _warn(line, a["verbose"], run_dir is not None)
+    # -- the one setup (flodl_mpi.training.setup.setup_rank): the CLI's run dir, train.log, resume,
+    # metrics.h5, bridge and checkpoints (rank 0 writes)
+    def prepared(run) -> bool:  # the run dir, train.log and the resume point are settled
+        if run.data_note and world.rank == 0:  # after the resume's checks: a refused resume writes nothing to train.log
+            log.info(run.data_note)
+        if run.ckpt is not None and world.rank == 0:
+            kept = _scalar_rows_before(run.run_dir / "metrics.h5", run.ckpt.epoch)
+            run.keep_rows = {**run.keep_rows, "scalars": kept}
+        if world.rank == 0:  # the data's warnings (labels training never targets): train.log, and the user's screen
+            for line in data.warnings:
+                _warn(line, a["verbose"], run.run_dir is not None)
+        return True
 
     def reset_groups(trainer) -> None:  # resume set the config's lr and weight decay: the factory's are the run's
-        fresh = task.make_optimizer(cfg, model)  # a new optimizer over the same params, no state
+        fresh = task.make_optimizer(front.run.cfg, model)  # a new optimizer over the same params, no state
         for group, new in zip(trainer.optimizer.param_groups, fresh.param_groups):
             group.update({k: v for k, v in new.items() if k != "params"})
 
-    trainer, bridge, writer = start_trainer(
-        cfg, world, watchdog, data, replica, run_dir, ckpt, keep_rows,
-        session.stop if session.stop is not None else StopRequest("resume=True"),
-        record=lambda: _record(cfg, a, data, model, probe), task=task, late_header=threads_line,
-        on_resume=reset_groups if callable(opt) else None, remove_bad_new_run=False, replay=replay)
+    front = TrainerFront(session.stop if session.stop is not None else StopRequest("resume=True"),
+                         record=lambda: _record(front.run.cfg, a, data, model, probe), task=task, late_header=threads_line,
+                         on_prepared=prepared, on_resume=reset_groups if callable(opt) else None,
+                         remove_bad_new_run=False, replay=replay)
+    run = start_trainer(cfg, world, watchdog, data, model, device, front)
+    trainer, bridge, writer, run_dir, ckpt = front.trainer, run.bridge, run.writer, run.run_dir, run.ckpt
     resumed_mid_epoch = ckpt is not None and int(ckpt.meta.get("cursor", 0)) > 0
     # a stop cut the epoch short: its scalars go on from the checkpoint's books
     if resumed_mid_epoch and not boundary.resume_scalars(ckpt.meta, world.rank, world.size) and world.rank == 0:
@@ -737,6 +710,6 @@ def _setup(session, a: dict) -> Run:
                  f"before flodl_mpi kept them): that epoch's scalars restart at batch {int(ckpt.meta['cursor'])}")
     _scalars.activate(book)
     bridge.start()
-    run = Run(session, trainer, boundary, writer, run_dir)
-    run._train_log = train_log
-    return run
+    handle = Run(session, trainer, boundary, writer, run_dir)
+    handle._train_log = run.train_log
+    return handle

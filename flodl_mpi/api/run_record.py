@@ -24,7 +24,8 @@ HYPERPARAMETERS = ("lr", "betas", "momentum", "dampening", "nesterov", "weight_d
 
 #: TrainConfig fields that an own loop (:class:`flodl_mpi.Averager`) sets; every other one does not apply.
 OWN_LOOP_OPTIONS = ("data", "model", "policy", "window", "gamma", "checkpoint_every", "keep_checkpoints", "run_dir",
-                    "resume", "stall_timeout", "chunk_elems", "on_non_finite")
+                    "resume", "stall_timeout", "chunk_elems", "on_non_finite", "node_reduce", "hierarchical",
+                    "bf16_wire")
 
 
 def _plain(value: Any) -> Any:

@@ -29,7 +29,7 @@ import socket
 import sys
 from pathlib import Path
 
-from flodl_mpi.outputs.checkpoint import CheckpointError, _pid_alive, read_checkpoint, read_newest, state_dict_of
+from flodl_mpi.outputs.checkpoint import CheckpointError, pid_alive, read_checkpoint, read_newest, state_dict_of
 
 __all__ = ["FORMATS", "ExportStopped", "OutputRefused", "add_parser", "check_output", "export_state_dict", "main",
            "remove_stale_temps", "run", "temp_name"]
@@ -91,7 +91,7 @@ def remove_stale_temps(out: Path) -> tuple[list[Path], list[Path]]:
         owner, _, pid = p.name[len(prefix):].rpartition("-")
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
-        if (owner or host) != host or _pid_alive(int(pid)):
+        if (owner or host) != host or pid_alive(int(pid)):
             left.append(p)
             continue
         try:

@@ -396,9 +396,9 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     try:
         if world.rank == 0 and not args.quiet:
             print(f"flodl-mpi: {world.size} rank(s) up; loading PyTorch", flush=True)
-        from flodl_mpi.training.train import run_train  # torch is imported here, after MPI is up
+        from flodl_mpi.training.run import run_train  # torch is imported here, after MPI is up
 
-        done = run_train(args, world, watchdog, stop)
+        done = run_train(args, world, watchdog, stop, config_from_args)
         watchdog.close()  # collective: every rank ends its heartbeat before MPI finalizes
         return 0 if done else EXIT_STOPPED
     except BaseException as exc:  # the one abort decision (flodl_mpi.runtime.world.fail; STYLE 14)

@@ -92,7 +92,7 @@ SCHEMA_VERSION = 2
 
 # Root attribute names the format itself uses; meta keys may not shadow them.
 _RESERVED = ("json_keys", "schema_version", "order", "complete")
-_TMP_RE = re.compile(r"\.tmp-(\d+)$")
+TMP_RE = re.compile(r"\.tmp-(\d+)$")
 #: HDF5 format bounds of a checkpoint: v108 as the low bound enables dense attribute
 #: storage, so a long ``order`` or config (> 64 KiB) still fits in an attribute; v110
 #: as the high bound keeps the file readable by HDF5 1.10 (the newest library would
@@ -727,7 +727,8 @@ def set_aside_damaged(directory: str | os.PathLike) -> tuple[Path | None, list[t
     return chosen, aside
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` of this host is alive (a temporary file's writer; False for pid <= 0)."""
     if pid <= 0:
         return False
     try:
@@ -760,8 +761,8 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[Path]:
     directory = Path(directory)
     doomed = list_checkpoints(directory)[:-keep]
     for p in directory.glob("*.tmp-*") if directory.is_dir() else ():
-        m = _TMP_RE.search(p.name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        m = TMP_RE.search(p.name)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             doomed.append(p)
     for p in doomed:
         p.unlink(missing_ok=True)

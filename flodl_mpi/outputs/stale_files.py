@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flodl_mpi.outputs.checkpoint import _TMP_RE as _TMP  # a temporary of write_checkpoint (and so of the save check)
+from flodl_mpi.outputs.checkpoint import TMP_RE as _TMP  # a temporary of write_checkpoint (and so of the save check)
 from flodl_mpi.outputs.h5sink import size_words
 
 __all__ = ["stale_temporaries", "remove_stale", "removal_line"]

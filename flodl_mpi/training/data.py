@@ -16,6 +16,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from flodl_mpi.config import TASKS  # fit(task=...): None infers it from the targets' dtype
+
 __all__ = [
     "DEFAULT_NAMES",
     "DataError",
@@ -317,8 +319,6 @@ def _dataset(splits: dict, names: Mapping[str, str], file: str, stated: int | No
                    warnings=_label_warnings(splits, names, file, stated is not None))
 
 
-#: ``fit(task=...)``: None infers it from the targets' dtype (integer: classification).
-TASKS = ("classification", "regression")
 #: Float targets with at most this many distinct whole values look like class labels.
 LABEL_LIKE_MAX_DISTINCT = 256
 

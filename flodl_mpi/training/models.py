@@ -20,10 +20,11 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from flodl_mpi.errors import InputError
 from flodl_mpi.training.model_spec import model_spec_problem
 
-__all__ = ["ModelSpecError", "build_model", "check_model_output", "check_training_step", "digits_mlp",
-           "model_difference", "model_signature", "module_structure", "wide_tensor"]
+__all__ = ["ModelSpecError", "build_model", "check_model_output", "check_same_model", "check_training_step",
+           "digits_mlp", "model_difference", "model_signature", "module_structure", "state_kept", "wide_tensor"]
 
 
 class ModelSpecError(ValueError):
@@ -218,7 +219,7 @@ def check_model_output(model: nn.Module, sample: torch.Tensor, num_classes: int,
 
 
 @contextlib.contextmanager
-def _state_kept(model: nn.Module, device: torch.device) -> Iterator[None]:
+def state_kept(model: nn.Module, device: torch.device) -> Iterator[None]:
     """Put back everything a training step may change: values and identity of every
     parameter and buffer (running stats, ``num_batches_tracked``), gradients, each
     module's training flag, and the torch RNG (CPU, and ``device`` if CUDA)."""
@@ -251,7 +252,7 @@ def check_training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec
 
     Anything that would fail in a training step fails here, at setup, before any
     epoch: e.g. BatchNorm on a batch of 1 sample. Afterwards the model is exactly as
-    before (parameters, buffers, gradients, modes, RNG; see ``_state_kept``).
+    before (parameters, buffers, gradients, modes, RNG; see ``state_kept``).
 
     Args:
         model: the built model, on ``x``'s device.
@@ -267,7 +268,7 @@ def check_training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec
     name = f"--model {spec!r}" if spec is not None else "the built-in model"
     k = int(x.shape[0])
     try:
-        with _state_kept(model, x.device):
+        with state_kept(model, x.device):
             model.train()
             loss = nn.functional.cross_entropy(model(x), y)  # the loss Trainer uses
             loss.backward()
@@ -386,3 +387,20 @@ def model_difference(gathered: Sequence[tuple[list[tuple[str, str]], list]]) -> 
         return (f"the model differs across ranks: rank 0 has {_module_text(x)} where {ranks} {has} "
                 f"{_module_text(y)}{tail}")
     return None
+
+
+def check_same_model(model: nn.Module, comm) -> None:
+    """Every rank built the same module tree and tensors (`model_difference`), all of dtypes the
+    float32 consensus keeps (`flodl_mpi.training.models.wide_tensor`); collective (one allgather).
+    The CLI's, ``fit``'s and the ``Averager``'s start check (`flodl_mpi.training.setup.setup_rank`);
+    ``comm``: an mpi4py intracommunicator.
+
+    Raises:
+        InputError: on every rank alike, naming the first difference and the ranks, or the
+            first float64 (complex) parameter or floating buffer.
+    """
+    why = model_difference(comm.allgather((module_structure(model), model_signature(model))))
+    if why is None:  # the same model on every rank: every rank decides alike
+        why = wide_tensor(model)
+    if why is not None:
+        raise InputError(why)

@@ -15,7 +15,50 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["ClassificationTask", "UserTask", "learning_rate_factor"]
+from flodl_mpi.config import TrainConfig
+from flodl_mpi.training.data import Split
+
+__all__ = ["ClassificationTask", "UserTask", "evaluate", "learning_rate_factor", "make_optimizer"]
+
+
+def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The inner optimizer named by ``cfg.optimizer`` (one of ``OPTIMIZERS``).
+
+    Raises:
+        ValueError: ``cfg.optimizer`` records another class (``module:Class``: a factory's, built by its task).
+    """
+    if cfg.optimizer not in ("sgd", "adam", "adamw"):
+        raise ValueError(f"optimizer {cfg.optimizer!r} is built by the optimizer factory given to flodl_mpi.fit")
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay_value)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay_value)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay_value)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, split: Split, rank: int, world_size: int, device: torch.device,
+             batch_size: int) -> tuple[float, int, int]:
+    """Evaluate this rank's contiguous slice of ``split`` (eval mode).
+
+    Returns:
+        ``(loss_sum, correct, count)`` — summed cross-entropy over the slice,
+        correct top-1 predictions and samples; the epoch exchange sums them over
+        ranks, so the cohort covers the whole split exactly once.
+    """
+    lo, hi = (split.n * rank) // world_size, (split.n * (rank + 1)) // world_size
+    was_training = model.training
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(lo, hi, batch_size):
+        x = torch.from_numpy(split.x[start : min(start + batch_size, hi)]).to(device)
+        y = torch.from_numpy(split.y[start : min(start + batch_size, hi)]).to(device)
+        logits = model(x)
+        loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == y).sum())
+    model.train(was_training)
+    return loss_sum, correct, hi - lo
 
 
 class ClassificationTask:
@@ -37,8 +80,6 @@ class ClassificationTask:
         self.clip_grad_norm = getattr(cfg, "clip_grad_norm", None)
 
     def make_optimizer(self, cfg, model: nn.Module) -> torch.optim.Optimizer:
-        from flodl_mpi.training.worker import make_optimizer
-
         return self._keep_initial_lr(make_optimizer(cfg, model))
 
     @staticmethod
@@ -62,9 +103,7 @@ class ClassificationTask:
         optimizer.step()
 
     def end_epoch(self, trainer, epoch: int, report) -> tuple[float, int, int]:
-        """``(test loss sum, correct, count)`` of this rank's slice of the test set (see ``worker.evaluate``)."""
-        from flodl_mpi.training.worker import evaluate
-
+        """``(test loss sum, correct, count)`` of this rank's slice of the test set (see `evaluate`)."""
         return evaluate(trainer.replica.model, trainer.data.test, trainer.rank, trainer.world_size,
                         trainer.replica.device, trainer.cfg.eval_batch_size)
 

@@ -24,7 +24,7 @@ from flodl_mpi.policy.cadence import plan_window
 from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
 from flodl_mpi.outputs.saver import saver_for
 from flodl_mpi.config import TrainConfig
-from flodl_mpi.training.data import Dataset, Split, batch_indices, epoch_permutation, num_batches
+from flodl_mpi.training.data import Dataset, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.runtime import hooks
 from flodl_mpi.training.model_record import model_record
 from flodl_mpi.protocol.optimizer_state import OptimizerStateAverager, adopt_delta, resolve_mode
@@ -34,28 +34,12 @@ from flodl_mpi.training.progress import EpochProgress
 from flodl_mpi.policy.replay import RecordedPlan
 from flodl_mpi.protocol.epoch_report import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch, excluded_words
 from flodl_mpi.runtime.signals import StopRequest
-from flodl_mpi.training.task import ClassificationTask
+from flodl_mpi.training.task import ClassificationTask, evaluate, make_optimizer  # the CLI's task's (re-exported)
 
 __all__ = ["ReplacedTensorError", "Replica", "Trainer", "evaluate", "make_optimizer", "state_arrays"]
 
 #: Every this many steps a batch record carries the L2 norm of all params (SPEC §5).
 PARAM_NORM_EVERY = 10
-
-
-def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """The inner optimizer named by ``cfg.optimizer`` (one of ``OPTIMIZERS``).
-
-    Raises:
-        ValueError: ``cfg.optimizer`` records another class (``module:Class``: a factory's, built by its task).
-    """
-    if cfg.optimizer not in ("sgd", "adam", "adamw"):
-        raise ValueError(f"optimizer {cfg.optimizer!r} is built by the optimizer factory given to flodl_mpi.fit")
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay_value)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay_value)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay_value)
 
 
 class ReplacedTensorError(ValueError):
@@ -430,30 +414,6 @@ class Replica:
     def param_norm(self) -> float:
         """L2 norm of all parameters together, accumulated in float64."""
         return math.sqrt(sum(float(torch.sum(p.detach().double() ** 2)) for p in self.params))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, split: Split, rank: int, world_size: int, device: torch.device,
-             batch_size: int) -> tuple[float, int, int]:
-    """Evaluate this rank's contiguous slice of ``split`` (eval mode).
-
-    Returns:
-        ``(loss_sum, correct, count)`` — summed cross-entropy over the slice,
-        correct top-1 predictions and samples; the epoch exchange sums them over
-        ranks, so the cohort covers the whole split exactly once.
-    """
-    lo, hi = (split.n * rank) // world_size, (split.n * (rank + 1)) // world_size
-    was_training = model.training
-    model.eval()
-    loss_sum, correct = 0.0, 0
-    for start in range(lo, hi, batch_size):
-        x = torch.from_numpy(split.x[start : min(start + batch_size, hi)]).to(device)
-        y = torch.from_numpy(split.y[start : min(start + batch_size, hi)]).to(device)
-        logits = model(x)
-        loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == y).sum())
-    model.train(was_training)
-    return loss_sum, correct, hi - lo
 
 
 def state_arrays(model: nn.Module) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[str]]:

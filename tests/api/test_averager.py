@@ -39,7 +39,16 @@ def small_model() -> nn.Module:
     # issue 26 item 9: a misspelt keyword is fit's line (was: Python's TypeError, under a launcher MPI_Abort)
     ({"windw": 3, "stall_timout": 5}, InputError,
      "^Averager\\(\\) got unknown option\\(s\\) stall_timout \\(did you mean stall_timeout\\?\\), windw "
-     "\\(did you mean window\\?\\); the options it takes by name are broadcast, checkpoint_every, "),
+     "\\(did you mean window\\?\\); the options it takes by name are bf16_wire, broadcast, checkpoint_every, "),
+    # issue 20 item 2: the CLI's wire options, validated in config.py (own_loop_config) by their keywords
+    ({"node_reduce": "nccl"}, InputError, "^node_reduce must be one of auto, shm, mpi, got 'nccl'$"),
+    ({"hierarchical": True}, InputError, "^hierarchical must be one of auto, on, off, got True$"),
+    ({"bf16_wire": "yes"}, InputError, "^bf16_wire must be True or False, got str 'yes'$"),
+    ({"pin_staging": 1}, InputError, r"^pin_staging must be True, False or None \(pinned for a model on CUDA\), "
+                                     "got int 1$"),
+    ({"bf16_wire": True, "node_reduce": "mpi", "hierarchical": "on"}, InputError,
+     r"^bf16_wire=True with node_reduce='mpi' hierarchical='on' is not implemented; use node_reduce='shm' "
+     r"\(or hierarchical='off'\)$"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, error, match):
     # bad input of the API: InputError (one line from rank 0 and exit status 2 when uncaught)
@@ -100,6 +109,66 @@ def test_window_consensus_matches_reference(gamma):
             np.testing.assert_array_equal(states[0][k], states[rank][k])
     finally:
         avg.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wire", [{"node_reduce": "mpi"}, {"bf16_wire": True}, {"bf16_wire": True, "node_reduce": "mpi"}])
+def test_wire_options_give_the_mass_weighted_mean(wire):
+    """Issue 20 item 2: the Averager's bridge comes from the CLI's factory (`flodl_mpi.training.setup.make_bridge`),
+    so ``node_reduce`` and ``bf16_wire`` reach it, and its consensus is the mass-weighted mean of a float64 numpy
+    reference (with ``bf16_wire``: of every rank's parameters rounded to bfloat16, SPEC §7)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.rank
+    run_dir = Path(comm.bcast(tempfile.mkdtemp(prefix="flodl-wire-") if rank == 0 else None, root=0)) / "r"
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(20 + rank)
+    avg = flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir=run_dir, **wire)
+    try:
+        assert avg.bridge.reducer.path in (("allgather-bf16",) if wire.get("bf16_wire") and
+                                           wire.get("node_reduce") == "mpi" else
+                                           ("allreduce",) if wire.get("node_reduce") == "mpi" else
+                                           ("shm", "shm-in-place", "allgather-bf16", "allreduce"))
+        assert avg.cfg.node_reduce == wire.get("node_reduce", "auto") and avg.cfg.bf16_wire == wire.get("bf16_wire",
+                                                                                                          False)
+        for r in range(3):
+            realized = [2, 1, 0][(rank + r) % 3]
+            for call in range(2):
+                if call < realized:
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(torch.randn(16, 8, generator=gen)),
+                                                torch.randint(0, 3, (16,), generator=gen)).backward()
+                    opt.step()
+                if call == 1:
+                    pre = [p.detach().clone() for p in model.parameters()]
+                update = avg.step()
+            assert update is not None and update.steps_at_snapshot == realized
+            sent = [(p.to(torch.bfloat16) if wire.get("bf16_wire") else p).double().numpy().ravel() for p in pre]
+            all_pre, all_n = comm.allgather(np.concatenate(sent)), comm.allgather(realized)
+            masses = np.array(all_n, dtype=np.float64)  # gamma 1: mass = realized steps
+            got = np.concatenate([p.detach().double().numpy().ravel() for p in model.parameters()])
+            if masses.sum() == 0:
+                continue
+            ref = sum(m * p for m, p in zip(masses, all_pre)) / masses.sum()
+            np.testing.assert_allclose(got, ref.astype(np.float32), rtol=1e-6, atol=1e-7)
+        states = comm.allgather([p.detach().numpy().copy() for p in model.parameters()])
+        for a, b in zip(states[0], states[rank]):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        avg.close()
+    if rank == 0:  # the run's record and train.log say how the rounds travelled
+        cfg = json.loads((run_dir / "config.json").read_text())
+        assert (cfg["node_reduce"], cfg["hierarchical"], cfg["bf16_wire"]) == \
+            (wire.get("node_reduce", "auto"), "auto", wire.get("bf16_wire", False))
+        path = [line for line in (run_dir / "train.log").read_text().splitlines() if "averaging path: " in line]
+        assert len(path) == 1 and f"--node-reduce {wire.get('node_reduce', 'auto')}" in path[0]
+        assert ("--bf16-wire" in path[0]) == wire.get("bf16_wire", False)
 
 
 FAILING_LOOP = textwrap.dedent("""

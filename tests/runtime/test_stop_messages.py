@@ -10,7 +10,8 @@ import pytest
 
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.runtime.signals import StopRequest
-from flodl_mpi.training.train import _stop_hint, final_line
+from flodl_mpi.training.run import stop_hint as _stop_hint
+from flodl_mpi.training.train import final_line
 
 OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}
 HYDRA = {"PMI_RANK": "0", "PMI_SIZE": "2", "HYDI_CONTROL_FD": "7"}

@@ -3,7 +3,7 @@
 import pytest
 
 from flodl_mpi.config import TrainConfig
-from flodl_mpi.training.train import _smallest_training_batch
+from flodl_mpi.training.train import smallest_training_batch as _smallest_training_batch
 
 
 @pytest.mark.parametrize("n, batch_size, drop_last", [(1, 64, False), (1, 1, False), (5, 64, False), (5, 5, True)])

@@ -38,13 +38,13 @@ def test_a_log_line_during_an_epoch_goes_above_the_bar_not_into_it(monkeypatch):
     """A mid-epoch line (a quarantine, a warning) is printed on a line of its own while the bar is drawn."""
     import logging
 
-    from flodl_mpi.training.train import _log_to_stdout, log
+    from flodl_mpi.training.train_log import log, log_to_stdout
 
     pytest.importorskip("tqdm")
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
     before = list(log.handlers)
-    _log_to_stdout(0, 0)  # rank 0's stdout handler, as `flodl-mpi train` installs it
+    log_to_stdout(0, 0)  # rank 0's stdout handler, as `flodl-mpi train` installs it
     (handler,) = [h for h in log.handlers if h not in before]
     monkeypatch.setattr(log, "handlers", before)  # the handler leaves with the test
     line = "round 3: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined (mass 0)"
