@@ -40,7 +40,7 @@ from flodl_mpi.config import TrainConfig
 from flodl_mpi.errors import InputError
 from flodl_mpi.outputs.metrics import MetricsWriter, WriterError, disk_writer_error
 from flodl_mpi.outputs.run_dir import make_run_dir
-from flodl_mpi.policy.policies import make_policy
+from flodl_mpi.policy.registry import make_policy
 from flodl_mpi.protocol.outer import OuterOptimizer
 from flodl_mpi.runtime.launcher import clean_text
 from flodl_mpi.runtime.world import Watchdog, World, agree
