@@ -3,6 +3,9 @@
 # under the mpiexec of the active environment (MPICH's Hydra or Open MPI's).
 #
 #   bash tests/run.sh [pytest args]            # everything
+#   bash tests/run.sh --quick [pytest args]    # the tests that start no process, one short run per
+#                                              # front end (CLI, fit, Averager: QUICK_RUNS in
+#                                              # tests/_launches.py), and the multi-rank tests on 2 ranks
 #   bash tests/run.sh --launch [pytest args]   # only the tests that start launchers, and the
 #                                              # multi-rank tests (.ci/run's second MPI)
 #
@@ -13,7 +16,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 serial=(tests)
-if [[ ${1:-} == --launch ]]; then
+ranks=(2 3)
+if [[ ${1:-} == --quick ]]; then
+    shift
+    serial=(-m "quick or not (slow or launch)" tests)
+    ranks=(2)
+elif [[ ${1:-} == --launch ]]; then
     shift
     # test_end_to_end's batch-size cases check the batch plan, which no MPI touches: the
     # first stage runs them; here the whole runs at 1-3 ranks and the window policy.
@@ -50,7 +58,7 @@ echo "== serial tests ($(python -c 'from flodl_mpi.runtime.launcher import mpi_l
 python -m pytest -q -n "${FLODL_TEST_WORKERS:-0}" --dist loadscope --durations=25 "${serial[@]}" "$@"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-for n in 2 3; do
+for n in "${ranks[@]}"; do
     echo "== multi-rank tests on $n ranks (rank 0's report; the others' are printed if the stage fails)"
     status=0
     mpiexec "${flags[@]}" -n "$n" env PYTHONUNBUFFERED=1 bash -c '
