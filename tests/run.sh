@@ -23,10 +23,23 @@ if [[ ${1:-} == --quick ]]; then
     ranks=(2)
 elif [[ ${1:-} == --launch ]]; then
     shift
-    # test_end_to_end's batch-size cases check the batch plan, which no MPI touches: the
-    # first stage runs them; here the whole runs at 1-3 ranks and the window policy.
-    serial=(tests/runtime/test_launch.py tests/cli/test_cli.py tests/cli/test_end_to_end.py::test_train_digits
-            tests/cli/test_end_to_end.py::test_fixed_window_policy)
+    # What depends on the MPI and its launcher, for .ci/run's second MPI (the first stage ran the
+    # rest, which no MPI touches: the math, the formats, the refusals made before MPI starts or in
+    # one process, the batch plan). The launcher's own checks (test_launch); a refusal before MPI
+    # starts and one after (every rank, one line, exit 2: Open MPI's launcher ends the job when a
+    # rank exits non-zero); an error on one rank and on rank 0 ending the job; stop signals through
+    # its mpiexec; what the other ranks print reaching the console once; whole runs at 1-3 ranks
+    # (3 on 2 cores: oversubscribed) and the window policy; then the multi-rank tests at 2 and 3.
+    c=tests/cli/test_cli.py
+    serial=(tests/runtime/test_launch.py
+            "$c::test_missing_data_file_is_one_line_and_exit_2_on_every_rank"
+            "$c::test_models_that_differ_across_ranks_are_refused"
+            "$c::test_injected_error_ends_the_job_in_seconds"
+            "$c::test_a_writer_failure_on_rank_0_ends_the_job_and_keeps_what_was_written"
+            "$c::test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read"
+            "$c::test_bad_omp_num_threads_is_our_one_line_before_torch_loads"
+            "$c::test_a_warning_is_printed_once"
+            tests/cli/test_end_to_end.py::test_train_digits tests/cli/test_end_to_end.py::test_fixed_window_policy)
 fi
 
 # Start from a clean environment: variables a launcher left (this shell may run
