@@ -57,8 +57,10 @@ def starts_processes(func, seen: set | None = None) -> bool:
     if names & LAUNCH_NAMES:
         return True
     scope = getattr(func, "__globals__", {})
+    found = [scope.get(name) for name in names]
+    found += [m for c in found if inspect.isclass(c) and c.__module__.startswith("tests") for m in vars(c).values()]
     return any(inspect.isfunction(f) and f.__module__.startswith("tests") and starts_processes(f, seen)
-               for f in (scope.get(name) for name in names))
+               for f in found)
 
 
 def _item_starts_processes(item) -> bool:
