@@ -133,8 +133,18 @@ def pytest_testnodedown(node, error):
     LAUNCHES.unmarked.update(unmarked)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_terminal_summary(terminalreporter):
-    """One line: the launchers started, by how many tests, per folder (and any test the marker missed)."""
+    """One line: the launchers started, by how many tests, per folder (and any test the marker missed).
+    Under ``--with-mpi``, one line for the MPI instead of pytest-mpi's section of ~30 (its build options)."""
+    mpi = [p for p in terminalreporter.config.pluginmanager.get_plugins() if type(p).__name__ == "MPIPlugin"]
+    if any(getattr(p, "_is_testing_mpi", False) for p in mpi):
+        for plugin in mpi:
+            plugin._is_testing_mpi = False  # its summary's only switch (it prints that section when set)
+        from mpi4py import MPI
+
+        vendor, version = MPI.get_vendor()
+        terminalreporter.write_line(f"MPI: {vendor} {'.'.join(map(str, version))}, {MPI.COMM_WORLD.size} ranks")
     by_test = LAUNCHES.by_test
     if by_test:
         folders: dict[str, int] = {}
