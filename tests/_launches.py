@@ -15,6 +15,7 @@ registers it for every run of the suite).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import resource
@@ -34,6 +35,11 @@ QUICK_RUNS = (
     "tests/api/test_examples.py::test_trainer_api_example[2]",
     "tests/api/test_examples.py::test_own_loop_example[2]",
 )
+
+
+#: The modules of helpers a test may import inside itself (looked up by name when its module's globals
+#: lack one).
+SHARED_HELPERS = ("tests._runs", "tests.conftest")
 
 
 def _names(code) -> set[str]:
@@ -57,7 +63,10 @@ def starts_processes(func, seen: set | None = None) -> bool:
     if names & LAUNCH_NAMES:
         return True
     scope = getattr(func, "__globals__", {})
-    found = [scope.get(name) for name in names]
+    shared = [importlib.import_module(m) for m in SHARED_HELPERS]
+    # a name not in the module's globals may be a shared helper imported inside the test
+    found = [scope[name] if name in scope else next((getattr(m, name) for m in shared if hasattr(m, name)), None)
+             for name in names]
     found += [m for c in found if inspect.isclass(c) and c.__module__.startswith("tests") for m in vars(c).values()]
     return any(inspect.isfunction(f) and f.__module__.startswith("tests") and starts_processes(f, seen)
                for f in found)

@@ -48,6 +48,12 @@ def importing_it_locally():
     return start_flodl
 
 
+def a_shared_run_imported_inside(tmp_path_factory):
+    from tests._runs import session_run_a
+
+    return session_run_a(tmp_path_factory)
+
+
 def plain():
     return _helper_that_does_not() + len("run_flodl")  # a string is no call
 """
@@ -61,7 +67,8 @@ def samples():
 
 
 def test_a_test_that_names_a_launcher_helper_starts_processes(samples):
-    for name in ("direct", "through_a_helper", "in_a_comprehension", "through_a_class", "importing_it_locally"):
+    for name in ("direct", "through_a_helper", "in_a_comprehension", "through_a_class", "importing_it_locally",
+                 "a_shared_run_imported_inside"):
         assert _launches.starts_processes(samples[name]), name
 
 
