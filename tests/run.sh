@@ -17,10 +17,12 @@ cd "$(dirname "$0")/.."
 
 serial=(tests)
 ranks=(2 3)
+workers=2
 if [[ ${1:-} == --quick ]]; then
     shift
     serial=(-m "quick or not (slow or launch)" tests)
     ranks=(2)
+    workers=0  # mostly tests that start nothing: measured 123 s in one process, 144 s in two workers
 elif [[ ${1:-} == --launch ]]; then
     shift
     # What depends on the MPI and its launcher, for .ci/run's second MPI (the first stage ran the
@@ -61,14 +63,14 @@ if mpiexec --version 2>/dev/null | grep -qi 'open mpi'; then
 fi
 
 # The serial tests run in two pytest-xdist workers (FLODL_TEST_WORKERS=N: N of them; 0: one
-# process). Measured on this 2-core machine, test_cli.py and test_records.py back to back:
+# process; --quick: one process by default). Measured on this 2-core machine, test_cli.py and test_records.py back to back:
 # 219 s in one process, 142 s in two workers, the same CPU seconds (238, 233): one process
 # keeps about one core busy, since a test waits on its launcher's start-up, its ranks'
 # collectives, signals and timeouts. --dist loadscope keeps each module on one worker, so a
 # module-scoped run is made once (the session-scoped runs of tests/_runs.py may be made once
 # per worker). --durations: the slowest tests, so a CI log shows where the time goes.
 echo "== serial tests ($(python -c 'from flodl_mpi.runtime.launcher import mpi_library; print(mpi_library())'))"
-python -m pytest -q -n "${FLODL_TEST_WORKERS:-2}" --dist loadscope --durations=25 "${serial[@]}" "$@"
+python -m pytest -q -n "${FLODL_TEST_WORKERS:-$workers}" --dist loadscope --durations=25 "${serial[@]}" "$@"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 for n in "${ranks[@]}"; do
