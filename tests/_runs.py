@@ -65,6 +65,16 @@ def session_run_b(tmp_path_factory) -> Path:
     return trained_run(tmp_path_factory, *RUN_B)
 
 
+#: The session's async run: test_async_buffers' (3 epochs, the defaults otherwise: Adam, its state averaged
+#: ``auto``), read by it and by test_async_state's ``auto`` case (which was a 1-epoch run of its own).
+RUN_ASYNC = ("async", "--policy", "async", "--epochs", "3")
+
+
+def session_run_async(tmp_path_factory) -> Path:
+    """The session's run `RUN_ASYNC` (trained on first use): read it only."""
+    return trained_run(tmp_path_factory, *RUN_ASYNC)
+
+
 def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, ...] = ()) -> dict[str, dict]:
     """Rows for every column of every table, from simple closed forms (see the tests)."""
     schema = table_schema(world_size)

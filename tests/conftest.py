@@ -11,6 +11,9 @@ The serial pytest process never initialises MPI: importing ``mpi4py.MPI`` there
 only loads the library (``mpi4py.rc.initialize = False``, set in
 :func:`pytest_configure`); the tests that need MPI are marked ``mpi`` and run
 under ``mpiexec ... --with-mpi``, where importing it starts MPI as usual.
+
+Which tests start processes, and how many launchers a session started: ``tests/_launches.py``
+(registered by :func:`pytest_sessionstart`; the ``launch`` and ``quick`` markers).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import mpi4py
 import pytest
+
+from tests import _launches
 
 
 #: This process runs the multi-rank tests (``--with-mpi``, set by :func:`pytest_configure`).
@@ -110,6 +115,7 @@ def launch_argv(n: int, *argv: str) -> list[str]:
     """``mpiexec [what this launcher needs] -n N ARGV``."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
+    _launches.LAUNCHES.record(n)
     flags = ["--oversubscribe"] if launcher_kind() == "openmpi" else []
     return [MPIEXEC, *flags, "-n", str(n), *argv]
 
@@ -193,3 +199,9 @@ def flip_data_byte(path, group: str, name: str) -> None:
         byte = fh.read(1)
         fh.seek(offset + 5)
         fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def pytest_sessionstart(session):
+    """The ``launch`` marker and the launchers' count (``tests/_launches.py``), for every run of the suite."""
+    if not session.config.pluginmanager.is_registered(_launches):
+        session.config.pluginmanager.register(_launches, "flodl-launches")

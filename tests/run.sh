@@ -3,6 +3,9 @@
 # under the mpiexec of the active environment (MPICH's Hydra or Open MPI's).
 #
 #   bash tests/run.sh [pytest args]            # everything
+#   bash tests/run.sh --quick [pytest args]    # the tests that start no process, one short run per
+#                                              # front end (CLI, fit, Averager: QUICK_RUNS in
+#                                              # tests/_launches.py), and the multi-rank tests on 2 ranks
 #   bash tests/run.sh --launch [pytest args]   # only the tests that start launchers, and the
 #                                              # multi-rank tests (.ci/run's second MPI)
 #
@@ -16,13 +19,32 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 serial=(tests)
-if [[ ${1:-} == --launch ]]; then
+ranks=(2 3)
+workers=2
+if [[ ${1:-} == --quick ]]; then
     shift
-    # test_end_to_end's batch-size cases check the batch plan, which no MPI touches: the
-    # first stage runs them; here the whole runs at 1-3 ranks and the window policy.
-    serial=(tests/test_conftest.py tests/runtime/test_launch.py tests/cli/test_cli.py
-            tests/cli/test_end_to_end.py::test_train_digits
-            tests/cli/test_end_to_end.py::test_fixed_window_policy)
+    serial=(-m "quick or not (slow or launch)" tests)
+    ranks=(2)
+    workers=0  # mostly tests that start nothing: measured 123 s in one process, 144 s in two workers
+elif [[ ${1:-} == --launch ]]; then
+    shift
+    # What depends on the MPI and its launcher, for .ci/run's second MPI (the first stage ran the
+    # rest, which no MPI touches: the math, the formats, the refusals made before MPI starts or in
+    # one process, the batch plan). The launcher's own checks (test_launch); a refusal before MPI
+    # starts and one after (every rank, one line, exit 2: Open MPI's launcher ends the job when a
+    # rank exits non-zero); an error on one rank and on rank 0 ending the job; stop signals through
+    # its mpiexec; what the other ranks print reaching the console once; whole runs at 1-3 ranks
+    # (3 on 2 cores: oversubscribed) and the window policy; then the multi-rank tests at 2 and 3.
+    c=tests/cli/test_cli.py
+    serial=(tests/test_conftest.py tests/runtime/test_launch.py
+            "$c::test_missing_data_file_is_one_line_and_exit_2_on_every_rank"
+            "$c::test_models_that_differ_across_ranks_are_refused"
+            "$c::test_injected_error_ends_the_job_in_seconds"
+            "$c::test_a_writer_failure_on_rank_0_ends_the_job_and_keeps_what_was_written"
+            "$c::test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read"
+            "$c::test_bad_omp_num_threads_is_our_one_line_before_torch_loads"
+            "$c::test_a_warning_is_printed_once"
+            tests/cli/test_end_to_end.py::test_train_digits tests/cli/test_end_to_end.py::test_fixed_window_policy)
 fi
 
 # Start from a clean environment: variables a launcher left (this shell may run
@@ -43,18 +65,18 @@ if mpiexec --version 2>/dev/null | grep -qi 'open mpi'; then
     fi
 fi
 
-# The serial tests run in one process, or in N pytest-xdist workers with
-# FLODL_TEST_WORKERS=N (part of their time is spent waiting: launchers starting,
-# watchdog and stall timeouts, signals; whether two workers gain on two cores is
-# not yet measured on a quiet machine). --dist loadscope keeps each module on one
-# worker, so a module-scoped run is made once (the session-scoped runs of
-# tests/_runs.py may be made once per worker). --durations: the slowest tests, so
-# a CI log shows where the time goes.
+# The serial tests run in two pytest-xdist workers (FLODL_TEST_WORKERS=N: N of them; 0: one
+# process; --quick: one process by default). Measured on this 2-core machine, test_cli.py and test_records.py back to back:
+# 219 s in one process, 142 s in two workers, the same CPU seconds (238, 233): one process
+# keeps about one core busy, since a test waits on its launcher's start-up, its ranks'
+# collectives, signals and timeouts. --dist loadscope keeps each module on one worker, so a
+# module-scoped run is made once (the session-scoped runs of tests/_runs.py may be made once
+# per worker). --durations: the slowest tests, so a CI log shows where the time goes.
 echo "== serial tests ($(python -c 'from flodl_mpi.runtime.launcher import mpi_library; print(mpi_library())'))"
-python -m pytest -q -n "${FLODL_TEST_WORKERS:-0}" --dist loadscope --durations=25 "${serial[@]}" "$@"
+python -m pytest -q -n "${FLODL_TEST_WORKERS:-$workers}" --dist loadscope --durations=25 "${serial[@]}" "$@"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-for n in 2 3; do
+for n in "${ranks[@]}"; do
     echo "== multi-rank tests on $n ranks (rank 0's report; the others' are printed if the stage fails)"
     status=0
     mpiexec "${flags[@]}" -n "$n" env PYTHONUNBUFFERED=1 bash -c '

@@ -324,7 +324,8 @@ def test_boundary_verdict_from_the_gathered_columns():
 
 # ---- item 4: bad arguments are the API's bad input: one line in its words, exit 2 -------------------
 
-@pytest.mark.parametrize("call, line", [
+#: (call, the line it must print): test_bad_arguments_are_one_line_in_the_api_words_and_exit_2's cases.
+BAD_ARGUMENT_CASES = [
     ("flodl_mpi.Averager(torch.nn.Linear(2, 1), policy='windows')",
      "flodl-mpi: error: policy='windows': must be one of sync, window"),
     ("flodl_mpi.Averager(torch.nn.Linear(2, 1), window='3')", "flodl-mpi: error: window must be an int, got str '3'"),
@@ -348,33 +349,87 @@ def test_boundary_verdict_from_the_gathered_columns():
      "flodl-mpi: error: Averager() got unknown option(s) windw (did you mean window?); the options it takes by "
      "name are broadcast, checkpoint_every, chunk_elems, comm, gamma, keep_checkpoints, model, on_non_finite, "
      "optimizer, policy, resume, run_dir, stall_timeout, window"),
-], ids=["policy", "window-type", "stall-timeout", "resume-without-run-dir", "fit-epochs", "run-dir-taken",
-        "resume-not-a-run", "fit-policy", "averager-run-dir-under-a-file", "fit-run-dir-under-a-file", "fit-typo",
-        "averager-typo"])
-def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, call, line):
-    taken = tmp_path / "taken"
-    taken.mkdir()
-    (taken / "notes.txt").write_text("mine")
-    under_file = taken / "notes.txt" / "run"  # a run dir under a file
-    call = call.replace("UNDER_FILE", repr(str(under_file)))
-    line = line.replace("'UNDER_FILE'", repr(str(under_file)))
-    call = call.replace("TAKEN", repr(str(taken))).replace("RUN", repr(str(taken)))
-    line = line.replace("'TAKEN'", repr(str(taken))).replace("'RUN'", repr(str(taken)))
-    proc, took = _run(tmp_path, f"""
-        import torch
-        import flodl_mpi
-        {call}
-        print("not reached", flush=True)
-    """)
-    assert took < PROMPT_S
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.count("flodl-mpi: error:") == 1 and line in proc.stderr, proc.stderr[-2000:]
-    assert "--run-dir" not in proc.stderr and "--resume" not in proc.stderr
-    assert "Traceback" not in proc.stderr and "not reached" not in proc.stdout
+]
+
+
+@pytest.mark.parametrize("call, line", BAD_ARGUMENT_CASES, ids=[
+    "policy", "window-type", "stall-timeout", "resume-without-run-dir", "fit-epochs", "run-dir-taken", "resume-not-a-run",
+    "fit-policy", "averager-run-dir-under-a-file", "fit-run-dir-under-a-file", "fit-typo", "averager-typo"])
+def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, bad_arguments_in_one_process, call, line):
+    """Each case was a launch at 2 ranks. `LAUNCHED_CASES` still are (an option, a run dir agreed by the ranks,
+    the misspelt keyword that was an MPI_Abort): exit 2, one line on stderr, no traceback, nothing reached.
+    The others are the same calls in one world-of-1 process (`bad_arguments_in_one_process`): the same
+    assertions on the line (``flodl-mpi: error: `` and the InputError's text, as the exit prints it)."""
+    if call not in LAUNCHED_CASES:
+        text, taken = bad_arguments_in_one_process
+        stderr = text[call]
+        assert stderr.count("flodl-mpi: error:") == 1, stderr
+    else:
+        taken = tmp_path / "taken"
+        taken.mkdir()
+        (taken / "notes.txt").write_text("mine")
+        proc, took = _run(tmp_path, f"""
+            import torch
+            import flodl_mpi
+            {_bad_call(call, taken)}
+            print("not reached", flush=True)
+        """)
+        assert took < PROMPT_S
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        stderr = proc.stderr
+        assert stderr.count("flodl-mpi: error:") == 1, stderr[-2000:]
+        assert "Traceback" not in stderr and "not reached" not in proc.stdout
+    line = _bad_line(line, taken)
+    assert line in stderr, stderr[-2000:]
+    assert "--run-dir" not in stderr and "--resume" not in stderr
     assert (taken / "notes.txt").read_text() == "mine"  # nothing already there was touched
     if "fit(windw" in call:  # every name fit() takes, its own keywords too
-        taken_names = proc.stderr.split("options it takes by name are ", 1)[1].split("\n", 1)[0].split(", ")
+        taken_names = stderr.split("options it takes by name are ", 1)[1].split("\n", 1)[0].split(", ")
         assert {"window", "policy", "gamma", "seed", "anchor", "lr", "optimizer"} <= set(taken_names)
+
+
+#: The cases of test_bad_arguments_are_one_line_in_the_api_words_and_exit_2 still launched at 2 ranks.
+LAUNCHED_CASES = ("flodl_mpi.Averager(torch.nn.Linear(2, 1), policy='windows')",
+                  "flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=TAKEN)",
+                  "flodl_mpi.Averager(torch.nn.Linear(2, 1), windw=4)")
+
+
+def _bad_call(call: str, taken) -> str:
+    """A case's call with its paths: ``taken`` (a folder holding notes.txt), a run dir under that file."""
+    under_file = taken / "notes.txt" / "run"  # a run dir under a file
+    call = call.replace("UNDER_FILE", repr(str(under_file)))
+    return call.replace("TAKEN", repr(str(taken))).replace("RUN", repr(str(taken)))
+
+
+def _bad_line(line: str, taken) -> str:
+    line = line.replace("'UNDER_FILE'", repr(str(taken / "notes.txt" / "run")))
+    return line.replace("'TAKEN'", repr(str(taken))).replace("'RUN'", repr(str(taken)))
+
+
+@pytest.fixture(scope="module")
+def bad_arguments_in_one_process(tmp_path_factory):
+    """Every case of the bad-arguments test that is not launched, called one after another in one world-of-1
+    process: call -> what the exit would print for it (``flodl-mpi: error: `` and the InputError's text, or
+    what happened instead), and the ``taken`` folder they share."""
+    import json
+
+    root = tmp_path_factory.mktemp("bad_arguments")
+    taken = root / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    calls = [c for c, _ in BAD_ARGUMENT_CASES if c not in LAUNCHED_CASES]
+    script = ["import json, torch, flodl_mpi", "out = {}"]
+    for i, call in enumerate(calls):
+        script += ["try:", f"    {_bad_call(call, taken)}", f"    out[{i}] = 'not refused'",
+                   "except flodl_mpi.InputError as exc:", f"    out[{i}] = 'flodl-mpi: error: ' + str(exc)",
+                   "except BaseException as exc:", f"    out[{i}] = 'not an InputError: ' + repr(exc)"]
+    script += ["print('RESULTS ' + json.dumps(out), flush=True)"]
+    (root / "script.py").write_text("\n".join(script) + "\n")
+    proc = subprocess.run([sys.executable, str(root / "script.py")], cwd=root, capture_output=True, text=True,
+                          timeout=300, env=launch_env(), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULTS ", 1)[1])
+    return {call: out[str(i)] for i, call in enumerate(calls)}, taken
 
 
 def test_a_bad_argument_is_an_input_error_to_catch():

@@ -107,19 +107,58 @@ def test_fixed_window_policy(tmp_path_factory):
 
 # The digits' 1437 training samples leave a lone sample at each of these batch sizes,
 # which used to make a 1-sample batch that BatchNorm (in the built-in model) rejects.
-@pytest.mark.parametrize("batch_size, drop_last", [(2, False), (4, False), (359, False), (718, False),
-                                                   (1436, False), (4, True)])
-def test_every_batch_size_trains_with_batchnorm(tmp_path, batch_size, drop_last):
+BATCH_CASES = [(2, False), (4, False), (359, False), (718, False), (1436, False), (4, True)]
+
+
+def _plan_assertions(n: int, batch_size: int, drop_last: bool) -> tuple[int, int]:
+    """The batch plan's counts asserted for a run of 1 epoch: (batches, samples trained)."""
+    full = n // batch_size  # batches; the lone sample folded into the last one, or dropped
+    trained = full * batch_size if drop_last else n
+    return full, trained
+
+
+def test_every_batch_size_trains_with_batchnorm(tmp_path):
+    """One launch (batch 4, a lone sample folded into the last batch): the run's metrics.h5 has the plan's counts.
+    The other cases of `BATCH_CASES` were one launch each (test_every_batch_size_trains_with_batchnorm[...]
+    in this module): the same assertions, now in one process by `test_every_batch_size_plan_trains_in_process`."""
+    batch_size, drop_last = 4, False
     run_dir = tmp_path / "run"
-    extra = ("--drop-last",) if drop_last else ()
     # --window 8: the batch plan is the policy's own business; fewer rounds make the test quicker.
-    proc = run_flodl(2, "train", "--epochs", "1", "--batch-size", str(batch_size), "--window", "8", *extra,
+    proc = run_flodl(2, "train", "--epochs", "1", "--batch-size", str(batch_size), "--window", "8",
                      "--run-dir", str(run_dir), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    n = 1437
-    full = n // batch_size  # batches; the lone sample folded into the last one, or dropped
+    full, trained = _plan_assertions(1437, batch_size, drop_last)
     epochs = read_table(run_dir / "metrics.h5", "epochs")
     assert int(epochs["batches"][0]) == full
-    trained = full * batch_size if drop_last else n
     assert int(epochs["per_rank_samples"].sum()) == trained  # each sample once (or dropped with --drop-last)
     assert len(read_table(run_dir / "metrics.h5", "batches")["step"]) == full
+
+
+@pytest.mark.parametrize("batch_size, drop_last", BATCH_CASES)
+def test_every_batch_size_plan_trains_in_process(batch_size, drop_last):
+    """Was test_every_batch_size_trains_with_batchnorm[batch_size-drop_last] (one launch each): the same
+    assertions, now in one process. The epoch's plan has the batches the run recorded (``epochs/batches``,
+    one ``batches`` row each), its batches hold each sample once (``per_rank_samples`` summed; with
+    ``--drop-last`` the left-over ones dropped), and the built-in model (BatchNorm) takes a training step on
+    every batch size of the plan, as a rank does (the launched case shows the run records these counts)."""
+    from flodl_mpi.training.data import batch_indices, epoch_permutation, num_batches
+
+    data = load_dataset(default_digits_path())
+    n = data.train.n
+    assert n == 1437
+    full, trained = _plan_assertions(n, batch_size, drop_last)
+    assert num_batches(n, batch_size, drop_last) == full
+    perm = epoch_permutation(n, 0, 0)
+    batches = [batch_indices(perm, batch_size, b, drop_last) for b in range(full)]
+    samples = np.concatenate(batches)
+    assert len(samples) == trained and len(np.unique(samples)) == trained  # each sample once
+    model = digits_mlp(data.input_shape, data.num_classes)
+    model.train()
+    for size in sorted({len(b) for b in batches}):  # BatchNorm rejects a training batch of 1 sample
+        assert size >= 2
+        batch = batches[[len(b) for b in batches].index(size)]
+        x = torch.as_tensor(np.asarray(data.train.x[np.sort(batch)]), dtype=torch.float32)
+        y = torch.as_tensor(np.asarray(data.train.y[np.sort(batch)]), dtype=torch.long)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        assert torch.isfinite(loss)

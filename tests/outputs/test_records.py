@@ -42,13 +42,61 @@ def test_unrecorded_samples_give_nan_throughput_not_zero():
     assert s.per_rank_samples.tolist() == [-1, 64]
 
 
-def _python(tmp_path, code: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          env=launch_env(), timeout=timeout, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc
+#: Runs one world-of-1 script after another in one process (one Python start and torch import, not one
+#: each): each in its own folder (``argv.txt``: the script and its arguments), ``== <folder>`` printed
+#: before it; a script that raises leaves its traceback in ``error.txt`` and the next one runs.
+DRIVER = """
+import os, runpy, sys, traceback
+for folder in sys.argv[1:]:
+    os.chdir(folder)
+    sys.argv = open("argv.txt").read().split()
+    print(f"== {folder}", flush=True)
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except BaseException:
+        with open("error.txt", "w") as fh:
+            traceback.print_exc(file=fh)
+    sys.stdout.flush()
+"""
+
+
+class SharedRuns:
+    """The module's world-of-1 runs that several tests read, made once in one process (`DRIVER`)."""
+
+    def __init__(self, root, runs: dict[str, tuple[str, tuple[str, ...]]]):
+        self.root = root
+        for name, (code, args) in runs.items():
+            (root / name).mkdir()
+            (root / name / "script.py").write_text(textwrap.dedent(code))
+            (root / name / "argv.txt").write_text(" ".join(("script.py", *args)))
+        (root / "driver.py").write_text(DRIVER)
+        proc = subprocess.run([sys.executable, str(root / "driver.py"), *(str(root / n) for n in runs)], cwd=root,
+                              capture_output=True, text=True, env=launch_env(), timeout=600, check=False)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        self.stdout = {n: proc.stdout.split(f"== {root / n}\n", 1)[1].split("\n== ", 1)[0] for n in runs}
+
+    def folder(self, name: str):
+        """The folder the run ``name`` ran in (its run dirs inside), after checking it ran without error."""
+        error = self.root / name / "error.txt"
+        assert not error.exists(), error.read_text()[-3000:]
+        return self.root / name
+
+    def copy(self, name: str, dest):
+        """A copy of the folder of run ``name`` at ``dest``, for a test that resumes or changes it."""
+        import shutil
+
+        shutil.copytree(self.folder(name), dest, dirs_exist_ok=True)
+        return dest
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+    """OWN_LOOP, FIT, CLOSE_ROUND, CLOSE_MID_EPOCH and FIT_OPT's first runs (1 epoch, each optimizer): one process
+    (was: one process per test, OWN_LOOP and two of FIT_OPT's first runs made twice)."""
+    return SharedRuns(tmp_path_factory.mktemp("records"), {
+        "own_loop": (OWN_LOOP, ()), "fit": (FIT, ()), "close_round": (CLOSE_ROUND, ()),
+        "close_mid_epoch": (CLOSE_MID_EPOCH, ()),
+        **{f"fit_opt_{opt}": (FIT_OPT, (opt, "1", "new")) for opt in ("sgd", "rmsprop", "adam")}})
 
 
 OWN_LOOP = """
@@ -70,12 +118,12 @@ with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir
 
 
 @pytest.mark.slow
-def test_an_own_loop_records_what_it_measured(tmp_path):
-    """An Averager run's records say what it measured. Issue 20 item 4: train.log's policy words are
-    the registry's one wording, the report's (``2 step() calls per rank per round``, where train.log
-    said ``a round after every 2 step() calls``)."""
-    _python(tmp_path, OWN_LOOP)
-    run = tmp_path / "own"
+def test_an_own_loop_records_what_it_measured(shared_runs):
+    """An Averager run's records say what it measured. OWN_LOOP runs in the module's shared process
+    (`shared_runs`; was: its own). Issue 20 item 4: train.log's policy words are the registry's one
+    wording, the report's (``2 step() calls per rank per round``, where train.log said ``a round after
+    every 2 step() calls``)."""
+    run = shared_runs.folder("own_loop") / "own"
     ep = read_table(run / "metrics.h5", "epochs")
     # epoch 1: 3 steps of 20 samples each; epoch 2: step() was given neither samples nor loss
     assert ep["per_rank_samples"].tolist() == [[60], [-1]]
@@ -124,8 +172,9 @@ for epoch in flodl_mpi.fit(lambda input_shape, target_shape: nn.Linear(input_sha
 
 
 @pytest.mark.slow
-def test_a_fit_regression_records_its_model_optimizer_and_loss(tmp_path):
-    _python(tmp_path, FIT)
+def test_a_fit_regression_records_its_model_optimizer_and_loss(shared_runs):
+    """FIT runs in the module's shared process (`shared_runs`; was: its own)."""
+    tmp_path = shared_runs.folder("fit")
     run = tmp_path / "fit"
     ep = read_table(run / "metrics.h5", "epochs")
     assert np.isnan(ep["test_accuracy"]).all() and np.isfinite(ep["test_loss"]).all()
@@ -203,12 +252,13 @@ def test_a_fit_run_logs_and_saves_the_factorys_learning_rate(tmp_path):
 
 
 @pytest.mark.slow
-def test_inspect_shows_an_api_runs_record_not_the_cli_defaults(tmp_path, capsys):
-    """Issue 7: an Averager run (SGD, lr 0.05)'s checkpoint read 'adam', lr 0.001, epochs 10, train_x 'train/x'."""
+def test_inspect_shows_an_api_runs_record_not_the_cli_defaults(shared_runs, capsys):
+    """Issue 7: an Averager run (SGD, lr 0.05)'s checkpoint read 'adam', lr 0.001, epochs 10, train_x 'train/x'.
+    OWN_LOOP's run is the module's shared one (`shared_runs`; was: made again here)."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
     from flodl_mpi.cli.inspect_cmd import main
 
-    _python(tmp_path, OWN_LOOP)
+    tmp_path = shared_runs.folder("own_loop")
     path = latest_checkpoint(tmp_path / "own" / "checkpoints")
     meta = read_checkpoint(path).meta
     assert meta["run_record"] == json.loads((tmp_path / "own" / "config.json").read_text())
@@ -224,15 +274,15 @@ def test_inspect_shows_an_api_runs_record_not_the_cli_defaults(tmp_path, capsys)
 
 
 @pytest.mark.slow
-def test_the_last_round_and_the_test_figures_reach_the_records(tmp_path):
+def test_the_last_round_and_the_test_figures_reach_the_records(shared_runs):
     """The round that closes the epoch's last window has its metrics.h5 row, and the checkpoint after it the
     epoch's test figures (were: lost, NaN). Since issue 26 item 2 end_epoch() runs that round (was: close()),
-    so the epoch's checkpoint is the one after it and close() has nothing left to save."""
+    so the epoch's checkpoint is the one after it and close() has nothing left to save. CLOSE_ROUND runs in
+    the module's shared process (`shared_runs`; was: its own)."""
     from flodl_mpi.outputs.checkpoint import list_checkpoints, read_checkpoint
 
-    proc = _python(tmp_path, CLOSE_ROUND)
-    expected = float(proc.stdout.split("expected ")[1].split()[0])
-    run = tmp_path / "own"
+    run = shared_runs.folder("close_round") / "own"
+    expected = float(shared_runs.stdout["close_round"].split("expected ")[1].split()[0])
     np.testing.assert_array_equal(read_table(run / "metrics.h5", "rounds")["round"], [0, 1])
     saved = list_checkpoints(run / "checkpoints")
     assert [p.name for p in saved] == ["ckpt-e000001-r000002.h5"]
@@ -286,12 +336,12 @@ def _as_the_previous_release_wrote_it(path) -> None:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_the_previous_fit_with_an_sgd_factory_resumes(tmp_path):
-    """Issue 7 left: the previous release recorded 'adam' for any factory; resuming its SGD run was refused."""
+def test_a_checkpoint_of_the_previous_fit_with_an_sgd_factory_resumes(tmp_path, shared_runs):
+    """Issue 7 left: the previous release recorded 'adam' for any factory; resuming its SGD run was refused.
+    The first run (sgd, 1 epoch) is a copy of the module's shared one (`shared_runs`; was: made here)."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint, read_rank_state
 
-    first = _fit_opt(tmp_path, "sgd", "1", "new")
-    assert first.returncode == 0, first.stderr[-3000:]
+    shared_runs.copy("fit_opt_sgd", tmp_path)
     path = latest_checkpoint(tmp_path / "run" / "checkpoints")
     _as_the_previous_release_wrote_it(path)
     assert read_checkpoint(path).meta["config"]["optimizer"] == "adam"
@@ -309,10 +359,11 @@ def test_a_checkpoint_of_the_previous_fit_with_an_sgd_factory_resumes(tmp_path):
 @pytest.mark.parametrize("first, then, held, uses", [("sgd", "adam", "SGD", "Adam"),
                                                      ("rmsprop", "adam", "RMSprop", "Adam"),
                                                      ("adam", "rmsprop", "Adam", "RMSprop")])
-def test_a_resume_with_another_optimizer_is_refused_in_one_line(tmp_path, first, then, held, uses):
+def test_a_resume_with_another_optimizer_is_refused_in_one_line(tmp_path, shared_runs, first, then, held, uses):
+    """The first run (``first``, 1 epoch) is a copy of the module's shared one (`shared_runs`; was: made here)."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint
 
-    assert _fit_opt(tmp_path, first, "1", "new").returncode == 0
+    shared_runs.copy(f"fit_opt_{first}", tmp_path)
     path = latest_checkpoint(tmp_path / "run" / "checkpoints")
     if first == "sgd":
         _as_the_previous_release_wrote_it(path)  # an old record ('adam') does not let Adam resume SGD's state
@@ -330,12 +381,13 @@ def test_a_resume_with_another_optimizer_is_refused_in_one_line(tmp_path, first,
 
 
 @pytest.mark.slow
-def test_an_rmsprop_factory_is_recorded_inspected_and_resumed(tmp_path, capsys):
-    """Issue 7 left: an RMSprop factory's run recorded 'adam' in its resume config (and so checked 'adam')."""
+def test_an_rmsprop_factory_is_recorded_inspected_and_resumed(tmp_path, shared_runs, capsys):
+    """Issue 7 left: an RMSprop factory's run recorded 'adam' in its resume config (and so checked 'adam').
+    The first run (1 epoch) is a copy of the module's shared one (`shared_runs`; was: made here)."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
     from flodl_mpi.cli.inspect_cmd import main
 
-    assert _fit_opt(tmp_path, "rmsprop", "1", "new").returncode == 0
+    shared_runs.copy("fit_opt_rmsprop", tmp_path)
     path = latest_checkpoint(tmp_path / "run" / "checkpoints")
     saved = read_checkpoint(path).meta["config"]
     assert (saved["optimizer"], saved["lr"], saved["momentum"], saved["weight_decay"]) == \
@@ -369,11 +421,12 @@ with flodl_mpi.Averager(model, optimizer=opt, run_dir="own") as avg:
 
 
 @pytest.mark.slow
-def test_an_own_loop_closed_mid_epoch_records_every_batch(tmp_path):
-    """Issue 7 left: the steps after the last end_epoch() had rounds in metrics.h5 but no batch rows."""
+def test_an_own_loop_closed_mid_epoch_records_every_batch(shared_runs):
+    """Issue 7 left: the steps after the last end_epoch() had rounds in metrics.h5 but no batch rows.
+    CLOSE_MID_EPOCH runs in the module's shared process (`shared_runs`; was: its own)."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
-    _python(tmp_path, CLOSE_MID_EPOCH)
+    tmp_path = shared_runs.folder("close_mid_epoch")
     b = read_table(tmp_path / "own" / "metrics.h5", "batches")
     assert b["step"].tolist() == list(range(1, 9)) and b["epoch"].tolist() == [1] * 5 + [2] * 3
     assert np.isfinite(b["loss"]).all() and (b["rank"] == 0).all()

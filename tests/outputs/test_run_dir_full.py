@@ -20,6 +20,7 @@ import pytest
 from flodl_mpi.outputs.checkpoint import list_checkpoints, verify_checkpoint
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT
 from flodl_mpi.outputs.metrics import disk_error, read_table
+from tests._runs import copy_of_run_a
 from tests.conftest import launch_command, launch_env, run_flodl, start_flodl
 
 pytestmark = pytest.mark.slow
@@ -204,16 +205,19 @@ def test_a_disk_that_fills_mid_run_ends_with_one_line_and_keeps_every_checkpoint
         _umount(mnt)
 
 
-def test_a_resume_whose_metrics_rebuild_meets_a_full_disk_says_so_and_the_next_one_finishes(tmp_path):
+def test_a_resume_whose_metrics_rebuild_meets_a_full_disk_says_so_and_the_next_one_finishes(tmp_path,
+                                                                                          tmp_path_factory):
+    """The finished run is a copy of the session's run A (tests/_runs.py: 5 epochs; it was a 2-epoch run of
+    this test's own, one launch more), resumed to 6 epochs (was 3)."""
     mnt = _tmpfs(tmp_path, "40m")
     run_dir = mnt / "r"
     try:
-        assert run_flodl(2, "train", "--run-dir", str(run_dir), "--epochs", "2", "-q").returncode == 0
+        copy_of_run_a(tmp_path_factory, run_dir)
         metrics = run_dir / "metrics.h5"
         md5 = hashlib.md5(metrics.read_bytes()).hexdigest()
         filler = _fill(mnt, 48 * 1024)  # the small files fit, not a copy of metrics.h5
         t0 = time.monotonic()
-        proc = run_flodl(2, "train", "--run-dir", str(run_dir), "--epochs", "3", "--resume", "-q", timeout=240)
+        proc = run_flodl(2, "train", "--run-dir", str(run_dir), "--epochs", "6", "--resume", "-q", timeout=240)
         assert time.monotonic() - t0 < 240
         assert proc.returncode == EXIT_ERROR, proc.stderr[-3000:]
         lines = [line for line in proc.stderr.splitlines() if "error:" in line]
@@ -223,28 +227,29 @@ def test_a_resume_whose_metrics_rebuild_meets_a_full_disk_says_so_and_the_next_o
         assert hashlib.md5(metrics.read_bytes()).hexdigest() == md5
         assert not (run_dir / "metrics.h5.resume-tmp").exists()
         filler.unlink()
-        again = run_flodl(2, "train", "--run-dir", str(run_dir), "--epochs", "3", "--resume", timeout=240)
+        again = run_flodl(2, "train", "--run-dir", str(run_dir), "--epochs", "6", "--resume", timeout=240)
         assert again.returncode == 0, again.stderr[-3000:]
         assert "killed" not in again.stdout
-        assert len(read_table(metrics, "epochs")["epoch"]) == 3
+        assert len(read_table(metrics, "epochs")["epoch"]) == 6
     finally:
         _umount(mnt)
 
 
-def test_a_resume_removes_every_temporary_file_an_earlier_run_left_and_says_so(tmp_path):
+def test_a_resume_removes_every_temporary_file_an_earlier_run_left_and_says_so(tmp_path, tmp_path_factory):
     """Held by the lock, any ``*.tmp-<pid>`` is stale, whatever the pid: 1 (always alive) and this test's own
-    included. Before: those of live pids stayed forever."""
-    run_dir = tmp_path / "r"
-    assert run_flodl(2, "train", "--run-dir", str(run_dir), "--epochs", "1", "-q").returncode == 0
+    included. Before: those of live pids stayed forever. The finished run is a copy of the session's run A
+    (tests/_runs.py: 5 epochs, 23 rounds each; it was a 1-epoch run of this test's own, one launch more),
+    resumed to 6 epochs (was 2): the left checkpoint is the 6th epoch's (was the 2nd's, ckpt-e000002-r000046)."""
+    run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")
     ckpts = run_dir / "checkpoints"
-    left = {ckpts / "ckpt-e000002-r000046.h5.tmp-1": 1_000_000, ckpts / f"save-check.h5.tmp-{os.getpid()}": 4096,
+    left = {ckpts / "ckpt-e000006-r000138.h5.tmp-1": 1_000_000, ckpts / f"save-check.h5.tmp-{os.getpid()}": 4096,
             run_dir / "metrics.h5.resume-tmp": 2048}
     for path, size in left.items():
         path.write_bytes(np.random.default_rng(0).bytes(size))
-    proc = run_flodl(2, "train", "--run-dir", str(run_dir), "--epochs", "2", "--resume", timeout=240)
+    proc = run_flodl(2, "train", "--run-dir", str(run_dir), "--epochs", "6", "--resume", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = ("warning: removed 3 temporary files an earlier run left unfinished (killed or failed while writing), "
-            "1.0 MB in all: checkpoints/ckpt-e000002-r000046.h5.tmp-1 (1.0 MB), checkpoints/save-check.h5.tmp-"
+            "1.0 MB in all: checkpoints/ckpt-e000006-r000138.h5.tmp-1 (1.0 MB), checkpoints/save-check.h5.tmp-"
             f"{os.getpid()} (4.1 kB), metrics.h5.resume-tmp (2.0 kB)")
     assert proc.stdout.count(line) == 1, proc.stdout[-3000:]
     assert (run_dir / "train.log").read_text().count(line) == 1

@@ -216,19 +216,29 @@ def test_delta_adoption_equals_adopting_the_consensus_at_the_snapshot(opt_kind):
     assert torch.equal(opt_a.state[a].get("step", torch.tensor(0.0)), opt_ref.state[ref].get("step", torch.tensor(0.0)))
 
 
-def test_an_async_run_averages_adams_first_moment_by_default_and_not_with_off(tmp_path):
-    """Two ranks on digits, 1 epoch: each realized round moves the params' frame, the buffers'
+def test_an_async_run_averages_adams_first_moment_by_default_and_not_with_off(tmp_path, tmp_path_factory):
+    """Two ranks on digits: each realized round moves the params' frame, the buffers'
     and, by default (``auto``: ``corrected``), a third frame the size of the params (Adam's
-    ``exp_avg``; ``exp_avg_sq`` is rebuilt, it does not travel); with ``off`` no third frame."""
+    ``exp_avg``; ``exp_avg_sq`` is rebuilt, it does not travel); with ``off`` no third frame.
+    ``auto`` is the session's async run (`tests._runs.RUN_ASYNC`: 3 epochs, Adam and ``auto`` by
+    default; it was a 1-epoch run of this test's own with them given); ``off`` is 1 epoch."""
+    from flodl_mpi.config import TrainConfig
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
     from flodl_mpi.outputs.metrics import read_table
+    from tests._runs import RUN_ASYNC, session_run_async
     from tests.conftest import run_flodl
 
+    defaults = TrainConfig()
+    assert (defaults.optimizer, defaults.average_optimizer_state) == ("adam", "auto")  # what RUN_ASYNC runs
     for mode in ("auto", "off"):
-        d = tmp_path / mode
-        proc = run_flodl(2, "train", "--policy", "async", "--epochs", "1", "--optimizer", "adam",
-                         "--average-optimizer-state", mode, "--run-dir", str(d), timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        if mode == "auto":
+            assert RUN_ASYNC[1:3] == ("--policy", "async")
+            d = session_run_async(tmp_path_factory)
+        else:
+            d = tmp_path / mode
+            proc = run_flodl(2, "train", "--policy", "async", "--epochs", "1", "--optimizer", "adam",
+                             "--average-optimizer-state", mode, "--run-dir", str(d), timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
         ckpt = read_checkpoint(latest_checkpoint(d / "checkpoints"))
         params = sum(v.size for v in ckpt.params.values())
         buffers = sum(v.size for v in ckpt.buffers.values() if v.dtype.kind == "f")

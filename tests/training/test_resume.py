@@ -16,7 +16,7 @@ from flodl_mpi.outputs.checkpoint import latest_checkpoint, load_state_dict, rea
 from flodl_mpi.training.data import default_digits_path, load_dataset
 from flodl_mpi.errors import EXIT_INPUT, EXIT_STALL, EXIT_STOPPED
 from flodl_mpi.outputs.metrics import read_table
-from tests._runs import copy_of_run_a
+from tests._runs import RUN_A, copy_of_run_a, session_run_a
 from tests.conftest import MPIEXEC, flip_data_byte, launch_argv, launch_env, run_flodl
 
 pytestmark = pytest.mark.slow
@@ -39,11 +39,15 @@ def _final_state(run_dir):
     return ckpt, {**ckpt.params, **ckpt.buffers}
 
 
-def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_path):
-    """Stop a run with SIGUSR1 somewhere in epoch 2, resume it: the weights end bit-identical."""
-    epochs = ("--epochs", "4")
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert run_flodl(2, "train", *epochs, "--run-dir", str(straight), timeout=300).returncode == 0
+def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_path, tmp_path_factory):
+    """Stop a run with SIGUSR1 somewhere in epoch 2, resume it: the weights end bit-identical.
+
+    The uninterrupted run is the session's run A (tests/_runs.py: 5 epochs at 2 ranks, 23 rounds an epoch);
+    it was a 4-epoch run of this test's own (one launch more), so the rounds below are 5 epochs' (115)."""
+    assert RUN_A[1:] == ("--epochs", "5")
+    epochs = ("--epochs", "5")
+    stopped = tmp_path / "stopped"
+    straight = session_run_a(tmp_path_factory)  # read only
 
     proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", *epochs,
                              "--run-dir", str(stopped)),
@@ -65,7 +69,7 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
         proc.communicate()  # closes the pipes
     assert proc.returncode == EXIT_STOPPED, err[-3000:]  # stopped, resumable: not done
     ckpt, _ = _final_state(stopped)
-    assert ckpt.meta["reason"] == "graceful_shutdown" and ckpt.meta["round"] < 92
+    assert ckpt.meta["reason"] == "graceful_shutdown" and ckpt.meta["round"] < 115
     assert not ckpt.meta["epoch_complete"] and 0 < ckpt.meta["cursor"] < 45  # the stop was mid-epoch
 
     resumed = run_flodl(2, "train", *epochs, "--run-dir", str(stopped), "--resume", timeout=300)
@@ -79,11 +83,11 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
     assert a_meta.meta["test_accuracy"] == b_meta.meta["test_accuracy"]
     # metrics.h5 reads like one run: every round once, in order; one row per epoch; a clock that only grows
     rounds = read_table(stopped / "metrics.h5", "rounds")
-    np.testing.assert_array_equal(rounds["round"], np.arange(92))
+    np.testing.assert_array_equal(rounds["round"], np.arange(115))
     np.testing.assert_array_equal(rounds["steps"], read_table(straight / "metrics.h5", "rounds")["steps"])
     assert np.all(np.diff(rounds["time_s"]) >= 0)
     epochs, epochs_straight = (read_table(d / "metrics.h5", "epochs") for d in (stopped, straight))
-    np.testing.assert_array_equal(epochs["epoch"], np.arange(1, 5))
+    np.testing.assert_array_equal(epochs["epoch"], np.arange(1, 6))
     np.testing.assert_array_equal(epochs["per_rank_batches"], epochs_straight["per_rank_batches"])
     np.testing.assert_allclose(epochs["avg_loss"], epochs_straight["avg_loss"], rtol=1e-12)
     np.testing.assert_array_equal(epochs["test_accuracy"], epochs_straight["test_accuracy"])

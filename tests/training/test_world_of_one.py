@@ -69,6 +69,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.slow  # trains: not in tests/run.sh --quick
 @pytest.mark.parametrize("opt,policy,window", [("adam", "sync", 1), ("adam", "window", 3), ("sgd momentum", "sync", 1)])
 def test_fit_at_one_rank_steps_as_a_plain_pytorch_loop_bit_for_bit(opt, policy, window):
     """issue 26 item 10: the consensus of a world of one is its own parameters (and optimizer state): fit's
@@ -85,6 +86,7 @@ def test_fit_at_one_rank_steps_as_a_plain_pytorch_loop_bit_for_bit(opt, policy, 
     assert_same_bits(run.model.state_dict(), reference.state_dict())
 
 
+@pytest.mark.slow  # trains: not in tests/run.sh --quick
 def test_averager_at_one_rank_is_the_plain_loop_and_still_writes_its_rows_and_checkpoints(tmp_path):
     """issue 26 item 10: the Averager at W = 1 adopts nothing, yet every round counts: one ``rounds`` row per
     step() (version, steps, mass 1, divergence 0, pre_norm = post_norm = the model's norm), the epochs' rows,

@@ -80,17 +80,17 @@ def test_easgd_buffers_are_pulled_at_the_snapshot_like_the_params():
     assert _async_run("delta", (1, 3), 3) == [6.0, 6.0]
 
 
-def test_an_async_run_saves_running_statistics_that_follow_training(tmp_path):
+def test_an_async_run_saves_running_statistics_that_follow_training(tmp_path_factory):
     """Built-in MLP (BatchNorm) on digits, 2 ranks, async, 3 epochs: each checkpoint's
     running mean and variance differ from the previous one's (the trial saw them equal in
-    every checkpoint of 30 epochs), and are finite with a positive variance."""
+    every checkpoint of 30 epochs), and are finite with a positive variance. The run is the
+    session's `tests._runs.RUN_ASYNC` (was this test's own, the same command with ``-q``)."""
     from flodl_mpi.outputs.checkpoint import read_checkpoint
-    from tests.conftest import run_flodl
+    from tests._runs import RUN_ASYNC, session_run_async
 
-    proc = run_flodl(2, "train", "--policy", "async", "--epochs", "3", "--run-dir", str(tmp_path), "-q",
-                     timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    paths = sorted((tmp_path / "checkpoints").glob("*.h5"))
+    assert RUN_ASYNC[1:] == ("--policy", "async", "--epochs", "3")
+    run_dir = session_run_async(tmp_path_factory)
+    paths = sorted((run_dir / "checkpoints").glob("*.h5"))
     assert len(paths) >= 2, paths
     stats = []
     for path in paths:
