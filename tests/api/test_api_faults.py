@@ -347,8 +347,8 @@ BAD_ARGUMENT_CASES = [
     # issue 26 item 9: was a raw TypeError, MPI_Abort and exit 1
     ("flodl_mpi.Averager(torch.nn.Linear(2, 1), windw=4)",
      "flodl-mpi: error: Averager() got unknown option(s) windw (did you mean window?); the options it takes by "
-     "name are broadcast, checkpoint_every, chunk_elems, comm, gamma, keep_checkpoints, model, on_non_finite, "
-     "optimizer, policy, resume, run_dir, stall_timeout, window"),
+     "name are bf16_wire, broadcast, checkpoint_every, chunk_elems, comm, gamma, hierarchical, keep_checkpoints, "
+     "model, node_reduce, on_non_finite, optimizer, pin_staging, policy, resume, run_dir, stall_timeout, window"),
 ]
 
 
