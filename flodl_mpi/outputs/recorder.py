@@ -13,9 +13,16 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from flodl_mpi.protocol.control import ACK
 from flodl_mpi.protocol.epoch_report import BATCH_COLUMNS, EpochSummary
 
-__all__ = ["NoRecorder", "Recorder", "batch_columns", "recorder_for"]
+__all__ = ["COHORT_ACKS", "NoRecorder", "Recorder", "batch_columns", "recorder_for"]
+
+#: The acks that are one value for the whole cohort (every rank sends the same): rank 0's is
+#: stored, a scalar column. Every other `flodl_mpi.protocol.control.ACK` column is stored per rank,
+#: ``(W,)``, under its own name: a new ack column needs only its ``rounds`` column in
+#: `flodl_mpi.outputs.metrics.table_schema` (and its line in docs/file-formats.rst).
+COHORT_ACKS = ("post_norm", "bytes")
 
 
 class NoRecorder:
@@ -57,9 +64,7 @@ class Recorder(NoRecorder):
         if self._pending is None:
             return
         rec = dict(self._pending)
-        per_rank = {n: acks[n] for n in ("divergence", "pre_norm", "pack_ms", "allreduce_ms", "unpack_ms",
-                                         "outer_ms", "control_ms", "round_ms", "bridge_ms", "wait_ms",
-                                         "adopt_ms")}
+        per_rank = {n: acks[n] for n in ACK.names if n not in COHORT_ACKS}
         rec.update(per_rank, post_norm=float(acks["post_norm"][0]), bytes=int(acks["bytes"][0]),
                    guard=0 if verdict is None else int(verdict))
         # Held by the writer and appended in blocks (a round may come every few ms): the values are
