@@ -55,7 +55,7 @@ class _Held:
 def test_claim_is_exclusive_across_processes_and_released_on_close(tmp_path):
     """The lock module alone: a second process cannot claim a held directory; release frees it."""
     run_dir_lock.claim(tmp_path)
-    code = ("import sys; from flodl_mpi import run_dir_lock as L\n"
+    code = ("import sys; from flodl_mpi.outputs import run_dir_lock as L\n"
             "try:\n L.claim(sys.argv[1])\nexcept L.RunDirInUse as e:\n print(e); sys.exit(2)\n")
     probe = [sys.executable, "-c", code, str(tmp_path)]
     refused = subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False)

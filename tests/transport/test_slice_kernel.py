@@ -105,7 +105,7 @@ def test_a_small_slice_takes_the_numpy_pass_without_importing_numba():
     import subprocess
     import sys
 
-    code = ("import sys; from flodl_mpi import shm_in_place; from flodl_mpi.transport.slice_kernel import "
+    code = ("import sys; from flodl_mpi.transport import shm_in_place; from flodl_mpi.transport.slice_kernel import "
             "COMPILED_MIN_ELEMENTS as n, default_kernel as k; "
             "print(k(n - 1), 'numba' in sys.modules, k(n), 'numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
