@@ -18,8 +18,9 @@ from flodl_mpi.protocol.epoch_report import BATCH_COLUMNS, EpochSummary
 
 __all__ = ["COHORT_ACKS", "NoRecorder", "Recorder", "batch_columns", "recorder_for"]
 
-#: The acks that are one value for the whole cohort (every rank sends the same): rank 0's is
-#: stored, a scalar column. Every other `flodl_mpi.protocol.control.ACK` column is stored per rank,
+#: The acks stored as one value for the whole cohort, rank 0's, a scalar column: ``post_norm``
+#: is the same on every rank; ``bytes`` is what rank 0 put on the wire (in a hierarchical round
+#: across nodes a node leader also sends the leaders' exchange, so another rank's may differ). Every other `flodl_mpi.protocol.control.ACK` column is stored per rank,
 #: ``(W,)``, under its own name: a new ack column needs only its ``rounds`` column in
 #: `flodl_mpi.outputs.metrics.table_schema` (and its line in docs/file-formats.rst).
 COHORT_ACKS = ("post_norm", "bytes")
