@@ -34,9 +34,9 @@ from flodl_mpi.training.progress import EpochProgress
 from flodl_mpi.policy.replay import RecordedPlan
 from flodl_mpi.protocol.epoch_report import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch, excluded_words
 from flodl_mpi.runtime.signals import StopRequest
-from flodl_mpi.training.task import ClassificationTask, evaluate, make_optimizer  # the CLI's task's (re-exported)
+from flodl_mpi.training.task import ClassificationTask
 
-__all__ = ["ReplacedTensorError", "Replica", "Trainer", "evaluate", "make_optimizer", "state_arrays"]
+__all__ = ["ReplacedTensorError", "Replica", "Trainer", "state_arrays"]
 
 #: Every this many steps a batch record carries the L2 norm of all params (SPEC §5).
 PARAM_NORM_EVERY = 10

@@ -10,7 +10,7 @@ import torch
 
 from flodl_mpi.cli.main import build_parser, config_from_args
 from flodl_mpi.config import OPTIMIZER_WEIGHT_DECAY, ConfigError, TrainConfig
-from flodl_mpi.training.worker import make_optimizer
+from flodl_mpi.training.task import make_optimizer
 
 
 def _cfg(tmp_path, text, *flags):

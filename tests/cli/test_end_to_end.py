@@ -11,7 +11,7 @@ from flodl_mpi.outputs.checkpoint import latest_checkpoint, load_state_dict, rea
 from flodl_mpi.training.data import default_digits_path, load_dataset
 from flodl_mpi.outputs.metrics import read_table
 from flodl_mpi.training.models import digits_mlp
-from flodl_mpi.training.worker import evaluate
+from flodl_mpi.training.task import evaluate
 from tests._runs import RUN_A, RUN_B, session_run_a, session_run_b, trained_stdout
 from tests.conftest import run_flodl
 

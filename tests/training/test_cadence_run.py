@@ -110,7 +110,7 @@ def test_async_carries_each_epochs_last_round_and_evaluates_and_saves_its_consen
     from flodl_mpi.outputs.checkpoint import list_checkpoints, load_state_dict
     from flodl_mpi.training.data import ensure_digits, load_dataset
     from flodl_mpi.training.models import digits_mlp
-    from flodl_mpi.training.worker import evaluate
+    from flodl_mpi.training.task import evaluate
 
     run_dir = tmp_path / "async"
     proc = run_flodl(2, "train", "--policy", "async", "--epochs", "3", "--checkpoint-every", "1", "--run-dir",
