@@ -25,7 +25,7 @@ import pytest
 
 #: Names whose use in a test (or in a tests' helper or fixture it reaches) means the test starts a
 #: process: a launcher (``tests/conftest.py``'s helpers) or any subprocess (a script run without one).
-LAUNCH_NAMES = frozenset({"run_flodl", "start_flodl", "launch_argv", "launch_command", "subprocess", "Popen"})
+LAUNCH_NAMES = frozenset({"run_flodl", "fork_flodl", "fork_python", "start_flodl", "launch_argv", "launch_command", "subprocess", "Popen"})
 
 #: The one short run per front end that ``tests/run.sh --quick`` keeps beside the tests that start
 #: nothing: the CLI (the session's run A: 5 epochs at 2 ranks), ``fit`` and ``Averager`` (the

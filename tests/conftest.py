@@ -140,6 +140,139 @@ def run_flodl(n: int, *args: str, timeout: float = 240.0, env: dict | None = Non
                           check=False, env=launch_env(env))
 
 
+def _warm_torch() -> None:
+    """Import what every rank imports before its first step (torch, and the ``torch._dynamo`` that the first
+    optimizer's construction imports: together about 4.5 CPU seconds a process on this machine), once per
+    pytest process, so that a forked child (:func:`fork_flodl`, :func:`fork_python`) starts with them loaded."""
+    import torch
+
+    import flodl_mpi.training.run  # noqa: F401  (the CLI's training path, torch included)
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # imports torch._dynamo
+
+
+def _forked(label: list[str], child, timeout: float, env: dict | None) -> subprocess.CompletedProcess:
+    """Run ``child()`` (returns an exit status) in a forked child of this process; the finished process.
+
+    The child gets ``launch_env(env)`` as its environment, with ``OMP_NUM_THREADS=1`` unless ``env`` sets
+    it (one torch thread, as each rank of a 2-rank run has on this 2-core machine), stdin from /dev/null,
+    stdout and stderr to files read back as text, the default handlers of the stop signals, and leaves with
+    ``os._exit`` after finalizing MPI if it started it (as a script's exit does, through mpi4py's atexit):
+    nothing of pytest runs in it. Past ``timeout`` it is killed and ``subprocess.TimeoutExpired`` raised.
+    """
+    import signal
+    import tempfile
+    import time
+
+    _warm_torch()
+    _launches.LAUNCHES.record(1)
+    environ = launch_env({"OMP_NUM_THREADS": "1", **(env or {})})
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM):
+                    signal.signal(sig, signal.SIG_DFL)
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdin = open(0, closefd=False)
+                sys.stdout = open(1, "w", closefd=False)
+                sys.stderr = open(2, "w", closefd=False)
+                os.environ.clear()
+                os.environ.update(environ)
+                code = child()
+                from mpi4py import MPI
+
+                if MPI.Is_initialized() and not MPI.Is_finalized():
+                    MPI.Finalize()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if not isinstance(exc.code, (int, type(None))):
+                    print(exc.code, file=sys.stderr)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        end = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > end:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                out.seek(0)
+                err.seek(0)
+                raise subprocess.TimeoutExpired(label, timeout, out.read(), err.read())
+            time.sleep(0.02)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(label, os.waitstatus_to_exitcode(status),
+                                           out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+
+
+def fork_flodl(*args: str, timeout: float = 240.0, env: dict | None = None,
+               hooks: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``flodl-mpi ARGS`` at a world of 1, in a forked child of this pytest process; the finished process.
+
+    What it runs is the entry point itself (:func:`flodl_mpi.cli.main.main` with ARGS, as the ``flodl-mpi``
+    script calls it; the child starts MPI as a singleton, as ``flodl-mpi train`` without a launcher does);
+    ``hooks``: tests/hooked_flodl.py's options, installed in the child; the child's environment and streams:
+    :func:`_forked`. What it saves is the start-up: the child has torch loaded already, where a launcher's
+    rank imports it first; a 1-epoch digits run costs about 0.6 CPU seconds, where ``run_flodl(1, ...)``
+    costs about 5 more (measured here, 2026-12-02).
+
+    For a test whose point needs no peer: a refusal's line and exit code, what a run writes, a resume. What
+    depends on several ranks, on the launcher or on the rank being its own process (signals sent to it by
+    pid, DataLoader workers that re-import ``__main__``) keeps :func:`run_flodl`. Hooks registered in this
+    process (the ``run_hook`` / ``inject_fault`` fixtures) are the child's too.
+    """
+    def child() -> int:
+        from flodl_mpi.cli.main import main
+        from tests.hooked_flodl import install_hooks
+
+        rest, at_exit = install_hooks([*hooks, "--", *args]) if hooks else (list(args), [])
+        code = main(rest)
+        for fn in at_exit:
+            fn()
+        return code
+
+    return _forked(["fork_flodl", *args], child, timeout, env)
+
+
+def fork_python(script: str | os.PathLike, *argv: str, timeout: float = 240.0,
+                env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGV`` at a world of 1, in a forked child of this pytest process; the finished process.
+
+    The script runs as ``__main__`` (:func:`runpy.run_path`, ``sys.argv = [SCRIPT, *ARGV]``, its folder first
+    on ``sys.path``), as ``python SCRIPT`` runs it, but with torch and flodl_mpi loaded already: ``import
+    flodl_mpi`` in it finds the package imported (its ``_start_if_launched`` ran in this process, where no
+    launcher started it) and ``fit`` / ``Averager`` start MPI as a singleton, as under plain ``python``.
+    The child's environment and streams: :func:`_forked`. For the tests of ``fit`` and ``Averager`` whose
+    point needs no peer (see :func:`fork_flodl`); a script that needs its own ``__main__`` re-imported (a
+    DataLoader with spawned workers) keeps ``subprocess``.
+    """
+    import runpy
+
+    def child() -> int:
+        sys.argv = [str(script), *argv]
+        sys.path.insert(0, str(Path(script).resolve().parent))
+        runpy.run_path(str(script), run_name="__main__")
+        return 0
+
+    return _forked(["fork_python", str(script), *argv], child, timeout, env)
+
+
 def start_flodl(n: int, *args: str, env: dict | None = None, hooks: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start ``flodl-mpi ARGS`` on N ranks in the background (stdout and stderr piped, text)."""
     return subprocess.Popen(launch_command(n, *args, hooks=hooks), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -35,8 +35,12 @@ from flodl_mpi.cli import main as cli
 from flodl_mpi.training import worker  # noqa: F401  (binds the plain write_checkpoint for the setup's trial save)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def install_hooks(argv: list[str]) -> tuple[list[str], list]:
+    """Install the hooks ``argv`` names (the options above, then ``--`` and flodl-mpi's arguments) in this
+    process; returns flodl-mpi's arguments and what to call at exit (:func:`main` registers it with
+    :mod:`atexit`; ``tests.conftest.fork_flodl``'s child calls it before its ``os._exit``)."""
+    at_exit = []
+    p = argparse.ArgumentParser(prog="hooked_flodl")
     p.add_argument("--stop-at-round", type=int)
     p.add_argument("--save-delay", type=float, default=0.0)
     p.add_argument("--scale-bounded-waits", type=float, default=1.0)
@@ -44,12 +48,15 @@ def main() -> int:
     p.add_argument("--script-round-ms", type=float)
     p.add_argument("--record-indices")
     p.add_argument("--fault")
-    opts, rest = p.parse_known_args()
+    opts, rest = p.parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
 
     if opts.fault is not None:
-        from faults import install, parse_fault  # tests/faults.py: this script's folder is sys.path[0]
+        try:
+            from tests.faults import install, parse_fault  # imported as tests.hooked_flodl (fork_flodl)
+        except ImportError:
+            from faults import install, parse_fault  # run as a script: its folder, tests/, is sys.path[0]
 
         try:
             fault = parse_fault(opts.fault)
@@ -87,7 +94,6 @@ def main() -> int:
         policy.CadencePolicy.observe = observe
 
     if opts.record_indices is not None:
-        import atexit
         from pathlib import Path
 
         import numpy as np
@@ -111,7 +117,7 @@ def main() -> int:
                 out.mkdir(parents=True, exist_ok=True)
                 np.savez(out / f"rank{int(read['rank'][0][0])}.npz", **{k: np.concatenate(v) for k, v in read.items()})
 
-        atexit.register(dump)
+        at_exit.append(dump)
 
     if opts.save_delay:
         plain_write = checkpoint.write_checkpoint
@@ -130,6 +136,15 @@ def main() -> int:
 
         threading.Thread.join = join
 
+    return rest, at_exit
+
+
+def main() -> int:
+    import atexit
+
+    rest, at_exit = install_hooks(sys.argv[1:])
+    for fn in at_exit:
+        atexit.register(fn)
     return cli.main(rest)
 
 
