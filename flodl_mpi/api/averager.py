@@ -213,16 +213,17 @@ class Averager:
                 raise api_words(InputError(str(exc))) from None
         timeout = stall_timeout if isinstance(stall_timeout, (int, float)) and stall_timeout > 0 else 600.0
         self._session = open_session(comm, timeout)
-        self._writer = None
+        from flodl_mpi.outputs.metrics import NoMetricsWriter
+
+        self._writer = NoMetricsWriter()  # rank 0 with a run dir: its MetricsWriter, once setup opens it
         try:
             self.cfg = agree(self._session.world.comm, "arguments", validate, self._session.watchdog)
             self._setup(broadcast, pin_staging)
         except BaseException as exc:
-            if self._writer is not None:  # close metrics.h5: no "open for write" flag left
-                import contextlib
+            import contextlib
 
-                with contextlib.suppress(Exception):
-                    self._writer.close(timeout=10.0)
+            with contextlib.suppress(Exception):  # close metrics.h5: no "open for write" flag left
+                self._writer.close(timeout=10.0)
             leave_on_error(self._session, exc)
             if api_words(exc) is not exc:  # the CLI's flags named as the keywords
                 raise api_words(exc) from exc.__cause__
@@ -607,7 +608,7 @@ class Averager:
         self._metrics_rows["epochs"] += 1
         self._metrics_rows["batches"] += summary.batch_records
         self._metrics_rows["scalars"] += 0 if rows is None else len(rows["epoch"])
-        if self._writer is not None and rows is not None:
+        if rows is not None:
             self._writer.append("scalars", rows)
         due = self.cfg.checkpoint_every and self.epoch % self.cfg.checkpoint_every == 0
         if self.run_dir is not None and (due or "checkpoint" in boundary.intents) and not stop:
@@ -736,8 +737,7 @@ class Averager:
             self._hook.remove()
         _scalars.activate(None)
         self.bridge.close()
-        if self._writer is not None:
-            self._writer.close(timeout=None)
+        self._writer.close(timeout=None)
         for line in last or ():
             self._log(line)
         from flodl_mpi.training.train_log import close_train_log
@@ -776,7 +776,7 @@ class Averager:
             return
         table = np.concatenate(gathered)
         self._metrics_rows["batches"] += len(table)  # rank 0's count: the checkpoints' metrics_rows
-        if self._writer is not None and len(table):
+        if len(table):
             from flodl_mpi.outputs.recorder import batch_columns
 
             self._writer.append("batches", batch_columns(table))

@@ -123,7 +123,7 @@ class _Boundary:
     def after_epoch(self, trainer, summary) -> None:
         b, metrics, counts = self._pending
         epoch = summary.epoch + 1
-        if trainer.writer is not None:
+        if trainer.writer.writes:  # rank 0 with a run dir: the scalars table
             rows = _scalars.scalar_rows(epoch, {**b.scalars, **{f"eval/{k}": v for k, v in metrics.items()}},
                                         {**b.counts, **{f"eval/{k}": int(c) for k, c in counts.items()}},
                                         b.per_rank, trainer.world_size)
@@ -297,7 +297,7 @@ class Run:
             self.history[-1].epoch == self._trainer.cfg.epochs
         _scalars.activate(None)
         self._trainer.bridge.close()
-        if self._writer is not None:
+        if self._writer.writes:  # rank 0 with a run dir: the final save, train.log's last line, the lock
             self._writer.close(timeout=None)
             from flodl_mpi.training.train import final_line
 
@@ -321,9 +321,8 @@ class Run:
         if leaves_together(self._session, exc):  # the one abort decision (flodl_mpi.runtime.world.decide)
             with contextlib.suppress(Exception):
                 self._trainer.bridge.close()
-            if self._writer is not None:
-                with contextlib.suppress(Exception):
-                    self._writer.close(timeout=10.0)
+            with contextlib.suppress(Exception):
+                self._writer.close(timeout=10.0)
         leave_on_error(self._session, exc)
 
     def __enter__(self) -> Run:

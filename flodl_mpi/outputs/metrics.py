@@ -43,6 +43,8 @@ __all__ = [
     "read_table",
     "WriterError",
     "MetricsWriter",
+    "NoMetricsWriter",
+    "writer_or_none",
     "DISK_ERRNOS",
     "DISK_REMEDY",
     "disk_error",
@@ -529,6 +531,46 @@ HOLD_ROWS = 256
 HOLD_S = 0.5
 
 
+class NoMetricsWriter:
+    """The metrics duty of a rank that writes no files: every rank but 0, and every rank of a run without a
+    run dir. It has `MetricsWriter`'s caller side and does nothing (nothing is queued, nothing can fail),
+    so the callers never ask which rank they are on; `writes` says whether this rank is the writer, for
+    the few duties beside the files that go with it (rank 0's lines in train.log). Nothing here enters a
+    collective.
+    """
+
+    #: Whether this rank writes the run's files (rank 0 of a run with a run dir: `MetricsWriter`).
+    writes = False
+    #: What the writer found and mended when it reopened metrics.h5 (lines for train.log): nothing.
+    recovered: tuple[str, ...] = ()
+    #: Seconds the latest checkpoint took to write.
+    last_save_s = 0.0
+
+    def start(self) -> None:
+        """Nothing to start."""
+
+    def check(self) -> None:
+        """Nothing can have failed."""
+
+    def append_held(self, table: str, row: Mapping[str, Any]) -> None:
+        """Drop ``row`` (this rank writes no metrics)."""
+
+    def append(self, table: str, rows: Mapping[str, np.ndarray]) -> None:
+        """Drop ``rows`` (this rank writes no metrics)."""
+
+    def flush_wait(self, timeout: float | None = None) -> bool:
+        """Nothing is queued: True at once."""
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Nothing to close."""
+
+
+def writer_or_none(writer: "MetricsWriter | NoMetricsWriter | None") -> "MetricsWriter | NoMetricsWriter":
+    """``writer``, or a `NoMetricsWriter` for None (the callers of the bridge and the Trainer that pass no writer)."""
+    return NoMetricsWriter() if writer is None else writer
+
+
 class MetricsWriter:
     """Rank 0's writer thread: appends metrics and writes checkpoints off the training path.
 
@@ -563,6 +605,9 @@ class MetricsWriter:
         keep_rows: resume: continue the existing metrics.h5, cut to these rows
             per table (see `MetricsFile`).
     """
+
+    #: This rank writes the run's files (`NoMetricsWriter` on every other rank).
+    writes = True
 
     def __init__(
         self,

@@ -90,8 +90,8 @@ def batch_columns(batch_table: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def recorder_for(rank: int, writer) -> NoRecorder:
-    """Rank 0 with a writer records; every other rank holds a :class:`NoRecorder`."""
-    return Recorder(writer) if rank == 0 and writer is not None else NoRecorder()
+    """Rank 0 with a writer (`MetricsWriter.writes`) records; every other rank holds a :class:`NoRecorder`."""
+    return Recorder(writer) if rank == 0 and getattr(writer, "writes", False) else NoRecorder()
 
 
 def _epoch_row(s: EpochSummary, time_s: float) -> dict[str, np.ndarray]:

@@ -2,7 +2,7 @@
 
 Invariant: only rank 0 of a run with a run dir holds a :class:`Saver`; every other rank (and a run
 without files) holds a :class:`NoSaver`, whose methods do nothing and build nothing, so the callers
-never check which rank they are on (``writer is None``), as the bridge's
+never check which rank they are on, as the bridge's
 `flodl_mpi.outputs.recorder.Recorder` / ``NoRecorder``. The contents are given as a function
 (``build``), called on rank 0 only: the other ranks hold no gathered state to build them from.
 Nothing here enters a collective: the gather of every rank's state comes before, on every rank.
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
-    from flodl_mpi.outputs.metrics import MetricsWriter
+    from flodl_mpi.outputs.metrics import MetricsWriter, NoMetricsWriter
 
 __all__ = ["NoSaver", "Saver", "saver_for"]
 
@@ -66,6 +66,6 @@ class Saver(NoSaver):
         return Path(self.writer.checkpoint_dir) / contents.name
 
 
-def saver_for(rank: int, writer: MetricsWriter | None) -> NoSaver:
-    """Rank 0 with a metrics writer saves; every other rank holds a :class:`NoSaver`."""
-    return Saver(writer) if rank == 0 and writer is not None else NoSaver()
+def saver_for(rank: int, writer: MetricsWriter | NoMetricsWriter | None) -> NoSaver:
+    """Rank 0 with a metrics writer (`MetricsWriter.writes`) saves; every other rank holds a :class:`NoSaver`."""
+    return Saver(writer) if rank == 0 and getattr(writer, "writes", False) else NoSaver()

@@ -114,14 +114,13 @@ def _train(run: RankRun, front: TrainerFront, stop: StopRequest) -> bool:
     except BaseException:
         # Close metrics.h5 cleanly (easier on its readers, and on a resume); the
         # error in flight is the one to report, not a writer error behind it.
-        if writer is not None:
-            with contextlib.suppress(WriterError):
-                writer.close(timeout=10.0)
+        with contextlib.suppress(WriterError):
+            writer.close(timeout=10.0)
         raise
     bridge.close()
     for line in bridge.profile.lines():  # every rank's, from the acks (rank 0 logs them)
         log.info(line)
-    if writer is not None:
+    if writer.writes:  # rank 0's final save and last lines
         log.info(f"finishing: writing the last checkpoint and closing {run_dir / 'metrics.h5'}")
         # No time cap on the last save (a big model on a slow file system may take
         # minutes): the watchdog's stall timeout is the bound.

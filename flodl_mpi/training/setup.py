@@ -38,7 +38,7 @@ from mpi4py import MPI
 from flodl_mpi import __version__
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.errors import InputError
-from flodl_mpi.outputs.metrics import MetricsWriter, WriterError, disk_writer_error
+from flodl_mpi.outputs.metrics import MetricsWriter, NoMetricsWriter, WriterError, disk_writer_error
 from flodl_mpi.outputs.run_dir import make_run_dir
 from flodl_mpi.policy.registry import make_policy
 from flodl_mpi.protocol.outer import OuterOptimizer
@@ -102,7 +102,7 @@ def make_bridge(cfg: TrainConfig, world: World, replica: Replica, writer, watchd
     The one bridge factory of the CLI, :func:`flodl_mpi.fit` and the ``Averager``: the
     policy (``make_policy``), the outer optimizer, how the frames travel (``WireOptions``:
     ``node_reduce``, ``hierarchical``, ``bf16_wire``), pinned staging. ``writer``: rank 0's
-    metrics writer or None. ``pin_staging``: None: pinned for a model on CUDA.
+    metrics writer, or a ``NoMetricsWriter``. ``pin_staging``: None: pinned for a model on CUDA.
 
     Raises:
         ValueError: identically on every rank, from the reducers' planning (for
@@ -133,7 +133,7 @@ class RankRun:
         data_note: the resume's note on data it cannot check (rank 0 logs it).
         ckpt, keep_rows: `flodl_mpi.training.train.resume_point`'s (None, None: a new run).
         attrs: metrics.h5's run attributes (`run_attrs`; every rank holds them).
-        writer: rank 0's metrics writer (None elsewhere, or without files).
+        writer: rank 0's metrics writer (a ``NoMetricsWriter`` elsewhere, or without files).
         bridge: the bridge (`make_bridge`), once built.
     """
 
@@ -148,7 +148,7 @@ class RankRun:
     ckpt: Any = None
     keep_rows: dict | None = None
     attrs: dict = field(default_factory=dict)
-    writer: MetricsWriter | None = None
+    writer: MetricsWriter | NoMetricsWriter = field(default_factory=NoMetricsWriter)
     bridge: Bridge | None = None
 
 
@@ -255,7 +255,7 @@ def setup_rank(cfg: TrainConfig, world: World, watchdog: Watchdog, model: torch.
         # write" flag left), and for a new run whose input turned out bad (a state the
         # checkpoint format cannot hold) remove what this run created, so nothing is
         # left on disk and the same command can simply be run again.
-        if run.writer is not None:
+        if run.writer.writes:
             with contextlib.suppress(WriterError):
                 run.writer.close(timeout=10.0)
             if front.remove_bad_new_run and isinstance(exc, InputError) and run.keep_rows is None \
@@ -285,7 +285,7 @@ def _open_outputs(run: RankRun, front: FrontEnd) -> None:
         front.opened(run)
 
     def open_files() -> None:  # rank 0; a full disk here is the writer's one line too
-        if run.writer is None:
+        if not run.writer.writes:
             return
         try:
             (run_dir / name).write_text(json.dumps(config, indent=2) + "\n")
@@ -360,9 +360,8 @@ class TrainerFront(FrontEnd):
             if n_batches < world.size:
                 log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} "
                             f"ranks, so rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
-            if run.writer is not None:
-                for line in run.writer.recovered:
-                    log.info(f"warning: {line}")
+            for line in run.writer.recovered:
+                log.info(f"warning: {line}")
         self.trainer = trainer = Trainer(
             cfg, world.rank, world.size, data, run.replica, run.bridge, run.writer, log=log.info,
             stop=self.stop, progress=self.progress, log_detail=log.debug if self.late_header is None else None,
@@ -392,7 +391,7 @@ class TrainerFront(FrontEnd):
     def ready(self, run: RankRun) -> None:
         from flodl_mpi.training.train import log_header
 
-        if self.late_header is not None and run.writer is not None:
+        if self.late_header is not None and run.writer.writes:
             log.info(self.late_header)
             log_header(run.cfg, run.world.size, run.replica, run.attrs["devices"], run.data, run.run_dir, api=True,
                        bridge=run.bridge)  # train.log as the CLI's

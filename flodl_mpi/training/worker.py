@@ -22,6 +22,7 @@ from flodl_mpi.training import rank_state, resume_state
 from flodl_mpi.transport.bridge import Bridge, RoundUpdate
 from flodl_mpi.policy.cadence import plan_window
 from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
+from flodl_mpi.outputs.metrics import writer_or_none
 from flodl_mpi.outputs.saver import saver_for
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.training.data import Dataset, batch_indices, epoch_permutation, num_batches
@@ -451,7 +452,7 @@ class Trainer:
         data: the dataset (every rank holds it; each reads only its batches).
         replica: the model on its device.
         bridge: a started :class:`Bridge` for this rank.
-        writer: rank 0's ``MetricsWriter``; None elsewhere.
+        writer: rank 0's ``MetricsWriter``; a ``NoMetricsWriter`` (or None) elsewhere.
         log: a callable taking one line (rank 0 prints progress with it).
         stop: the stop request that signals set (``flodl_mpi.runtime.signals``); each
             round carries it to every rank.
@@ -476,9 +477,11 @@ class Trainer:
                  stop: StopRequest | None = None, progress: EpochProgress | None = None,
                  log_detail=None, task=None, replay: RecordedPlan | None = None, warn=None) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.data, self.replica, self.bridge, self.writer = data, replica, bridge, writer
+        #: Rank 0's metrics duty (`flodl_mpi.outputs.metrics.MetricsWriter`); a NoMetricsWriter elsewhere.
+        self.writer = writer_or_none(writer)
+        self.data, self.replica, self.bridge = data, replica, bridge
         #: Rank 0's checkpoint duty (`flodl_mpi.outputs.saver`); a NoSaver on every other rank.
-        self.saver = saver_for(rank, writer)
+        self.saver = saver_for(rank, self.writer)
         self.log = log
         self.progress = progress if progress is not None else EpochProgress(enabled=False)
         self.log_detail = log_detail if log_detail is not None else (lambda line: None)
@@ -663,8 +666,7 @@ class Trainer:
                 update = self._async_round(len(mine), facts)
             self.progress.update(cursor, report.loss_sum / max(report.batches - report.nonfinite_batches, 1),
                                  self.bridge.version)
-            if self.writer is not None:
-                self.writer.check()  # a disk error on rank 0 ends the job now, not at the epoch's end
+            self.writer.check()  # a disk error on rank 0 ends the job now, not at the epoch's end
             if update is not None and update.stop:
                 stopped = True
                 break
@@ -805,7 +807,7 @@ class Trainer:
         elif update.adopted:  # adopted in place already: the adoption took no time (0, not "not recorded")
             self.bridge.add_training_ms("adopt", 0.0)
         if update.quarantined:
-            if self.writer is not None:
+            if self.writer.writes:
                 self.log(f"round {update.version - 1}: rank(s) {', '.join(map(str, update.quarantined))} had a "
                          "non-finite loss or NaN/Inf parameters: quarantined (mass 0), adopted the consensus")
             if self.rank in update.quarantined and self.state_average is None:
@@ -826,8 +828,8 @@ class Trainer:
     def _report(self, s: EpochSummary, stopped: bool, cursor: int, report: EpochReport) -> None:
         cfg = self.cfg
         last = s.epoch == cfg.epochs - 1
-        if self.writer is not None:
-            self.writer.check()  # a disk error on rank 0 ends the job now, not at the end
+        self.writer.check()  # a disk error on rank 0 ends the job now, not at the end
+        if self.writer.writes:  # rank 0's epoch line
             partial = ""
             if stopped:
                 n_batches = num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)

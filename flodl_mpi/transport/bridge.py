@@ -109,7 +109,7 @@ class Bridge:
             in order (integer buffers keep their local values and never travel).
         gamma: the params mass exponent (SPEC §1).
         chunk_elems: elements per Allreduce piece, in ``[1, 2**31 - 1]``.
-        writer: rank 0's metrics writer (``append(table, rows)``), else None;
+        writer: rank 0's metrics writer (``append(table, rows)``), else None or a ``NoMetricsWriter``;
             rank 0 then records rounds and epochs (:mod:`flodl_mpi.outputs.recorder`).
         anchor: the fixed window of the default policy (when ``policy`` is None).
         threaded: False runs each round inline on the caller's thread (MPI
