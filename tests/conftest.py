@@ -158,8 +158,10 @@ def _forked(label: list[str], child, timeout: float, env: dict | None) -> subpro
     it (one torch thread, as each rank of a 2-rank run has on this 2-core machine), stdin from /dev/null,
     stdout and stderr to files read back as text, the default handlers of the stop signals, and leaves with
     ``os._exit`` after finalizing MPI if it started it (as a script's exit does, through mpi4py's atexit):
-    nothing of pytest runs in it. Past ``timeout`` it is killed and ``subprocess.TimeoutExpired`` raised.
+    nothing of pytest runs in it. It leads a process group of its own; past ``timeout`` that group is
+    killed and ``subprocess.TimeoutExpired`` raised (with what the child printed).
     """
+    import contextlib
     import signal
     import tempfile
     import time
@@ -174,6 +176,7 @@ def _forked(label: list[str], child, timeout: float, env: dict | None) -> subpro
         if pid == 0:  # the child: never returns into pytest
             code = 1
             try:
+                os.setpgid(0, 0)  # its own process group: a timeout kills what it started too
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM):
                     signal.signal(sig, signal.SIG_DFL)
                 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -209,7 +212,8 @@ def _forked(label: list[str], child, timeout: float, env: dict | None) -> subpro
             if done:
                 break
             if time.monotonic() > end:
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 out.seek(0)
                 err.seek(0)
