@@ -187,6 +187,9 @@ def _forked(label: list[str], child, timeout: float, env: dict | None) -> subpro
                 sys.stderr = open(2, "w", closefd=False)
                 os.environ.clear()
                 os.environ.update(environ)
+                # pytest's capture (inherited) is not this process's: an abort here must not hand the streams
+                # back to pytest's terminal (flodl_mpi.runtime.pytest_capture finds it through this module)
+                sys.modules.pop("_pytest.capture", None)
                 code = child()
                 from mpi4py import MPI
 
@@ -262,6 +265,8 @@ def fork_python(script: str | os.PathLike, *argv: str, timeout: float = 240.0,
     on ``sys.path``), as ``python SCRIPT`` runs it, but with torch and flodl_mpi loaded already: ``import
     flodl_mpi`` in it finds the package imported (its ``_start_if_launched`` ran in this process, where no
     launcher started it) and ``fit`` / ``Averager`` start MPI as a singleton, as under plain ``python``.
+    An uncaught exception goes to ``sys.excepthook`` (flodl_mpi's, where it installed one: a refusal is one
+    line and exit 2), then status 1, as the interpreter does.
     The child's environment and streams: :func:`_forked`. For the tests of ``fit`` and ``Averager`` whose
     point needs no peer (see :func:`fork_flodl`); a script that needs its own ``__main__`` re-imported (a
     DataLoader with spawned workers) keeps ``subprocess``.
@@ -271,7 +276,13 @@ def fork_python(script: str | os.PathLike, *argv: str, timeout: float = 240.0,
     def child() -> int:
         sys.argv = [str(script), *argv]
         sys.path.insert(0, str(Path(script).resolve().parent))
-        runpy.run_path(str(script), run_name="__main__")
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except SystemExit:
+            raise
+        except BaseException:  # uncaught: the interpreter's way, through sys.excepthook (flodl_mpi's, once installed)
+            sys.excepthook(*sys.exc_info())
+            return 1
         return 0
 
     return _forked(["fork_python", str(script), *argv], child, timeout, env)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,11 +48,21 @@ def test_a_forked_script_gets_its_argv_environment_streams_and_exit_status(tmp_p
     assert "FLODL_TEST_X" not in os.environ  # the child's environment was the child's
 
 
-def test_an_uncaught_error_in_a_forked_script_is_status_1_with_its_traceback(tmp_path):
-    script = tmp_path / "s.py"
-    script.write_text("raise RuntimeError('boom in the script')\n")
-    proc = fork_python(script)
-    assert proc.returncode == 1 and "RuntimeError: boom in the script" in proc.stderr
+def test_an_uncaught_error_in_a_forked_script_goes_to_its_excepthook_as_under_python(tmp_path):
+    """As ``python SCRIPT``: the traceback and status 1, or the script's own ``sys.excepthook`` (flodl_mpi's turns a
+    refusal into one line and exit 2), whose own exit status stands."""
+    plain, hooked = tmp_path / "plain.py", tmp_path / "hooked.py"
+    plain.write_text("raise RuntimeError('boom in the script')\n")
+    hooked.write_text("import os, sys\n"
+                      "def hook(kind, exc, tb):\n    print('HOOK', kind.__name__, exc, flush=True)\n    os._exit(5)\n"
+                      "sys.excepthook = hook\nraise ValueError('refused')\n")
+    for script, code in ((plain, 1), (hooked, 5)):
+        forked = fork_python(script)
+        real = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False)
+        assert forked.returncode == real.returncode == code
+        assert forked.stdout == real.stdout
+    assert fork_python(plain).stderr.endswith("RuntimeError: boom in the script\n")
+    assert fork_python(hooked).stdout == "HOOK ValueError refused\n"
 
 
 def test_a_forked_child_past_its_timeout_is_killed_with_what_it_started(tmp_path):
