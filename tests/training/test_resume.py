@@ -141,10 +141,12 @@ def test_resume_refuses_other_options(tmp_path, straight_one):
 def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
     """kill -9 leaves metrics.h5 open for write; resume still goes on from the last checkpoint.
 
-    Real 2-rank launches: the kill is of one rank of a launched run (its launcher then ends the other),
-    and the resume goes on at the run's world size. The resume of the finished run that follows is a
-    world of 1 in a fork: a finished run does nothing at any world size (the same line at the run's own
-    world size: tests/runtime/test_finished_and_stopped_lines.py)."""
+    The killed run is a real 2-rank launch: the kill is of one rank of a launched run, by pid (its launcher
+    then ends the other), which leaves metrics.h5 and the checkpoints as a crash does. The resumes are at a
+    world of 1 in a fork (were 2-rank launches): reading back what the crash left needs no peer; the first
+    goes on from the 2-rank checkpoint at another world size (resumes at another world size, at 2 and 3
+    ranks: test_resume_at_another_world_size), the second, of the finished run, does nothing (at the run's
+    own world size: tests/runtime/test_finished_and_stopped_lines.py)."""
     run_dir = tmp_path / "k"
     proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3",
                              "--run-dir", str(run_dir)),
@@ -161,18 +163,22 @@ def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
         proc.kill()
         proc.communicate()  # closes the pipes
     assert proc.returncode != 0
-    saved = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta["round"]
+    meta = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta
+    saved = meta["round"]
+    # killed, not stopped: the newest checkpoint is an epoch's end; at 2 ranks, ceil(45 / 2) = 23 rounds an epoch
+    assert meta["epoch_complete"] and 1 <= meta["epoch"] < 3 and saved == 23 * meta["epoch"]
     damaged = run_dir / "checkpoints" / "ckpt-e000009-r000999.h5"  # say, a truncated copy
     damaged.write_bytes(b"\x89HDF\r\n\x1a\n truncated")
 
-    resumed = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", "--lr", "0.002",
-                        timeout=300)
+    resumed = fork_flodl("train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", "--lr", "0.002",
+                         timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"round {saved}" in resumed.stdout
     assert "warning: ckpt-e000009-r000999.h5 is damaged (not a complete checkpoint)" in resumed.stdout
     assert damaged.with_name(damaged.name + ".damaged").read_bytes().endswith(b"truncated")
     rounds = read_table(run_dir / "metrics.h5", "rounds")
-    np.testing.assert_array_equal(rounds["round"], np.arange(3 * 23))  # rows after the checkpoint redone, once
+    # rows after the checkpoint redone, once: the epochs left at one rank, 45 rounds each
+    np.testing.assert_array_equal(rounds["round"], np.arange(saved + (3 - meta["epoch"]) * ONE_RANK_ROUNDS))
     lr = read_table(run_dir / "metrics.h5", "batches")["lr"]
     assert set(lr[-10:]) == {0.002}  # a resume may change the learning rate
 
