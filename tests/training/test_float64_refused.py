@@ -1,11 +1,15 @@
 """A model the float32 consensus would round is refused at start (trial6 F1): a float64
 (or complex) parameter or floating buffer, on the CLI, in ``fit`` and in an ``Averager``:
-exit 2, one line naming the tensor, nothing trained, no run dir. float16/bfloat16 pass."""
+exit 2, one line naming the tensor, nothing trained, no run dir. float16/bfloat16 pass.
+
+The runs are at a world of 1 in forked children of pytest (tests/conftest.py's fork_flodl, and its
+fork_python through tests/training/_scripts.py's fork_script;
+they were a 2-rank launch and 1-rank launches): the refusal is the model's, decided before any peer
+matters; that every rank of a launched run refuses with one line between them, exit 2, is
+tests/cli/test_cli.py's (test_models_that_differ_across_ranks_are_refused and the missing data file's)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -14,7 +18,8 @@ import torch
 from torch import nn
 
 from flodl_mpi.training.models import wide_tensor
-from tests.conftest import launch_argv, launch_env, run_flodl
+from tests.conftest import fork_flodl
+from tests.training._scripts import fork_script
 
 TAIL = ("flodl_mpi averages and checkpoints in float32, which would round it at every round; "
         "cast the model to float32 first (model.float())")
@@ -65,8 +70,8 @@ def test_the_cli_refuses_a_float64_model_before_training(tmp_path):
             return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], num_classes)).double()
     """))
     start = time.monotonic()
-    proc = run_flodl(2, "train", "--model", f"{tmp_path / 'nets.py'}:make", "--epochs", "1",
-                     "--run-dir", str(tmp_path / "run"), "-q", timeout=300)
+    proc = fork_flodl("train", "--model", f"{tmp_path / 'nets.py'}:make", "--epochs", "1",
+                      "--run-dir", str(tmp_path / "run"), "-q", timeout=300)
     _one_error_line(proc, start, f"--model '{tmp_path / 'nets.py'}:make': parameter '1.weight' is float64")
     assert not (tmp_path / "run").exists()      # refused before the run dir is made
 
@@ -103,8 +108,7 @@ def test_fit_and_the_averager_refuse_a_float64_model(tmp_path, api, what, want):
     script = tmp_path / "own.py"
     script.write_text(textwrap.dedent(SCRIPT))
     start = time.monotonic()
-    proc = subprocess.run(launch_argv(1, sys.executable, str(script), api, what), capture_output=True, text=True,
-                          timeout=300, check=False, env=launch_env())
+    proc = fork_script(script, api, what, timeout=300)
     assert "TRAINED" not in proc.stdout
     _one_error_line(proc, start, want)
     assert not (tmp_path / f"own.py.{api}{what}").exists()

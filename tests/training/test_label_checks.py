@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flodl_mpi.training.data import DataError, dataset_from_arrays, load_dataset
-from tests.conftest import run_flodl
+from tests.conftest import fork_flodl
 
 
 def _write(path, train_y, test_y=None, dtype=np.int64, root_attr=None, y_attr=None):
@@ -122,12 +122,15 @@ def test_in_memory_labels_get_the_same_check():
 
 @pytest.mark.slow
 def test_the_cli_refuses_a_stray_label_in_one_line_exit_2(tmp_path):
+    """At a world of 1 in a fork (tests/conftest.py's fork_flodl; was two 2-rank launches): the refusal is the
+    data's, before any peer matters; every rank of a launched run refusing with one line between them is
+    tests/cli/test_cli.py's test_missing_data_file_is_one_line_and_exit_2_on_every_rank."""
     y = _labels()
     y[17] = 2_000_000_000
     path = _write(tmp_path / "big.h5", y)
     start = time.monotonic()
-    proc = run_flodl(2, "train", "--data", path, "--epochs", "1", "--run-dir", str(tmp_path / "run"), "-q",
-                     timeout=300)
+    proc = fork_flodl("train", "--data", path, "--epochs", "1", "--run-dir", str(tmp_path / "run"), "-q",
+                      timeout=300)
     assert time.monotonic() - start < 200
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -136,8 +139,8 @@ def test_the_cli_refuses_a_stray_label_in_one_line_exit_2(tmp_path):
     assert "allocate" not in proc.stderr and not (tmp_path / "run").exists()
     # A stated class count: trained, and train.log says where the count came from.
     stated = _write(tmp_path / "stated.h5", _labels(k=3), root_attr=np.int64(5))
-    proc = run_flodl(2, "train", "--data", stated, "--epochs", "1", "--run-dir", str(tmp_path / "ok"), "-q",
-                     timeout=300)
+    proc = fork_flodl("train", "--data", stated, "--epochs", "1", "--run-dir", str(tmp_path / "ok"), "-q",
+                      timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"5 classes (attribute num_classes of {stated!r})" in (tmp_path / "ok" / "train.log").read_text()
 

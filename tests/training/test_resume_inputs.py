@@ -14,7 +14,7 @@ import pytest
 from flodl_mpi.training.data import ensure_digits
 from flodl_mpi.errors import EXIT_INPUT
 from flodl_mpi.training.resume_inputs import data_path_difference, file_sha256, model_file_record, model_spec_difference
-from tests.conftest import launch_command, launch_env
+from tests.conftest import fork_flodl
 
 NET = """
 import torch
@@ -115,8 +115,15 @@ def test_data_spelling(work, tmp_path):
 
 
 def _train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_command(1, "train", "-q", "--batch-size", "128", *args), cwd=cwd,
-                          env=launch_env(), capture_output=True, text=True, check=False, timeout=300)
+    """``flodl-mpi train -q --batch-size 128 ARGS`` run from ``cwd``, at a world of 1 in a forked child of pytest
+    (tests/conftest.py's fork_flodl; was a 1-rank launch): the child inherits this process's working directory,
+    set to ``cwd`` for the fork and set back after it. The spellings compared are the run's own, on any rank."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return fork_flodl("train", "-q", "--batch-size", "128", *args, timeout=300)
+    finally:
+        os.chdir(here)
 
 
 @pytest.mark.slow

@@ -1,13 +1,17 @@
 """A resume compares the model with the one its checkpoint was written for (trial6 F4):
 a changed layer class, shape, tensor set or dtype is refused with one line, exit 2,
 before anything is touched; on the CLI, in ``fit`` and in an own loop's Averager
-(one resume function). Checkpoints without the record are compared by their tensors."""
+(one resume function). Checkpoints without the record are compared by their tensors.
+
+The runs are at a world of 1 in forked children of pytest (tests/conftest.py's fork_flodl, and its
+fork_python through tests/training/_scripts.py's fork_script;
+they were 2-rank launches on the CLI, 1-rank launches for the Averager): the comparison is of the model
+with the checkpoint's record, the same on every rank; every rank of a launched run refusing with one line
+between them, exit 2, is tests/cli/test_cli.py's."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -18,7 +22,8 @@ from torch import nn
 
 from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.training.model_record import model_record, resume_difference
-from tests.conftest import launch_argv, launch_env, run_flodl
+from tests.conftest import fork_flodl
+from tests.training._scripts import fork_script
 
 
 def _net(act=nn.ReLU, hidden=32, extra=False):
@@ -111,8 +116,8 @@ def test_the_cli_refuses_an_edited_model_file_on_resume(tmp_path):
     model = tmp_path / "nets.py"
     model.write_text(MODEL)
     run_dir = tmp_path / "run"
-    first = run_flodl(2, "train", "--model", f"{model}:make", "--epochs", "1", "--run-dir", str(run_dir), "-q",
-                      timeout=300)
+    first = fork_flodl("train", "--model", f"{model}:make", "--epochs", "1", "--run-dir", str(run_dir), "-q",
+                       timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     assert read_checkpoint(ckpt, ranks=[]).meta["model"]["modules"][3] == ["2", "ReLU"]
@@ -121,8 +126,8 @@ def test_the_cli_refuses_an_edited_model_file_on_resume(tmp_path):
                        (("32", "48"), "parameter '1.weight' shape (48, 64), the checkpoint's (32, 64)")]:
         model.write_text(MODEL.replace(*edit))
         start = time.monotonic()
-        proc = run_flodl(2, "train", "--model", f"{model}:make", "--epochs", "2", "--run-dir", str(run_dir),
-                         "--resume", "-q", timeout=300)
+        proc = fork_flodl("train", "--model", f"{model}:make", "--epochs", "2", "--run-dir", str(run_dir),
+                          "--resume", "-q", timeout=300)
         _refused(proc, start, want)
         assert _files(run_dir) == before          # nothing touched: no record, no checkpoint, no metrics row
     # A checkpoint of an older flodl-mpi (no record): compared by its tensors, still one line, exit 2.
@@ -131,8 +136,8 @@ def test_the_cli_refuses_an_edited_model_file_on_resume(tmp_path):
         f.attrs["json_keys"] = json.dumps(keys)
         del f.attrs["model"]
     start = time.monotonic()
-    proc = run_flodl(2, "train", "--model", f"{model}:make", "--epochs", "2", "--run-dir", str(run_dir),
-                     "--resume", "-q", timeout=300)
+    proc = fork_flodl("train", "--model", f"{model}:make", "--epochs", "2", "--run-dir", str(run_dir),
+                      "--resume", "-q", timeout=300)
     _refused(proc, start, "'1.weight' shape (48, 64), the checkpoint's (32, 64)")
 
 
@@ -162,8 +167,7 @@ def test_the_averager_refuses_a_changed_model_on_resume(tmp_path):
     script.write_text(textwrap.dedent(OWN))
 
     def own(*args):
-        return subprocess.run(launch_argv(1, sys.executable, str(script), *args), capture_output=True, text=True,
-                              timeout=300, check=False, env=launch_env())
+        return fork_script(script, *args, timeout=300)
 
     first = own("relu", "1")
     assert first.returncode == 0, first.stdout + first.stderr
