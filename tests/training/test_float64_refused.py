@@ -2,8 +2,8 @@
 (or complex) parameter or floating buffer, on the CLI, in ``fit`` and in an ``Averager``:
 exit 2, one line naming the tensor, nothing trained, no run dir. float16/bfloat16 pass.
 
-The runs are at a world of 1 in forked children of pytest (tests/conftest.py's fork_flodl, and its
-fork_python through tests/training/_scripts.py's fork_script;
+The runs are at a world of 1 in forked children of pytest (tests/conftest.py's fork_flodl and
+fork_python;
 they were a 2-rank launch and 1-rank launches): the refusal is the model's, decided before any peer
 matters; that every rank of a launched run refuses with one line between them, exit 2, is
 tests/cli/test_cli.py's (test_models_that_differ_across_ranks_are_refused and the missing data file's)."""
@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from flodl_mpi.training.models import wide_tensor
-from tests.conftest import fork_flodl
-from tests.training._scripts import fork_script
+from tests.conftest import fork_flodl, fork_python
 
 TAIL = ("flodl_mpi averages and checkpoints in float32, which would round it at every round; "
         "cast the model to float32 first (model.float())")
@@ -108,7 +107,7 @@ def test_fit_and_the_averager_refuse_a_float64_model(tmp_path, api, what, want):
     script = tmp_path / "own.py"
     script.write_text(textwrap.dedent(SCRIPT))
     start = time.monotonic()
-    proc = fork_script(script, api, what, timeout=300)
+    proc = fork_python(script, api, what, timeout=300)
     assert "TRAINED" not in proc.stdout
     _one_error_line(proc, start, want)
     assert not (tmp_path / f"own.py.{api}{what}").exists()

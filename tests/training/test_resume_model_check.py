@@ -3,8 +3,8 @@ a changed layer class, shape, tensor set or dtype is refused with one line, exit
 before anything is touched; on the CLI, in ``fit`` and in an own loop's Averager
 (one resume function). Checkpoints without the record are compared by their tensors.
 
-The runs are at a world of 1 in forked children of pytest (tests/conftest.py's fork_flodl, and its
-fork_python through tests/training/_scripts.py's fork_script;
+The runs are at a world of 1 in forked children of pytest (tests/conftest.py's fork_flodl and
+fork_python;
 they were 2-rank launches on the CLI, 1-rank launches for the Averager): the comparison is of the model
 with the checkpoint's record, the same on every rank; every rank of a launched run refusing with one line
 between them, exit 2, is tests/cli/test_cli.py's."""
@@ -22,8 +22,7 @@ from torch import nn
 
 from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.training.model_record import model_record, resume_difference
-from tests.conftest import fork_flodl
-from tests.training._scripts import fork_script
+from tests.conftest import fork_flodl, fork_python
 
 
 def _net(act=nn.ReLU, hidden=32, extra=False):
@@ -167,7 +166,7 @@ def test_the_averager_refuses_a_changed_model_on_resume(tmp_path):
     script.write_text(textwrap.dedent(OWN))
 
     def own(*args):
-        return fork_script(script, *args, timeout=300)
+        return fork_python(script, *args, timeout=300)
 
     first = own("relu", "1")
     assert first.returncode == 0, first.stdout + first.stderr
