@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +34,8 @@ MARK = "@@flodl-run-sequence run {}@@"
 def run_sequence(n: int, runs, tmp: Path, timeout: float = 600.0) -> list[subprocess.CompletedProcess]:
     """Launch ``n`` ranks that make ``runs`` (``(hooks, args)`` pairs) one after the other; one finished process
     per run (its exit status, and its part of the launcher's stdout and stderr). The launch itself must end 0
-    (a run that aborts the job ends it: the assertion shows the launcher's output)."""
+    (a run that aborts the job ends it: the assertion shows the launcher's output). Each has ``seconds``
+    too: the wall time of its ``main`` on rank 0."""
     from tests.conftest import launch_argv, launch_env
 
     runs = [(tuple(map(str, hooks)), tuple(map(str, args))) for hooks, args in runs]
@@ -45,12 +47,15 @@ def run_sequence(n: int, runs, tmp: Path, timeout: float = 600.0) -> list[subpro
     proc = subprocess.run(launch_argv(n, sys.executable, str(SCRIPT), str(spec)), capture_output=True, text=True,
                           timeout=timeout, check=False, env=launch_env(), cwd=str(ROOT))
     assert proc.returncode == 0 and result.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    codes = json.loads(result.read_text())
+    codes, seconds = json.loads(result.read_text())
     assert len(codes) == len(runs), codes
     outs = _split(proc.stdout, len(runs))
     errs = _split(proc.stderr, len(runs))
-    return [subprocess.CompletedProcess(["flodl-mpi", *args], code, out, err)
-            for (_, args), code, out, err in zip(runs, codes, outs, errs)]
+    done = []
+    for (_, args), code, out, err, wall in zip(runs, codes, outs, errs, seconds):
+        done.append(subprocess.CompletedProcess(["flodl-mpi", *args], code, out, err))
+        done[-1].seconds = wall
+    return done
 
 
 def _split(text: str, count: int) -> list[str]:
@@ -84,7 +89,7 @@ def _main(spec_path: str) -> int:
     from mpi4py import MPI  # started by the hooks' imports (as under tests/hooked_flodl.py)
 
     spec = json.loads(Path(spec_path).read_text())
-    codes = []
+    codes, seconds = [], []
     for i, (hooks, args) in enumerate(spec["runs"]):
         MPI.COMM_WORLD.Barrier()  # the previous run is over on every rank
         rank = MPI.COMM_WORLD.rank
@@ -93,9 +98,11 @@ def _main(spec_path: str) -> int:
                 print(MARK.format(i), file=stream, flush=True)
         saved = [(owner, name, vars(owner)[name]) for owner, name in _patched()]
         rest, at_exit = install_hooks([*hooks, "--", *args])
+        t0 = time.monotonic()
         try:
             codes.append(main(rest))
         finally:
+            seconds.append(time.monotonic() - t0)
             for fn in at_exit:
                 fn()
             for owner, name, value in saved:
@@ -103,7 +110,7 @@ def _main(spec_path: str) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
     if MPI.COMM_WORLD.rank == 0:
-        Path(spec["result"]).write_text(json.dumps(codes))
+        Path(spec["result"]).write_text(json.dumps([codes, seconds]))
     return 0
 
 
