@@ -22,7 +22,6 @@ from flodl_mpi.policy.registry import PolicySpec, describe, make_policy
 from tests.policy import toy_policy
 
 
-
 @pytest.fixture
 def toy():
     """The toy policy, registered for one test (and removed after: the registry is the process's)."""
