@@ -222,9 +222,10 @@ def test_a_toy_policy_runs_through_the_cli_as_the_built_in_that_plans_alike(tmp_
     batches, 11 an epoch and then the 1 batch left of 45 (hand-worked: 45 = 11 x 4 + 1), and its rounds
     table and final model are those of a ``--window 4`` run with the same options, forked alike, bit for
     bit. A world of 1 suffices: what is shown is that the CLI plans, logs and reports through the
-    registered entry. That every rank of a multi-rank run plans it alike, with its consensus, is the
-    multi-rank ``fit`` test below (and what a script registering it under ``mpiexec`` does, the README's
-    "Adding a policy")."""
+    registered entry. (This was a 2-rank launch of a script that registers the toy and calls the CLI's
+    main, against the session's 2-rank ``--window 4`` run, tests/_runs.py RUN_B. That every rank plans a
+    registered policy alike, to one consensus, is the multi-rank ``fit`` test below, run by the suite's
+    multi-rank stages.)"""
     from flodl_mpi.cli.report import format_summary
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
     from flodl_mpi.outputs.metrics import read_table
