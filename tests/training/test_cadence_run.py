@@ -2,6 +2,11 @@
 
 Speeds are scripted (``tests/hooked_flodl.py --script-speeds``): the balancer reads the
 ms per batch the test says, so quotas are a function of the round, never of the clock.
+
+Every run is a 2-rank run (the policies plan per rank), made by the module's fixture in two launches
+(tests/training/run_sequence.py: one start-up of the ranks for several runs, each with its own hooks):
+every run that starts afresh, then the resumes of the two stopped ones (never in the launch that
+stopped them).
 """
 
 import numpy as np
@@ -9,18 +14,62 @@ import pytest
 
 from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.outputs.metrics import read_table
-from tests.conftest import run_flodl
-from tests.training.test_resume import STOPPED, run_hooked
+from tests.training.run_sequence import run_sequence
+from tests.training.test_resume import STOPPED
 
 pytestmark = pytest.mark.slow
 
 N_TRAIN = 1437  # the digits' training samples: 45 batches of 32 (the last one 29)
 
+# test_a_stopped_and_resumed_cadence_run_equals_the_uninterrupted_one's runs
+CADENCE_HOOKS = ("--script-speeds", "1,3", "--script-round-ms", "40")
+# Each rank's own Adam state (as the scenario was designed): with the state averaged
+# the divergence trend differs and the guard holds the anchor after its first growth.
+CADENCE = ("train", "--policy", "cadence", "--anchor", "4", "--epochs", "3", "--batch-size", "16",
+           "--average-optimizer-state", "off")
+# test_async_a_stop_in_an_epochs_carried_round_ends_that_epoch_then_stops_after_the_next_window's
+ASYNC_HOOKS = ("--script-speeds", "1,3", "--script-round-ms", "60")
+ASYNC = ("train", "--policy", "async", "--anchor", "4", "--max-anchor", "4", "--epochs", "3")
 
-def test_cadence_at_speeds_1_to_3_reads_every_sample_exactly_once_per_epoch(tmp_path):
-    run_dir, seen = tmp_path / "run", tmp_path / "seen"
-    proc = run_hooked(2, "--script-speeds", "1,3", "--script-round-ms", "0", "--record-indices", str(seen), "--",
-                      "train", "--policy", "cadence", "--anchor", "4", "--epochs", "2", "--run-dir", str(run_dir))
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's runs, by name: ``(run dir, finished process)``. ``cadence-stopped`` and ``async-stopped``
+    are the stopped runs' first parts, whose checkpoint and epochs table are read (``...-mid``) before
+    ``...-resumed`` continue them in the second launch. ``coverage``'s indices are in ``seen``."""
+    base = tmp_path_factory.mktemp("cadence")
+    seen = base / "seen"
+    plan = {
+        "coverage": (("--script-speeds", "1,3", "--script-round-ms", "0", "--record-indices", str(seen)),
+                     ("train", "--policy", "cadence", "--anchor", "4", "--epochs", "2")),
+        "cadence-straight": (CADENCE_HOOKS, CADENCE),
+        "cadence-stopped": ((*CADENCE_HOOKS, "--stop-at-round", "9"), CADENCE),
+        "async-10": ((), ("train", "--policy", "async", "--epochs", "10")),
+        **{f"easgd-{alpha}": ((), ("train", "--policy", "async", "--async-adopt", "easgd", "--easgd-alpha", alpha,
+                                   "--epochs", "5")) for alpha in ("0.5", "1.0")},
+        "async-carried": ((), ("train", "--policy", "async", "--epochs", "3", "--checkpoint-every", "1")),
+        "async-stopped": ((*ASYNC_HOOKS, "--stop-at-round", "4"), ASYNC),
+        **{f"shrink-{policy}": (("--script-speeds", "1,3", "--script-round-ms", "0"),
+                                ("train", "--policy", policy, "--anchor", "4", "--max-anchor", "4", "--epochs", "2"))
+           for policy in ("async", "cadence")},
+    }
+    first = run_sequence(2, [(hooks, (*args, "--run-dir", str(base / name))) for name, (hooks, args) in plan.items()],
+                         base)
+    out = {name: (base / name, proc) for name, proc in zip(plan, first)}
+    out["seen"] = seen
+    for name in ("cadence", "async"):
+        d = base / f"{name}-stopped"
+        out[f"{name}-mid"] = (read_checkpoint(latest_checkpoint(d / "checkpoints")),
+                              read_table(d / "metrics.h5", "epochs"))
+    again = run_sequence(2, [(CADENCE_HOOKS, (*CADENCE, "--run-dir", str(base / "cadence-stopped"), "--resume")),
+                             (ASYNC_HOOKS, (*ASYNC, "--run-dir", str(base / "async-stopped"), "--resume"))], base)
+    for name, proc in zip(("cadence", "async"), again):
+        out[f"{name}-resumed"] = (base / f"{name}-stopped", proc)
+    return out
+
+
+def test_cadence_at_speeds_1_to_3_reads_every_sample_exactly_once_per_epoch(runs):
+    (run_dir, proc), seen = runs["coverage"], runs["seen"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     reads = [np.load(seen / f"rank{r}.npz") for r in (0, 1)]
     for epoch in (0, 1):
@@ -39,21 +88,15 @@ def test_cadence_at_speeds_1_to_3_reads_every_sample_exactly_once_per_epoch(tmp_
     np.testing.assert_array_equal(epochs["per_rank_share_complete_ms"] > 0, True)
 
 
-def test_a_stopped_and_resumed_cadence_run_equals_the_uninterrupted_one(tmp_path):
+def test_a_stopped_and_resumed_cadence_run_equals_the_uninterrupted_one(runs):
     """The anchor grows (scripted overhead 40 ms), quotas are scaled at epoch ends, the guard acts: bit-equal."""
-    hooks = ("--script-speeds", "1,3", "--script-round-ms", "40")
-    # Each rank's own Adam state (as the scenario was designed): with the state averaged
-    # the divergence trend differs and the guard holds the anchor after its first growth.
-    common = ("train", "--policy", "cadence", "--anchor", "4", "--epochs", "3", "--batch-size", "16",
-              "--average-optimizer-state", "off")
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert run_hooked(2, *hooks, "--", *common, "--run-dir", str(straight)).returncode == 0
-    first = run_hooked(2, *hooks, "--stop-at-round", "9", "--", *common, "--run-dir", str(stopped))
+    (straight, proc), (stopped, first) = runs["cadence-straight"], runs["cadence-stopped"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert first.returncode in STOPPED, first.stderr[-3000:]
-    ckpt = read_checkpoint(latest_checkpoint(stopped / "checkpoints"))
+    ckpt = runs["cadence-mid"][0]
     assert ckpt.meta["round"] == 9 and ckpt.meta["cursor"] > 0  # stopped mid-epoch, balancer state saved
     assert ckpt.meta["policy"]["name"] == "cadence" and ckpt.meta["policy"]["elche"]["anchor"] > 4
-    second = run_hooked(2, *hooks, "--", *common, "--run-dir", str(stopped), "--resume")
+    second = runs["cadence-resumed"][1]
     assert second.returncode == 0, second.stderr[-3000:]
     a = read_checkpoint(latest_checkpoint(straight / "checkpoints"))
     b = read_checkpoint(latest_checkpoint(stopped / "checkpoints"))
@@ -68,9 +111,8 @@ def test_a_stopped_and_resumed_cadence_run_equals_the_uninterrupted_one(tmp_path
     assert len(set(ra["anchor"].tolist())) > 2  # the anchor did grow, more than once
 
 
-def test_async_on_digits_at_two_ranks_reaches_093(tmp_path):
-    run_dir = tmp_path / "async"
-    proc = run_flodl(2, "train", "--policy", "async", "--epochs", "10", "--run-dir", str(run_dir), timeout=600)
+def test_async_on_digits_at_two_ranks_reaches_093(runs):
+    run_dir, proc = runs["async-10"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     assert ckpt.meta["test_accuracy"] >= 0.93
@@ -83,16 +125,14 @@ def test_async_on_digits_at_two_ranks_reaches_093(tmp_path):
 
 
 @pytest.mark.parametrize("alpha", ["0.5", "1.0"])
-def test_async_easgd_on_digits_at_two_ranks_reaches_093(tmp_path, alpha):
+def test_async_easgd_on_digits_at_two_ranks_reaches_093(runs, alpha):
     """EASGD pulls each rank at its snapshot and keeps its own steps since: it trains as fast
     as delta. (Blending the live params instead pulled back alpha of every window: at alpha
     1.0 the run never moved from its initial model, about 10 % on digits.)
 
     Issue 20 item 4: train.log says the adoption in the registry's one wording, the report's
     ``adopt easgd, alpha A`` (the option's word), where it said ``adopt EASGD alpha A``."""
-    run_dir = tmp_path / "easgd"
-    proc = run_flodl(2, "train", "--policy", "async", "--async-adopt", "easgd", "--easgd-alpha", alpha,
-                     "--epochs", "5", "--run-dir", str(run_dir), timeout=600)
+    run_dir, proc = runs[f"easgd-{alpha}"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"adopt easgd, alpha {float(alpha):g}: own steps + alpha (consensus - snapshot)" in proc.stdout + \
         proc.stderr  # the run did use the blend
@@ -101,7 +141,7 @@ def test_async_easgd_on_digits_at_two_ranks_reaches_093(tmp_path, alpha):
     assert read_table(run_dir / "metrics.h5", "rounds")["round"].size >= 5
 
 
-def test_async_carries_each_epochs_last_round_and_evaluates_and_saves_its_consensus(tmp_path):
+def test_async_carries_each_epochs_last_round_and_evaluates_and_saves_its_consensus(runs):
     """The last round of epochs 1 and 2 runs on while the next epoch's first window trains; each epoch's
     checkpoint is that round's consensus, and the test accuracy recorded for the epoch is that model's
     (evaluated again here, in one process, on the whole test set). The last epoch waits for its round."""
@@ -112,9 +152,7 @@ def test_async_carries_each_epochs_last_round_and_evaluates_and_saves_its_consen
     from flodl_mpi.training.models import digits_mlp
     from flodl_mpi.training.task import evaluate
 
-    run_dir = tmp_path / "async"
-    proc = run_flodl(2, "train", "--policy", "async", "--epochs", "3", "--checkpoint-every", "1", "--run-dir",
-                     str(run_dir), timeout=600)
+    run_dir, proc = runs["async-carried"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     epochs = read_table(run_dir / "metrics.h5", "epochs")
     np.testing.assert_array_equal(epochs["per_rank_batches"].sum(axis=1), [45] * 3)  # exact coverage
@@ -134,39 +172,32 @@ def test_async_carries_each_epochs_last_round_and_evaluates_and_saves_its_consen
         assert count == 1797 - N_TRAIN and correct / count == epochs["test_accuracy"][e], e
 
 
-def test_async_a_stop_in_an_epochs_carried_round_ends_that_epoch_then_stops_after_the_next_window(tmp_path):
+def test_async_a_stop_in_an_epochs_carried_round_ends_that_epoch_then_stops_after_the_next_window(runs):
     """Async's plan is one round older: epoch 1 runs windows (4, 4), (4, 4), (12, 4) (speeds 1:3), and
     (10, 3) for the 13 batches left: rounds 0-3. Round 3 carries the stop and runs on while epoch 2's
     first window (12, 4) trains; epoch 1 then ends complete on its consensus, and epoch 2 stops after
     that window's round 4 (cursor 16). The resumed run completes every epoch, each sample once.
     Rounds of 60 ms (scripted) need ceil(2 * 60 / 30) = 4 batches of rank 1 to hide: the anchor never
     shrinks, and --max-anchor 4 keeps the (real) wait from growing it."""
-    common = ("train", "--policy", "async", "--anchor", "4", "--max-anchor", "4", "--epochs", "3")
-    run_dir = tmp_path / "run"
-    first = run_hooked(2, "--script-speeds", "1,3", "--script-round-ms", "60", "--stop-at-round", "4", "--", *common,
-                       "--run-dir", str(run_dir))
+    run_dir, first = runs["async-stopped"]
     assert first.returncode in STOPPED, first.stderr[-3000:]
-    ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    ckpt, epochs = runs["async-mid"]
     assert (ckpt.meta["epoch"], ckpt.meta["cursor"], ckpt.meta["round"]) == (1, 16, 5)
     assert ckpt.meta["reason"] == "graceful_shutdown"
-    epochs = read_table(run_dir / "metrics.h5", "epochs")
     np.testing.assert_array_equal(epochs["per_rank_batches"][0], [30, 15])  # epoch 1 whole, ended on its round
-    second = run_hooked(2, "--script-speeds", "1,3", "--script-round-ms", "60", "--", *common, "--run-dir",
-                        str(run_dir), "--resume")
+    second = runs["async-resumed"][1]
     assert second.returncode == 0, second.stderr[-3000:]
     epochs = read_table(run_dir / "metrics.h5", "epochs")
     np.testing.assert_array_equal(epochs["per_rank_batches"].sum(axis=1), [45] * 3)
 
 
-def test_async_shrinks_the_anchor_to_what_hides_the_round(tmp_path):
+def test_async_shrinks_the_anchor_to_what_hides_the_round(runs):
     """Speeds 1:3 (rank 1: 30 ms a batch) and free rounds (0 ms, scripted): a window need not be long to
     hide them, so async halves the anchor, 4 -> 2 -> 1, from the first rounds that close a window on (the
     plan is one round older than cadence's). At the ceiling 4 no wait can grow it, so the first halving
     is certain; the quotas follow the anchor: (6, 2) at 2. Cadence on the same facts keeps 4."""
     for policy in ("async", "cadence"):
-        run_dir = tmp_path / policy
-        proc = run_hooked(2, "--script-speeds", "1,3", "--script-round-ms", "0", "--", "train", "--policy", policy,
-                          "--anchor", "4", "--max-anchor", "4", "--epochs", "2", "--run-dir", str(run_dir))
+        run_dir, proc = runs[f"shrink-{policy}"]
         assert proc.returncode == 0, proc.stderr[-3000:]
         rounds = read_table(run_dir / "metrics.h5", "rounds")
         anchors = rounds["anchor"].tolist()
