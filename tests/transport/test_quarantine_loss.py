@@ -9,7 +9,9 @@ import math
 import numpy as np
 import pytest
 
+from flodl_mpi.outputs.metrics import read_table
 from flodl_mpi.protocol.epoch_report import EPOCH_FIELDS, EpochReport, aggregate_epoch, excluded_words
+from tests.transport._quarantine_runs import two_fault_run
 
 
 def _row(losses: list[float]) -> np.ndarray:
@@ -48,9 +50,6 @@ def test_a_quarantined_rank_leaves_a_finite_epoch_loss_the_mean_of_the_finite_ba
     (`tests.transport._quarantine_runs`: ``nanloss@1:9`` and ``nan@1:5``, whose NaN parameters are
     adopted away before any loss; was a run of this test's own with ``nanloss@1:5``, the same command
     as one of test_non_finite's)."""
-    from flodl_mpi.outputs.metrics import read_table
-    from tests.transport._quarantine_runs import two_fault_run
-
     run_dir, proc = two_fault_run(tmp_path_factory)
     assert proc.returncode == 0, proc.stderr
     batches = read_table(run_dir / "metrics.h5", "batches")
