@@ -234,7 +234,8 @@ with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir
 
 @pytest.mark.slow
 def test_a_fit_run_logs_and_saves_the_factorys_learning_rate(tmp_path):
-    """Issue 7: train.log and the checkpoint told the CLI's default lr 0.001 and 'adam', not the factory's SGD."""
+    """Issue 7: train.log and the checkpoint told the CLI's default lr 0.001 and 'adam', not the factory's SGD.
+    Launched at 2 ranks: ``scale_lr`` multiplies the factory's lr by the world (x 2), which a world of 1 leaves as is."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
     from tests.conftest import launch_argv
 

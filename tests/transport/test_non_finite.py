@@ -63,6 +63,7 @@ def test_a_non_finite_rank_is_quarantined_and_the_run_goes_on(tmp_path, tmp_path
 
 
 def test_every_rank_non_finite_ends_the_job_with_one_line_and_keeps_checkpoints(tmp_path):
+    """Launched at 2 ranks: the line names each rank's non-finite values, and one line between them."""
     module = tmp_path / "diverging.py"
     module.write_text(
         "import torch\n"
@@ -92,6 +93,8 @@ def test_every_rank_non_finite_ends_the_job_with_one_line_and_keeps_checkpoints(
 
 
 def test_on_non_finite_stop_ends_every_rank_with_one_line_and_keeps_checkpoints(tmp_path):
+    """Launched at 2 ranks: the stop is ``--on-non-finite stop``'s only while a finite peer is left (alone, the
+    non-finite rank would be every rank: the test above's stop), and it ends the peer too."""
     run_dir = tmp_path / "r"
     # Round 40 is in epoch 2 (23 rounds per epoch at batch 32): epoch 1's checkpoint must survive.
     t0 = time.monotonic()
