@@ -1,9 +1,12 @@
 """What runs of the Python API record: the epoch aggregate's accuracy, an own loop's samples and loss,
-config.json as built (issue 7). The runs are a world of 1 under plain ``python`` (no launcher)."""
+config.json as built (issue 7). The runs are a world of 1 in a fork of this process (``fork_python`` /
+``fork_flodl``: torch loaded; were ``python`` processes and, for the CLI's check, launches at 1 and 2 ranks),
+but `FIT_LR`'s: ``scale_lr`` scales by the world, so it is launched at 2 ranks."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,7 +16,7 @@ import pytest
 
 from flodl_mpi.outputs.metrics import read_table
 from flodl_mpi.protocol.epoch_report import EPOCH_FIELDS, aggregate_epoch
-from tests.conftest import launch_env
+from tests.conftest import fork_flodl, fork_python, launch_env
 
 
 def _matrix(**cols) -> np.ndarray:
@@ -42,8 +45,8 @@ def test_unrecorded_samples_give_nan_throughput_not_zero():
     assert s.per_rank_samples.tolist() == [-1, 64]
 
 
-#: Runs one world-of-1 script after another in one process (one Python start and torch import, not one
-#: each): each in its own folder (``argv.txt``: the script and its arguments), ``== <folder>`` printed
+#: Runs one world-of-1 script after another in one process (a fork of this one: torch loaded, not imported
+#: again for each): each in its own folder (``argv.txt``: the script and its arguments), ``== <folder>`` printed
 #: before it; a script that raises leaves its traceback in ``error.txt`` and the next one runs.
 DRIVER = """
 import os, runpy, sys, traceback
@@ -61,7 +64,7 @@ for folder in sys.argv[1:]:
 
 
 class SharedRuns:
-    """The module's world-of-1 runs that several tests read, made once in one process (`DRIVER`)."""
+    """The module's world-of-1 runs that several tests read, made once in one process (`DRIVER`, in a fork)."""
 
     def __init__(self, root, runs: dict[str, tuple[str, tuple[str, ...]]]):
         self.root = root
@@ -70,8 +73,7 @@ class SharedRuns:
             (root / name / "script.py").write_text(textwrap.dedent(code))
             (root / name / "argv.txt").write_text(" ".join(("script.py", *args)))
         (root / "driver.py").write_text(DRIVER)
-        proc = subprocess.run([sys.executable, str(root / "driver.py"), *(str(root / n) for n in runs)], cwd=root,
-                              capture_output=True, text=True, env=launch_env(), timeout=600, check=False)
+        proc = fork_python(root / "driver.py", *(str(root / n) for n in runs), timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         self.stdout = {n: proc.stdout.split(f"== {root / n}\n", 1)[1].split("\n== ", 1)[0] for n in runs}
 
@@ -91,8 +93,9 @@ class SharedRuns:
 
 @pytest.fixture(scope="module")
 def shared_runs(tmp_path_factory):
-    """OWN_LOOP, FIT, CLOSE_ROUND, CLOSE_MID_EPOCH and FIT_OPT's first runs (1 epoch, each optimizer): one process
-    (was: one process per test, OWN_LOOP and two of FIT_OPT's first runs made twice)."""
+    """OWN_LOOP, FIT, CLOSE_ROUND, CLOSE_MID_EPOCH and FIT_OPT's first runs (1 epoch, each optimizer): one process,
+    a fork of this one (was: a ``python`` process; before it, one process per test, OWN_LOOP and two of
+    FIT_OPT's first runs made twice)."""
     return SharedRuns(tmp_path_factory.mktemp("records"), {
         "own_loop": (OWN_LOOP, ()), "fit": (FIT, ()), "close_round": (CLOSE_ROUND, ()),
         "close_mid_epoch": (CLOSE_MID_EPOCH, ()),
@@ -231,7 +234,8 @@ with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=2, run_dir
 
 @pytest.mark.slow
 def test_a_fit_run_logs_and_saves_the_factorys_learning_rate(tmp_path):
-    """Issue 7: train.log and the checkpoint told the CLI's default lr 0.001 and 'adam', not the factory's SGD."""
+    """Issue 7: train.log and the checkpoint told the CLI's default lr 0.001 and 'adam', not the factory's SGD.
+    Launched at 2 ranks: ``scale_lr`` multiplies the factory's lr by the world (x 2), which a world of 1 leaves as is."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
     from tests.conftest import launch_argv
 
@@ -299,8 +303,9 @@ def test_the_last_round_and_the_test_figures_reach_the_records(shared_runs):
 # ---- the optimizer a resume checks: what the checkpoint holds, recorded as built ---------------------------------
 
 FIT_OPT = """
-import sys, time, numpy as np, torch, flodl_mpi
+import os, sys, time, numpy as np, torch, flodl_mpi
 from torch import nn
+os.chdir(os.path.dirname(os.path.abspath(__file__)))  # its run dir "run" beside it (a fork has pytest's cwd)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 3)).astype(np.float32); y = x.sum(1, keepdims=True)
 make = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.5),
@@ -317,10 +322,28 @@ print(f"epochs {[r.epoch for r in run.wait()]}", flush=True)
 """
 
 
+#: ``python ARGV[1] ARGV[2:]`` as the interpreter ends it: an uncaught error goes to ``sys.excepthook`` (the
+#: product's, which the API installs: one line, the error's exit status). `fork_python` runs a script with
+#: ``runpy``, where such an error would reach the fork's child instead (a traceback, exit status 1).
+AS_PYTHON_ENDS_IT = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit:
+    raise
+except BaseException:
+    sys.excepthook(*sys.exc_info())
+    raise SystemExit(1)
+"""
+
+
 def _fit_opt(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``python fit_opt.py ARGS`` (FIT_OPT) in ``tmp_path``: a world of 1 in a fork, through `AS_PYTHON_ENDS_IT`
+    (was a ``python`` process)."""
     (tmp_path / "fit_opt.py").write_text(textwrap.dedent(FIT_OPT))
-    return subprocess.run([sys.executable, "fit_opt.py", *args], cwd=tmp_path, capture_output=True, text=True,
-                          env=launch_env(), timeout=300, check=False)
+    (tmp_path / "as_python.py").write_text(AS_PYTHON_ENDS_IT)
+    return fork_python(tmp_path / "as_python.py", str(tmp_path / "fit_opt.py"), *args, timeout=300)
 
 
 def _as_the_previous_release_wrote_it(path) -> None:
@@ -435,20 +458,29 @@ def test_an_own_loop_closed_mid_epoch_records_every_batch(shared_runs):
     assert not meta["epoch_complete"] and meta["metrics_rows"]["batches"] == 8  # a resume keeps all eight
 
 
+@pytest.fixture(scope="module")
+def _cli_run(tmp_path_factory):
+    """A finished 1-epoch CLI run at a world of 1 (a fork; the defaults: Adam)."""
+    run_dir = tmp_path_factory.mktemp("records-cli") / "run"
+    proc = fork_flodl("train", "--epochs", "1", "--run-dir", str(run_dir), "-q", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
 @pytest.mark.slow
-def test_the_cli_checks_the_optimizer_against_the_saved_state(tmp_path, tmp_path_factory):
-    """The CLI's resume check reads the same fact (the rank state's class): one line naming both, exit 2."""
+def test_the_cli_checks_the_optimizer_against_the_saved_state(tmp_path, _cli_run):
+    """The CLI's resume check reads the same fact (the rank state's class): one line naming both, exit 2.
+    The finished run is a copy of the module's 1-epoch CLI run (`_cli_run`; was the session's run A, 5 epochs
+    at 2 ranks); the resume and the bad config are refused in forks at 1 rank (were launches at 2 and 1)."""
     import time
 
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
-    from tests._runs import copy_of_run_a
-    from tests.conftest import run_flodl
 
-    run = str(copy_of_run_a(tmp_path_factory, tmp_path / "run"))  # a finished run with Adam (its own copy)
+    run = str(shutil.copytree(_cli_run, tmp_path / "run"))  # a finished run with Adam (its own copy)
     path = latest_checkpoint(tmp_path / "run" / "checkpoints")
     assert read_checkpoint(path).meta["config"]["optimizer"] == "adam"
     t0 = time.monotonic()
-    again = run_flodl(2, "train", "--optimizer", "sgd", "--epochs", "6", "--run-dir", run, "--resume", timeout=400)
+    again = fork_flodl("train", "--optimizer", "sgd", "--epochs", "2", "--run-dir", run, "--resume", timeout=400)
     assert time.monotonic() - t0 < 300  # refused in setup, not after training (generous: a loaded machine)
     assert again.returncode == 2, again.stderr[-2000:]
     assert again.stderr.count(f"flodl-mpi: error: --resume: {path} holds the optimizer state of Adam, this run builds "
@@ -456,7 +488,7 @@ def test_the_cli_checks_the_optimizer_against_the_saved_state(tmp_path, tmp_path
     assert latest_checkpoint(tmp_path / "run" / "checkpoints") == path
     config = tmp_path / "opt.toml"
     config.write_text('optimizer = "torch.optim.rmsprop:RMSprop"\n')  # an API run's record is not a CLI choice
-    bad = run_flodl(1, "train", "--config", str(config), "--epochs", "1", "--run-dir", str(tmp_path / "new"))
+    bad = fork_flodl("train", "--config", str(config), "--epochs", "1", "--run-dir", str(tmp_path / "new"))
     assert bad.returncode == 2
     assert bad.stderr.count(f"flodl-mpi: error: --config {str(config)!r}: key 'optimizer': "
                             "'torch.optim.rmsprop:RMSprop': must be one of sgd, adam, adamw") == 1, bad.stderr[-2000:]

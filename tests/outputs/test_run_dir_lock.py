@@ -1,8 +1,16 @@
-"""One run at a time in a run directory: a second run is refused (exit 2) and touches nothing of the first."""
+"""One run at a time in a run directory: a second run is refused (exit 2) and touches nothing of the first.
+
+The refused runs are a world of 1 in a fork of this process (``fork_flodl`` / ``fork_python``: torch loaded,
+about half a CPU second each, where a 2-rank launch costs about 9), but one: a 2-rank ``--resume`` refused
+while the lock is held, for "every rank exits 2, one line between them". A live run that a second one must
+find holding the lock, or that is killed by pid, is a real process: a 1-rank launch (``start_flodl``; was 2
+ranks): the lock is rank 0's, the other ranks hold none.
+"""
 
 import fcntl
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,8 +23,7 @@ from flodl_mpi.outputs import run_dir_lock
 from flodl_mpi.outputs.checkpoint import latest_checkpoint
 from flodl_mpi.errors import EXIT_INPUT, EXIT_STOPPED
 from flodl_mpi.outputs.metrics import read_table
-from tests._runs import copy_of_run_a
-from tests.conftest import launch_env, rank_pids, run_flodl, start_flodl
+from tests.conftest import fork_flodl, fork_python, rank_pids, run_flodl, start_flodl
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +37,9 @@ def _snapshot(run_dir: Path) -> dict[str, str]:
 
 
 def _start_until_a_checkpoint(run_dir: Path, epochs: int) -> subprocess.Popen:
-    """A 2-rank run in ``run_dir`` in the background, returned once its first checkpoint is on disk (<= 180 s)."""
-    proc = start_flodl(2, "train", "--epochs", str(epochs), "--run-dir", str(run_dir))
+    """A 1-rank run in ``run_dir`` in the background (one torch thread, as in a fork), returned once its first
+    checkpoint is on disk (<= 180 s)."""
+    proc = start_flodl(1, "train", "--epochs", str(epochs), "--run-dir", str(run_dir), env={"OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 180
     while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -66,17 +74,32 @@ def test_claim_is_exclusive_across_processes_and_released_on_close(tmp_path):
     assert not run_dir_lock.in_use(tmp_path)
 
 
-def test_a_resume_of_a_run_dir_in_use_is_refused_and_touches_nothing(tmp_path, tmp_path_factory):
+@pytest.fixture(scope="module")
+def _finished_run(tmp_path_factory) -> Path:
+    """A finished 1-epoch run at a world of 1 (a fork), copied by the tests that need one."""
+    run_dir = tmp_path_factory.mktemp("lock") / "done"
+    proc = fork_flodl("train", "--epochs", "1", "--run-dir", str(run_dir), "-q", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_a_resume_of_a_run_dir_in_use_is_refused_and_touches_nothing(tmp_path, _finished_run):
     """While another process holds the lock, ``--resume`` (and a fresh run) exit 2 with one line within the
-    time bound, and every file of the run, a leftover ``metrics.h5.resume-tmp`` included, stays byte-identical."""
-    run_dir = copy_of_run_a(tmp_path_factory, tmp_path / "r")  # a finished 5-epoch run (its own copy)
+    time bound, and every file of the run, a leftover ``metrics.h5.resume-tmp`` included, stays byte-identical.
+
+    The run is a copy of the module's finished 1-epoch run (`_finished_run`; was the session's run A, 5 epochs
+    at 2 ranks: any finished run will do). ``--resume`` is refused at 2 ranks, launched (one line, from rank
+    0: the module's docstring); the fresh run in a fork at 1 rank (was: launched at 2)."""
+    run_dir = tmp_path / "r"
+    shutil.copytree(_finished_run, run_dir)
     live_tmp = run_dir / "metrics.h5.resume-tmp"  # as a live run's rebuild of metrics.h5 leaves it
     live_tmp.write_bytes(b"a live run's unfinished copy")
     before = _snapshot(run_dir)
     with _Held(run_dir):
         for extra in (("--resume",), ()):
             t0 = time.monotonic()
-            second = run_flodl(2, "train", "--epochs", "6", "--run-dir", str(run_dir), *extra, timeout=120)
+            args = ("train", "--epochs", "2", "--run-dir", str(run_dir), *extra)
+            second = run_flodl(2, *args, timeout=120) if extra else fork_flodl(*args, timeout=120)
             assert time.monotonic() - t0 < 120
             assert second.returncode == EXIT_INPUT, second.stderr[-2000:]
             assert f"--run-dir '{run_dir}' {IN_USE}" in second.stderr
@@ -88,12 +111,14 @@ def test_a_resume_of_a_run_dir_in_use_is_refused_and_touches_nothing(tmp_path, t
 
 def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_goes_on(tmp_path):
     """Two real runs: the second (``--resume``) is refused while the first trains; the first then stops on
-    request and its metrics.h5 holds each epoch once, in order; train.log holds nothing of the second."""
+    request and its metrics.h5 holds each epoch once, in order; train.log holds nothing of the second.
+    The first is a 1-rank launch (was 2 ranks), the second a world of 1 in a fork (was 2 ranks, launched; a
+    2-rank refusal of a held lock: the test above)."""
     run_dir = tmp_path / "r"
     first = _start_until_a_checkpoint(run_dir, 400)
     try:
         assert first.poll() is None, "the first run ended before the second could start"
-        second = run_flodl(2, "train", "--epochs", "400", "--run-dir", str(run_dir), "--resume", timeout=120)
+        second = fork_flodl("train", "--epochs", "400", "--run-dir", str(run_dir), "--resume", timeout=120)
         assert second.returncode == EXIT_INPUT and IN_USE in second.stderr, second.stderr[-2000:]
         assert first.poll() is None, "the first run ended before the second was refused"
         for pid in rank_pids(first, f"--run-dir {run_dir}"):
@@ -110,7 +135,9 @@ def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_goes_on(tmp_pat
 
 
 def test_a_run_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
-    """kill -9 of every rank: the operating system drops the lock; ``--resume`` goes on (exit 0)."""
+    """kill -9 of every rank: the operating system drops the lock; ``--resume`` goes on (exit 0). The run is a
+    1-rank launch (was 2 ranks; the lock is rank 0's); the report and the resume are forks at 1 rank (were a
+    ``python -m flodl_mpi report`` and a 2-rank launch)."""
     run_dir = tmp_path / "k"
     proc = _start_until_a_checkpoint(run_dir, 3)
     try:
@@ -122,10 +149,9 @@ def test_a_run_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
         proc.kill()
         proc.communicate()
     assert not run_dir_lock.in_use(run_dir)
-    report = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_dir)], capture_output=True,
-                            text=True, timeout=120, check=False)
+    report = fork_flodl("report", str(run_dir), timeout=120)
     assert "of 3 (not running: ended without a final record (crashed or killed))" in report.stdout, report.stdout
-    resumed = run_flodl(2, "train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", timeout=300)
+    resumed = fork_flodl("train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
 
@@ -175,17 +201,18 @@ print("RAN")
 @pytest.mark.parametrize("kind", ["averager", "fit"])
 def test_the_api_refuses_a_run_dir_in_use_too(tmp_path, kind):
     """``Averager`` and ``fit`` share the CLI's run-dir claim: refused (InputError) while the lock is held,
-    nothing touched; once it is free, the same call runs."""
+    nothing touched; once it is free, the same call runs. Both calls are a world of 1 in a fork (were
+    ``python -c``: the same world, a torch import each)."""
     run_dir = tmp_path / "r"
     run_dir.mkdir()
-    argv = [sys.executable, "-c", _API, str(run_dir), kind]
+    script = tmp_path / "api.py"
+    script.write_text(_API)
     with _Held(run_dir):
         t0 = time.monotonic()
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False,
-                              env=launch_env())
+        proc = fork_python(script, str(run_dir), kind, timeout=120)
         assert time.monotonic() - t0 < 120
         assert proc.returncode == 2 and "REFUSED" in proc.stdout, proc.stdout + proc.stderr[-2000:]
         assert "is in use by another run (it holds .lock)" in proc.stdout
         assert sorted(p.name for p in run_dir.iterdir()) == [run_dir_lock.LOCK_NAME]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False, env=launch_env())
+    proc = fork_python(script, str(run_dir), kind, timeout=300)
     assert proc.returncode == 0 and "RAN" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -1,4 +1,10 @@
-"""A resume refuses data that changed since the run was stopped (shapes, dtypes, labels, sampled rows)."""
+"""A resume refuses data that changed since the run was stopped (shapes, dtypes, labels, sampled rows).
+
+The runs are a world of 1 in a fork of this process (``fork_flodl`` / ``fork_python``: torch loaded, about
+half a CPU second each; were 2-rank launches and ``python -c`` scripts): the data's fingerprint is rank 0's
+record, checked through the same agreement as every setup refusal, whose "every rank exits 2, one line"
+tests/cli/test_cli.py's launched refusals prove.
+"""
 
 import hashlib
 import json
@@ -11,7 +17,7 @@ import pytest
 from flodl_mpi.training.data import dataset_from_arrays
 from flodl_mpi.protocol.data_fingerprint import SAMPLED_ROWS, differences, fingerprint
 from flodl_mpi.errors import EXIT_INPUT
-from tests.conftest import run_flodl
+from tests.conftest import fork_flodl, fork_python
 
 
 def _data(n=200, seed=0):
@@ -67,18 +73,19 @@ def _snapshot(run_dir):
 
 @pytest.mark.slow
 def test_a_resume_on_changed_data_is_refused_and_an_old_run_resumes_with_a_note(tmp_path):
+    """Every run a world of 1 in a fork (were 2-rank launches; see the module's docstring)."""
     x, y = _data()
     data, run_dir = tmp_path / "d.h5", tmp_path / "r"
     _write(data, x, y)
     common = ("--data", str(data), "--run-dir", str(run_dir), "--batch-size", "16")
-    first = run_flodl(2, "train", "--epochs", "1", *common, timeout=300)
+    first = fork_flodl("train", "--epochs", "1", *common, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "data_fingerprint" in json.loads((run_dir / "config.json").read_text())
     before = _snapshot(run_dir)
     for changed_x, changed_y in (((x, (y + 1) % 3)), (x[::-1].copy(), y)):  # the trial's two changes
         _write(data, changed_x, changed_y)
         t0 = time.monotonic()
-        proc = run_flodl(2, "train", "--epochs", "2", "--resume", *common, timeout=120)
+        proc = fork_flodl("train", "--epochs", "2", "--resume", *common, timeout=120)
         assert time.monotonic() - t0 < 120
         assert proc.returncode == EXIT_INPUT, proc.stderr[-2000:]
         assert proc.stderr.count(f"--resume: the data differ from the run's in {run_dir}: train data content "
@@ -89,10 +96,10 @@ def test_a_resume_on_changed_data_is_refused_and_an_old_run_resumes_with_a_note(
     record = json.loads((run_dir / "config.json").read_text())
     del record["data_fingerprint"]
     (run_dir / "config.json").write_text(json.dumps(record))
-    old = run_flodl(2, "train", "--epochs", "2", "--resume", *common, timeout=300)
+    old = fork_flodl("train", "--epochs", "2", "--resume", *common, timeout=300)
     assert old.returncode == 0, old.stderr[-2000:]
     assert "config.json holds no data fingerprint" in (run_dir / "train.log").read_text()
-    again = run_flodl(2, "train", "--epochs", "3", "--resume", *common, timeout=300)  # the resume's record has one
+    again = fork_flodl("train", "--epochs", "3", "--resume", *common, timeout=300)  # the resume's record has one
     assert again.returncode == 0, again.stderr[-2000:]
 
 
@@ -120,16 +127,13 @@ print("RAN")
 
 @pytest.mark.slow
 def test_fit_with_tensors_refuses_changed_tensors_on_resume(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.conftest import launch_env
-
+    """Each ``fit`` call a world of 1 in a fork (was ``python -c``: the same world, a torch import each)."""
     run_dir = tmp_path / "r"
+    script = tmp_path / "fit.py"
+    script.write_text(_FIT)
 
     def fit(relabel, epochs):
-        return subprocess.run([sys.executable, "-c", _FIT, str(run_dir), "1" if relabel else "0", str(epochs)],
-                              capture_output=True, text=True, timeout=300, check=False, env=launch_env())
+        return fork_python(script, str(run_dir), "1" if relabel else "0", str(epochs), timeout=300)
 
     first = fit(False, 1)
     assert first.returncode == 0 and "RAN" in first.stdout, first.stdout + first.stderr[-2000:]

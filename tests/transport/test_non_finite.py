@@ -4,6 +4,10 @@ A rank whose loss or parameters go NaN/Inf is quarantined for the round (mass 0,
 it adopts the others' consensus) and the event is in ``metrics.h5``; the job stops
 (exit 1, one line naming the ranks, earlier checkpoints kept) only when no rank is
 finite, or on any non-finite rank with ``--on-non-finite stop``.
+
+Every run here is about one rank among its peers, so each is launched (2 or 3 ranks); the 2-rank
+quarantine cases share one run with both faults (`tests.transport._quarantine_runs`), with
+test_quarantine_loss too.
 """
 
 import time
@@ -16,6 +20,7 @@ from flodl_mpi.errors import EXIT_ERROR
 from flodl_mpi.outputs.metrics import read_table
 from tests.conftest import run_flodl
 from tests.faults import fault_hooks
+from tests.transport._quarantine_runs import NAN_ROUND, NANLOSS_ROUND, two_fault_run
 
 QUICK = ("--epochs", "1", "--batch-size", "64")
 
@@ -30,26 +35,35 @@ def error_lines(proc):
 
 
 @pytest.mark.parametrize(("n", "kind"), [(2, "nan"), (3, "nan"), (2, "nanloss")])
-def test_a_non_finite_rank_is_quarantined_and_the_run_goes_on(tmp_path, n, kind):
-    run_dir = tmp_path / "r"
-    proc = run_flodl(n, "train", *QUICK, "--run-dir", str(run_dir), hooks=inject(f"{kind}@1:5"), timeout=400)
+def test_a_non_finite_rank_is_quarantined_and_the_run_goes_on(tmp_path, tmp_path_factory, n, kind):
+    """At 2 ranks both kinds are read from one shared run (`two_fault_run`: ``nan`` at round 5, ``nanloss`` at
+    round 9, both on rank 1; were two runs, each kind at round 5); at 3 ranks a run of its own (``nan@1:5``)."""
+    if n == 2:
+        run_dir, proc = two_fault_run(tmp_path_factory)
+        faults = {"nan": NAN_ROUND, "nanloss": NANLOSS_ROUND}
+    else:
+        run_dir = tmp_path / "r"
+        proc = run_flodl(n, "train", *QUICK, "--run-dir", str(run_dir), hooks=inject(f"{kind}@1:5"), timeout=400)
+        faults = {kind: 5}
+    at = faults[kind]
     assert proc.returncode == 0, proc.stderr
-    assert "round 5: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined" in proc.stdout + proc.stderr
+    assert f"round {at}: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined" in proc.stdout + proc.stderr
     rounds = read_table(run_dir / "metrics.h5", "rounds")
     want = np.zeros((len(rounds["round"]), n), dtype=bool)
-    want[5, 1] = True  # that round only: the rank came back (its optimizer state was reset)
+    want[list(faults.values()), 1] = True  # those rounds only: the rank came back (its optimizer state was reset)
     np.testing.assert_array_equal(rounds["quarantined"], want)
-    assert rounds["mass"][5, 1] == 0.0 and (rounds["mass"][5, [0, *range(2, n)]] > 0).all()
-    assert np.isnan(rounds["divergence"][5, 1])
+    assert rounds["mass"][at, 1] == 0.0 and (rounds["mass"][at, [0, *range(2, n)]] > 0).all()
+    assert np.isnan(rounds["divergence"][at, 1])
     if n == 2:
         # The consensus is rank 0's parameters exactly ((2·1·θ)/2 is exact in binary),
         # so rank 0's own divergence is 0: the quarantined rank counted for nothing.
-        assert rounds["divergence"][5, 0] == 0.0
+        assert rounds["divergence"][at, 0] == 0.0
     ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     assert all(np.isfinite(a).all() for a in ckpt.params.values())
 
 
 def test_every_rank_non_finite_ends_the_job_with_one_line_and_keeps_checkpoints(tmp_path):
+    """Launched at 2 ranks: the line names each rank's non-finite values, and one line between them."""
     module = tmp_path / "diverging.py"
     module.write_text(
         "import torch\n"
@@ -79,6 +93,8 @@ def test_every_rank_non_finite_ends_the_job_with_one_line_and_keeps_checkpoints(
 
 
 def test_on_non_finite_stop_ends_every_rank_with_one_line_and_keeps_checkpoints(tmp_path):
+    """Launched at 2 ranks: the stop is ``--on-non-finite stop``'s only while a finite peer is left (alone, the
+    non-finite rank would be every rank: the test above's stop), and it ends the peer too."""
     run_dir = tmp_path / "r"
     # Round 40 is in epoch 2 (23 rounds per epoch at batch 32): epoch 1's checkpoint must survive.
     t0 = time.monotonic()

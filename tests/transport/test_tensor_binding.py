@@ -4,7 +4,9 @@ The bridge-level cases (a re-assigned buffer, a replaced ``p.data``, bound and
 copied params, a shape change) are in ``tests/transport/test_bridge.py``; here the command
 runs a model whose ``forward`` re-assigns a registered buffer and whose bias
 ``.data`` is replaced at every training step, and the checkpoint must hold the
-cohort's consensus of that buffer, not rank 0's own value.
+cohort's consensus of that buffer, not rank 0's own value: 2 ranks, launched. A buffer replaced with
+another shape is refused by the rank's own binding check, no peer needed: a world of 1 in a fork
+(``fork_flodl``; was a 2-rank launch).
 """
 
 import time
@@ -15,7 +17,7 @@ from flodl_mpi.policy.cadence import fixed_quotas, plan_window
 from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.training.data import batch_indices, ensure_digits, epoch_permutation, load_dataset, num_batches
 from flodl_mpi.errors import EXIT_ERROR
-from tests.conftest import run_flodl
+from tests.conftest import fork_flodl, run_flodl
 
 MODEL = """
 import torch
@@ -68,11 +70,22 @@ def test_a_re_assigned_buffer_is_averaged_into_the_checkpoint(tmp_path):
     np.testing.assert_allclose(ckpt.buffers["stat"], (means[0] + means[1]) / 2, rtol=1e-5, atol=1e-6)
 
 
-def test_a_buffer_replaced_with_another_shape_ends_the_job_naming_it(tmp_path):
+def test_a_buffer_replaced_with_another_shape_ends_the_job_naming_it(tmp_path, monkeypatch):
+    """A world of 1 in a fork (see the module's docstring); the model's module is found on sys.path, as the
+    launched ranks found it on their PYTHONPATH.
+
+    The rank aborts: ``flodl_mpi.runtime.pytest_capture.release`` would find this process's pytest capture in
+    the fork's child and suspend it, which puts the child's stderr back on pytest's terminal before the
+    abort's lines are flushed (they would be lost to ``proc.stderr``). A launched rank has no pytest loaded,
+    and there ``release`` does nothing: so it does nothing in the child either."""
+    from flodl_mpi.runtime import pytest_capture
+
+    monkeypatch.setattr(pytest_capture, "release", lambda rank=None: False)
     (tmp_path / "reassigning.py").write_text(MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the fork's child imports "reassigning" from there
     t0 = time.monotonic()
-    proc = run_flodl(2, "train", "--epochs", "1", "--model", "reassigning:make_bad", "--run-dir",
-                     str(tmp_path / "r"), timeout=400, env={"PYTHONPATH": str(tmp_path)})
+    proc = fork_flodl("train", "--epochs", "1", "--model", "reassigning:make_bad", "--run-dir",
+                      str(tmp_path / "r"), timeout=400)
     assert time.monotonic() - t0 < 300  # no hang, no 600 s stall (generous: a loaded machine)
     assert proc.returncode == EXIT_ERROR, proc.stderr
     assert ("ReplacedTensorError: model buffer 'stat' was replaced by a (32,) torch.float32 tensor; it was (64,) "
