@@ -322,28 +322,10 @@ print(f"epochs {[r.epoch for r in run.wait()]}", flush=True)
 """
 
 
-#: ``python ARGV[1] ARGV[2:]`` as the interpreter ends it: an uncaught error goes to ``sys.excepthook`` (the
-#: product's, which the API installs: one line, the error's exit status). `fork_python` runs a script with
-#: ``runpy``, where such an error would reach the fork's child instead (a traceback, exit status 1).
-AS_PYTHON_ENDS_IT = """
-import runpy, sys
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-except SystemExit:
-    raise
-except BaseException:
-    sys.excepthook(*sys.exc_info())
-    raise SystemExit(1)
-"""
-
-
 def _fit_opt(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    """``python fit_opt.py ARGS`` (FIT_OPT) in ``tmp_path``: a world of 1 in a fork, through `AS_PYTHON_ENDS_IT`
-    (was a ``python`` process)."""
+    """``python fit_opt.py ARGS`` (FIT_OPT) in ``tmp_path``: a world of 1 in a fork (was a ``python`` process)."""
     (tmp_path / "fit_opt.py").write_text(textwrap.dedent(FIT_OPT))
-    (tmp_path / "as_python.py").write_text(AS_PYTHON_ENDS_IT)
-    return fork_python(tmp_path / "as_python.py", str(tmp_path / "fit_opt.py"), *args, timeout=300)
+    return fork_python(tmp_path / "fit_opt.py", *args, timeout=300)
 
 
 def _as_the_previous_release_wrote_it(path) -> None:

@@ -187,8 +187,7 @@ def test_a_fresh_run_on_a_full_file_system_says_so_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("leave", [3_000_000, 0])
-def test_a_disk_that_fills_mid_run_ends_with_one_line_and_keeps_every_checkpoint(tmp_path, leave, run_hook,
-                                                                                  monkeypatch):
+def test_a_disk_that_fills_mid_run_ends_with_one_line_and_keeps_every_checkpoint(tmp_path, leave, run_hook):
     """The trial's case: checkpoints fit until the disk fills. Exit 1 (before: SIGSEGV, exit 11), one line
     naming the checkpoint and the free space (or the write the disk refused), train.log gives the reason (or,
     full to the last byte, one warning says train.log is no longer written; no logging traceback per line),
@@ -196,15 +195,7 @@ def test_a_disk_that_fills_mid_run_ends_with_one_line_and_keeps_every_checkpoint
 
     A world of 1 in a fork (was: 2 ranks, launched; a writer failure on rank 0 ending a 2-rank job is
     tests/cli/test_cli.py's launched test): the disk is filled by a hook at the first round that starts with
-    a checkpoint on disk (was: this process, polling the run dir while the run went on).
-
-    The rank aborts: ``flodl_mpi.runtime.pytest_capture.release`` would find this process's pytest capture in
-    the fork's child and suspend it, putting the child's stderr back on pytest's terminal: what the abort
-    writes after it would be lost to ``proc.stderr`` (a traceback this test must not see, unseen). A launched
-    rank has no pytest loaded, where ``release`` does nothing: so it does nothing in the child either."""
-    from flodl_mpi.runtime import pytest_capture
-
-    monkeypatch.setattr(pytest_capture, "release", lambda rank=None: False)
+    a checkpoint on disk (was: this process, polling the run dir while the run went on)."""
     mnt = _tmpfs(tmp_path, "200m")
     run_dir = mnt / "r"
     filled = []

@@ -72,15 +72,7 @@ def test_a_re_assigned_buffer_is_averaged_into_the_checkpoint(tmp_path):
 
 def test_a_buffer_replaced_with_another_shape_ends_the_job_naming_it(tmp_path, monkeypatch):
     """A world of 1 in a fork (see the module's docstring); the model's module is found on sys.path, as the
-    launched ranks found it on their PYTHONPATH.
-
-    The rank aborts: ``flodl_mpi.runtime.pytest_capture.release`` would find this process's pytest capture in
-    the fork's child and suspend it, which puts the child's stderr back on pytest's terminal before the
-    abort's lines are flushed (they would be lost to ``proc.stderr``). A launched rank has no pytest loaded,
-    and there ``release`` does nothing: so it does nothing in the child either."""
-    from flodl_mpi.runtime import pytest_capture
-
-    monkeypatch.setattr(pytest_capture, "release", lambda rank=None: False)
+    launched ranks found it on their PYTHONPATH."""
     (tmp_path / "reassigning.py").write_text(MODEL)
     monkeypatch.syspath_prepend(str(tmp_path))  # the fork's child imports "reassigning" from there
     t0 = time.monotonic()
