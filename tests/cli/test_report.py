@@ -255,36 +255,71 @@ def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path):
     assert len(list(out.glob("*.png"))) == len(plots.FIGURES) - 1  # sync and window: no cadence figure
 
 
+def _child_pids() -> set[int]:
+    """The pids of this process's children (from /proc: their parent pid)."""
+    me, found = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                found.add(int(entry.name))
+    return found
+
+
 @pytest.mark.slow
 def test_report_while_the_run_writes(tmp_path):
-    """Reader and writer in two processes: report reads a run that is still training."""
-    from tests.conftest import MPIEXEC, launch_argv, launch_env
+    """Reader and writer in two processes: report reads a run that is still training.
 
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
+    The writer is a world of 1 in a forked child (``fork_flodl``, in a thread of this process; was a 2-rank
+    launch): what is read while it writes (SWMR, the run's lock held: "running") is rank 0's metrics.h5,
+    whatever the world size. Each of its checkpoint saves takes 60 s more (tests/hooked_flodl.py's
+    --save-delay), so after its first epoch it waits on the save instead of training on while the report reads
+    (the metrics rows are written all the same); it is killed once read."""
+    import threading
+
+    from flodl_mpi.outputs.metrics import read_table
+    from tests.conftest import fork_flodl
+
     run_dir = tmp_path / "live"
-    train = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
-                              str(run_dir), "--epochs", "200"),
-                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, start_new_session=True)
+    before, result = _child_pids(), {}
+
+    def train() -> None:
+        try:
+            result["proc"] = fork_flodl("train", "--run-dir", str(run_dir), "--epochs", "200",
+                                        hooks=("--save-delay", "60"), timeout=400)
+        except BaseException as exc:  # noqa: BLE001  (re-raised by the test below)
+            result["error"] = exc
+
+    writer = threading.Thread(target=train, daemon=True)
+    writer.start()
+    pid = None
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and train.poll() is None:
-            if any((run_dir / "checkpoints").glob("ckpt-*.h5")):  # an epoch is done: its row is written
-                break
-            time.sleep(0.5)
-        assert train.poll() is None, "the run ended before the test could read it"
+        while time.monotonic() < deadline and writer.is_alive():
+            if pid is None:
+                pid = next(iter(_child_pids() - before), None)
+            if (run_dir / "metrics.h5").exists() and len(read_table(run_dir / "metrics.h5", "epochs")["epoch"]):
+                break  # an epoch is done: its row is written
+            time.sleep(0.2)
+        assert writer.is_alive(), f"the run ended before the test could read it: {result}"
         proc = _report(str(run_dir), "--out", str(tmp_path / "plots"))
-        still_running = train.poll() is None
+        still_running = writer.is_alive()
         assert proc.returncode == 0, proc.stderr
         epochs = int(proc.stdout.split("epochs", 1)[1].split()[0])
         assert 1 <= epochs < 200 and "of 200 (running)" in proc.stdout  # its lock is held
         assert still_running, "the run must still be writing while the report reads"
         assert len(list((tmp_path / "plots").glob("*.png"))) == len(plots.FIGURES) - 1  # sync: no cadence
     finally:
-        if train.poll() is None:
-            os.killpg(train.pid, signal.SIGTERM)
-        train.communicate(timeout=300)
+        if pid is None:
+            pid = next(iter(_child_pids() - before), None)
+        if pid is not None and writer.is_alive():
+            os.kill(pid, signal.SIGKILL)
+        writer.join(timeout=60)
+    assert "error" not in result, result
+    assert result["proc"].returncode == -signal.SIGKILL, result["proc"].stderr[-3000:]  # running until killed
 
 
 # ---------------------------------------------------------------- what a run measured (issue 7)
