@@ -269,27 +269,50 @@ def _child_pids() -> set[int]:
     return found
 
 
+def _epochs_written(path: Path) -> int:
+    """The rows of a metrics.h5's epochs table, 0 while the file or the table is not there yet."""
+    from flodl_mpi.outputs.metrics import read_table
+
+    try:
+        return len(read_table(path, "epochs")["epoch"])
+    except (OSError, KeyError):
+        return 0
+
+
 @pytest.mark.slow
 def test_report_while_the_run_writes(tmp_path):
     """Reader and writer in two processes: report reads a run that is still training.
 
     The writer is a world of 1 in a forked child (``fork_flodl``, in a thread of this process; was a 2-rank
     launch): what is read while it writes (SWMR, the run's lock held: "running") is rank 0's metrics.h5,
-    whatever the world size. Each of its checkpoint saves takes 60 s more (tests/hooked_flodl.py's
-    --save-delay), so after its first epoch it waits on the save instead of training on while the report reads
-    (the metrics rows are written all the same); it is killed once read."""
+    whatever the world size. Its model is the built-in one with a 50 ms sleep in each training forward, so the
+    run spends the time the report takes sleeping rather than training (an epoch of 45 batches: about 2.5 s;
+    200 of them outlast any report); it is killed once read."""
     import threading
 
-    from flodl_mpi.outputs.metrics import read_table
     from tests.conftest import fork_flodl
 
     run_dir = tmp_path / "live"
+    module = tmp_path / "sleepy.py"
+    module.write_text(
+        "import time, torch\n"
+        "from flodl_mpi.training.models import digits_mlp\n"
+        "class Sleepy(torch.nn.Module):\n"
+        "    def __init__(self, inner):\n"
+        "        super().__init__()\n"
+        "        self.inner = inner\n"
+        "    def forward(self, x):\n"
+        "        if self.training:\n"
+        "            time.sleep(0.05)\n"
+        "        return self.inner(x)\n"
+        "def make(input_shape, num_classes):\n"
+        "    return Sleepy(digits_mlp(input_shape, num_classes))\n")
     before, result = _child_pids(), {}
 
     def train() -> None:
         try:
             result["proc"] = fork_flodl("train", "--run-dir", str(run_dir), "--epochs", "200",
-                                        hooks=("--save-delay", "60"), timeout=400)
+                                        "--model", f"{module}:make", timeout=600)
         except BaseException as exc:  # noqa: BLE001  (re-raised by the test below)
             result["error"] = exc
 
@@ -301,8 +324,8 @@ def test_report_while_the_run_writes(tmp_path):
         while time.monotonic() < deadline and writer.is_alive():
             if pid is None:
                 pid = next(iter(_child_pids() - before), None)
-            if (run_dir / "metrics.h5").exists() and len(read_table(run_dir / "metrics.h5", "epochs")["epoch"]):
-                break  # an epoch is done: its row is written
+            if _epochs_written(run_dir / "metrics.h5"):  # an epoch is done: its row is written
+                break
             time.sleep(0.2)
         assert writer.is_alive(), f"the run ended before the test could read it: {result}"
         proc = _report(str(run_dir), "--out", str(tmp_path / "plots"))
