@@ -532,7 +532,10 @@ def test_train_keeps_training_when_its_reader_goes_away(tmp_path):
 
 @pytest.mark.parametrize("quiet", [(), ("-q",)])
 def test_a_warning_is_printed_once(tmp_path, quiet):
-    """Rank 0 prints the run's warnings; the other ranks' copies never reach the console (logging's last resort)."""
+    """Rank 0 prints the run's warnings; the other ranks' copies never reach the console (logging's last resort).
+
+    Also (from tests/training/test_progress.py's pipe test, a launch no more): through the launcher's pipe
+    at 2 ranks, rank 0's first line says the ranks are up, and no bar is drawn."""
     from flodl_mpi.training.data import write_digits
 
     digits = write_digits(tmp_path / "digits.h5")
@@ -549,3 +552,6 @@ def test_a_warning_is_printed_once(tmp_path, quiet):
     assert (proc.stdout + proc.stderr).count(text) == 1, (proc.stdout, proc.stderr)
     assert re.search(rf"^\d\d:\d\d:\d\d {re.escape(text)}$", proc.stdout, re.MULTILINE)  # rank 0's line, on stdout
     assert (tmp_path / "r" / "train.log").read_text().count(text) == 1
+    assert "\r" not in proc.stdout and "batch/s" not in proc.stdout   # a pipe: lines, no bar
+    if not quiet:
+        assert proc.stdout.splitlines()[0] == "flodl-mpi: 2 rank(s) up; loading PyTorch"
