@@ -38,7 +38,10 @@ def test_train_digits(tmp_path, tmp_path_factory, world_size):
         stdout = trained_stdout("A")
     else:
         run_dir = tmp_path / "run"
-        proc = run_flodl(world_size, "train", "--epochs", str(EPOCHS), "--run-dir", str(run_dir), timeout=400)
+        # One torch thread a rank, as each rank of 2 or 3 gets on this 2-core machine: a lone rank would take
+        # both cores, whose second thread mostly spins here (the thread rule: tests/runtime/test_launch.py).
+        proc = run_flodl(world_size, "train", "--epochs", str(EPOCHS), "--run-dir", str(run_dir), timeout=400,
+                         env={"OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         stdout = proc.stdout
     assert "policy sync (a round after every batch)" in stdout  # the header says the policy once, plainly
