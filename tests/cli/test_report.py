@@ -243,14 +243,22 @@ def test_report_on_a_finished_run(run_a):
 
 
 @pytest.mark.slow
-def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path):
+def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path, capsys):
+    """``flodl-mpi report A B --out DIR`` through the CLI's entry (`flodl_mpi.cli.main.main`, as the script
+    calls it), in this process (was a fresh ``python -m flodl_mpi``: that one loads no MPI is
+    test_the_cli_entry_starts_no_mpi_for_report's, and test_report_on_a_finished_run's with plots)."""
+    from flodl_mpi.cli.main import main as cli_main
+
     out = tmp_path / "ab"
-    proc = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_a), str(run_b), "--out", str(out)],
-                          capture_output=True, text=True, check=False, timeout=180)
-    assert proc.returncode == 0, proc.stderr
+    sigpipe = signal.getsignal(signal.SIGPIPE)  # the tools die of SIGPIPE (`unix_pipe`): pytest must not
+    try:
+        assert cli_main(["report", str(run_a), str(run_b), "--out", str(out)]) == 0
+    finally:
+        signal.signal(signal.SIGPIPE, sigpipe)
+    stdout = capsys.readouterr().out
     assert ("options that differ: --epochs 5 vs 3; --gamma 1.0 vs 0.5; --policy 'sync' vs 'window'; --window 1 vs 4"
-            in proc.stdout)
-    header = next(line for line in proc.stdout.splitlines() if line.split() == ["A", "B"])
+            in stdout)
+    header = next(line for line in stdout.splitlines() if line.split() == ["A", "B"])
     assert header
     assert len(list(out.glob("*.png"))) == len(plots.FIGURES) - 1  # sync and window: no cadence figure
 
