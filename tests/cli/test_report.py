@@ -21,6 +21,16 @@ from tests._runs import RUN_A_EPOCHS, session_run_a, session_run_b, synthetic_ro
 plots = pytest.importorskip("flodl_mpi.cli.plots", reason="plots need matplotlib (the plot extra)")
 
 
+@pytest.fixture(autouse=True)
+def _sigpipe_kept():
+    """The CLI's entry for the tools (`flodl_mpi.cli.main.main`, ``report`` included) makes SIGPIPE kill the
+    process (`flodl_mpi.cli.main.unix_pipe`), as a tool should; called in this process, that would stay for the rest of the session (pytest, and the children
+    it forks, then die of a closed pipe instead of raising): the handler is put back after each test."""
+    before = signal.getsignal(signal.SIGPIPE)
+    yield
+    signal.signal(signal.SIGPIPE, before)
+
+
 def _write_raw(run_dir: Path, tables: dict, attrs: dict) -> Path:
     """A metrics.h5 written by hand (another writer's version): any columns, any attrs."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -250,11 +260,7 @@ def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path, capsys
     from flodl_mpi.cli.main import main as cli_main
 
     out = tmp_path / "ab"
-    sigpipe = signal.getsignal(signal.SIGPIPE)  # the tools die of SIGPIPE (`unix_pipe`): pytest must not
-    try:
-        assert cli_main(["report", str(run_a), str(run_b), "--out", str(out)]) == 0
-    finally:
-        signal.signal(signal.SIGPIPE, sigpipe)
+    assert cli_main(["report", str(run_a), str(run_b), "--out", str(out)]) == 0  # (SIGPIPE: `_sigpipe_kept`)
     stdout = capsys.readouterr().out
     assert ("options that differ: --epochs 5 vs 3; --gamma 1.0 vs 0.5; --policy 'sync' vs 'window'; --window 1 vs 4"
             in stdout)
