@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flodl_mpi.errors import EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED
-from tests.conftest import rank_pids, run_flodl, start_flodl
+from tests.conftest import fork_flodl, rank_pids, run_flodl, start_flodl
 from tests.faults import fault_hooks
 
 QUICK = ("--epochs", "1", "--batch-size", "64")
@@ -31,6 +31,13 @@ def timed(n, *args, **kwargs):
     return proc, time.monotonic() - t0
 
 
+def forked(*args, **kwargs):
+    """``fork_flodl`` (a world of 1 in a forked child, torch loaded) and its wall time in seconds."""
+    t0 = time.monotonic()
+    proc = fork_flodl(*args, **kwargs)
+    return proc, time.monotonic() - t0
+
+
 def error_lines(proc):
     return [line for line in proc.stderr.splitlines() if "error" in line]
 
@@ -45,30 +52,37 @@ def test_missing_data_file_is_one_line_and_exit_2_on_every_rank(tmp_path):
 
 
 def test_bad_flag_is_one_usage_line(tmp_path):
-    proc = run_flodl(2, "train", "--epochs", "zero", timeout=300)
+    """A world of 1 in a fork (was a 2-rank launch): argparse refuses before MPI starts, so no peer is involved;
+    "every rank, one line, exit 2" through a launcher: test_missing_data_file_is_one_line_and_exit_2_on_every_rank."""
+    proc = fork_flodl("train", "--epochs", "zero", timeout=300)
     assert proc.returncode == EXIT_INPUT
     assert len(error_lines(proc)) == 1 and "--epochs" in proc.stderr
 
 
 def test_bad_value_names_the_option(tmp_path):
-    proc = run_flodl(2, "train", "--window", "0", "--policy", "window", timeout=300)
+    """A world of 1 in a fork (was a 2-rank launch): refused before MPI starts (see test_bad_flag_is_one_usage_line)."""
+    proc = fork_flodl("train", "--window", "0", "--policy", "window", timeout=300)
     assert proc.returncode == EXIT_INPUT
     assert error_lines(proc) == ["flodl-mpi: error: --window 0: must be an integer >= 1"]
 
 
 def test_wrong_data_shapes_are_refused(tmp_path):
+    """A world of 1 in a fork (was a 2-rank launch): the data file's check needs no peer."""
     path = tmp_path / "bad.h5"
     with h5py.File(path, "w") as f:
         f["train/x"] = np.zeros((10, 4), np.float32)
         f["train/y"] = np.zeros(9, np.int64)
         f["test/x"] = np.zeros((5, 4), np.float32)
         f["test/y"] = np.zeros(5, np.int64)
-    proc = run_flodl(2, "train", "--data", str(path), "--run-dir", str(tmp_path / "r"), timeout=300)
+    proc = fork_flodl("train", "--data", str(path), "--run-dir", str(tmp_path / "r"), timeout=300)
     assert proc.returncode == EXIT_INPUT
     assert len(error_lines(proc)) == 1 and "10 rows" in proc.stderr and "9" in proc.stderr
 
 
 def test_models_that_differ_across_ranks_are_refused(tmp_path):
+    """A real 2-rank launch: the check compares what the ranks built (one allgather), and this proves its wiring
+    through the launcher (every rank refuses alike, exit 2). The exact line, decided by a pure function of the
+    gathered descriptions: test_a_parameter_free_layer_that_differs_across_ranks_is_refused, in this process."""
     module = tmp_path / "net.py"
     module.write_text(
         "import torch\n"
@@ -81,32 +95,57 @@ def test_models_that_differ_across_ranks_are_refused(tmp_path):
     proc = run_flodl(2, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=300)
     assert proc.returncode == EXIT_INPUT, proc.stderr
     assert error_lines(proc) and "model differs across ranks" in error_lines(proc)[0]
+    assert not (tmp_path / "r").exists()  # refused in setup: no run dir (was asserted by the parameter-free case)
 
 
-def test_a_parameter_free_layer_that_differs_across_ranks_is_refused(tmp_path):
-    # Same tensors on both ranks (Tanh and ReLU have none): only the module tree tells them apart.
-    module = tmp_path / "net.py"
-    module.write_text(
-        "import torch\n"
-        "from flodl_mpi.runtime.launcher import launcher_rank\n"
-        "def make(input_shape, num_classes):\n"
-        "    act = torch.nn.ReLU() if launcher_rank() == 0 else torch.nn.Tanh()\n"
-        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), act,\n"
-        "                               torch.nn.Linear(8, num_classes))\n"
-    )
-    proc, elapsed = timed(2, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=PROMPT_S)
-    assert proc.returncode == EXIT_INPUT, proc.stderr
-    assert error_lines(proc) == [("flodl-mpi: error: the model differs across ranks: module '2' is ReLU on rank 0 but "
-                                  "Tanh on rank(s) 1 (every rank must build the same model)")]
-    assert elapsed < PROMPT_S and not (tmp_path / "r").exists()  # refused in setup: no run dir
+def test_a_parameter_free_layer_that_differs_across_ranks_is_refused():
+    """Same tensors on both ranks (Tanh and ReLU have none): only the module tree tells them apart.
+
+    Was a 2-rank launch. The refusal is `check_same_model`'s, a pure function of what ``comm.allgather``
+    returns (every rank decides alike from the same gathered rows): asserted here in this process with the
+    two ranks' models and a communicator that returns both ranks' descriptions, as rank 0 would see them. The
+    wiring through a real launch (exit 2, the line, no run dir, which this test also asserted):
+    test_models_that_differ_across_ranks_are_refused."""
+    import torch
+
+    from flodl_mpi.errors import InputError
+    from flodl_mpi.training.models import check_same_model
+
+    def make(act):
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), act, torch.nn.Linear(8, 10))
+
+    models = [make(torch.nn.ReLU()), make(torch.nn.Tanh())]
+
+    class TwoRanks:
+        """rank ``rank``'s view of a 2-rank allgather: row r is what rank r built."""
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def allgather(self, mine):
+            from flodl_mpi.training.models import model_signature, module_structure
+
+            rows = [(module_structure(m), model_signature(m)) for m in models]
+            assert rows[self.rank] == mine  # this rank's own row is what it passed
+            return rows
+
+    for rank in (0, 1):  # every rank refuses alike, with the same line
+        with pytest.raises(InputError) as refused:
+            check_same_model(models[rank], TwoRanks(rank))
+        assert str(refused.value) == ("the model differs across ranks: module '2' is ReLU on rank 0 but Tanh on "
+                                      "rank(s) 1 (every rank must build the same model)")
+    same = make(torch.nn.ReLU())
+    models[1] = same
+    check_same_model(models[0], TwoRanks(0))  # the same tree and tensors: no refusal
 
 
 @pytest.mark.parametrize("earlier", ["metrics.h5", "checkpoints/ckpt-e000003-r000069.h5", "config.json"])
 def test_existing_run_dir_is_never_overwritten(tmp_path, earlier):
+    """A world of 1 in a fork (was a 2-rank launch): rank 0's check of the run dir needs no peer."""
     run_dir = tmp_path / "r"
     (run_dir / earlier).parent.mkdir(parents=True)
     (run_dir / earlier).write_bytes(b"earlier work")
-    proc = run_flodl(2, "train", *QUICK, "--run-dir", str(run_dir), timeout=300)
+    proc = fork_flodl("train", *QUICK, "--run-dir", str(run_dir), timeout=300)
     assert proc.returncode == EXIT_INPUT
     if earlier == "config.json":  # a flodl-mpi run: say how to continue it
         assert error_lines(proc) == [(f"flodl-mpi: error: --run-dir '{run_dir}' holds a flodl-mpi run: add --resume "
@@ -119,9 +158,10 @@ def test_existing_run_dir_is_never_overwritten(tmp_path, earlier):
 
 
 def test_model_with_too_few_outputs_is_bad_input(tmp_path):
+    """A world of 1 in a fork (was a 2-rank launch): the model's output check is each rank's own."""
     module = tmp_path / "net.py"
     module.write_text("import torch\ndef make(input_shape):\n    return torch.nn.Linear(input_shape[0], 3)\n")
-    proc = run_flodl(2, "train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=300)
+    proc = fork_flodl("train", "--model", f"{module}:make", "--run-dir", str(tmp_path / "r"), timeout=300)
     assert proc.returncode == EXIT_INPUT, proc.stderr
     assert error_lines(proc) == [(f"flodl-mpi: error: --model '{module}:make': outputs 3 logits per sample but "
                                  "the data has 10 classes (labels 0..9)")]
@@ -225,9 +265,12 @@ def test_stop_signal_saves_and_exits_cleanly_while_metrics_are_read(tmp_path, si
                                               "has 1437 samples; lower --batch-size")),
 ])
 def test_a_batch_the_model_cannot_train_on_is_refused_before_any_epoch(tmp_path, args, message):
-    """BatchNorm on a 1-sample batch used to fail after a whole epoch of work, in every epoch."""
+    """BatchNorm on a 1-sample batch used to fail after a whole epoch of work, in every epoch.
+
+    A world of 1 in a fork (was a 2-rank launch): the batch plan and the model's trial step are each rank's
+    own, and the messages name no world size (the training set's 1437 samples, a batch of 1)."""
     run_dir = tmp_path / "r"
-    proc, elapsed = timed(2, "train", "--epochs", "1", *args, "--run-dir", str(run_dir), timeout=400)
+    proc, elapsed = forked("train", "--epochs", "1", *args, "--run-dir", str(run_dir), timeout=400)
     assert proc.returncode == EXIT_INPUT, proc.stderr
     assert error_lines(proc) == [f"flodl-mpi: error: {message}"]
     assert "epoch 1/" not in proc.stdout and not run_dir.exists()  # refused at setup: nothing trained or created
@@ -367,10 +410,12 @@ def test_every_flag_is_a_config_key_or_refused_with_a_reason(tmp_path):
 
 
 def test_a_bad_config_file_is_refused_before_mpi_starts(tmp_path):
+    """A world of 1 in a fork (was a 2-rank launch): refused before MPI starts, no peer involved; "rank(s) up"
+    is what a run prints once MPI is up (at any world size, the fork's too)."""
     toml = tmp_path / "run.toml"
     toml.write_text("quiet = 3\n")
     t0 = time.monotonic()
-    proc = run_flodl(2, "train", "--config", str(toml), timeout=300)
+    proc = fork_flodl("train", "--config", str(toml), timeout=300)
     assert proc.returncode == EXIT_INPUT and time.monotonic() - t0 < PROMPT_S
     assert error_lines(proc) == [f"flodl-mpi: error: --config '{toml}': key 'quiet': 3: must be true or false"]
     assert "rank(s) up" not in proc.stdout                          # refused before MPI started
@@ -413,13 +458,14 @@ def test_a_flag_names_the_flag_and_overrides_the_file(tmp_path):
 
 @pytest.mark.parametrize("case", ["file", "flag"])
 def test_a_bad_value_is_refused_before_mpi_starts(tmp_path, case):
+    """A world of 1 in a fork (was a 2-rank launch): see test_a_bad_config_file_is_refused_before_mpi_starts."""
     toml = tmp_path / "run.toml"
     toml.write_text('epochs = "three"\n')
     argv = ("--config", str(toml)) if case == "file" else ("--batch-size", "0")
     expected = {"file": f"flodl-mpi: error: --config '{toml}': key 'epochs': 'three' is a string: must be an "
                         "integer >= 1",
                 "flag": "flodl-mpi: error: --batch-size 0: must be an integer >= 1"}[case]
-    proc, elapsed = timed(2, "train", *argv, "--run-dir", str(tmp_path / "r"), timeout=PROMPT_S)
+    proc, elapsed = forked("train", *argv, "--run-dir", str(tmp_path / "r"), timeout=PROMPT_S)
     assert proc.returncode == EXIT_INPUT and elapsed < PROMPT_S
     assert error_lines(proc) == [expected]
     assert "rank(s) up" not in proc.stdout and "loading PyTorch" not in proc.stdout   # MPI never started
@@ -467,7 +513,10 @@ def test_bad_omp_num_threads_is_our_one_line_before_torch_loads(tmp_path):
 
 @pytest.mark.slow
 def test_train_keeps_training_when_its_reader_goes_away(tmp_path):
-    """``flodl-mpi train | head -1`` in a world of 1: stdout falls silent, the run finishes, train.log has it all."""
+    """``flodl-mpi train | head -1`` in a world of 1: stdout falls silent, the run finishes, train.log has it all.
+
+    A process of its own, not a fork: what it proves includes the interpreter's own exit (its last flush of a
+    stdout whose reader is gone prints no BrokenPipeError), which a forked child leaving by ``os._exit`` skips."""
     import subprocess
     import sys
 
@@ -475,7 +524,7 @@ def test_train_keeps_training_when_its_reader_goes_away(tmp_path):
 
     proc = subprocess.Popen([sys.executable, "-m", "flodl_mpi", "train", "--epochs", "1", "--batch-size", "64",
                              "--run-dir", str(tmp_path / "r")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=launch_env(), text=True)
+                            env=launch_env({"OMP_NUM_THREADS": "1"}), text=True)  # one torch thread: 2 cores
     proc.stdout.readline()  # the first line, then the reader goes
     proc.stdout.close()
     _, err = proc.communicate(timeout=300)
@@ -486,7 +535,10 @@ def test_train_keeps_training_when_its_reader_goes_away(tmp_path):
 
 @pytest.mark.parametrize("quiet", [(), ("-q",)])
 def test_a_warning_is_printed_once(tmp_path, quiet):
-    """Rank 0 prints the run's warnings; the other ranks' copies never reach the console (logging's last resort)."""
+    """Rank 0 prints the run's warnings; the other ranks' copies never reach the console (logging's last resort).
+
+    Also (from tests/training/test_progress.py's pipe test, a launch no more): through the launcher's pipe
+    at 2 ranks, rank 0's first line says the ranks are up, and no bar is drawn."""
     from flodl_mpi.training.data import write_digits
 
     digits = write_digits(tmp_path / "digits.h5")
@@ -503,3 +555,6 @@ def test_a_warning_is_printed_once(tmp_path, quiet):
     assert (proc.stdout + proc.stderr).count(text) == 1, (proc.stdout, proc.stderr)
     assert re.search(rf"^\d\d:\d\d:\d\d {re.escape(text)}$", proc.stdout, re.MULTILINE)  # rank 0's line, on stdout
     assert (tmp_path / "r" / "train.log").read_text().count(text) == 1
+    assert "\r" not in proc.stdout and "batch/s" not in proc.stdout   # a pipe: lines, no bar
+    if not quiet:
+        assert proc.stdout.splitlines()[0] == "flodl-mpi: 2 rank(s) up; loading PyTorch"

@@ -13,7 +13,7 @@ from flodl_mpi.outputs.metrics import read_table
 from flodl_mpi.training.models import digits_mlp
 from flodl_mpi.training.task import evaluate
 from tests._runs import RUN_A, RUN_B, session_run_a, session_run_b, trained_stdout
-from tests.conftest import run_flodl
+from tests.conftest import fork_flodl, run_flodl
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,10 @@ def test_train_digits(tmp_path, tmp_path_factory, world_size):
         stdout = trained_stdout("A")
     else:
         run_dir = tmp_path / "run"
-        proc = run_flodl(world_size, "train", "--epochs", str(EPOCHS), "--run-dir", str(run_dir), timeout=400)
+        # One torch thread a rank, as each rank of 2 or 3 gets on this 2-core machine: a lone rank would take
+        # both cores, whose second thread mostly spins here (the thread rule: tests/runtime/test_launch.py).
+        proc = run_flodl(world_size, "train", "--epochs", str(EPOCHS), "--run-dir", str(run_dir), timeout=400,
+                         env={"OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         stdout = proc.stdout
     assert "policy sync (a round after every batch)" in stdout  # the header says the policy once, plainly
@@ -118,14 +121,16 @@ def _plan_assertions(n: int, batch_size: int, drop_last: bool) -> tuple[int, int
 
 
 def test_every_batch_size_trains_with_batchnorm(tmp_path):
-    """One launch (batch 4, a lone sample folded into the last batch): the run's metrics.h5 has the plan's counts.
+    """One run (batch 4, a lone sample folded into the last batch): the run's metrics.h5 has the plan's counts.
+    A world of 1 in a fork (was a 2-rank launch): the counts asserted are the epoch's, summed over ranks (the
+    plan's 359 batches of 1437 samples, whatever the world size); whole runs at 1-3 ranks: test_train_digits.
     The other cases of `BATCH_CASES` were one launch each (test_every_batch_size_trains_with_batchnorm[...]
     in this module): the same assertions, now in one process by `test_every_batch_size_plan_trains_in_process`."""
     batch_size, drop_last = 4, False
     run_dir = tmp_path / "run"
     # --window 8: the batch plan is the policy's own business; fewer rounds make the test quicker.
-    proc = run_flodl(2, "train", "--epochs", "1", "--batch-size", str(batch_size), "--window", "8",
-                     "--run-dir", str(run_dir), timeout=400)
+    proc = fork_flodl("train", "--epochs", "1", "--batch-size", str(batch_size), "--window", "8",
+                      "--run-dir", str(run_dir), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     full, trained = _plan_assertions(1437, batch_size, drop_last)
     epochs = read_table(run_dir / "metrics.h5", "epochs")

