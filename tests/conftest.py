@@ -156,7 +156,8 @@ def _forked(label: list[str], child, timeout: float, env: dict | None) -> subpro
 
     The child gets ``launch_env(env)`` as its environment, with ``OMP_NUM_THREADS=1`` unless ``env`` sets
     it (one torch thread, as each rank of a 2-rank run has on this 2-core machine), stdin from /dev/null,
-    stdout and stderr to files read back as text, the default handlers of the stop signals, and leaves with
+    stdout and stderr to files read back as text, the default handlers of the stop signals, SIGPIPE ignored
+    and no logging handlers (a fresh interpreter's, whatever in-process tests left), and leaves with
     ``os._exit`` after finalizing MPI if it started it (as a script's exit does, through mpi4py's atexit):
     nothing of pytest runs in it. It leads a process group of its own; past ``timeout`` that group is
     killed and ``subprocess.TimeoutExpired`` raised (with what the child printed).
@@ -190,6 +191,16 @@ def _forked(label: list[str], child, timeout: float, env: dict | None) -> subpro
                 # pytest's capture (inherited) is not this process's: an abort here must not hand the streams
                 # back to pytest's terminal (flodl_mpi.runtime.pytest_capture finds it through this module)
                 sys.modules.pop("_pytest.capture", None)
+                # a fresh interpreter's state, whatever in-process tests left here: Python ignores SIGPIPE at
+                # start-up; no logging handler on the root (pytest's) or on flodl_mpi's logger
+                signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+                import logging
+
+                for name, level in (("", logging.WARNING), ("flodl_mpi", logging.NOTSET)):
+                    logger = logging.getLogger(name)
+                    logger.handlers.clear()
+                    logger.setLevel(level)
+                    logger.propagate = True
                 code = child()
                 from mpi4py import MPI
 

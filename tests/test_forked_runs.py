@@ -86,3 +86,23 @@ def test_a_forked_child_past_its_timeout_is_killed_with_what_it_started(tmp_path
         time.sleep(0.05)
     else:
         pytest.fail(f"the child's own child {grandchild} outlived the timeout")
+
+
+def test_a_forked_child_starts_from_a_fresh_interpreters_logging_and_sigpipe(tmp_path, monkeypatch):
+    """What an in-process test left in this process (a handler on flodl_mpi's logger, SIGPIPE's default action)
+    is not the child's: its run logs to its own stdout."""
+    import io
+    import logging
+    import signal
+
+    stale = logging.StreamHandler(io.StringIO())
+    logging.getLogger("flodl_mpi").addHandler(stale)
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        script = tmp_path / "s.py"
+        script.write_text("import logging, signal\n"
+                          "print(logging.getLogger('flodl_mpi').handlers, signal.getsignal(signal.SIGPIPE))\n")
+        assert fork_python(script).stdout == f"[] {int(signal.SIG_IGN)}\n"  # as a fresh python prints it
+    finally:
+        logging.getLogger("flodl_mpi").removeHandler(stale)
+        signal.signal(signal.SIGPIPE, previous)
