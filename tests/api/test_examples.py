@@ -1,5 +1,10 @@
 """The examples of "Use it from your own code", as a user runs them: ``python`` (a world of 1, no
-launcher) and ``mpiexec -n 2``, with the same script."""
+launcher) and ``mpiexec -n 2``, with the same script.
+
+The world-of-1 cases run the script in a forked child of the pytest process (tests/api/_fork.py:
+torch already loaded, as ``python SCRIPT`` would run it otherwise); the 2-rank cases launch it, since
+their point is the script under a launcher (and ``[2]`` of the trainer and own-loop examples are the
+quick tier's runs of the API's two front ends, tests/_launches.py)."""
 
 import re
 import subprocess
@@ -10,6 +15,7 @@ import numpy as np
 import pytest
 
 from flodl_mpi.outputs.metrics import read_table
+from tests.api._fork import fork_script
 from tests.conftest import launch_argv, launch_env
 
 pytestmark = pytest.mark.slow
@@ -17,11 +23,13 @@ pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def run_example(ranks: int, name: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    argv = [sys.executable, str(EXAMPLES / name), *args]
-    if ranks > 1:
-        argv = launch_argv(ranks, *argv)
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=launch_env(), check=False)
+def run_example(ranks: int, name, *args: str, timeout: float = 400, cwd=None) -> subprocess.CompletedProcess:
+    """``python EXAMPLE ARGS`` (``name``: under examples/, or a script's path; 1 rank: forked, :func:`tests.api._fork.fork_script`) or under ``mpiexec -n RANKS``."""
+    if ranks == 1:
+        return fork_script(EXAMPLES / name, *args, cwd=cwd, timeout=timeout)
+    argv = launch_argv(ranks, sys.executable, str(EXAMPLES / name), *args)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=launch_env(), check=False,
+                          cwd=cwd)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -90,9 +98,7 @@ def test_the_readme_averager_snippet_runs(tmp_path, ranks):
     end_epoch(); at 1 rank a second run with --resume finds the 5 epochs done and trains nothing."""
     script = tmp_path / "readme_own_loop.py"
     script.write_text(readme_block("**Keep your loop: the averager**"))
-    argv = [sys.executable, str(script)]
-    proc = subprocess.run(launch_argv(ranks, *argv) if ranks > 1 else argv, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=400, env=launch_env(), check=False)
+    proc = run_example(ranks, script, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = re.findall(r"^epoch (\d): loss (\S+) test (\S+)$", proc.stdout, re.M)
     assert [int(e) for e, _, _ in printed] == [1, 2, 3, 4, 5], proc.stdout  # rank 0 prints, once per epoch
@@ -105,8 +111,7 @@ def test_the_readme_averager_snippet_runs(tmp_path, ranks):
     assert len(rounds["round"]) == 5 * -(-per_rank // 4)  # every 4 steps, and one for the epoch's rest
     assert max(p.name[:12] for p in (run / "checkpoints").glob("ckpt-*.h5")) == "ckpt-e000005"
     if ranks == 1:  # the resume API of the block: nothing left to train
-        again = subprocess.run([*argv, "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=400,
-                               env=launch_env(), check=False)
+        again = run_example(1, script, "--resume", cwd=tmp_path)
         assert again.returncode == 0, again.stderr[-3000:]
         assert "resuming from ckpt-e000005-r" in again.stderr and ": 5 epoch(s) done, 0 step() call(s)" in \
             again.stderr, again.stderr[-3000:]
