@@ -445,8 +445,10 @@ BAD_ARGUMENT_CASES = [
     "policy", "window-type", "stall-timeout", "resume-without-run-dir", "fit-epochs", "run-dir-taken", "resume-not-a-run",
     "fit-policy", "averager-run-dir-under-a-file", "fit-run-dir-under-a-file", "fit-typo", "averager-typo"])
 def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, bad_arguments_in_one_process, call, line):
-    """Each case was a launch at 2 ranks. `LAUNCHED_CASES` still are (an option, a run dir agreed by the ranks,
-    the misspelt keyword that was an MPI_Abort): exit 2, one line on stderr, no traceback, nothing reached.
+    """Each case was a launch at 2 ranks. `LAUNCHED_CASES` still are (a bad keyword, the misspelt one that was
+    an MPI_Abort; a run dir agreed by the ranks): exit 2, one line on stderr, no traceback, nothing reached.
+    (``policy``, a bad option's value refused in Averager() as ``averager-typo``'s keyword is, on every rank
+    alike, was launched too: the typo's launch is the 2-rank proof of that path.)
     The others are the same calls in one world-of-1 process (`bad_arguments_in_one_process`): the same
     assertions on the line (``flodl-mpi: error: `` and the InputError's text, as the exit prints it)."""
     if call not in LAUNCHED_CASES:
@@ -478,8 +480,7 @@ def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, bad_ar
 
 
 #: The cases of test_bad_arguments_are_one_line_in_the_api_words_and_exit_2 still launched at 2 ranks.
-LAUNCHED_CASES = ("flodl_mpi.Averager(torch.nn.Linear(2, 1), policy='windows')",
-                  "flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=TAKEN)",
+LAUNCHED_CASES = ("flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=TAKEN)",
                   "flodl_mpi.Averager(torch.nn.Linear(2, 1), windw=4)")
 
 
