@@ -35,56 +35,71 @@ FIT = """
     import numpy as np, torch, flodl_mpi
     from torch import nn
     from flodl_mpi.runtime.launcher import launcher_rank
-    run_dir, stop_at, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
     stop_rank = int(sys.argv[5])  # the world's last rank
+    # (run dir, stop_at, "resume"/"new", out): the first run's, then (argv[6:]) each next run's, in this process
+    jobs = [sys.argv[1:5]] + [sys.argv[i:i + 4] for i in range(6, len(sys.argv), 4)]
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, 8)).astype("float32")
     y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype("int64")
-    calls = [0]
 
-    def step(model, batch):
-        xb, yb = batch
-        out = model(xb)
-        flodl_mpi.record_scalar("acc_train", (out.argmax(1) == yb).float().mean())
-        flodl_mpi.record_scalar("rank_mark", float(launcher_rank() + 1) + 1e-3 * float(out.detach().sum()))
-        if torch.is_grad_enabled():  # training (and fit's check), not the evaluation
-            calls[0] += 1
-            if launcher_rank() == stop_rank and calls[0] == stop_at:
-                os.kill(os.getpid(), signal.SIGUSR1)
-        return nn.functional.cross_entropy(out, yb)
+    for run_dir, stop_at, resume, out in jobs:
+        stop_at, resume, calls = int(stop_at), resume == "resume", [0]
 
-    run = flodl_mpi.fit(lambda input_shape, num_classes: nn.Sequential(
-                            nn.Linear(input_shape[0], 16), nn.ReLU(), nn.Linear(16, num_classes)),
-                        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), train_step=step,
-                        data={"train": (x[:240], y[:240]), "test": (x[240:], y[240:])}, batch_size=16,
-                        epochs=3, run_dir=run_dir, resume=resume)
-    seen = open(f"{out}.r{run.rank}", "w")  # what the loop is handed, one line per epoch
-    for ep in run:
-        s = ep.summary
-        seen.write("EPOCH " + json.dumps({"epoch": ep.epoch, "avg_loss": s.avg_loss, "batches": int(s.batches),
-                                          "scalars": ep.scalars, "metrics": ep.metrics}) + "\\n")
-        seen.flush()
-    seen.write("FINAL " + json.dumps([float(v.double().sum()) for v in run.model.state_dict().values()]) + "\\n")
+        def step(model, batch):
+            xb, yb = batch
+            out = model(xb)
+            flodl_mpi.record_scalar("acc_train", (out.argmax(1) == yb).float().mean())
+            flodl_mpi.record_scalar("rank_mark", float(launcher_rank() + 1) + 1e-3 * float(out.detach().sum()))
+            if torch.is_grad_enabled():  # training (and fit's check), not the evaluation
+                calls[0] += 1
+                if launcher_rank() == stop_rank and calls[0] == stop_at:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+            return nn.functional.cross_entropy(out, yb)
+
+        run = flodl_mpi.fit(lambda input_shape, num_classes: nn.Sequential(
+                                nn.Linear(input_shape[0], 16), nn.ReLU(), nn.Linear(16, num_classes)),
+                            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), train_step=step,
+                            data={"train": (x[:240], y[:240]), "test": (x[240:], y[240:])}, batch_size=16,
+                            epochs=3, run_dir=run_dir, resume=resume)
+        seen = open(f"{out}.r{run.rank}", "w")  # what the loop is handed, one line per epoch
+        for ep in run:
+            s = ep.summary
+            seen.write("EPOCH " + json.dumps({"epoch": ep.epoch, "avg_loss": s.avg_loss, "batches": int(s.batches),
+                                              "scalars": ep.scalars, "metrics": ep.metrics}) + "\\n")
+            seen.flush()
+        seen.write("FINAL " + json.dumps([float(v.double().sum()) for v in run.model.state_dict().values()]) + "\\n")
+        seen.close()
 """
 
 
-def _launch(script, run_dir, stop_at: int, resume: bool, ranks: int = 2):
+def _launch(script, run_dir, stop_at: int, resume: bool, ranks: int = 2, then=None):
     """``(process, epochs the loop was handed, final weights' sums or [])``, the same on every rank (checked);
-    the last rank signals itself at ``stop_at``. At 1 rank, forked (:func:`tests.api._fork.fork_script`)."""
+    the last rank signals itself at ``stop_at``. At 1 rank, forked (:func:`tests.api._fork.fork_script`).
+    ``then`` (FIT only): a run dir for a new, uninterrupted run in the same process after this one; its
+    ``(epochs, final)`` are added to what is returned."""
     out = run_dir.with_name(run_dir.name + ("-resumed" if resume else "-first"))
     argv = (str(run_dir), str(stop_at), "resume" if resume else "new", str(out), str(ranks - 1))
+    if then is not None:
+        argv += (str(then), "0", "new", str(then.with_name(then.name + "-first")))
     if ranks == 1:
         proc = fork_script(script, *argv)
     else:
         proc = subprocess.run(launch_argv(ranks, sys.executable, str(script), *argv),
                               capture_output=True, text=True, timeout=300, env=launch_env(), check=False)
+    got = (proc, *_seen(out, ranks, proc.returncode in (0, 4)))
+    return got if then is None else (*got, *_seen(then.with_name(then.name + "-first"), ranks, proc.returncode == 0))
+
+
+def _seen(out, ranks: int, finished: bool):
+    """``(epochs the loop was handed, final weights' sums or [])`` from each rank's ``out`` file, the same on
+    every rank (checked)."""
     seen = []
     for r in range(ranks):
-        lines = out.with_name(f"{out.name}.r{r}").read_text().splitlines() if proc.returncode in (0, 4) else []
+        lines = out.with_name(f"{out.name}.r{r}").read_text().splitlines() if finished else []
         seen.append(([json.loads(line[6:]) for line in lines if line.startswith("EPOCH ")],
                      [json.loads(line[6:]) for line in lines if line.startswith("FINAL ")]))
     assert all(s == seen[0] for s in seen), seen  # every rank was handed the same epochs, and ends with the same model
-    return proc, seen[0][0], seen[0][1]
+    return seen[0]
 
 
 def _scalars(run_dir):
@@ -94,17 +109,19 @@ def _scalars(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Two launches at 2 ranks: the stopped run; then the resume and, after it in the same processes, the
+    uninterrupted run (was a launch of its own: it starts from fit's seed as a fresh process would, and a
+    difference it carried from the resume before it could only fail the comparisons, never pass them)."""
     tmp = tmp_path_factory.mktemp("fit_stop")
     script = tmp / "fit.py"
     script.write_text(textwrap.dedent(FIT))
-    base = _launch(script, tmp / "base", 0, False)
     stopped = _launch(script, tmp / "stopped", STOP_AT, False)
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     path = latest_checkpoint(tmp / "stopped" / "checkpoints")
     stopped_meta = read_checkpoint(path).meta if path is not None else {}
-    resumed = _launch(script, tmp / "stopped", 0, True)
-    return tmp, base, (*stopped, stopped_meta), resumed
+    proc, *resumed_seen, base_epochs, base_final = _launch(script, tmp / "stopped", 0, True, then=tmp / "base")
+    return tmp, (proc, base_epochs, base_final), (*stopped, stopped_meta), (proc, *resumed_seen)
 
 
 def test_fit_never_hands_the_loop_an_epoch_a_stop_cut_short(runs):
