@@ -97,6 +97,7 @@ SHARED_OWN_LOOP = """
     import multiprocessing as mp
     import signal
     import sys
+    import torch
 
     def mine(signum, frame):
         pass
@@ -108,9 +109,7 @@ SHARED_OWN_LOOP = """
     def work(i):
         return "mpi4py.MPI" in sys.modules
 
-    if __name__ == "__main__":  # the worker's import stops above (torch: the rank's alone)
-        import torch
-
+    if __name__ == "__main__":
         assert signal.getsignal(signal.SIGTERM) is _stop_before_run
         assert signal.getsignal(signal.SIGINT) is _stop_before_run
         with mp.get_context("spawn").Pool(1) as pool:
@@ -187,14 +186,17 @@ OWN_LOOP = """
 """
 
 FIT = """
-    import sys
+    import os, signal, sys
     from pathlib import Path
     import flodl_mpi
     run_dir, marker = sys.argv[1], Path(sys.argv[2])
+    self_signal = sys.argv[3] if len(sys.argv) > 3 else None  # the signal it sends itself once it trains
     run = flodl_mpi.fit(epochs=100000, run_dir=run_dir, eval_every=0)
     for epoch in run:
         if epoch.epoch == 1 and run.rank == 0:
             marker.write_text("started")
+            if self_signal:
+                os.kill(os.getpid(), getattr(signal, self_signal))
     print("not reached", flush=True)
 """
 
@@ -256,12 +258,20 @@ def _stop_own_loop(stopped_own_loop):
     (FIT, "SIGINT", "rank"),
 ], ids=["own-loop-sigterm-launcher", "own-loop-ctrl-c-rank", "fit-sigterm-launcher", "fit-ctrl-c-rank"])
 def test_a_stop_signal_saves_and_exits_4(tmp_path, request, script, signame, target):
-    """Each case launches at 2 ranks (the signal reaches the ranks through the launcher, or one rank's
-    stop reaches the other through the rounds); ``own-loop-sigterm-launcher`` is `stopped_own_loop`'s run."""
+    """The own loop's cases and ``fit-sigterm-launcher`` launch at 2 ranks (the signal reaches the ranks
+    through the launcher, or one rank's stop reaches the other through the rounds); ``own-loop-sigterm-launcher``
+    is `stopped_own_loop`'s run. ``fit-ctrl-c-rank`` runs at a world of 1, forked (was a launch): the script
+    sends itself SIGINT once it trains; one rank's stop reaching the others in fit is test_api_stop_resume.py's
+    fit trio (rank 1's SIGUSR1 at 2 ranks), and a Ctrl-C on one of 2 ranks is ``own-loop-ctrl-c-rank``."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     if (script, signame, target) == (OWN_LOOP, "SIGTERM", "launcher"):
         proc, out, err, took, run_dir = request.getfixturevalue("stopped_own_loop")
+    elif (script, target) == (FIT, "rank"):
+        run_dir, marker = tmp_path / "run", tmp_path / "started"
+        proc, took = _run(tmp_path, script, str(run_dir), str(marker), signame, ranks=1, timeout=PROMPT_S)
+        out, err = proc.stdout, proc.stderr
+        assert marker.exists(), "the run did not start"
     else:
         proc, out, err, took, run_dir = _signal_run(tmp_path, script, signame, target)
     assert took < PROMPT_S - 100  # the run had 100000 epochs to go: it stopped
