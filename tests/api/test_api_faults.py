@@ -102,7 +102,8 @@ SHARED_OWN_LOOP = """
     def mine(signum, frame):
         pass
 
-    signal.signal(signal.SIGTERM, mine)
+    if __name__ == "__main__":  # not in the worker: the pool's terminate() ends it with SIGTERM
+        signal.signal(signal.SIGTERM, mine)
     import flodl_mpi  # a spawned worker runs this again, with the launcher's variables: it must not start MPI
     from flodl_mpi.runtime.session import _stop_before_run
 
