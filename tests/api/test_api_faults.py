@@ -97,7 +97,6 @@ SHARED_OWN_LOOP = """
     import multiprocessing as mp
     import signal
     import sys
-    import torch
 
     def mine(signum, frame):
         pass
@@ -110,7 +109,9 @@ SHARED_OWN_LOOP = """
     def work(i):
         return "mpi4py.MPI" in sys.modules
 
-    if __name__ == "__main__":
+    if __name__ == "__main__":  # the worker's import of the script ends above (torch: the rank's alone)
+        import torch
+
         assert signal.getsignal(signal.SIGTERM) is _stop_before_run
         assert signal.getsignal(signal.SIGINT) is _stop_before_run
         with mp.get_context("spawn").Pool(1) as pool:
