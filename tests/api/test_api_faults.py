@@ -1,8 +1,14 @@
 """Faults of the Python API under a launcher, as a user meets them (issue 7's new-user trial).
 
 Each test runs a small script under ``mpiexec -n 2`` and asserts the exit status,
-the message, a time bound, and that the named path was reached.
+the message, a time bound, and that the named path was reached. Where the point needs no peer (a
+failure of every rank, a refusal at a world of 1), the script runs at a world of 1 in a forked child of
+the pytest process instead (tests/api/_fork.py); where tests need the same 2-rank run, they share it (a
+module-scoped fixture: the stopped own loop, the uneven sync runs, one own loop that checks the import's
+handlers, a spawned worker and a quarantine).
 """
+
+import shutil
 
 import os
 import signal
@@ -14,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.api._fork import fork_script
 from tests.conftest import launch_argv, launch_env, launcher_kind, rank_pids
 
 pytestmark = pytest.mark.slow
@@ -27,11 +34,15 @@ RANK = "__import__('flodl_mpi.runtime.launcher').runtime.launcher.launcher_rank(
 PROMPT_S = 300
 
 
-def _run(tmp_path, script: str, *args: str, env: dict | None = None, timeout: float = 400.0):
+def _run(tmp_path, script: str, *args: str, env: dict | None = None, timeout: float = 400.0, ranks: int = 2):
+    """``script`` (dedented) under ``mpiexec -n 2``, or at ``ranks=1`` forked (tests/api/_fork.py):
+    ``(process, seconds)``."""
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(script))
     t0 = time.monotonic()
-    proc = subprocess.run(launch_argv(2, sys.executable, str(path), *args), capture_output=True, text=True,
+    if ranks == 1:
+        return fork_script(path, *args, env=env, timeout=timeout), time.monotonic() - t0
+    proc = subprocess.run(launch_argv(ranks, sys.executable, str(path), *args), capture_output=True, text=True,
                           timeout=timeout, env=launch_env(env), check=False)
     return proc, time.monotonic() - t0
 
@@ -67,33 +78,75 @@ def test_an_error_before_the_import_ends_the_peers_start_up(tmp_path):
             raise FileNotFoundError("rank 1 cannot open data.h5")
         import flodl_mpi
         print("not reached", flush=True)
-    """, env={"FLODL_MPI_START_TIMEOUT": "5"})
+    """, env={"FLODL_MPI_START_TIMEOUT": "2"})  # rank 0 spins in MPI start-up that long: short
     assert took < PROMPT_S
     assert proc.returncode != 0, proc.stderr[-2000:]
     assert "not reached" not in proc.stdout
     assert "rank 1 cannot open data.h5" in proc.stderr
     if launcher_kind() == "hydra":  # Open MPI's mpirun ends the job itself when rank 1 exits
-        assert ("flodl-mpi: rank 0: error: MPI did not start within 5 s: another rank ended before it started MPI"
+        assert ("flodl-mpi: rank 0: error: MPI did not start within 2 s: another rank ended before it started MPI"
                 in proc.stderr), proc.stderr[-2000:]
 
 
-def test_a_spawned_worker_does_not_start_mpi(tmp_path):
-    """A "spawn" worker (a DataLoader's) imports the script again with the launcher's variables: not a rank."""
-    proc, took = _run(tmp_path, """
-        import multiprocessing as mp
-        import sys
-        import flodl_mpi, torch
+#: One 2-rank own loop that three tests read (test_a_spawned_worker_does_not_start_mpi,
+#: test_the_scripts_own_handlers_come_back_after_the_run, test_a_quarantine_in_an_own_loop_is_logged: each was
+#: a launch of its own): the script sets its own SIGTERM handler and imports flodl_mpi (the import's stop
+#: handler replaces it); a "spawn" worker imports the script again; then an own loop with a run_dir in which
+#: rank 1's loss is NaN at its 6th step() call (sync: round 5); after the loop, the handlers are printed.
+SHARED_OWN_LOOP = """
+    import multiprocessing as mp
+    import signal
+    import sys
 
-        def work(i):
-            return "mpi4py.MPI" in sys.modules
+    def mine(signum, frame):
+        pass
 
-        if __name__ == "__main__":
-            with mp.get_context("spawn").Pool(1) as pool:
-                print(f"worker started MPI: {pool.map(work, [0])[0]}", flush=True)  # one write: ranks share the pipe
-            with flodl_mpi.Averager(torch.nn.Linear(2, 1)) as avg:
-                avg.step()
-            print("done", flush=True)
-    """)
+    if __name__ == "__main__":  # not in the worker: the pool's terminate() ends it with SIGTERM
+        signal.signal(signal.SIGTERM, mine)
+    import flodl_mpi  # a spawned worker runs this again, with the launcher's variables: it must not start MPI
+    from flodl_mpi.runtime.session import _stop_before_run
+
+    def work(i):
+        return "mpi4py.MPI" in sys.modules
+
+    if __name__ == "__main__":  # the worker's import of the script ends above (torch: the rank's alone)
+        import torch
+
+        assert signal.getsignal(signal.SIGTERM) is _stop_before_run
+        assert signal.getsignal(signal.SIGINT) is _stop_before_run
+        with mp.get_context("spawn").Pool(1) as pool:
+            print(f"worker started MPI: {pool.map(work, [0])[0]}", flush=True)  # one write: ranks share the pipe
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with flodl_mpi.Averager(model, optimizer=opt, run_dir=sys.argv[1]) as avg:
+            for epoch in range(2):
+                for i in range(4):
+                    opt.zero_grad()
+                    loss = model(torch.ones(3, 2)).pow(2).mean()
+                    if avg.global_step == 5 and avg.rank == 1:
+                        loss = loss * float("nan")  # the 6th call (sync: round 5) of rank 1
+                    loss.backward()
+                    opt.step()
+                    avg.step(loss)
+                avg.end_epoch()
+        print(f"after {signal.getsignal(signal.SIGTERM) is mine} "
+              f"{signal.getsignal(signal.SIGINT) is signal.default_int_handler}", flush=True)
+        print("done", flush=True)
+        print("finished", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_own_loop(tmp_path_factory):
+    """`SHARED_OWN_LOOP` launched once at 2 ranks: ``(process, seconds, run dir)``."""
+    tmp = tmp_path_factory.mktemp("shared_own_loop")
+    return (*_run(tmp, SHARED_OWN_LOOP, str(tmp / "run")), tmp / "run")
+
+
+def test_a_spawned_worker_does_not_start_mpi(shared_own_loop):
+    """A "spawn" worker (a DataLoader's) imports the script again with the launcher's variables: not a rank.
+    The launch is `SHARED_OWN_LOOP`'s (the worker starts before its own loop, as before its Averager)."""
+    proc, took, _ = shared_own_loop
     assert took < PROMPT_S
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("worker started MPI: False") == 2 and proc.stdout.count("done") == 2
@@ -135,14 +188,17 @@ OWN_LOOP = """
 """
 
 FIT = """
-    import sys
+    import os, signal, sys
     from pathlib import Path
     import flodl_mpi
     run_dir, marker = sys.argv[1], Path(sys.argv[2])
+    self_signal = sys.argv[3] if len(sys.argv) > 3 else None  # the signal it sends itself once it trains
     run = flodl_mpi.fit(epochs=100000, run_dir=run_dir, eval_every=0)
     for epoch in run:
         if epoch.epoch == 1 and run.rank == 0:
             marker.write_text("started")
+            if self_signal:
+                os.kill(os.getpid(), getattr(signal, self_signal))
     print("not reached", flush=True)
 """
 
@@ -159,28 +215,9 @@ def _start_until_marked(tmp_path, script):
     return proc, run_dir, marker
 
 
-def _stop_own_loop(tmp_path):
-    """Launch OWN_LOOP at 2 ranks, SIGTERM every rank once it trains (as scancel does); the run dir after exit 4."""
-    proc, run_dir, marker = _start_until_marked(tmp_path, OWN_LOOP)
-    try:
-        assert marker.exists(), "the run did not start"
-        for pid in rank_pids(proc, str(run_dir)):
-            os.kill(pid, signal.SIGTERM)
-        proc.communicate(timeout=PROMPT_S)
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == 4
-    return run_dir
-
-
-@pytest.mark.parametrize("script, signame, target", [
-    (OWN_LOOP, "SIGTERM", "launcher"), (OWN_LOOP, "SIGINT", "rank"), (FIT, "SIGTERM", "launcher"),
-    (FIT, "SIGINT", "rank"),
-], ids=["own-loop-sigterm-launcher", "own-loop-ctrl-c-rank", "fit-sigterm-launcher", "fit-ctrl-c-rank"])
-def test_a_stop_signal_saves_and_exits_4(tmp_path, script, signame, target):
-    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
-
+def _signal_run(tmp_path, script, signame: str, target: str):
+    """Launch ``script`` at 2 ranks, send ``signame`` once it trains (to the launcher or every rank, or to one
+    rank), wait for the exit: ``(process, stdout, stderr, seconds from the signal to the exit, run dir)``."""
     proc, run_dir, marker = _start_until_marked(tmp_path, script)
     try:
         assert marker.exists(), "the run did not start"
@@ -199,6 +236,46 @@ def test_a_stop_signal_saves_and_exits_4(tmp_path, script, signame, target):
     finally:
         proc.kill()
         proc.communicate()
+    return proc, out, err, took, run_dir
+
+
+@pytest.fixture(scope="module")
+def stopped_own_loop(tmp_path_factory):
+    """OWN_LOOP at 2 ranks, SIGTERM through the launcher once it trains (Hydra forwards it; under Open MPI
+    to every rank, as scancel does): `_signal_run`'s tuple. test_a_stop_signal_saves_and_exits_4's
+    ``own-loop-sigterm-launcher`` case, and the run dir the tests of what a stopped own loop leaves read
+    (each was a launch of its own; the resume's test resumes a copy)."""
+    return _signal_run(tmp_path_factory.mktemp("stopped_own_loop"), OWN_LOOP, "SIGTERM", "launcher")
+
+
+def _stop_own_loop(stopped_own_loop):
+    """The run dir `stopped_own_loop` left, after its exit 4 (read it; copy it to write)."""
+    proc, _, err, _, run_dir = stopped_own_loop
+    assert proc.returncode == 4, err[-3000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("script, signame, target", [
+    (OWN_LOOP, "SIGTERM", "launcher"), (OWN_LOOP, "SIGINT", "rank"), (FIT, "SIGTERM", "launcher"),
+    (FIT, "SIGINT", "rank"),
+], ids=["own-loop-sigterm-launcher", "own-loop-ctrl-c-rank", "fit-sigterm-launcher", "fit-ctrl-c-rank"])
+def test_a_stop_signal_saves_and_exits_4(tmp_path, request, script, signame, target):
+    """The own loop's cases and ``fit-sigterm-launcher`` launch at 2 ranks (the signal reaches the ranks
+    through the launcher, or one rank's stop reaches the other through the rounds); ``own-loop-sigterm-launcher``
+    is `stopped_own_loop`'s run. ``fit-ctrl-c-rank`` runs at a world of 1, forked (was a launch): the script
+    sends itself SIGINT once it trains; one rank's stop reaching the others in fit is test_api_stop_resume.py's
+    fit trio (rank 1's SIGUSR1 at 2 ranks), and a Ctrl-C on one of 2 ranks is ``own-loop-ctrl-c-rank``."""
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
+
+    if (script, signame, target) == (OWN_LOOP, "SIGTERM", "launcher"):
+        proc, out, err, took, run_dir = request.getfixturevalue("stopped_own_loop")
+    elif (script, target) == (FIT, "rank"):
+        run_dir, marker = tmp_path / "run", tmp_path / "started"
+        proc, took = _run(tmp_path, script, str(run_dir), str(marker), signame, ranks=1, timeout=PROMPT_S)
+        out, err = proc.stdout, proc.stderr
+        assert marker.exists(), "the run did not start"
+    else:
+        proc, out, err, took, run_dir = _signal_run(tmp_path, script, signame, target)
     assert took < PROMPT_S - 100  # the run had 100000 epochs to go: it stopped
     assert proc.returncode == 4, err[-3000:]
     assert err.count("flodl-mpi: stopped on request") == 1, err[-3000:]  # rank 0's line, the path reached
@@ -229,11 +306,12 @@ def _assert_the_stop_is_recorded(run_dir, latest, meta) -> None:
     assert latest.name == f"ckpt-e{meta['epoch'] + (0 if meta['epoch_complete'] else 1):06d}-r{meta['round']:06d}.h5"
 
 
-def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path):
-    """The stop's checkpoint is the resume's start: the consensus and the round count continue."""
+def test_a_stopped_own_loop_resumes_where_it_stopped(tmp_path, stopped_own_loop):
+    """The stop's checkpoint is the resume's start: the consensus and the round count continue. The resume
+    launches at 2 ranks (the stopped run's world), in a copy of `stopped_own_loop`'s run dir."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
-    run_dir = _stop_own_loop(tmp_path)
+    run_dir = shutil.copytree(_stop_own_loop(stopped_own_loop), tmp_path / "run")
     stopped = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     resume = tmp_path / "resume.py"
     resume.write_text(textwrap.dedent("""
@@ -273,15 +351,39 @@ UNEVEN = """
 """
 
 
+#: UNEVEN with a run_dir (its third argument).
+UNEVEN_RUN_DIR = UNEVEN.replace("window=window)", "window=window, run_dir=sys.argv[3])")
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    """``uneven(window, where)``: UNEVEN launched at 2 ranks once per case, ``(process, seconds, run dir or
+    None)``; at window 1 (sync) with a run_dir, so that test_uneven_step_counts_end_train_log_with_the_reason
+    reads the run test_uneven_step_counts_end_at_once_naming_the_ranks checks (each was a launch of its own)."""
+    cache = {}
+
+    def get(window: int, where: str):
+        if (window, where) not in cache:
+            tmp = tmp_path_factory.mktemp(f"uneven-{window}-{where}")
+            if window == 1:
+                cache[window, where] = (*_run(tmp, UNEVEN_RUN_DIR, str(window), where, str(tmp / "run")), tmp / "run")
+            else:
+                cache[window, where] = (*_run(tmp, UNEVEN, str(window), where), None)
+        return cache[window, where]
+
+    return get
+
+
 @pytest.mark.parametrize("window, where, line", [
     (1, "end_epoch", "(rank 0 in step() call 8; rank 1 in end_epoch() after 7 step() call(s))"),
     (4, "end_epoch", "(rank 0 in step() call 8; rank 1 in end_epoch() after 7 step() call(s))"),
     (1, "close", "(rank 0 in step() call 15; rank 1 in close() after 14 step() call(s))"),
     (2, "close", "(rank 0 in step() call 16; rank 1 in close() after 14 step() call(s))"),
 ], ids=["sync-end-epoch", "window-end-epoch", "sync-close", "window-close"])
-def test_uneven_step_counts_end_at_once_naming_the_ranks(tmp_path, window, where, line):
-    """One rank's loader is shorter: every rank raises the same error at the next round (was: exit 3 after 600 s)."""
-    proc, took = _run(tmp_path, UNEVEN, str(window), where)
+def test_uneven_step_counts_end_at_once_naming_the_ranks(uneven, window, where, line):
+    """One rank's loader is shorter: every rank raises the same error at the next round (was: exit 3 after 600 s).
+    Each case a launch at 2 ranks (`uneven`; the sync cases with a run_dir)."""
+    proc, took, _ = uneven(window, where)
     assert took < PROMPT_S  # the stall timeout is 600 s: the error came from the boundary check
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.count("flodl-mpi: error: the ranks called step() a different number of times") == 1
@@ -290,16 +392,16 @@ def test_uneven_step_counts_end_at_once_naming_the_ranks(tmp_path, window, where
 
 
 @pytest.mark.parametrize("where", ["end_epoch", "close"])
-def test_uneven_step_counts_end_train_log_with_the_reason(tmp_path, where):
-    """With a run_dir, train.log's last line is the same reason, written once by rank 0 (was: nothing)."""
-    script = UNEVEN.replace("window=window)", "window=window, run_dir=sys.argv[3])")
-    proc, _ = _run(tmp_path, script, "1", where, str(tmp_path / "run"))
+def test_uneven_step_counts_end_train_log_with_the_reason(uneven, where):
+    """With a run_dir, train.log's last line is the same reason, written once by rank 0 (was: nothing).
+    The run is `uneven`'s sync case (test_uneven_step_counts_end_at_once_naming_the_ranks's too)."""
+    proc, _, run_dir = uneven(1, where)
     assert proc.returncode == 1, proc.stderr[-2000:]
     step = {"end_epoch": 8, "close": 15}[where]
     why = (f"the ranks called step() a different number of times in this epoch (rank 0 in step() call {step}; "
            f"rank 1 in {where}() after {step - 1} step() call(s))")
     assert proc.stderr.count(why) == 1, proc.stderr[-2000:]  # the path reached: the boundary check
-    log = (tmp_path / "run" / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
     assert log.count("failed:") == 1 and log.splitlines()[-1].split(" ", 1)[1] == f"run failed: CohortError: {why}" \
         "; every rank must call step() equally often between end_epoch() calls (a rank without a batch calls " \
         "step(realized=False))"
@@ -356,8 +458,10 @@ BAD_ARGUMENT_CASES = [
     "policy", "window-type", "stall-timeout", "resume-without-run-dir", "fit-epochs", "run-dir-taken", "resume-not-a-run",
     "fit-policy", "averager-run-dir-under-a-file", "fit-run-dir-under-a-file", "fit-typo", "averager-typo"])
 def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, bad_arguments_in_one_process, call, line):
-    """Each case was a launch at 2 ranks. `LAUNCHED_CASES` still are (an option, a run dir agreed by the ranks,
-    the misspelt keyword that was an MPI_Abort): exit 2, one line on stderr, no traceback, nothing reached.
+    """Each case was a launch at 2 ranks. `LAUNCHED_CASES` still are (a bad keyword, the misspelt one that was
+    an MPI_Abort; a run dir agreed by the ranks): exit 2, one line on stderr, no traceback, nothing reached.
+    (``policy``, a bad option's value refused in Averager() as ``averager-typo``'s keyword is, on every rank
+    alike, was launched too: the typo's launch is the 2-rank proof of that path.)
     The others are the same calls in one world-of-1 process (`bad_arguments_in_one_process`): the same
     assertions on the line (``flodl-mpi: error: `` and the InputError's text, as the exit prints it)."""
     if call not in LAUNCHED_CASES:
@@ -389,8 +493,7 @@ def test_bad_arguments_are_one_line_in_the_api_words_and_exit_2(tmp_path, bad_ar
 
 
 #: The cases of test_bad_arguments_are_one_line_in_the_api_words_and_exit_2 still launched at 2 ranks.
-LAUNCHED_CASES = ("flodl_mpi.Averager(torch.nn.Linear(2, 1), policy='windows')",
-                  "flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=TAKEN)",
+LAUNCHED_CASES = ("flodl_mpi.Averager(torch.nn.Linear(2, 1), run_dir=TAKEN)",
                   "flodl_mpi.Averager(torch.nn.Linear(2, 1), windw=4)")
 
 
@@ -425,25 +528,21 @@ def bad_arguments_in_one_process(tmp_path_factory):
                    "except BaseException as exc:", f"    out[{i}] = 'not an InputError: ' + repr(exc)"]
     script += ["print('RESULTS ' + json.dumps(out), flush=True)"]
     (root / "script.py").write_text("\n".join(script) + "\n")
-    proc = subprocess.run([sys.executable, str(root / "script.py")], cwd=root, capture_output=True, text=True,
-                          timeout=300, env=launch_env(), check=False)
+    proc = fork_script(root / "script.py", cwd=root)  # a world of 1, forked
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULTS ", 1)[1])
     return {call: out[str(i)] for i, call in enumerate(calls)}, taken
 
 
-def test_a_bad_argument_is_an_input_error_to_catch():
-    """Under plain python (a world of 1), the same bad argument is a catchable flodl_mpi.InputError."""
-    code = textwrap.dedent("""
+def test_a_bad_argument_is_an_input_error_to_catch(tmp_path):
+    """Under plain python (a world of 1), the same bad argument is a catchable flodl_mpi.InputError (forked)."""
+    proc, _ = _run(tmp_path, """
         import torch, flodl_mpi
         try:
             flodl_mpi.Averager(torch.nn.Linear(2, 1), policy="windows")
         except flodl_mpi.InputError as exc:
             print("caught", type(exc).__name__, exc)
-    """)
-    env = {k: v for k, v in launch_env().items()}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
-                          check=False)
+    """, ranks=1)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "caught InputError policy='windows': must be one of sync, window" in proc.stdout
 
@@ -496,25 +595,27 @@ NAN_LOOP = """
 """
 
 
-def test_a_quarantine_in_an_own_loop_is_logged(tmp_path):
-    """Rank 1's NaN loss in round 5: rank 0 says so in train.log and on the terminal, as fit does (was: silent)."""
-    proc, _ = _run(tmp_path, NAN_LOOP, str(tmp_path / "run"), "one")
+def test_a_quarantine_in_an_own_loop_is_logged(shared_own_loop):
+    """Rank 1's NaN loss in round 5: rank 0 says so in train.log and on the terminal, as fit does (was: silent).
+    The launch is `SHARED_OWN_LOOP`'s (NAN_LOOP's loop with who="one", after the spawned worker)."""
+    proc, _, run_dir = shared_own_loop
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = ("round 5: rank(s) 1 had a non-finite loss or NaN/Inf parameters: quarantined (mass 0), "
             "adopted the consensus")
-    log = (tmp_path / "run" / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
     assert log.count(line) == 1 and proc.stderr.count(line) == 1, proc.stderr[-2000:]
     assert log.index(line) < log.index("epoch 2 ")  # logged in its epoch, when it happened
     assert "finished" in proc.stdout
 
 
 def test_an_own_loop_failure_ends_train_log_with_the_reason(tmp_path):
-    """Every rank's loss NaN in round 5: exit 1, and train.log's last line is the reason (was: nothing)."""
-    proc, took = _run(tmp_path, NAN_LOOP, str(tmp_path / "run"), "all")
+    """Every rank's loss NaN in round 5: exit 1, and train.log's last line is the reason (was: nothing).
+    At a world of 1, forked (was 2 ranks): no rank is finite needs no peer, and the line names the one rank."""
+    proc, took = _run(tmp_path, NAN_LOOP, str(tmp_path / "run"), "all", ranks=1)
     assert took < PROMPT_S
     assert proc.returncode == 1, proc.stderr[-2000:]
     # the NaN loss's gradients made the step's parameters NaN too
-    why = ("non-finite values in round 5: rank(s) 0 (loss and parameters/buffers), 1 (loss and parameters/buffers) "
+    why = ("non-finite values in round 5: rank(s) 0 (loss and parameters/buffers) "
            "had NaN or infinite values; no rank is finite")
     assert proc.stderr.count(why) == 1  # the path reached: the cohort's non-finite verdict
     last = (tmp_path / "run" / "train.log").read_text().splitlines()[-1]
@@ -569,11 +670,11 @@ def _assert_every_batch_is_recorded(run_dir, global_steps: dict[int, int]) -> No
     assert len(b["step"]) == sum(global_steps.values())
 
 
-def test_a_stopped_own_loop_records_the_batches_of_the_epoch_it_cut_short(tmp_path):
-    """Issue 7 left: the stop's epoch had its rounds in metrics.h5 but not its batches."""
+def test_a_stopped_own_loop_records_the_batches_of_the_epoch_it_cut_short(stopped_own_loop):
+    """Issue 7 left: the stop's epoch had its rounds in metrics.h5 but not its batches (`stopped_own_loop`'s run)."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint, read_rank_state
 
-    run_dir = _stop_own_loop(tmp_path)
+    run_dir = _stop_own_loop(stopped_own_loop)
     latest = latest_checkpoint(run_dir / "checkpoints")
     meta = read_checkpoint(latest).meta
     assert not meta["epoch_complete"]  # a step()'s round carried the stop: always within an epoch
@@ -651,23 +752,10 @@ def test_a_stop_signal_before_the_run_opens_exits_4_at_once(tmp_path, signame, t
     assert not run_dir.exists()
 
 
-def test_the_scripts_own_handlers_come_back_after_the_run(tmp_path):
-    """The import's handler lasts until the first run opens; after the last run, the script's own come back."""
-    proc, took = _run(tmp_path, """
-        import signal
-        import torch
-        def mine(signum, frame):
-            pass
-        signal.signal(signal.SIGTERM, mine)
-        import flodl_mpi
-        from flodl_mpi.runtime.session import _stop_before_run
-        assert signal.getsignal(signal.SIGTERM) is _stop_before_run
-        assert signal.getsignal(signal.SIGINT) is _stop_before_run
-        with flodl_mpi.Averager(torch.nn.Linear(2, 1)) as avg:
-            avg.step()
-        print(f"after {signal.getsignal(signal.SIGTERM) is mine} "
-              f"{signal.getsignal(signal.SIGINT) is signal.default_int_handler}", flush=True)
-    """)
+def test_the_scripts_own_handlers_come_back_after_the_run(shared_own_loop):
+    """The import's handler lasts until the first run opens; after the last run, the script's own come back.
+    The launch is `SHARED_OWN_LOOP`'s (its asserts at the import: a failed one is exit 1 here)."""
+    proc, took, _ = shared_own_loop
     assert took < PROMPT_S
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("after True True") == 2, proc.stdout

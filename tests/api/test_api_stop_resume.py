@@ -5,7 +5,11 @@ SIGUSR1 from inside its train step, at a fixed step of epoch 2: the stop rides t
 round, so where it lands does not depend on timing); resumed. The loop body prints each
 epoch it is handed. What must hold: the loop never sees the epoch the stop cut short
 (Stopped at once, exit 4), and the resumed run's epochs and ``scalars`` rows equal the
-uninterrupted run's.
+uninterrupted run's. These launch because their point includes the ranks: every rank is handed
+the same epochs, and the stop's checkpoint holds each rank's books (8 and 7 batches an epoch).
+
+What needs no peer runs at a world of 1 in a forked child of the pytest process (tests/api/_fork.py):
+an older checkpoint's resume, and the own loop's resume at ``avg.start_epoch`` / ``avg.start_step``.
 """
 
 import json
@@ -17,6 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
+from tests.api._fork import fork_script
 from tests.conftest import launch_argv, launch_env
 
 pytestmark = pytest.mark.slow
@@ -30,51 +35,71 @@ FIT = """
     import numpy as np, torch, flodl_mpi
     from torch import nn
     from flodl_mpi.runtime.launcher import launcher_rank
-    run_dir, stop_at, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
+    stop_rank = int(sys.argv[5])  # the world's last rank
+    # (run dir, stop_at, "resume"/"new", out): the first run's, then (argv[6:]) each next run's, in this process
+    jobs = [sys.argv[1:5]] + [sys.argv[i:i + 4] for i in range(6, len(sys.argv), 4)]
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, 8)).astype("float32")
     y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype("int64")
-    calls = [0]
 
-    def step(model, batch):
-        xb, yb = batch
-        out = model(xb)
-        flodl_mpi.record_scalar("acc_train", (out.argmax(1) == yb).float().mean())
-        flodl_mpi.record_scalar("rank_mark", float(launcher_rank() + 1) + 1e-3 * float(out.detach().sum()))
-        if torch.is_grad_enabled():  # training (and fit's check), not the evaluation
-            calls[0] += 1
-            if launcher_rank() == 1 and calls[0] == stop_at:
-                os.kill(os.getpid(), signal.SIGUSR1)
-        return nn.functional.cross_entropy(out, yb)
+    for run_dir, stop_at, resume, out in jobs:
+        stop_at, resume, calls = int(stop_at), resume == "resume", [0]
 
-    run = flodl_mpi.fit(lambda input_shape, num_classes: nn.Sequential(
-                            nn.Linear(input_shape[0], 16), nn.ReLU(), nn.Linear(16, num_classes)),
-                        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), train_step=step,
-                        data={"train": (x[:240], y[:240]), "test": (x[240:], y[240:])}, batch_size=16,
-                        epochs=3, run_dir=run_dir, resume=resume)
-    seen = open(f"{out}.r{run.rank}", "w")  # what the loop is handed, one line per epoch
-    for ep in run:
-        s = ep.summary
-        seen.write("EPOCH " + json.dumps({"epoch": ep.epoch, "avg_loss": s.avg_loss, "batches": int(s.batches),
-                                          "scalars": ep.scalars, "metrics": ep.metrics}) + "\\n")
-        seen.flush()
-    seen.write("FINAL " + json.dumps([float(v.double().sum()) for v in run.model.state_dict().values()]) + "\\n")
+        def step(model, batch):
+            xb, yb = batch
+            out = model(xb)
+            flodl_mpi.record_scalar("acc_train", (out.argmax(1) == yb).float().mean())
+            flodl_mpi.record_scalar("rank_mark", float(launcher_rank() + 1) + 1e-3 * float(out.detach().sum()))
+            if torch.is_grad_enabled():  # training (and fit's check), not the evaluation
+                calls[0] += 1
+                if launcher_rank() == stop_rank and calls[0] == stop_at:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+            return nn.functional.cross_entropy(out, yb)
+
+        run = flodl_mpi.fit(lambda input_shape, num_classes: nn.Sequential(
+                                nn.Linear(input_shape[0], 16), nn.ReLU(), nn.Linear(16, num_classes)),
+                            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), train_step=step,
+                            data={"train": (x[:240], y[:240]), "test": (x[240:], y[240:])}, batch_size=16,
+                            epochs=3, run_dir=run_dir, resume=resume)
+        seen = open(f"{out}.r{run.rank}", "w")  # what the loop is handed, one line per epoch
+        for ep in run:
+            s = ep.summary
+            seen.write("EPOCH " + json.dumps({"epoch": ep.epoch, "avg_loss": s.avg_loss, "batches": int(s.batches),
+                                              "scalars": ep.scalars, "metrics": ep.metrics}) + "\\n")
+            seen.flush()
+        seen.write("FINAL " + json.dumps([float(v.double().sum()) for v in run.model.state_dict().values()]) + "\\n")
+        seen.close()
 """
 
 
-def _launch(script, run_dir, stop_at: int, resume: bool):
-    """``(process, epochs the loop was handed, final weights' sums or [])``, the same on both ranks (checked)."""
+def _launch(script, run_dir, stop_at: int, resume: bool, ranks: int = 2, then=None):
+    """``(process, epochs the loop was handed, final weights' sums or [])``, the same on every rank (checked);
+    the last rank signals itself at ``stop_at``. At 1 rank, forked (:func:`tests.api._fork.fork_script`).
+    ``then`` (FIT only): a run dir for a new, uninterrupted run in the same process after this one; its
+    ``(epochs, final)`` are added to what is returned."""
     out = run_dir.with_name(run_dir.name + ("-resumed" if resume else "-first"))
-    proc = subprocess.run(launch_argv(2, sys.executable, str(script), str(run_dir), str(stop_at),
-                                      "resume" if resume else "new", str(out)),
-                          capture_output=True, text=True, timeout=300, env=launch_env(), check=False)
+    argv = (str(run_dir), str(stop_at), "resume" if resume else "new", str(out), str(ranks - 1))
+    if then is not None:
+        argv += (str(then), "0", "new", str(then.with_name(then.name + "-first")))
+    if ranks == 1:
+        proc = fork_script(script, *argv)
+    else:
+        proc = subprocess.run(launch_argv(ranks, sys.executable, str(script), *argv),
+                              capture_output=True, text=True, timeout=300, env=launch_env(), check=False)
+    got = (proc, *_seen(out, ranks, proc.returncode in (0, 4)))
+    return got if then is None else (*got, *_seen(then.with_name(then.name + "-first"), ranks, proc.returncode == 0))
+
+
+def _seen(out, ranks: int, finished: bool):
+    """``(epochs the loop was handed, final weights' sums or [])`` from each rank's ``out`` file, the same on
+    every rank (checked)."""
     seen = []
-    for r in (0, 1):
-        lines = out.with_name(f"{out.name}.r{r}").read_text().splitlines() if proc.returncode in (0, 4) else []
+    for r in range(ranks):
+        lines = out.with_name(f"{out.name}.r{r}").read_text().splitlines() if finished else []
         seen.append(([json.loads(line[6:]) for line in lines if line.startswith("EPOCH ")],
                      [json.loads(line[6:]) for line in lines if line.startswith("FINAL ")]))
-    assert seen[0] == seen[1], seen  # every rank was handed the same epochs, and ends with the same model
-    return proc, seen[0][0], seen[0][1]
+    assert all(s == seen[0] for s in seen), seen  # every rank was handed the same epochs, and ends with the same model
+    return seen[0]
 
 
 def _scalars(run_dir):
@@ -84,17 +109,19 @@ def _scalars(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Two launches at 2 ranks: the stopped run; then the resume and, after it in the same processes, the
+    uninterrupted run (was a launch of its own: it starts from fit's seed as a fresh process would, and a
+    difference it carried from the resume before it could only fail the comparisons, never pass them)."""
     tmp = tmp_path_factory.mktemp("fit_stop")
     script = tmp / "fit.py"
     script.write_text(textwrap.dedent(FIT))
-    base = _launch(script, tmp / "base", 0, False)
     stopped = _launch(script, tmp / "stopped", STOP_AT, False)
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     path = latest_checkpoint(tmp / "stopped" / "checkpoints")
     stopped_meta = read_checkpoint(path).meta if path is not None else {}
-    resumed = _launch(script, tmp / "stopped", 0, True)
-    return tmp, base, (*stopped, stopped_meta), resumed
+    proc, *resumed_seen, base_epochs, base_final = _launch(script, tmp / "stopped", 0, True, then=tmp / "base")
+    return tmp, (proc, base_epochs, base_final), (*stopped, stopped_meta), (proc, *resumed_seen)
 
 
 def test_fit_never_hands_the_loop_an_epoch_a_stop_cut_short(runs):
@@ -142,17 +169,22 @@ def test_the_resumed_scalars_rows_equal_the_uninterrupted_ones(runs):
     assert (a["count"][train] == BATCHES).all() and (a["per_rank_count"][train] == [8, 7]).all()
 
 
-def test_a_checkpoint_without_the_scalar_books_resumes_and_says_they_restart(runs, tmp_path):
-    """An older mid-epoch checkpoint (no ``epoch_scalars``) still resumes; train.log says the scalars restart."""
+#: At a world of 1, the train step call that signals: fit's check call, epoch 1's 15 batches, 4 into epoch 2.
+STOP_AT_1 = 1 + BATCHES + 4
+
+
+def test_a_checkpoint_without_the_scalar_books_resumes_and_says_they_restart(tmp_path):
+    """An older mid-epoch checkpoint (no ``epoch_scalars``) still resumes; train.log says the scalars restart.
+    At a world of 1, forked: what the resume reads and says needs no peer (was 2 launches at 2 ranks; the
+    2-rank stop's exit 4 it also checked is test_fit_never_hands_the_loop_an_epoch_a_stop_cut_short's)."""
     import shutil
 
     from flodl_mpi.outputs.checkpoint import latest_checkpoint
 
-    src, _, (stopped, *_), _ = runs
-    assert stopped.returncode == 4
-    script = src / "fit.py"
+    script = tmp_path / "fit.py"
+    script.write_text(textwrap.dedent(FIT))
     run_dir = tmp_path / "old"
-    again = _launch(script, run_dir, STOP_AT, False)[0]
+    again = _launch(script, run_dir, STOP_AT_1, False, ranks=1)[0]
     assert again.returncode == 4, again.stderr[-3000:]
     path = latest_checkpoint(run_dir / "checkpoints")
     with h5py.File(path, "r+") as f:
@@ -162,7 +194,7 @@ def test_a_checkpoint_without_the_scalar_books_resumes_and_says_they_restart(run
             del f.attrs[key]
         keys = json.loads(f.attrs["json_keys"])
         f.attrs["json_keys"] = json.dumps([k for k in keys if k not in ("epoch_scalars", "epoch_intents")])
-    resumed, epochs, _ = _launch(script, run_dir, 0, True)
+    resumed, epochs, _ = _launch(script, run_dir, 0, True, ranks=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     log = (run_dir / "train.log").read_text()
     assert (f"the checkpoint holds no record_scalar sums of epoch 2 (written before flodl_mpi kept them): that "
@@ -180,6 +212,7 @@ OWN_LOOP = """
     import torch, flodl_mpi
     from flodl_mpi.runtime.launcher import launcher_rank
     run_dir, stop_at, resume, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume", sys.argv[4]
+    stop_rank = int(sys.argv[5])  # the world's last rank
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))  # draws RNG
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -197,7 +230,7 @@ OWN_LOOP = """
                 opt.step()
                 flodl_mpi.record_scalar("loss_rec", loss)
                 calls += 1
-                if launcher_rank() == 1 and calls == stop_at:
+                if launcher_rank() == stop_rank and calls == stop_at:
                     os.kill(os.getpid(), signal.SIGUSR1)
                 avg.step(loss, samples=8)
             r = avg.end_epoch()
@@ -213,11 +246,11 @@ OWN_LOOP = """
 
 @pytest.fixture(scope="module")
 def own_loop(tmp_path_factory):
-    """The own loop at 2 ranks, never interrupted: ``(script, run dir, epochs, final)``."""
+    """The own loop at a world of 1 (forked), never interrupted: ``(script, run dir, epochs, final)``."""
     tmp = tmp_path_factory.mktemp("own_stop")
     script = tmp / "own.py"
     script.write_text(textwrap.dedent(OWN_LOOP))
-    proc, epochs, final = _launch(script, tmp / "base", 0, False)
+    proc, epochs, final = _launch(script, tmp / "base", 0, False, ranks=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return script, tmp / "base", epochs, final
 
@@ -237,19 +270,24 @@ def test_an_own_loop_resumed_after_a_stop_is_the_uninterrupted_run(own_loop, tmp
     what the stopped run trained), the RNG (dropout) and the epoch's books restored: its final parameters are
     the uninterrupted run's bit for bit, with as many rounds and the same epochs, batches and scalars rows.
     Was: the loop could only restart the epoch at its first batch (avg.epoch), training its first batches twice
-    (the issue measured 31 rounds instead of 30 and weights 0.006 apart); the API to go on did not exist."""
+    (the issue measured 31 rounds instead of 30 and weights 0.006 apart); the API to go on did not exist.
+    At a world of 1, forked (was 5 launches at 2 ranks): where the loop goes on, and what it restores, are
+    each rank's own; the step() calls, rounds and checkpoints do not depend on the world's size (6 calls an
+    epoch on every rank, a round after the 4th and at end_epoch()). A 2-rank own loop's stop and resume:
+    test_api_faults.py's test_a_stopped_own_loop_resumes_where_it_stopped; a 2-rank bit-for-bit resume:
+    test_the_resumed_fit_equals_the_uninterrupted_one."""
     from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 
     script, base_dir, base_epochs, base_final = own_loop
     run_dir = tmp_path / "run"
-    first, first_epochs, _ = _launch(script, run_dir, stop_at, False)
+    first, first_epochs, _ = _launch(script, run_dir, stop_at, False, ranks=1)
     assert first.returncode == 4, first.stderr[-3000:]
     assert [e["epoch"] for e in first_epochs] == [1]  # no EpochResult of the epoch the stop ended or cut short
     meta = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta
     assert (meta["epoch"], meta["epoch_complete"], meta.get("epoch_progress", {}).get("step", 0)) == meta_at, meta
     assert meta["reason"] == "graceful_shutdown"
     resumed_from = latest_checkpoint(run_dir / "checkpoints").name
-    again, again_epochs, again_final = _launch(script, run_dir, 0, True)
+    again, again_epochs, again_final = _launch(script, run_dir, 0, True, ranks=1)
     assert again.returncode == 0, again.stderr[-3000:]
     assert [e["start"] for e in again_epochs] == [start] * len(again_epochs)
     line = (f"flodl-mpi: resuming from {resumed_from}: {start[0]} epoch(s) done, {start[1]} step() call(s) into the "
