@@ -268,12 +268,12 @@ def fork_flodl(*args: str, timeout: float = 240.0, env: dict | None = None,
     return _forked(["fork_flodl", *args], child, timeout, env)
 
 
-def fork_python(script: str | os.PathLike, *argv: str, timeout: float = 240.0,
-                env: dict | None = None) -> subprocess.CompletedProcess:
+def fork_python(script: str | os.PathLike, *argv: str, timeout: float = 240.0, env: dict | None = None,
+                cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGV`` at a world of 1, in a forked child of this pytest process; the finished process.
 
     The script runs as ``__main__`` (:func:`runpy.run_path`, ``sys.argv = [SCRIPT, *ARGV]``, its folder first
-    on ``sys.path``), as ``python SCRIPT`` runs it, but with torch and flodl_mpi loaded already: ``import
+    on ``sys.path``, in ``cwd`` if given), as ``python SCRIPT`` runs it, but with torch and flodl_mpi loaded already: ``import
     flodl_mpi`` in it finds the package imported (its ``_start_if_launched`` ran in this process, where no
     launcher started it) and ``fit`` / ``Averager`` start MPI as a singleton, as under plain ``python``.
     An uncaught exception goes to ``sys.excepthook`` (flodl_mpi's, where it installed one: a refusal is one
@@ -284,11 +284,15 @@ def fork_python(script: str | os.PathLike, *argv: str, timeout: float = 240.0,
     """
     import runpy
 
+    path = Path(script).resolve()
+
     def child() -> int:
+        if cwd is not None:
+            os.chdir(cwd)
         sys.argv = [str(script), *argv]
-        sys.path.insert(0, str(Path(script).resolve().parent))
+        sys.path.insert(0, str(path.parent))
         try:
-            runpy.run_path(str(script), run_name="__main__")
+            runpy.run_path(str(path), run_name="__main__")
         except SystemExit:
             raise
         except BaseException:  # uncaught: the interpreter's way, through sys.excepthook (flodl_mpi's, once installed)

@@ -3,7 +3,7 @@
 Each test runs a small script under ``mpiexec -n 2`` and asserts the exit status,
 the message, a time bound, and that the named path was reached. Where the point needs no peer (a
 failure of every rank, a refusal at a world of 1), the script runs at a world of 1 in a forked child of
-the pytest process instead (tests/api/_fork.py); where tests need the same 2-rank run, they share it (a
+the pytest process instead (tests/conftest.py's fork_python); where tests need the same 2-rank run, they share it (a
 module-scoped fixture: the stopped own loop, the uneven sync runs, one own loop that checks the import's
 handlers, a spawned worker and a quarantine).
 """
@@ -20,8 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.api._fork import fork_script
-from tests.conftest import launch_argv, launch_env, launcher_kind, rank_pids
+from tests.conftest import launch_argv, launch_env, launcher_kind, rank_pids, fork_python
 
 pytestmark = pytest.mark.slow
 
@@ -35,13 +34,13 @@ PROMPT_S = 300
 
 
 def _run(tmp_path, script: str, *args: str, env: dict | None = None, timeout: float = 400.0, ranks: int = 2):
-    """``script`` (dedented) under ``mpiexec -n 2``, or at ``ranks=1`` forked (tests/api/_fork.py):
+    """``script`` (dedented) under ``mpiexec -n 2``, or at ``ranks=1`` forked (tests/conftest.py's fork_python):
     ``(process, seconds)``."""
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(script))
     t0 = time.monotonic()
     if ranks == 1:
-        return fork_script(path, *args, env=env, timeout=timeout), time.monotonic() - t0
+        return fork_python(path, *args, env=env, timeout=timeout), time.monotonic() - t0
     proc = subprocess.run(launch_argv(ranks, sys.executable, str(path), *args), capture_output=True, text=True,
                           timeout=timeout, env=launch_env(env), check=False)
     return proc, time.monotonic() - t0
@@ -528,7 +527,7 @@ def bad_arguments_in_one_process(tmp_path_factory):
                    "except BaseException as exc:", f"    out[{i}] = 'not an InputError: ' + repr(exc)"]
     script += ["print('RESULTS ' + json.dumps(out), flush=True)"]
     (root / "script.py").write_text("\n".join(script) + "\n")
-    proc = fork_script(root / "script.py", cwd=root)  # a world of 1, forked
+    proc = fork_python(root / "script.py", cwd=root)  # a world of 1, forked
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULTS ", 1)[1])
     return {call: out[str(i)] for i, call in enumerate(calls)}, taken

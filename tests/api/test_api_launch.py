@@ -1,6 +1,6 @@
 """flodl_mpi.fit's bad input as a user meets it: one line from rank 0, exit status 2, on 1 and 2 ranks.
 
-At 1 rank the script runs in a forked child of the pytest process (tests/api/_fork.py: ``python SCRIPT``
+At 1 rank the script runs in a forked child of the pytest process (tests/conftest.py's fork_python: ``python SCRIPT``
 with torch loaded, an uncaught exception to the hook flodl_mpi installs); at 2 it launches (every rank
 refuses, one line in all, and the launcher's exit status)."""
 
@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from tests.api._fork import fork_script
-from tests.conftest import launch_argv, launch_env
+from tests.conftest import launch_argv, launch_env, fork_python
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +40,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, ranks, script, line):
     argv = [sys.executable, str(path)]
     t0 = time.monotonic()
     if ranks == 1:
-        proc = fork_script(path, timeout=400)
+        proc = fork_python(path, timeout=400)
     else:
         proc = subprocess.run(launch_argv(ranks, *argv), capture_output=True, text=True, timeout=400,
                               env=launch_env(), check=False)

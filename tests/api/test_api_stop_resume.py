@@ -8,7 +8,7 @@ epoch it is handed. What must hold: the loop never sees the epoch the stop cut s
 uninterrupted run's. These launch because their point includes the ranks: every rank is handed
 the same epochs, and the stop's checkpoint holds each rank's books (8 and 7 batches an epoch).
 
-What needs no peer runs at a world of 1 in a forked child of the pytest process (tests/api/_fork.py):
+What needs no peer runs at a world of 1 in a forked child of the pytest process (tests/conftest.py's fork_python):
 an older checkpoint's resume, and the own loop's resume at ``avg.start_epoch`` / ``avg.start_step``.
 """
 
@@ -21,8 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.api._fork import fork_script
-from tests.conftest import launch_argv, launch_env
+from tests.conftest import launch_argv, launch_env, fork_python
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +73,7 @@ FIT = """
 
 def _launch(script, run_dir, stop_at: int, resume: bool, ranks: int = 2, then=None):
     """``(process, epochs the loop was handed, final weights' sums or [])``, the same on every rank (checked);
-    the last rank signals itself at ``stop_at``. At 1 rank, forked (:func:`tests.api._fork.fork_script`).
+    the last rank signals itself at ``stop_at``. At 1 rank, forked (:func:`tests.conftest.fork_python`).
     ``then`` (FIT only): a run dir for a new, uninterrupted run in the same process after this one; its
     ``(epochs, final)`` are added to what is returned."""
     out = run_dir.with_name(run_dir.name + ("-resumed" if resume else "-first"))
@@ -82,7 +81,7 @@ def _launch(script, run_dir, stop_at: int, resume: bool, ranks: int = 2, then=No
     if then is not None:
         argv += (str(then), "0", "new", str(then.with_name(then.name + "-first")))
     if ranks == 1:
-        proc = fork_script(script, *argv)
+        proc = fork_python(script, *argv)
     else:
         proc = subprocess.run(launch_argv(ranks, sys.executable, str(script), *argv),
                               capture_output=True, text=True, timeout=300, env=launch_env(), check=False)

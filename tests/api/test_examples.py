@@ -1,7 +1,7 @@
 """The examples of "Use it from your own code", as a user runs them: ``python`` (a world of 1, no
 launcher) and ``mpiexec -n 2``, with the same script.
 
-The world-of-1 cases run the script in a forked child of the pytest process (tests/api/_fork.py:
+The world-of-1 cases run the script in a forked child of the pytest process (tests/conftest.py's fork_python:
 torch already loaded, as ``python SCRIPT`` would run it otherwise). The 2-rank cases launch, since
 their point is the script under a launcher; two scripts share each launch (`RUNNER`: each rank runs
 them one after another, each with its own argv, working directory and output files), the trainer and
@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 from flodl_mpi.outputs.metrics import read_table
-from tests.api._fork import fork_script
-from tests.conftest import launch_argv, launch_env
+from tests.conftest import launch_argv, launch_env, fork_python
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +26,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def run_example(name, *args: str, timeout: float = 400, cwd=None) -> subprocess.CompletedProcess:
-    """``python EXAMPLE ARGS`` at a world of 1, forked (:func:`tests.api._fork.fork_script`); ``name``: under
+    """``python EXAMPLE ARGS`` at a world of 1, forked (:func:`tests.conftest.fork_python`); ``name``: under
     examples/, or a script's path."""
-    return fork_script(EXAMPLES / name, *args, cwd=cwd, timeout=timeout)
+    return fork_python(EXAMPLES / name, *args, cwd=cwd, timeout=timeout)
 
 
 #: What each rank of a shared launch runs: the jobs of the JSON file ``argv[1]`` in order, each as ``python

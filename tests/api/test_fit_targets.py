@@ -1,6 +1,6 @@
 """flodl_mpi.fit on targets a user gets wrong, in one world-of-1 process: float class labels (issue 26
 item 6), labels training never targets (item 9), and AdamW's own weight decay (item 11). The script runs in a
-forked child of the pytest process (tests/api/_fork.py: ``python SCRIPT`` with torch loaded)."""
+forked child of the pytest process (tests/conftest.py's ``fork_python``: ``python SCRIPT`` with torch loaded)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from tests.api._fork import fork_script
+from tests.conftest import fork_python
 
 SCRIPT = r"""
 import json, numpy as np, torch, flodl_mpi
@@ -53,7 +53,7 @@ print(json.dumps(out))
 
 def test_fit_on_float_labels_unseen_labels_and_adamw_decay(tmp_path):
     (tmp_path / "script.py").write_text(SCRIPT)
-    proc = fork_script(tmp_path / "script.py", cwd=tmp_path, timeout=300)
+    proc = fork_python(tmp_path / "script.py", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     # issue 26 item 6: float labels 0., 1., 2. were a silent regression (MSE, no accuracy)
