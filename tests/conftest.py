@@ -18,6 +18,7 @@ Which tests start processes, and how many launchers a session started: ``tests/_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -140,6 +141,87 @@ def run_flodl(n: int, *args: str, timeout: float = 240.0, env: dict | None = Non
                           check=False, env=launch_env(env))
 
 
+def mpi_started_here() -> bool:
+    """Whether MPI was started in this process (importing ``mpi4py.MPI`` alone does not start it here)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and mpi.Is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def _serial_process_never_starts_mpi(request):
+    """In the serial stage, a test that starts MPI in the pytest process fails (at its teardown) unless it is
+    marked ``in_fork`` (:func:`pytest_pyfunc_call` runs it in a forked child): MPI once started here would stay
+    for every later test of the process, and the forked runs (:func:`fork_flodl`, :func:`fork_python`) of
+    later tests would inherit it (its network library's threads and descriptors: a child that starts MPI
+    again hangs or crashes; seen in the serial stage, 2026-12-02)."""
+    started_before = mpi_started_here()
+    yield
+    if not _WITH_MPI and not started_before and mpi_started_here():
+        pytest.fail("this test started MPI in the serial pytest process: mark it @pytest.mark.in_fork",
+                    pytrace=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked ``in_fork`` (serial stage) runs its body in a forked child of this process, its fixtures made
+    here; a failure there fails it here with the child's traceback; past the test's timeout (pytest-timeout's,
+    else 600 s) the child is killed. The child's output goes to this test's captured output."""
+    if _WITH_MPI or pyfuncitem.get_closest_marker("in_fork") is None:
+        return None
+    import signal
+    import time
+    import traceback
+
+    marker = pyfuncitem.get_closest_marker("timeout")
+    timeout = float(marker.args[0]) if marker and marker.args else 600.0
+    body = pyfuncitem.obj
+    funcargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: the test's body, then out without returning into pytest
+        os.close(read)
+        report = b""
+        try:
+            body(**funcargs)
+        except BaseException:
+            report = ("".join(traceback.format_exc())).encode() or b"failed"
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os.write(write, report or b"\0")
+            os._exit(0)
+    os.close(write)
+    chunks, end, status = [], time.monotonic() + timeout, None
+    os.set_blocking(read, False)
+    try:
+        while True:
+            with contextlib.suppress(BlockingIOError):
+                chunk = os.read(read, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                continue
+            if time.monotonic() > end:
+                pytest.fail(f"the forked test ran past {timeout:.0f} s: killed", pytrace=False)
+            time.sleep(0.02)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(read)
+        if status is None:  # past its time, or pytest-timeout's alarm here: the child goes too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    report = b"".join(chunks)
+    if report != b"\0":
+        pytest.fail(report.decode(errors="replace") if report else
+                    f"the forked test's child ended with {os.waitstatus_to_exitcode(status)} before reporting",
+                    pytrace=False)
+    return True
+
+
 def _warm_torch() -> None:
     """Import what every rank imports before its first step (torch, and the ``torch._dynamo`` that the first
     optimizer's construction imports: together about 4.5 CPU seconds a process on this machine), once per
@@ -167,6 +249,9 @@ def _forked(label: list[str], child, timeout: float, env: dict | None) -> subpro
     import tempfile
     import time
 
+    if mpi_started_here():
+        raise RuntimeError("MPI runs in this pytest process (a test started it in-process): a forked child "
+                           "cannot start its own; mark that test @pytest.mark.forked")
     _warm_torch()
     _launches.LAUNCHES.record(1)
     environ = launch_env({"OMP_NUM_THREADS": "1", **(env or {})})

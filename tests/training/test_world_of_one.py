@@ -1,7 +1,9 @@
 """A world of one (no launcher): the trainer, fit and the Averager step exactly as a plain PyTorch loop,
 and what a round still does (its rows, the checkpoints) is all there (issue 26 item 10).
 
-One process, no launcher: MPI starts as a singleton, so every test here runs at W = 1.
+One process, no launcher: MPI starts as a singleton, so every test here runs at W = 1, each in a forked
+child of the pytest process (the ``in_fork`` marker, tests/conftest.py): MPI started in the pytest process itself would stay there for
+the later tests, whose forked runs (tests/conftest.py) it would break.
 """
 
 import copy
@@ -16,6 +18,8 @@ from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.training.data import batch_indices, default_digits_path, ensure_digits, epoch_permutation, load_dataset, num_batches
 from flodl_mpi.outputs.metrics import MetricsWriter, read_table
 from flodl_mpi.training.models import digits_mlp
+
+pytestmark = pytest.mark.in_fork
 
 EPOCHS, BATCH = 2, 32
 
