@@ -37,12 +37,31 @@ _WITH_MPI = False
 
 
 def pytest_configure(config):
-    """A serial run (no ``--with-mpi``): importing ``mpi4py.MPI`` loads the library but must not start MPI."""
+    """A serial run (no ``--with-mpi``): importing ``mpi4py.MPI`` loads the library but must not start MPI; and
+    torch computes on one thread in this process (:func:`one_torch_thread`)."""
     global _WITH_MPI
     _WITH_MPI = bool(config.getoption("--with-mpi", default=False))
     if not _WITH_MPI and "mpi4py.MPI" not in sys.modules:
         mpi4py.rc.initialize = False
         mpi4py.rc.finalize = False
+    if not _WITH_MPI:
+        one_torch_thread()
+
+
+def one_torch_thread() -> None:
+    """torch's intra-op work on this process's thread alone (``torch.set_num_threads(1)``), for the serial pytest
+    process and each child forked from it (:func:`_forked`, the ``in_fork`` tests).
+
+    Why: torch's CPU build runs its intra-op work on GNU OpenMP's thread pool, which does not survive a fork:
+    a child whose parent has run a parallel region hangs in its first one (seen in the serial stage,
+    2026-12-02: forked runs stuck in ``batch_norm`` and ``Linear.forward``). With one thread no pool is
+    made in the parent, and a child asked for one thread enters none. A forked run therefore trains on one
+    thread; a test of more threads launches its ranks (``run_flodl``). It also keeps each of the two xdist
+    workers to about one core on this 2-core machine, as each rank of a 2-rank launch has.
+    """
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -184,6 +203,7 @@ def pytest_pyfunc_call(pyfuncitem):
         os.close(read)
         report = b""
         try:
+            one_torch_thread()
             body(**funcargs)
         except BaseException:
             report = ("".join(traceback.format_exc())).encode() or b"failed"
@@ -233,18 +253,26 @@ def _warm_torch() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # imports torch._dynamo
 
 
+#: The warning filters pytest puts before a test's own (setup.cfg's ``filterwarnings = error`` and its
+#: deprecation defaults): a forked child removes them.
+_PYTEST_WARNING_FILTERS = (("error", None, Warning, None, 0), ("always", None, DeprecationWarning, None, 0),
+                           ("always", None, PendingDeprecationWarning, None, 0))
+
+
 def _forked(label: list[str], child, timeout: float, env: dict | None) -> subprocess.CompletedProcess:
     """Run ``child()`` (returns an exit status) in a forked child of this process; the finished process.
 
     The child gets ``launch_env(env)`` as its environment, with ``OMP_NUM_THREADS=1`` unless ``env`` sets
     it (one torch thread, as each rank of a 2-rank run has on this 2-core machine), stdin from /dev/null,
-    stdout and stderr to files read back as text, the default handlers of the stop signals, SIGPIPE ignored
-    and no logging handlers (a fresh interpreter's, whatever in-process tests left), and leaves with
+    stdout and stderr to files read back as text, the default handlers of the stop signals, SIGPIPE ignored,
+    no logging handlers and Python's default warning filters (a fresh interpreter's, whatever in-process tests
+    and pytest's ``filterwarnings = error`` set), one torch thread, and leaves with
     ``os._exit`` after finalizing MPI if it started it (as a script's exit does, through mpi4py's atexit):
     nothing of pytest runs in it. It leads a process group of its own; past ``timeout`` that group is
     killed and ``subprocess.TimeoutExpired`` raised (with what the child printed).
     """
     import contextlib
+    import importlib
     import signal
     import tempfile
     import time
@@ -279,7 +307,14 @@ def _forked(label: list[str], child, timeout: float, env: dict | None) -> subpro
                 # a fresh interpreter's state, whatever in-process tests left here: Python ignores SIGPIPE at
                 # start-up; no logging handler on the root (pytest's) or on flodl_mpi's logger
                 signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+                one_torch_thread()
                 import logging
+                import warnings
+
+                # warnings as a fresh interpreter has them, not as pytest's check of the running test: printed (not
+                # recorded: reloading the module restores its printing), and without pytest's filters ("error")
+                importlib.reload(warnings)
+                warnings.filters[:] = [f for f in warnings.filters if f not in _PYTEST_WARNING_FILTERS]
 
                 for name, level in (("", logging.WARNING), ("flodl_mpi", logging.NOTSET)):
                     logger = logging.getLogger(name)
@@ -331,7 +366,7 @@ def fork_flodl(*args: str, timeout: float = 240.0, env: dict | None = None,
     What it runs is the entry point itself (:func:`flodl_mpi.cli.main.main` with ARGS, as the ``flodl-mpi``
     script calls it; the child starts MPI as a singleton, as ``flodl-mpi train`` without a launcher does);
     ``hooks``: tests/hooked_flodl.py's options, installed in the child; the child's environment and streams:
-    :func:`_forked`. What it saves is the start-up: the child has torch loaded already, where a launcher's
+    :func:`_forked` (one torch thread: :func:`one_torch_thread`). What it saves is the start-up: the child has torch loaded already, where a launcher's
     rank imports it first; a 1-epoch digits run costs about 0.6 CPU seconds, where ``run_flodl(1, ...)``
     costs about 5 more (measured here, 2026-12-02).
 

@@ -106,3 +106,25 @@ def test_a_forked_child_starts_from_a_fresh_interpreters_logging_and_sigpipe(tmp
     finally:
         logging.getLogger("flodl_mpi").removeHandler(stale)
         signal.signal(signal.SIGPIPE, previous)
+
+
+def test_a_forked_child_computes_after_the_parent_did_and_warns_as_python_does(tmp_path):
+    """torch work in this process first (GNU OpenMP's pool does not survive a fork: a child of a parent that ran
+    a parallel region hung in its first one, tests/conftest.py's one_torch_thread), then a child whose warnings
+    are printed as ``python SCRIPT`` prints them (not raised by pytest's ``filterwarnings = error``)."""
+    import torch
+
+    a = torch.randn(1500, 1500)
+    assert float((a @ a).abs().sum()) > 0
+    script = tmp_path / "s.py"
+    script.write_text("import warnings\nimport torch\n"
+                      "warnings.warn('a user warning')\nwarnings.warn('deprecated here', DeprecationWarning)\n"
+                      "m = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512))\n"
+                      "a = torch.randn(1500, 1500)\n"
+                      "print(tuple(m(torch.randn(256, 512)).shape), float((a @ a).abs().sum()) > 0, torch.get_num_threads())\n")
+    forked = fork_python(script, timeout=120)
+    real = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert forked.returncode == real.returncode == 0, forked.stderr
+    assert forked.stdout == real.stdout == "(256, 512) True 1\n"
+    assert forked.stderr == real.stderr and "UserWarning: a user warning" in forked.stderr
