@@ -58,6 +58,24 @@ def straight_one(tmp_path_factory):
     return run_dir
 
 
+def assert_metrics_as_uninterrupted(stopped, straight, rounds_total: int, epochs_total: int) -> None:
+    """The stopped-and-resumed run's metrics.h5 reads like the uninterrupted run's: every round once, in order,
+    with the same steps; one row per epoch with the same per-rank batches, loss and accuracy; the same batch
+    records; a clock that only grows."""
+    rounds = read_table(stopped / "metrics.h5", "rounds")
+    np.testing.assert_array_equal(rounds["round"], np.arange(rounds_total))
+    np.testing.assert_array_equal(rounds["steps"], read_table(straight / "metrics.h5", "rounds")["steps"])
+    assert np.all(np.diff(rounds["time_s"]) >= 0)
+    epochs, epochs_straight = (read_table(d / "metrics.h5", "epochs") for d in (stopped, straight))
+    np.testing.assert_array_equal(epochs["epoch"], np.arange(1, epochs_total + 1))
+    np.testing.assert_array_equal(epochs["per_rank_batches"], epochs_straight["per_rank_batches"])
+    np.testing.assert_allclose(epochs["avg_loss"], epochs_straight["avg_loss"], rtol=1e-12)
+    np.testing.assert_array_equal(epochs["test_accuracy"], epochs_straight["test_accuracy"])
+    batches = read_table(stopped / "metrics.h5", "batches")
+    assert sorted(zip(batches["rank"], batches["step"])) == sorted(
+        zip(*(read_table(straight / "metrics.h5", "batches")[k] for k in ("rank", "step"))))
+
+
 def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_path, straight_one, run_hook):
     """Stop a run with SIGUSR1 somewhere in epoch 2, resume it: the weights end bit-identical, and metrics.h5
     reads like the uninterrupted run's.
@@ -97,18 +115,7 @@ def test_resume_after_a_stop_mid_epoch_continues_as_if_never_interrupted(tmp_pat
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     assert a_meta.meta["test_accuracy"] == b_meta.meta["test_accuracy"]
     # metrics.h5 reads like one run: every round once, in order; one row per epoch; a clock that only grows
-    rounds = read_table(stopped / "metrics.h5", "rounds")
-    np.testing.assert_array_equal(rounds["round"], np.arange(total))
-    np.testing.assert_array_equal(rounds["steps"], read_table(straight / "metrics.h5", "rounds")["steps"])
-    assert np.all(np.diff(rounds["time_s"]) >= 0)
-    epochs, epochs_straight = (read_table(d / "metrics.h5", "epochs") for d in (stopped, straight))
-    np.testing.assert_array_equal(epochs["epoch"], np.arange(1, STRAIGHT_EPOCHS + 1))
-    np.testing.assert_array_equal(epochs["per_rank_batches"], epochs_straight["per_rank_batches"])
-    np.testing.assert_allclose(epochs["avg_loss"], epochs_straight["avg_loss"], rtol=1e-12)
-    np.testing.assert_array_equal(epochs["test_accuracy"], epochs_straight["test_accuracy"])
-    batches = read_table(stopped / "metrics.h5", "batches")
-    assert sorted(zip(batches["rank"], batches["step"])) == sorted(
-        zip(*(read_table(straight / "metrics.h5", "batches")[k] for k in ("rank", "step"))))
+    assert_metrics_as_uninterrupted(stopped, straight, total, STRAIGHT_EPOCHS)
     assert (stopped / "config.json").exists() and list(stopped.glob("config-resume-r*.json"))
 
 
@@ -362,18 +369,7 @@ def test_integer_buffers_resume_per_rank_bitwise(tmp_path, bn_common, bn_straigh
         assert a_ints[r].keys() == b_ints[r].keys() == {nbt}
         assert int(b_ints[r][nbt]) == int(a_ints[r][nbt]), f"rank {r}"
     # metrics.h5 reads like the uninterrupted run's: 3 epochs of 23 rounds, each once, in order
-    rounds = read_table(stopped / "metrics.h5", "rounds")
-    np.testing.assert_array_equal(rounds["round"], np.arange(BN_EPOCHS * 23))
-    np.testing.assert_array_equal(rounds["steps"], read_table(straight / "metrics.h5", "rounds")["steps"])
-    assert np.all(np.diff(rounds["time_s"]) >= 0)
-    epochs, epochs_straight = (read_table(d / "metrics.h5", "epochs") for d in (stopped, straight))
-    np.testing.assert_array_equal(epochs["epoch"], np.arange(1, BN_EPOCHS + 1))
-    np.testing.assert_array_equal(epochs["per_rank_batches"], epochs_straight["per_rank_batches"])
-    np.testing.assert_allclose(epochs["avg_loss"], epochs_straight["avg_loss"], rtol=1e-12)
-    np.testing.assert_array_equal(epochs["test_accuracy"], epochs_straight["test_accuracy"])
-    batches = read_table(stopped / "metrics.h5", "batches")
-    assert sorted(zip(batches["rank"], batches["step"])) == sorted(
-        zip(*(read_table(straight / "metrics.h5", "batches")[k] for k in ("rank", "step"))))
+    assert_metrics_as_uninterrupted(stopped, straight, BN_EPOCHS * 23, BN_EPOCHS)
 
 
 # ---------------------------------------------------------------- another world size
