@@ -40,4 +40,6 @@ napoleon_numpy_docstring = False
 html_theme = "furo"
 html_title = f"flodl-mpi {release}"
 html_static_path = []
+html_extra_path = ["_generated/extra"]  # favicon.ico, drawn by figures.py
+html_favicon = "_generated/favicon.png"  # drawn by figures.py at builder-inited
 html_show_sourcelink = False

@@ -116,8 +116,23 @@ def timelines(path: Path) -> None:
     plt.close(fig)
 
 
+def favicon(path: Path) -> None:
+    """The site's icon (conf.py's html_favicon): without one the browser's request for /favicon.ico is a 404."""
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(0.32, 0.32), dpi=100)
+    fig.patch.set_facecolor("#4c72b0")
+    fig.savefig(path, facecolor=fig.get_facecolor())
+    plt.close(fig)
+    # and /favicon.ico at the site's root (conf.py's html_extra_path), which browsers ask for regardless
+    from PIL import Image
+
+    (path.parent / "extra").mkdir(exist_ok=True)
+    Image.open(path).save(path.parent / "extra" / "favicon.ico")
+
+
 #: name -> the function that draws it into a path
-FIGURES = {"masses": masses, "timelines": timelines}
+FIGURES = {"masses": masses, "timelines": timelines, "favicon": favicon}
 
 
 def draw_all(out: Path = OUT) -> list[Path]:
@@ -135,5 +150,5 @@ def draw_all(out: Path = OUT) -> list[Path]:
 
 
 def setup(app):
-    app.connect("builder-inited", lambda app: draw_all())
+    draw_all()  # at load, before the config's html_extra_path (favicon.ico) is read
     return {"parallel_read_safe": True, "parallel_write_safe": True}
