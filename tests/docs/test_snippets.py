@@ -132,10 +132,10 @@ def _check_first_run(proc):
     names the accuracy that metrics.h5 holds."""
     from flodl_mpi import read_table
 
-    m = re.search(r"^done: test accuracy (\d\.\d{4}) after (\d+) rounds; metrics (\S+)/metrics.h5", proc.stdout, re.M)
+    m = re.search(r"^(?:\d\d:\d\d:\d\d )?done: test accuracy (\d\.\d{4}) after (\d+) rounds; metrics (\S+)/metrics.h5", proc.stdout, re.M)
     assert m, proc.stdout[-2000:]
     assert int(m.group(2)) == 230
-    assert re.search(r"^epoch 10/10  loss \S+  test_loss \S+  test_acc " + re.escape(m.group(1)) + r"  rounds 230 ",
+    assert re.search(r"^(?:\d\d:\d\d:\d\d )?epoch 10/10  loss \S+  test_loss \S+  test_acc " + re.escape(m.group(1)) + r"  rounds 230 ",
                      proc.stdout, re.M), proc.stdout[-2000:]
     epochs = read_table(f"{m.group(3)}/metrics.h5", "epochs")
     assert abs(epochs["test_accuracy"][-1] - float(m.group(1))) < 5e-5
