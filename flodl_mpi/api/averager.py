@@ -133,6 +133,13 @@ class Averager:
         **options: none; an unknown keyword is bad input (``InputError``), its line
             naming the closest keyword (``windw (did you mean window?)``), as ``fit``'s.
 
+    Attributes:
+        rank (int): this rank's index in ``comm``, 0 to ``world_size - 1``.
+        world_size (int): the number of ranks that train together (1 under plain ``python``).
+        start_epoch (int): the epochs a resumed run had done (0 for a new run): start your epoch loop here.
+        start_step (int): the :meth:`step` calls a stop had made into epoch ``start_epoch + 1`` (0 after a
+            complete epoch); :meth:`batches` skips that many.
+
     Raises:
         flodl_mpi.errors.InputError: a bad argument (the message names it as the
             signature spells it), the model differs across ranks, the run dir is

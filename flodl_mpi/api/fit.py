@@ -528,8 +528,9 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             ``run_dir`` that does not exist or holds no checkpoint is refused
             (``InputError``, nothing in it touched). ``"auto"``: continue it, or start
             it when it holds none (a requeued job), saying so in one line.
-        checkpoint_every, keep_checkpoints, device, threads, stall_timeout,
-            on_non_finite, chunk_elems, seed, drop_last, eval_batch_size: as the CLI's options.
+        checkpoint_every: as the CLI's option; so are ``keep_checkpoints``, ``device``,
+            ``threads``, ``stall_timeout``, ``on_non_finite``, ``chunk_elems``, ``seed``,
+            ``drop_last`` and ``eval_batch_size``.
         verbose: rank 0 prints the CLI's lines (one per epoch) on stdout.
         comm: an mpi4py intracommunicator; None: the world.
         **options: any other ``flodl-mpi train`` option by its config name
