@@ -88,8 +88,14 @@ def _chromium() -> str | None:
         if path and os.access(path, os.X_OK):
             return path
     if os.geteuid() == 0 and REQUIRE and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], check=False, capture_output=True,
-                       timeout=600, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
+        # A fresh machine may have no package lists yet: update them once if the first try fails.
+        for step in ([install], [["apt-get", "update", "-qq"], install]):
+            if os.access("/usr/lib/chromium/chromium", os.X_OK):
+                break
+            for command in step:
+                subprocess.run(command, check=False, capture_output=True, timeout=600, env=env)
         return "/usr/lib/chromium/chromium" if os.access("/usr/lib/chromium/chromium", os.X_OK) else None
     return None
 
