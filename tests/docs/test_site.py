@@ -89,7 +89,7 @@ def _chromium() -> str | None:
             return path
     if os.geteuid() == 0 and REQUIRE and shutil.which("apt-get"):
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
+        install = ["apt-get", "install", "-y", "-q", "chromium"]
         # A fresh machine may have no package lists yet: update them once if the first try fails.
         for step in ([install], [["apt-get", "update", "-qq"], install]):
             if os.access("/usr/lib/chromium/chromium", os.X_OK):
