@@ -3,7 +3,7 @@
 A Sphinx extension (``conf.py`` lists it): at ``builder-inited`` it writes each figure of :data:`FIGURES`
 to ``docs/_generated/<name>.png``, which the pages show with ``.. image::``. What a figure shows is computed
 by the package's own code where it has one (the masses: :func:`flodl_mpi.protocol.realized_work.relative_masses`;
-the quotas: the ElChe formula of SPEC §3), so a change there changes the picture.
+the quotas: :class:`flodl_mpi.policy.elche.ElChe`), so a change there changes the picture.
 """
 
 from __future__ import annotations
@@ -36,20 +36,18 @@ def masses(path: Path) -> None:
     plt.close(fig)
 
 
-def quotas(slow_ms: float, ms: list[float], anchor: int) -> list[int]:
-    """ElChe's quotas (SPEC §3): the slowest rank runs ``anchor`` batches, rank r
-    ``round(anchor * min(slow_ms / ms_r, 64))``."""
-    return [max(1, int(anchor * min(slow_ms / m, 64.0) + 0.5)) for m in ms]
-
-
 def timelines(path: Path) -> None:
     """Two ranks, rank 1 twice as slow, over the same wall time: sync, cadence and async."""
     import matplotlib.pyplot as plt
 
+    from flodl_mpi.policy.elche import ElChe
+
     ms = [10.0, 20.0]  # ms per batch
     round_ms = 8.0
     anchor = 4
-    q = quotas(max(ms), ms, anchor)
+    balancer = ElChe(world_size=2, anchor=anchor)
+    balancer.observe(ms)
+    q = balancer.quotas()
     horizon = 200.0
     fig, axes = plt.subplots(3, 1, figsize=(8, 4.6), dpi=110, sharex=True)
     colors = {"compute": "#4c72b0", "wait": "#dddddd", "round": "#dd8452"}

@@ -172,19 +172,13 @@ def test_regression_example_beats_its_stated_fraction_of_var_y(tmp_path, request
 
 
 def readme_block(marker: str) -> str:
-    """The first ``.. code-block:: python`` of docs/tutorial/own-loop.rst (README's complete own loop until the
-    README became a front page) after the line holding ``marker``, dedented."""
-    import textwrap
+    """The first python block of docs/tutorial/own-loop.rst (README's complete own loop until the README
+    became a front page) after the line holding ``marker`` (tests/docs/snippets.py reads the blocks)."""
+    from tests.docs.snippets import blocks
 
-    lines = (EXAMPLES.parent / "docs" / "tutorial" / "own-loop.rst").read_text().splitlines()
-    at = next(i for i, line in enumerate(lines) if marker in line)
-    start = next(i for i in range(at, len(lines)) if lines[i].strip() == ".. code-block:: python") + 1
-    block = []
-    for line in lines[start:]:
-        if line.strip() and not line.startswith(" "):
-            break
-        block.append(line)
-    return textwrap.dedent("\n".join(block)).strip() + "\n"
+    page = EXAMPLES.parent / "docs" / "tutorial" / "own-loop.rst"
+    at = next(i for i, line in enumerate(page.read_text().splitlines(), 1) if marker in line)
+    return next(b.text for b in blocks(page) if b.lang == "python" and b.line > at)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
