@@ -297,7 +297,7 @@ class TrainConfig:
 
     @property
     def async_adopt_value(self) -> str:
-        """How ``async`` adopts (``--async-adopt``; default ``delta``, measured closer to sync in the README;
+        """How ``async`` adopts (``--async-adopt``; default ``delta``, measured closer to sync in docs/benchmarks.rst;
         ``easgd`` when only ``--easgd-alpha`` is given, which implies it)."""
         if self.async_adopt is None:
             return "easgd" if self.easgd_alpha is not None else ADOPTION_DEFAULTS["async_adopt"]

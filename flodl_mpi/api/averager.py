@@ -153,7 +153,7 @@ class Averager:
     consensus raises :class:`flodl_mpi.errors.NonFiniteError` on every rank alike.
     Checkpoints already written stay.
 
-    Example (README.rst, "Keep your loop", has a complete one)::
+    Example (docs/tutorial/own-loop.rst has a complete one)::
 
         with flodl_mpi.Averager(model, optimizer=opt, run_dir="runs/a", resume=resuming) as avg:
             for epoch in range(avg.start_epoch, epochs):      # a resumed run goes on where it stopped

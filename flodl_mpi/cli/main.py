@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async: how a rank adopts the consensus of a round it trained past, keeping its own "
                         "steps since the round's snapshot: delta takes the consensus in place of the snapshot; "
                         "easgd pulls the snapshot only --easgd-alpha of the way to it (EASGD's elastic pull: the "
-                        "ranks keep part of their spread; measured level with delta: README, 'Async's accuracy') "
+                        "ranks keep part of their spread; measured level with delta: the docs' Benchmarks page, 'Async's accuracy') "
                         f"(default {ADOPTION_DEFAULTS['async_adopt']}; easgd when only --easgd-alpha is given)")
     g.add_argument("--easgd-alpha", type=float,
                    help="async with --async-adopt easgd: adopt each consensus as theta + alpha * (consensus - "

@@ -2,7 +2,7 @@
 
 Invariant: every dataset exists before SWMR is switched on, and after that the file
 only grows (resize + write + flush per column), so a concurrent SWMR reader always
-sees a consistent prefix. The schema is data (`table_schema`); the README documents it.
+sees a consistent prefix. The schema is data (`table_schema`); docs/file-formats.rst documents it.
 
 Layout: ``/<table>/<column>`` datasets of shape ``(rows, *per_row_shape)``. All columns
 of a table are appended together, column after column, so a reader that catches an
