@@ -258,7 +258,8 @@ class CadencePolicy(Policy):
         self._window_ms, self._window_anchor = math.nan, 0
 
     def with_new_ranks(self, count: int) -> None:
-        """ElChe gives each newcomer the anchor until it is timed (:meth:`~flodl_mpi.policy.elche.ElChe.with_new_ranks`)."""
+        """ElChe gives each newcomer the anchor until it is timed
+        (:meth:`~flodl_mpi.policy.elche.ElChe.with_new_ranks`)."""
         super().with_new_ranks(count)
         self.elche.with_new_ranks(count)
 

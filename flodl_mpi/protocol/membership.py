@@ -214,8 +214,9 @@ class MembershipChange:
         time_s: seconds since the run started, when the change was in place.
         left: stable ids that left, ascending.
         joined: stable ids that joined, ascending.
-        steps_lost: per id of ``left`` (in the order given; stored in ``left``'s ascending order), the optimizer steps it had taken since the last
-            consensus it adopted (never averaged: lost work), each >= 0.
+        steps_lost: per id of ``left`` (in the order given; stored in ``left``'s ascending
+            order), the optimizer steps it had taken since the last consensus it adopted
+            (never averaged: lost work), each >= 0.
         world_size: ranks after the change, >= 1.
         detection_ms: from the failed collective's start to the failure being known to
             every survivor (agreed), ms >= 0; 0 for a join.
