@@ -59,9 +59,10 @@ def rank_seconds(run: Run) -> np.ndarray:
     for _, w, start, end in segments:
         out[:w] += max(0.0, end - start)
     # After a membership change the columns are stable ids: an id that left stops counting when the
-    # change was in place (its ``time_s``), one that joined starts then (docs/elastic-records.rst).
-    end = segments[-1][3] if segments else 0.0
+    # change was in place (its ``time_s``), one that joined starts then, until the stretch ends (a
+    # resume launches the ranks again; docs/elastic-records.rst).
     for c in run.membership:
+        end = next((seg[3] for seg in reversed(segments) if seg[0] <= c.round), 0.0)
         for ids, sign in ((c.left, -1.0), (c.joined, 1.0)):
             for i in ids:
                 if i < len(out):

@@ -172,3 +172,19 @@ def test_replay_refuses_a_plan_a_membership_change_ended(run_dir):
         "cannot be replayed"
     )
     assert "\n" not in str(info.value)
+
+
+def test_time_in_the_run_after_a_change_then_a_resume(tmp_path):
+    """Hand-worked: 3 ranks, id 1 leaves at 6.5 s (round 6), a resume at 2 ranks from round 12 (12 s) to 19 s.
+    The resume launches ranks 0 and 1 again: id 0 is in 0-19 s, id 1 in 0-6.5 s and 12-19 s, id 2 in 0-12 s."""
+    from flodl_mpi.outputs.recorder import membership_row
+    from flodl_mpi.outputs.run_reader import Run
+
+    n = np.arange(20)
+    tables = {
+        "rounds": {"round": n, "time_s": n.astype(float)},
+        "epochs": {"rounds": np.array([12]), "time_s": np.array([12.0])},
+        "membership": membership_row(SHRINK, Membership((0, 2), 3)),
+    }
+    run = Run(path=tmp_path, label="r", attrs={"world_size": 2, "world_size_history": [[0, 3], [12, 2]]}, tables=tables)
+    np.testing.assert_allclose(rank_seconds(run), [19.0, 13.5, 12.0])
