@@ -319,7 +319,8 @@ def format_summary(run: Run) -> str:
                      + (f"; {100 * s['overlap']:.0f} % of the round time hidden behind compute"
                         if s["overlap"] is not None else ""))
     if s["quarantined"]:
-        lines.append("  quarantined   " + ", ".join(f"rank {r} in {n} round(s)" for r, n in s["quarantined"].items()))
+        lines.append("  quarantined   "
+                     + ", ".join(f"{run.rank_name(r)} in {n} round(s)" for r, n in s["quarantined"].items()))
     if s["last_log"]:
         lines.append(f"  last log line {s['last_log']}")
     return "\n".join(lines)
