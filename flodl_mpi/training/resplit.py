@@ -60,6 +60,32 @@ class BatchQueue:
     def __len__(self) -> int:
         return int(self.batches.shape[0])
 
+    @property
+    def is_whole(self) -> bool:
+        """Whether this is the launch plan's queue (``0 .. len - 1`` in order): no change re-split it."""
+        return bool(np.array_equal(self.batches, np.arange(len(self))))
+
+    def state_dict(self) -> dict:
+        """JSON-able: ``{"batches": [...]}``. A checkpoint mid-epoch after a change keeps it, since
+        its cursor is then a position in this queue, not a global batch number."""
+        return {"batches": self.batches.tolist()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, n_batches: int) -> BatchQueue:
+        """The queue of :meth:`state_dict`, checked against this run's ``n_batches`` an epoch.
+
+        Raises:
+            ValueError: an id at or above ``n_batches`` (a queue of another data or batch
+                size), or as the constructor.
+        """
+        queue = cls(np.asarray(state["batches"], dtype=np.int64))
+        if len(queue) and int(queue.batches.max()) >= n_batches:
+            raise ValueError(
+                f"the epoch's queue holds batch {int(queue.batches.max())}, this run's epoch has "
+                f"{n_batches} batches: it was saved for another data size or --batch-size"
+            )
+        return queue
+
     def window(self, quotas: Sequence[int], cursor: int) -> tuple[Window, tuple[np.ndarray, ...]]:
         """The next window from position ``cursor``: its positions (`plan_window`) and each rank's batch ids.
 

@@ -96,3 +96,14 @@ def test_bad_input_is_refused():
         BatchQueue(np.array([1, 1]))
     with pytest.raises(ValueError, match=r"ranks \[2\] are not in the window's world of 2 ranks"):
         lost_positions([Window((0, 1), (1, 1))], [2])
+
+
+def test_the_queue_round_trips_through_a_checkpoint():
+    q = BatchQueue.whole(10)
+    assert q.is_whole
+    after = q.after_change(4, [1, 3])
+    assert not after.is_whole and after.batches.tolist() == [1, 3, 4, 5, 6, 7, 8, 9]
+    back = BatchQueue.from_state_dict(after.state_dict(), 10)
+    assert back.batches.tolist() == after.batches.tolist()
+    with pytest.raises(ValueError, match="holds batch 9, this run's epoch has 8 batches"):
+        BatchQueue.from_state_dict(after.state_dict(), 8)
