@@ -511,6 +511,19 @@ class Averager:
             raise RuntimeError("Averager.join() after close()")
         return _Join(self)
 
+    def shard(self, n_samples: int, epoch: int, *, batch_size: int, seed: int = 0, drop_last: bool = False,
+              uneven: str = "join"):
+        """This rank's batches of ``epoch`` under the CLI's plan: :func:`flodl_mpi.shard` with this averager's
+        rank, world size and window (``for idx in avg.batches(avg.shard(len(data), epoch, batch_size=32)): ...``).
+
+        Arguments, return value and errors as :func:`flodl_mpi.shard`'s (``uneven="join"``: run the loop in
+        :meth:`join`, the ranks' counts may differ by up to ``window``).
+        """
+        from flodl_mpi.training.shard import shard
+
+        return shard(n_samples, epoch, seed, batch_size=batch_size, rank=self.rank, world_size=self.world_size,
+                     window=self.cfg.window, drop_last=drop_last, uneven=uneven)
+
     def _join_rounds(self) -> None:
         """Collective: idle step() calls (mass 0) until the round in which every rank sends ``joined`` 1."""
         self._idle = True

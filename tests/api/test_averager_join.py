@@ -135,3 +135,37 @@ def test_a_join_with_equal_counts_costs_one_skipped_round():
     assert result.summary.rounds == 3
     states = comm.allgather(_flat(model))
     np.testing.assert_array_equal(states[0], states[-1])
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_a_loop_over_avg_shard_in_a_join_trains_every_sample_once():
+    """Item 6 with item 5: ``avg.shard`` (the CLI's plan at the averager's rank, world size and window) gives
+    the ranks unequal counts in an epoch's last window; run in ``join``, every sample is trained once."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    n = 100  # 13 batches of 8 (the last of 4): never a multiple of 2 * 3 or 3 * 3
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(n, 8, generator=torch.Generator().manual_seed(0)), torch.arange(n) % 3
+    read = []
+    with flodl_mpi.Averager(model, optimizer=opt, policy="window", window=3) as avg:
+        for epoch in range(2):
+            mine = avg.shard(n, epoch, batch_size=8, seed=4)
+            plain = flodl_mpi.shard(n, epoch, 4, batch_size=8, rank=comm.rank, world_size=comm.size, window=3)
+            assert mine.batches == plain.batches and all(map(np.array_equal, mine, plain))
+            with avg.join():
+                for idx in avg.batches(mine):
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                    opt.step()
+                    avg.step(samples=len(idx))
+                    read.append(idx)
+            result = avg.end_epoch()
+            counts = comm.allgather(len(mine))
+            assert len(set(counts)) > 1  # the case join is for
+            np.testing.assert_array_equal(result.summary.per_rank_batches, counts)
+            both = np.concatenate(sum(comm.allgather(read), []))
+            np.testing.assert_array_equal(np.sort(both), np.arange(n))
+            read = []
