@@ -641,6 +641,8 @@ class Trainer:
             window = plan_window(plan.quotas, cursor, n_batches)
             first = window.starts[self.rank]
             mine = range(first, first + window.counts[self.rank])
+            if hasattr(self.data.train.x, "prefetch"):  # streamed (--data-loading): this window's batches, read ahead
+                self.data.train.x.prefetch([batch_indices(perm, cfg.batch_size, b, cfg.drop_last) for b in mine])
             # -- train this rank's batches of the window; time them for the balancer
             busy_ms = 0.0
             for b in mine:
