@@ -9,6 +9,7 @@ what the training thread asked it to read, in that order, at most `READ_AHEAD` b
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -86,6 +87,9 @@ class H5Rows:
         self._pending: list[np.ndarray] = []
         self._thread: threading.Thread | None = None
         self._cancel = threading.Event()
+        self._work: collections.deque = collections.deque()  # batches handed over, not read yet
+        self._work_lock = threading.Lock()
+        self._reading = False  # a read-ahead thread is running (it clears this under _work_lock as it ends)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -155,25 +159,38 @@ class H5Rows:
     def prefetch(self, batches: Sequence[np.ndarray]) -> None:
         """Read ``batches`` (index arrays, in the order they will be asked for) in a background thread.
 
-        At most `READ_AHEAD` of them are held read before they are taken. Batches handed over
-        earlier and not taken yet are dropped first (their reads are lost, never served late).
+        At most `READ_AHEAD` of them are held read before they are taken. When the batches handed
+        over earlier and not taken yet are the first of ``batches``, the thread goes on with the
+        rest (a window, then the next one planned); otherwise those are dropped first (their reads
+        are lost, never served late).
         """
-        self._drop_read_ahead()
         batches = [np.asarray(b, dtype=np.int64) for b in batches]
-        if not batches:
+        k = len(self._pending)
+        if self._queue is None or k > len(batches) or not all(map(np.array_equal, self._pending, batches)):
+            self._drop_read_ahead()
+            k = 0
+            self._queue = queue.Queue(maxsize=READ_AHEAD)
+            self._cancel = threading.Event()
+        new = batches[k:]
+        if not new:
             return
-        self._pending = list(batches)
-        self._queue = queue.Queue(maxsize=READ_AHEAD)
-        self._cancel = threading.Event()
-        self._thread = threading.Thread(
-            target=self._read_ahead, args=(batches, self._queue, self._cancel), name="flodl-read-ahead", daemon=True
-        )
-        self._thread.start()
+        self._pending += new
+        with self._work_lock:
+            self._work.extend(new)
+            if not self._reading:  # the thread decides to end under this lock: no batch is left unread
+                self._reading = True
+                self._thread = threading.Thread(
+                    target=self._read_ahead, args=(self._queue, self._cancel), name="flodl-read-ahead", daemon=True
+                )
+                self._thread.start()
 
-    def _read_ahead(self, batches: list[np.ndarray], out: queue.Queue, cancel: threading.Event) -> None:
-        for b in batches:
-            if cancel.is_set():
-                return
+    def _read_ahead(self, out: queue.Queue, cancel: threading.Event) -> None:
+        while not cancel.is_set():
+            with self._work_lock:
+                if not self._work:
+                    self._reading = False
+                    return
+                b = self._work.popleft()
             try:
                 item = self._read_rows(b)
             except BaseException as exc:  # crosses to the training thread with the batch it was for
@@ -185,13 +202,17 @@ class H5Rows:
                 except queue.Full:
                     continue
             if isinstance(item, BaseException):
-                return
+                break
+        with self._work_lock:
+            self._reading = False
 
     def _drop_read_ahead(self) -> None:
-        if self._thread is None:
-            return
-        self._cancel.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._cancel.set()
+            self._thread.join()
+        with self._work_lock:
+            self._work.clear()
+            self._reading = False
         self._thread, self._queue, self._pending = None, None, []
 
     def close(self) -> None:
