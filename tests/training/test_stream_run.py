@@ -13,6 +13,7 @@ import pytest
 from flodl_mpi.outputs.checkpoint import latest_checkpoint, read_checkpoint
 from flodl_mpi.outputs.metrics import read_table
 from tests.training.run_sequence import run_sequence
+from tests.training.test_resume import STOPPED
 
 pytestmark = pytest.mark.slow
 
@@ -29,17 +30,27 @@ def runs(tmp_path_factory):
             ("--data-loading", "stream"),
         ),
     }
+    # the stop lands in epoch 2 (8 rounds an epoch: 45 batches in windows of 2 x 3), mid-epoch
+    plan["stopped"] = (("--stop-at-round", "11"), ("--data-loading", "stream"))
     procs = run_sequence(
         2, [(hooks, (*ARGS, *extra, "--run-dir", str(base / name))) for name, (hooks, extra) in plan.items()], base
     )
-    return base, dict(zip(plan, procs))
+    out = dict(zip(plan, procs))
+    # the resume in a launch of its own (what it restores comes from the checkpoint)
+    (out["resumed"],) = run_sequence(
+        2, [((), (*ARGS, "--data-loading", "stream", "--run-dir", str(base / "stopped"), "--resume"))], base
+    )
+    return base, out
 
 
-def test_a_streamed_run_ends_bit_identical_to_the_in_memory_run(runs):
+@pytest.mark.parametrize("streamed", ["stream", "stopped"], ids=["straight", "stopped-and-resumed"])
+def test_a_streamed_run_ends_bit_identical_to_the_in_memory_run(runs, streamed):
     base, procs = runs
-    for proc in procs.values():
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = (read_checkpoint(latest_checkpoint(base / name / "checkpoints")) for name in ("memory", "stream"))
+    for name, proc in procs.items():
+        assert proc.returncode in (STOPPED if name == "stopped" else (0,)), proc.stderr[-3000:]
+    if streamed == "stopped":  # the path: a stop mid-epoch, the resume's first window read from its cursor
+        assert "stopped on request in epoch 2 at round 11" in (base / "stopped" / "train.log").read_text()
+    a, b = (read_checkpoint(latest_checkpoint(base / name / "checkpoints")) for name in ("memory", streamed))
     for name in a.params:
         np.testing.assert_array_equal(a.params[name], b.params[name], err_msg=name)
     for name in a.buffers:
