@@ -48,6 +48,13 @@ def test_a_streamed_run_ends_bit_identical_to_the_in_memory_run(runs, streamed):
     base, procs = runs
     for name, proc in procs.items():
         assert proc.returncode in (STOPPED if name == "stopped" else (0,)), proc.stderr[-3000:]
+    assert (
+        "data streamed (--data-loading stream): each rank reads only its batches"
+        in (base / streamed / "train.log").read_text()
+    )
+    # (in one launch a CLI run's train.log handler stays on the logger: later runs' lines follow its own)
+    own = (base / "memory" / "train.log").read_text().split(" flodl-mpi ")[1]
+    assert "run dir " in own and "data streamed" not in own
     if streamed == "stopped":  # the path: a stop mid-epoch, the resume's first window read from its cursor
         assert "stopped on request in epoch 2 at round 11" in (base / "stopped" / "train.log").read_text()
     a, b = (read_checkpoint(latest_checkpoint(base / name / "checkpoints")) for name in ("memory", streamed))
