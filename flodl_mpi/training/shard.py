@@ -112,7 +112,7 @@ def shard(
     The epoch's order is ``np.random.default_rng([seed, epoch]).permutation(n_samples)``, cut
     into global batches of ``batch_size`` (a lone left-over sample folded into the last
     batch; ``drop_last`` drops the left-over samples, as the CLI's ``--drop-last``), handed
-    out as :func:`plan_batches` does. With the CLI's ``--seed``, ``--batch-size``,
+    out as ``plan_batches`` does. With the CLI's ``--seed``, ``--batch-size``,
     ``--window`` (1 for ``sync``) and world size, a rank gets the samples the CLI would
     train on it. Call it with your epoch counted from 0.
 
