@@ -4,7 +4,9 @@ Invariant: the averager only counts and averages. Your loop keeps its optimizer,
 schedule, AMP scaler and clipping; after each optimizer step it calls
 :meth:`Averager.step`, and every ``window`` calls a round runs in the bridge
 thread (SPEC §2) and the consensus is adopted before ``step`` returns. Every rank
-calls ``step`` the same number of times, so every rank enters the same rounds.
+calls ``step`` the same number of times (in :meth:`Averager.join`, a rank out of
+data makes idle calls until the gathered round says every rank is), so every
+rank enters the same rounds.
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ class Averager:
     Collective contract: every rank builds it with the same arguments (same
     model structure: checked), calls :meth:`step` the same number of times
     (a rank without a batch calls ``step(realized=False)``: it joins the round
-    with mass 0), and calls :meth:`end_epoch` and :meth:`close` at the same
-    points. Every ``window``-th call of :meth:`step` in an epoch runs one round, and
+    with mass 0; ranks with unequal numbers of batches run the loop in
+    :meth:`join`, which makes those calls for a rank out of data), and calls
+    :meth:`end_epoch` and :meth:`close` at the same points. Every ``window``-th call of :meth:`step` in an epoch runs one round, and
     :meth:`end_epoch` closes an unfinished window with one: each rank's
     parameters weighted by its realized steps since its last consensus,
     ``mass = steps ** gamma`` (SPEC §1), floating buffers averaged among ranks
