@@ -31,7 +31,8 @@ from flodl_mpi.policy.registry import describe as describe_policy
 from flodl_mpi.policy.registry import get as policy_spec
 from flodl_mpi.policy.registry import make_policy
 from flodl_mpi.runtime.world import Watchdog, World, agree
-from flodl_mpi.training.data import Dataset, num_batches, smallest_batch
+from flodl_mpi.training.accumulate import smallest_micro_batch
+from flodl_mpi.training.data import Dataset, num_batches
 from flodl_mpi.training.model_record import resume_difference
 from flodl_mpi.training.resume_inputs import data_path_difference, model_spec_difference
 from flodl_mpi.training.resume_target import new_run_line
@@ -73,8 +74,8 @@ def load_replay_plan(cfg: TrainConfig, world: World, watchdog: Watchdog, data: D
     comm = world.comm
     plan = comm.bcast(agree(comm, "replay plan", lambda: read_recorded_plan(cfg.replay_plan) if world.rank == 0
                             else None, watchdog, name_ranks=False), root=0)
-    n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
-    samples = n_batches * cfg.batch_size if cfg.drop_last else data.train.n
+    n_batches = num_batches(data.train.n, cfg.step_samples, cfg.drop_last)
+    samples = n_batches * cfg.step_samples if cfg.drop_last else data.train.n
     why = plan.refusal(world.size, cfg.policy, n_batches, samples, cfg.epochs)
     if why is not None:
         raise InputError(why)
@@ -82,15 +83,17 @@ def load_replay_plan(cfg: TrainConfig, world: World, watchdog: Watchdog, data: D
 
 
 def smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str]:
-    """The smallest batch the batch plan makes (samples), and what to change if the model fails on it.
+    """The smallest batch the batch plan makes (samples; a micro-batch with ``--accumulate``), and what
+    to change if the model fails on it.
 
     Raises:
         ValueError: ``--drop-last`` leaves no batch at all.
     """
-    k = smallest_batch(n_samples, cfg.batch_size, cfg.drop_last)
+    k = smallest_micro_batch(n_samples, cfg.batch_size, cfg.accumulate, cfg.drop_last)
     if k == 0:
-        raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} leaves no batch: the training set has "
-                         f"{n_samples} samples; lower --batch-size")
+        both = f" x --accumulate {cfg.accumulate}" if cfg.accumulate > 1 else ""
+        raise ValueError(f"--drop-last with --batch-size {cfg.batch_size}{both} leaves no batch: the training set "
+                         f"has {n_samples} samples; lower --batch-size")
     if k == n_samples:  # the whole set is one batch: no batch size or --drop-last makes it larger
         return k, (f"the whole training set is {n_samples} sample{'s' if n_samples != 1 else ''}, one batch; "
                    "this model needs a larger training set")
@@ -123,22 +126,24 @@ def effective_batch_line(cfg: TrainConfig, world_size: int, api: bool = False, n
     by the data, issue 26 item 9) and the step ratio of the real plan.
     """
     scale, raise_lr = ("scale_lr=True", "lr") if api else ("--scale-lr", "--lr")
-    eff, ratio = cfg.batch_size * world_size, world_size
+    per = cfg.step_samples  # one optimizer step's samples on one rank
+    batch = f"batch {cfg.batch_size}" if cfg.accumulate == 1 else \
+        f"batch {cfg.batch_size} x {cfg.accumulate} accumulated = {per}"
+    eff, ratio = per * world_size, world_size
     ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
-    text = f"batch {cfg.batch_size} per rank, effective batch {cfg.batch_size} x {ranks} = {eff} samples per step " \
-           "of the averaged model"
-    batches = num_batches(n_samples, cfg.batch_size, cfg.drop_last) if n_samples is not None else 0
-    planned = min(n_samples, batches * cfg.batch_size) if cfg.drop_last else n_samples
+    text = f"{batch} per rank, effective batch {per} x {ranks} = {eff} samples per step of the averaged model"
+    batches = num_batches(n_samples, per, cfg.drop_last) if n_samples is not None else 0
+    planned = min(n_samples, batches * per) if cfg.drop_last else n_samples
     if n_samples is not None and batches > 0 and eff > planned:
         ratio = batches / -(-batches // world_size)  # one process's steps per epoch / the cohort's rounds
-        text = (f"batch {cfg.batch_size} per rank, effective batch {planned} samples per step of the averaged "
-                f"model, at most: {cfg.batch_size} x {ranks} = {eff} asked, capped by the training set of "
+        text = (f"{batch} per rank, effective batch {planned} samples per step of the averaged "
+                f"model, at most: {per} x {ranks} = {eff} asked, capped by the training set of "
                 f"{n_samples} samples ({batches} batch{'es' if batches != 1 else ''} per epoch)")
     if cfg.scale_lr and world_size > 1:
         ramp = f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""
         return f"{text}; {scale}: lr {cfg.lr:g} x {world_size} = {cfg.lr * world_size:g}{ramp}"
     if world_size > 1 and ratio > 1:
-        return (f"{text}; lr {cfg.lr:g} as given (one process at batch {cfg.batch_size} would take {ratio:g}x "
+        return (f"{text}; lr {cfg.lr:g} as given (one process at batch {per} would take {ratio:g}x "
                 f"the steps per epoch: to match it, raise {raise_lr} toward {cfg.lr * ratio:g} or "
                 f"{'set' if api else 'add'} {scale})")
     return text
@@ -148,8 +153,8 @@ def effective_batch_line(cfg: TrainConfig, world_size: int, api: bool = False, n
 #: model, the data order, the windows and the optimizer state's meaning. The world
 #: size may change (see `Trainer.resume` for how per-rank state is remapped). The
 #: optimizer is checked against the state the checkpoint holds (`_check_optimizer`).
-RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "drop_last", "seed",
-                     "policy", "window", "gamma", "optimizer", "outer", "average_optimizer_state")
+RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "accumulate",
+                     "drop_last", "seed", "policy", "window", "gamma", "optimizer", "outer", "average_optimizer_state")
 
 
 def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, data_n: int,
