@@ -624,7 +624,7 @@ def _setup(session, a: dict) -> Run:
     threads, threads_line = settle_threads(comm, world.host, agree(comm, "threads", lambda: thread_request(
         cfg.threads), watchdog))
     torch.set_num_threads(threads)
-    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
+    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank, cfg.amp), watchdog)
     if a["data"] is None:
         data = for_task(load_data(cfg, world, watchdog), a["task"])  # integer labels: never raises
     else:

@@ -59,7 +59,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest,
     requested = agree(comm, "threads", lambda: thread_request(cfg.threads), watchdog)
     threads, threads_line = settle_threads(comm, world.host, requested)
     torch.set_num_threads(threads)
-    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
+    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank, cfg.amp), watchdog)
     data = load_data(cfg, world, watchdog)
     replay = load_replay_plan(cfg, world, watchdog, data)
 

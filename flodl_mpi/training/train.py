@@ -40,23 +40,57 @@ from flodl_mpi.training.train_log import log, say_once
 from flodl_mpi.training.worker import Replica
 from flodl_mpi.transport.bridge import Bridge
 
-__all__ = ["RESUME_MUST_MATCH", "check_resume_data", "describe_averaging_path", "effective_batch_line", "final_line",
-           "load_replay_plan", "log", "log_header", "pick_device", "resume_point", "smallest_training_batch"]
+__all__ = ["RESUME_MUST_MATCH", "check_amp", "check_resume_data", "describe_averaging_path", "effective_batch_line",
+           "final_line", "load_replay_plan", "log", "log_header", "pick_device", "resume_point",
+           "smallest_training_batch", "step_options_line"]
 
 
-def pick_device(choice: str, local_rank: int) -> torch.device:
-    """Map ``--device`` and the local rank to a device: one GPU per local rank.
+def pick_device(choice: str, local_rank: int, amp: str = "off") -> torch.device:
+    """Map ``--device`` and the local rank to a device: one GPU per local rank; ``--amp`` is checked on it.
 
     Raises:
-        ValueError: ``cuda`` asked for but no CUDA device is visible.
+        ValueError: ``cuda`` asked for but no CUDA device is visible; ``amp`` the device cannot run
+            (`check_amp`).
     """
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    else:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    check_amp(amp, device)
     return device
+
+
+def check_amp(amp: str, device: torch.device) -> None:
+    """Refuse ``--amp`` when this torch cannot autocast to its dtype on ``device`` (a CUDA device without
+    bfloat16, a torch whose CPU autocast lacks float16): a trial matmul under ``torch.autocast``, and fp16's
+    ``torch.amp.GradScaler`` built for the device, before anything is trained.
+
+    Raises:
+        ValueError: one line naming the mode, the device and what torch said.
+    """
+    if amp == "off":
+        return
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    why = None
+    if device.type == "cuda" and amp == "bf16" and not torch.cuda.is_bf16_supported():
+        why = f"{torch.cuda.get_device_name(device)} has no bfloat16 (torch.cuda.is_bf16_supported() is False)"
+    else:
+        try:
+            with torch.autocast(device.type, dtype=dtype):
+                out = torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+            if out.dtype != dtype:
+                why = f"a matmul under torch.autocast gave {out.dtype}"
+            if amp == "fp16":
+                torch.amp.GradScaler(device.type)
+        except (RuntimeError, ValueError) as exc:
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if why is not None:
+        other = "bf16" if amp == "fp16" else "fp16"
+        raise ValueError(f"--amp {amp}: torch {torch.__version__} cannot autocast to {dtype} on {device.type} "
+                         f"({why}); use --amp {other} or --amp off")
 
 
 def load_replay_plan(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset) -> RecordedPlan | None:
@@ -147,6 +181,25 @@ def effective_batch_line(cfg: TrainConfig, world_size: int, api: bool = False, n
                 f"the steps per epoch: to match it, raise {raise_lr} toward {cfg.lr * ratio:g} or "
                 f"{'set' if api else 'add'} {scale})")
     return text
+
+
+def step_options_line(cfg: TrainConfig, total_steps: int, api: bool = False) -> str | None:
+    """The header's line on the learning-rate schedule and the precision of a step (None: the defaults).
+
+    ``total_steps``: the run's cohort steps (``epochs × steps per epoch``), what ``cosine`` and
+    ``linear`` decay over. ``api``: worded in :func:`flodl_mpi.fit`'s keywords.
+    """
+    words = []
+    if cfg.lr_schedule != "constant" or (cfg.warmup_steps and not cfg.scale_lr):
+        start = "from --lr" if cfg.scale_lr else "from 0"
+        warm = f"{cfg.warmup_steps} warm-up steps {start}, then " if cfg.warmup_steps else ""
+        shape = {"constant": "constant", "cosine": "cosine to 0", "linear": "linear to 0",
+                 "step": f"x {cfg.lr_gamma_value:g} every {cfg.lr_step_size} steps"}[cfg.lr_schedule]
+        words.append(f"learning rate: {warm}{shape} over the run's {total_steps} cohort steps")
+    if cfg.amp != "off":
+        words.append(f"{'amp=' if api else '--amp '}{cfg.amp}: forward and evaluation under torch.autocast"
+                     + (", loss scaled by a GradScaler" if cfg.amp == "fp16" else ""))
+    return "; ".join(words) or None
 
 
 #: Options a resumed run must share with the checkpoint's run: they decide the
@@ -423,6 +476,9 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
     for line in data.warnings:  # labels that give outputs training never targets (issue 26 item 9)
         log.warning(line)
     log.info(effective_batch_line(cfg, world_size, api, data.train.n))
+    options = step_options_line(cfg, cfg.epochs * num_batches(data.train.n, cfg.step_samples, cfg.drop_last), api)
+    if options:
+        log.info(options)
     if bridge is not None and world_size > 1:
         log.info(describe_averaging_path(cfg, bridge.reducer.path, bridge.reducer.nodes))
     policy, options = f"policy={cfg.policy!r}" if api else f"--policy {cfg.policy}", policy_spec(cfg.policy).options
