@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 import flodl_mpi
+from flodl_mpi.outputs.checkpoint import latest_checkpoint, load_state_dict, read_rank_state
 from flodl_mpi.outputs.metrics import read_table
 from flodl_mpi.policy.cadence import plan_window
+from flodl_mpi.training.train import check_amp
 from tests.conftest import fork_flodl, run_flodl
 
 #: digits: 1437 training samples.
@@ -141,3 +143,61 @@ def test_the_lr_column_is_the_schedule_across_a_stop_a_resume_and_another_world_
         mine = (b["rank"] == rank) & (b["epoch"] == epoch)
         np.testing.assert_allclose(b["lr"][mine], [cosine_lr(s, 2 * n, 10) for s in steps], rtol=1e-12)
     assert len(b["lr"]) == 2 * n
+
+
+def test_a_stop_and_resume_with_fp16_accumulation_and_a_schedule_is_bit_identical(tmp_path):
+    """1 rank, 2 epochs of 45 steps (16 x 2 accumulated): stopped at round 30 and resumed, the run ends on
+    the straight run's parameters bit for bit, with the same loss and lr of every step (the GradScaler's
+    state travels in the checkpoint)."""
+    args = (
+        "train",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+        "--accumulate",
+        "2",
+        "--amp",
+        "fp16",
+        "--lr-schedule",
+        "linear",
+        "--warmup-steps",
+        "5",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+    )
+    straight = fork_flodl(*args, "--run-dir", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    stopped = fork_flodl(*args, "--run-dir", str(tmp_path / "stopped"), hooks=("--stop-at-round", "30"))
+    assert stopped.returncode == 4, stopped.stdout + stopped.stderr
+    resumed = fork_flodl(*args, "--run-dir", str(tmp_path / "stopped"), "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    a, b = (load_state_dict(latest_checkpoint(tmp_path / name / "checkpoints")) for name in ("straight", "stopped"))
+    _, attrs = read_rank_state(latest_checkpoint(tmp_path / "stopped" / "checkpoints"), 0)
+    assert attrs["grad_scaler"]["scale"] == 65536.0  # saved with the rank's state (no overflow here: the first)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    rows = [read_table(tmp_path / name / "metrics.h5", "batches") for name in ("straight", "stopped")]
+    assert len(rows[0]["lr"]) == 2 * math.ceil(DIGITS_N / 32)
+    for column in ("loss", "lr"):
+        np.testing.assert_array_equal(rows[0][column], rows[1][column], err_msg=column)
+
+
+def test_an_amp_mode_torch_cannot_run_on_the_device_is_refused_in_one_line(monkeypatch):
+    check_amp("bf16", torch.device("cpu"))  # this torch autocasts on the CPU in both dtypes
+    check_amp("fp16", torch.device("cpu"))
+
+    def no_autocast(device_type, dtype):
+        raise RuntimeError(f"User specified an unsupported autocast device_type '{device_type}'\nmore")
+
+    monkeypatch.setattr(torch, "autocast", no_autocast)
+    with pytest.raises(ValueError) as info:
+        check_amp("fp16", torch.device("cpu"))
+    assert str(info.value) == (
+        f"--amp fp16: torch {torch.__version__} cannot autocast to torch.float16 on cpu "
+        "(RuntimeError: User specified an unsupported autocast device_type 'cpu'); use --amp "
+        "bf16 or --amp off"
+    )
