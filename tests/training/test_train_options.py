@@ -8,6 +8,7 @@ starts at one rank (forked) and goes on at two (one launch).
 
 import copy
 import math
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 import flodl_mpi
+from flodl_mpi.errors import EXIT_INPUT
 from flodl_mpi.outputs.checkpoint import latest_checkpoint, load_state_dict, read_rank_state
 from flodl_mpi.outputs.metrics import read_table
 from flodl_mpi.policy.cadence import plan_window
@@ -201,3 +203,54 @@ def test_an_amp_mode_torch_cannot_run_on_the_device_is_refused_in_one_line(monke
         "(RuntimeError: User specified an unsupported autocast device_type 'cpu'); use --amp "
         "bf16 or --amp off"
     )
+
+
+@pytest.mark.parametrize(
+    "flags, toml, line",
+    [
+        (
+            ("--lr-schedule", "step"),
+            None,
+            "--lr-schedule step needs --lr-step-size N: the cohort steps between decays by --lr-gamma",
+        ),
+        (("--accumulate", "0"), None, "--accumulate 0: must be an integer >= 1"),
+        (
+            (),
+            'lr-schedule = "step"\nlr-step-size = 10\nlr-gamma = 2.0\n',
+            "key 'lr-gamma': 2.0: must be a number in (0, 1]",
+        ),
+    ],
+)
+def test_a_bad_option_is_refused_before_mpi_starts(tmp_path, flags, toml, line):
+    """One line, exit 2, before MPI starts ("rank(s) up" is what a rank prints once it has), nothing created."""
+    if toml is not None:
+        (tmp_path / "run.toml").write_text(toml)
+        flags = ("--config", str(tmp_path / "run.toml"))
+        line = f"--config '{tmp_path / 'run.toml'}': {line}"
+    t0 = time.monotonic()
+    proc = fork_flodl("train", *flags, "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == EXIT_INPUT and time.monotonic() - t0 < 60
+    assert [x for x in proc.stderr.splitlines() if "error" in x] == [f"flodl-mpi: error: {line}"]
+    assert "rank(s) up" not in proc.stdout and not (tmp_path / "r").exists()
+
+
+@pytest.mark.in_fork
+def test_fit_takes_a_schedule_by_name(tmp_path):
+    run = flodl_mpi.fit(
+        mlp,
+        "sgd",
+        lr=0.1,
+        lr_schedule="step",
+        lr_step_size=10,
+        lr_gamma=0.5,
+        epochs=1,
+        batch_size=64,
+        eval_every=0,
+        checkpoint_every=0,
+        run_dir=tmp_path / "f",
+    )
+    run.wait()
+    lr = read_table(tmp_path / "f" / "metrics.h5", "batches")["lr"]
+    np.testing.assert_allclose(lr, [0.1 * 0.5 ** (s // 10) for s in range(math.ceil(DIGITS_N / 64))], rtol=1e-12)
+    with pytest.raises(flodl_mpi.InputError, match=r"^lr_schedule='exp': must be a callable or one of constant, "):
+        flodl_mpi.fit(lr_schedule="exp")
