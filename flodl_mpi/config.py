@@ -27,8 +27,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["AMP_MODES", "ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "DEVICES", "HIERARCHICAL", "LR_GAMMA_DEFAULT", "LR_SCHEDULES",
-           "NODE_REDUCES",
+__all__ = ["AMP_MODES", "ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BEST_METRICS", "DEVICES", "HIERARCHICAL",
+           "LR_GAMMA_DEFAULT", "LR_SCHEDULES", "NODE_REDUCES",
            "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OPTIMIZER_WEIGHT_DECAY", "OUTERS",
            "OUTPUT_OPTIONS", "PROGRESS", "RESUME_AUTO", "TASKS", "ConfigError", "TrainConfig", "check_fit_arguments",
            "check_int", "check_output_option", "config_key_text", "optimizer_class", "own_loop_config",
@@ -61,6 +61,8 @@ AVERAGE_OPTIMIZER_STATE = ("auto", "off", "mean", "corrected")
 LR_SCHEDULES = ("constant", "cosine", "step", "linear")
 #: ``--lr-gamma``'s default: ``step``'s factor per ``--lr-step-size`` cohort steps (torch.optim.lr_scheduler.StepLR's).
 LR_GAMMA_DEFAULT = 0.1
+#: ``--keep-best``: the validation metrics a best checkpoint is chosen by (lower loss, higher accuracy).
+BEST_METRICS = ("val_loss", "val_accuracy")
 #: ``--amp``: torch.autocast's dtype for the forward pass (fp16 adds a GradScaler); off: the model's own dtype.
 AMP_MODES = ("off", "bf16", "fp16")
 #: ``--progress``: rank 0's bar within an epoch, or one line per epoch (auto: a bar on a terminal).
@@ -172,6 +174,10 @@ class TrainConfig:
     lr_gamma: float | None = None     # step: the factor per lr_step_size steps; None = LR_GAMMA_DEFAULT
     amp: str = "off"                  # one of AMP_MODES: mixed precision of the forward pass (torch.autocast)
     accumulate: int = 1               # micro-batches of batch_size per optimizer step (gradient accumulation)
+    val_fraction: float | None = None  # share of the training set held out for validation, split once from seed
+    test_every_epoch: bool = False    # with a validation set: evaluate the test set every epoch too (else at the end)
+    keep_best: str | None = None      # one of BEST_METRICS: keep checkpoints/best.h5, the best epoch's
+    early_stop: int | None = None     # stop after this many epochs without a better keep_best (or val_loss)
     clip_grad_norm: float | None = None  # max L2 norm of each rank's gradients before its step; None = off
     eval_batch_size: int = 1024       # samples per evaluation batch
     threads: int | None = None        # torch threads per rank; None = the rule in flodl_mpi.runtime.launcher
@@ -235,6 +241,7 @@ class TrainConfig:
         need(isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool) and self.warmup_steps >= 0,
              "warmup_steps", self.warmup_steps, "an integer >= 0")
         self._check_schedule(need)
+        self._check_validation(need)
         need(self.amp in AMP_MODES, "amp", self.amp, f"one of {', '.join(AMP_MODES)}")
         need(isinstance(self.accumulate, int) and not isinstance(self.accumulate, bool) and self.accumulate >= 1,
              "accumulate", self.accumulate, "an integer >= 1")
@@ -262,6 +269,29 @@ class TrainConfig:
         if self.lr_schedule != "step" and (self.lr_step_size is not None or self.lr_gamma is not None):
             raise ConfigError(f"--lr-step-size and --lr-gamma take effect with --lr-schedule step; --lr-schedule "
                               f"{self.lr_schedule} does not decay in steps")
+
+    def _check_validation(self, need) -> None:
+        """``--val-fraction`` and what needs a validation set: ``--test-every-epoch``, ``--keep-best``,
+        ``--early-stop``."""
+        need(self.val_fraction is None or (isinstance(self.val_fraction, (int, float))
+                                           and not isinstance(self.val_fraction, bool) and 0 < self.val_fraction < 1),
+             "val_fraction", self.val_fraction, "a number in (0, 1)")
+        need(isinstance(self.test_every_epoch, bool), "test_every_epoch", self.test_every_epoch, "true or false")
+        need(self.keep_best is None or self.keep_best in BEST_METRICS, "keep_best", self.keep_best,
+             f"one of {', '.join(BEST_METRICS)}")
+        need(self.early_stop is None or (isinstance(self.early_stop, int) and not isinstance(self.early_stop, bool)
+                                         and self.early_stop >= 1), "early_stop", self.early_stop, "an integer >= 1")
+        if self.val_fraction is None:
+            asked = [f"--{n.replace('_', '-')}" for n in ("test_every_epoch", "keep_best", "early_stop")
+                     if getattr(self, n) not in (None, False)]
+            if asked:
+                raise ConfigError(f"{', '.join(asked)} need{'s' if len(asked) == 1 else ''} a validation set: add "
+                                  "--val-fraction F (the test set is not for choosing a model)")
+
+    @property
+    def best_metric(self) -> str:
+        """What ``--keep-best`` and ``--early-stop`` watch: ``--keep-best``'s metric, else ``val_loss``."""
+        return self.keep_best or "val_loss"
 
     @property
     def lr_gamma_value(self) -> float:

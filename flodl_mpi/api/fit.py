@@ -597,6 +597,10 @@ def _setup(session, a: dict) -> Run:
 
             named = [p.name for p in inspect.signature(fit).parameters.values() if p.kind != p.VAR_KEYWORD]
             raise ValueError(unknown_keywords("fit()", unknown, set(named) | passable))
+        held = [k for k in ("val_fraction", "keep_best", "early_stop", "test_every_epoch") if extra.get(k)]
+        if held:  # the validation split is the CLI's: fit evaluates eval_fn on the data's test split
+            raise ValueError(f"{', '.join(held)}: flodl-mpi train's validation options; fit() evaluates eval_fn on "
+                             "data's 'test' split: pass your validation split there (or use flodl-mpi train)")
         return TrainConfig(
             data=_describe(a["data"]) if a["data"] is not None and isinstance(a["data"], (str, os.PathLike))
             else (None if a["data"] is None else "in-memory arrays"),

@@ -33,6 +33,7 @@ from flodl_mpi.config import (
     AMP_MODES,
     ASYNC_ADOPTS,
     AVERAGE_OPTIMIZER_STATE,
+    BEST_METRICS,
     DEVICES,
     HIERARCHICAL,
     LR_GAMMA_DEFAULT,
@@ -148,6 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drop-last", action="store_true", default=None,
                    help="drop each epoch's incomplete last batch (as PyTorch's DataLoader) instead of training on it")
     g.add_argument("--seed", type=int, help=f"seed of the data order and the model's initial values (default {d.seed})")
+    g = t.add_argument_group("validation and the best model")
+    g.add_argument("--val-fraction", type=float, metavar="F",
+                   help="hold out this share of the training set, once, from --seed, as a validation set evaluated "
+                        "every epoch (val_loss, val_accuracy); the test set is then evaluated at the end only "
+                        "(default: none)")
+    g.add_argument("--test-every-epoch", action="store_true", default=None,
+                   help="with --val-fraction: evaluate the test set every epoch too")
+    g.add_argument("--keep-best", choices=BEST_METRICS, metavar="METRIC",
+                   help=f"keep the checkpoint of the best epoch by METRIC ({', '.join(BEST_METRICS)}) in "
+                        "checkpoints/best/, beside the newest --keep-checkpoints (needs --val-fraction)")
+    g.add_argument("--early-stop", type=int, metavar="PATIENCE",
+                   help="end the run after PATIENCE epochs without a better --keep-best metric (default val_loss); "
+                        "needs --val-fraction")
     g = t.add_argument_group("averaging")
     g.add_argument("--policy", choices=policy_names(), help=policy_help(d.policy))  # the registry's entries
     g.add_argument("--window", type=int,

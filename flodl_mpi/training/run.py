@@ -25,6 +25,7 @@ from flodl_mpi.training.progress import EpochProgress, stdout_is_terminal
 from flodl_mpi.training.setup import RankRun, TrainerFront, load_data, start_trainer
 from flodl_mpi.training.train import final_line, load_replay_plan, pick_device, smallest_training_batch
 from flodl_mpi.training.train_log import log, log_to_stdout, note_failure, verbosity
+from flodl_mpi.training.validation import split_validation
 
 __all__ = ["progress_mode", "run_train", "stop_hint"]
 
@@ -61,6 +62,8 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest,
     torch.set_num_threads(threads)
     device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank, cfg.amp), watchdog)
     data = load_data(cfg, world, watchdog)
+    loaded = data  # --val-fraction: held out once, from --seed, before anything is planned on the training set
+    data = agree(comm, "data", lambda: split_validation(loaded, cfg.val_fraction, cfg.seed), watchdog)
     replay = load_replay_plan(cfg, world, watchdog, data)
 
     # -- model: right output size, one training step; the same structure everywhere (the setup checks)

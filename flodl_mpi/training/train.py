@@ -207,7 +207,8 @@ def step_options_line(cfg: TrainConfig, total_steps: int, api: bool = False) -> 
 #: size may change (see `Trainer.resume` for how per-rank state is remapped). The
 #: optimizer is checked against the state the checkpoint holds (`_check_optimizer`).
 RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "accumulate",
-                     "drop_last", "seed", "policy", "window", "gamma", "optimizer", "outer", "average_optimizer_state")
+                     "drop_last", "seed", "val_fraction", "policy", "window", "gamma", "optimizer", "outer",
+                     "average_optimizer_state")
 
 
 def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, data_n: int,
@@ -471,7 +472,7 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
     ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
     log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
              f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {devices}, "
-             f"{data.train.n} train / {data.test.n} test samples from {data.source}"
+             f"{data.train.n} train / {_held_out(cfg, data, api)}{data.test.n} test samples from {data.source}"
              f"{', ' + data.classes_note if data.classes_note else ''}; run dir {run_dir}")
     for line in data.warnings:  # labels that give outputs training never targets (issue 26 item 9)
         log.warning(line)
@@ -492,6 +493,14 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
     warning = short_window_warning(cfg.outer, window, cadence, cfg.outer_lr, cfg.outer_momentum, api=api)
     if warning:
         log.warning(warning)
+
+
+def _held_out(cfg: TrainConfig, data: Dataset, api: bool) -> str:
+    """The header's words on the validation split: ``287 validation (--val-fraction 0.2, seed 0) / ``; "" for none."""
+    if data.val is None:
+        return ""
+    option = f"val_fraction={cfg.val_fraction:g}" if api else f"--val-fraction {cfg.val_fraction:g}"
+    return f"{data.val.n} validation ({option} of the training set, seed {cfg.seed}) / "
 
 
 def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, run_dir: Path,

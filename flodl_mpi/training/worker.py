@@ -36,7 +36,8 @@ from flodl_mpi.training.progress import EpochProgress
 from flodl_mpi.policy.replay import RecordedPlan
 from flodl_mpi.protocol.epoch_report import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch, excluded_words
 from flodl_mpi.runtime.signals import StopRequest
-from flodl_mpi.training.task import ClassificationTask
+from flodl_mpi.training.best_model import BestWatch
+from flodl_mpi.training.task import ClassificationTask, evaluate
 
 __all__ = ["ReplacedTensorError", "Replica", "Trainer", "state_arrays"]
 
@@ -502,6 +503,9 @@ class Trainer:
         #: ``--amp``: the forward pass's autocast dtype on this device (None: off), and fp16's GradScaler.
         self.amp_dtype = AMP_DTYPES[cfg.amp]
         self.scaler = torch.amp.GradScaler(replica.device.type) if cfg.amp == "fp16" else None
+        #: ``--keep-best`` / ``--early-stop``: the best validation epoch so far (None: neither asked).
+        self.best = None if data.val is None or not (cfg.keep_best or cfg.early_stop) else \
+            BestWatch(cfg.best_metric, cfg.early_stop, keep=cfg.keep_best is not None)
         #: The next window's plan (quotas, anchor): the policy's, the same on every rank.
         self.plan = bridge.policy.plan()
         #: ``--replay-plan``: each window runs the recorded plan of the round that closes it, not the policy's.
@@ -571,6 +575,8 @@ class Trainer:
         old_size = ckpt.world_size
         mine = resume_state.restore_rank(ckpt, self.rank, self.world_size, self.optimizer, self.replica.model)
         self.global_step, same = mine.global_step, mine.same_world
+        if self.best is not None:  # the best so far and the patience used, as the run left them
+            self.best.restore(ckpt.extra)
         if self.scaler is not None and "grad_scaler" in mine.attrs:  # (a run without --amp fp16 starts it afresh)
             self.scaler.load_state_dict(dict(mine.attrs["grad_scaler"]))
         if self.state_average is not None:
@@ -620,6 +626,8 @@ class Trainer:
         """:meth:`fit` one epoch at a time: yields each epoch's :class:`EpochSummary` (the same on every rank)."""
         self.done = True
         for epoch in range(self.start_epoch, self.cfg.epochs):
+            if self.best is not None and self.best.early_stopped:  # (a resumed run that had stopped early)
+                break
             known = len(self.history)
             stopped = self._epoch(epoch, self.start_cursor if epoch == self.start_epoch else 0)
             if stopped:
@@ -631,6 +639,11 @@ class Trainer:
             # summary is yielded once, in order, when it exists.
             yield from self.history[known:]
             if stopped:
+                break
+            if self.best is not None and self.best.early_stopped:
+                b = self.best
+                self.log(f"early stop after epoch {epoch + 1}: no better {b.metric} in {b.bad_epochs} epoch(s) "
+                         f"(--early-stop {b.patience}); the best, {b.best:.4f}, was epoch {b.best_epoch}")
                 break
 
     # ---- one epoch -------------------------------------------------------------
@@ -704,9 +717,19 @@ class Trainer:
     def _end_epoch(self, epoch: int, report: EpochReport, rows: list, cursor: int, stopped: bool) -> bool:
         """Evaluate the model (the consensus), exchange the epoch's reports, report and save; returns ``stopped``."""
         n_batches = num_batches(self.data.train.n, self.cfg.step_samples, self.cfg.drop_last)
-        # -- evaluate the consensus on this rank's slice of the test set
+        # -- evaluate the consensus on this rank's slices of the validation and the test set; with a
+        # validation set the test set only at the end (the last epoch, or one that may stop early: decided
+        # from gathered values, the same on every rank) or with --test-every-epoch
+        val, cfg = self.data.val, self.cfg
+        test_now = val is None or cfg.test_every_epoch or epoch == cfg.epochs - 1 or \
+            (self.best is not None and self.best.may_stop_next())
         with self.autocast():  # evaluated in the precision it trains in (--amp)
-            report.test_loss_sum, report.test_correct, report.test_count = self.task.end_epoch(self, epoch, report)
+            if val is not None:
+                report.val_loss_sum, report.val_correct, report.val_count = evaluate(
+                    self.replica.model, val, self.rank, self.world_size, self.replica.device, cfg.eval_batch_size)
+            if test_now:
+                report.test_loss_sum, report.test_correct, report.test_count = self.task.end_epoch(self, epoch,
+                                                                                                   report)
         # -- epoch exchange: every rank gets the same summary; rank 0 writes metrics
         summary = self.bridge.epoch_end(report, np.array(rows, dtype=np.float64), epoch)
         self.plan = self.bridge.policy.plan()  # the guard's verdict at the exchange may have moved the anchor
@@ -715,6 +738,10 @@ class Trainer:
         self.latest = summary
         self.history.append(summary)
         self._epoch_complete = cursor >= n_batches
+        if self.best is not None:
+            self.best.is_best = False
+            if self._epoch_complete:  # a stopped epoch's numbers are not an epoch's
+                self.best.observe(epoch + 1, getattr(summary, cfg.best_metric))
         self.task.after_epoch(self, summary)
         self._report(summary, stopped, cursor, report)
         return stopped
@@ -868,7 +895,10 @@ class Trainer:
                            " (complete: the stop came with its last round)")
             # What was measured, no more: an epoch not evaluated has no test numbers, a regression no accuracy.
             tests = "".join(f"  {name} {value:.4f}" for name, value in
-                            (("test_loss", s.test_loss), ("test_acc", s.test_accuracy)) if math.isfinite(value))
+                            (("val_loss", s.val_loss), ("val_acc", s.val_accuracy), ("test_loss", s.test_loss),
+                             ("test_acc", s.test_accuracy)) if math.isfinite(value))
+            if self.best is not None and self.best.is_best:
+                tests += f"  (best {self.best.metric}" + (", kept)" if self.best.keep else ")")
             self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}"
                      f"{excluded_words(s.nonfinite_batches)}{tests}"
                      f"{self.task.epoch_words()}  rounds {s.rounds}  {s.epoch_ms / 1e3:.1f} s")
@@ -882,7 +912,8 @@ class Trainer:
         # Decided from the config and gathered values only: every rank agrees, and
         # every rank joins the state gather of the save.
         due = (cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0) or self.task.checkpoint_now
-        if due or last or stopped:
+        best = self.best is not None and ((self.best.is_best and self.best.keep) or self.best.early_stopped)
+        if due or last or stopped or best:  # (a new best epoch is kept: --keep-best; an early stop is the end)
             # A stop in the epoch's last window ended the epoch anyway: save it complete.
             in_epoch = stopped and cursor < num_batches(self.data.train.n, cfg.step_samples, cfg.drop_last)
             self.save_checkpoint(s, reason="graceful_shutdown" if stopped else "checkpoint",
@@ -938,8 +969,9 @@ class Trainer:
                                   * self.world_size)
 
         cfg = self.cfg
-        self.saver.check(directory, trial, self.optimizer, cfg.keep_checkpoints,
-                         checkpoint_room.saves_ahead(cfg.epochs, start_epoch, cfg.checkpoint_every))
+        best = cfg.keep_best is not None  # one more file (checkpoints/best/), and a save at any epoch may be one
+        self.saver.check(directory, trial, self.optimizer, cfg.keep_checkpoints + int(best),
+                         checkpoint_room.saves_ahead(cfg.epochs, start_epoch, 1 if best else cfg.checkpoint_every))
 
     def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> CheckpointContents:
         """The checkpoint of this run now, from the gathered ``(arrays, attrs, epoch report or None)``
@@ -973,7 +1005,7 @@ class Trainer:
             epoch_reports=[report for _, _, report in ranks] if cursor else None,
             epoch_scalars=stopped.pop("epoch_scalars", None),
             epoch_intents=stopped.pop("epoch_intents", None),
-            extra=stopped,
+            extra={**stopped, **(self.best.meta() if self.best is not None else {})},
             ranks={r: (arrays, attrs) for r, (arrays, attrs, _) in enumerate(ranks)},
             cohort=outer.state_dict() if outer is not None and outer.kind != "avg" else None,
         )
