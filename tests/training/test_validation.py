@@ -131,3 +131,30 @@ def test_a_stop_and_resume_keeps_the_best_and_the_patience(straight, tmp_path):
     assert ka.name == kb.name
     sa, sb = load_state_dict(ka), load_state_dict(kb)
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_what_needs_a_validation_set_is_refused_without_one():
+    from flodl_mpi.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(keep_best="val_loss", early_stop=3)
+    assert str(info.value) == (
+        "--keep-best, --early-stop need a validation set: add --val-fraction F (the test set "
+        "is not for choosing a model)"
+    )
+    with pytest.raises(ConfigError, match=r"^--val-fraction 1.0: must be a number in \(0, 1\)$"):
+        TrainConfig(val_fraction=1.0)
+    with pytest.raises(ConfigError, match="^--keep-best 'test_accuracy': must be one of val_loss, val_accuracy$"):
+        TrainConfig(val_fraction=0.1, keep_best="test_accuracy")
+
+
+@pytest.mark.in_fork
+def test_fit_refuses_the_validation_options_naming_what_to_do():
+    import flodl_mpi
+
+    with pytest.raises(
+        flodl_mpi.InputError,
+        match=r"^val_fraction, keep_best: flodl-mpi train's validation "
+        r"options; fit\(\) evaluates eval_fn on data's 'test' split",
+    ):
+        flodl_mpi.fit(val_fraction=0.2, keep_best="val_loss")
