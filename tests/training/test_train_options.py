@@ -113,7 +113,8 @@ def cosine_lr(step: int, total: int, warmup: int, lr: float = 1e-3) -> float:
 
 def test_the_lr_column_is_the_schedule_across_a_stop_a_resume_and_another_world_size(tmp_path):
     """1 rank stops at round 15 of epoch 1, 2 ranks go on: every batch record's lr is the closed form at its
-    cohort step (the steps of each window as the sync plan deals them: rank r the r-th of the window)."""
+    cohort step (the steps of each window as the sync plan deals them: rank r the r-th of the window). With a
+    validation split (the same at both world sizes): validation every epoch, the test set at the end."""
     args = (
         "train",
         "--run-dir",
@@ -126,13 +127,15 @@ def test_the_lr_column_is_the_schedule_across_a_stop_a_resume_and_another_world_
         "cosine",
         "--warmup-steps",
         "10",
+        "--val-fraction",
+        "0.2",
     )
     first = fork_flodl(*args, hooks=("--stop-at-round", "15"))
     assert first.returncode == 4, first.stdout + first.stderr
     second = run_flodl(2, *args, "--resume", timeout=300)
     assert second.returncode == 0, second.stdout + second.stderr
     b = read_table(tmp_path / "r" / "metrics.h5", "batches")
-    n = math.ceil(DIGITS_N / 64)  # 23 steps an epoch, 46 in the run
+    n = math.ceil(1150 / 64)  # 1437 - 287 held out: 18 steps an epoch, 36 in the run
     expected = {(0, e): [] for e in (1, 2)} | {(1, e): [] for e in (1, 2)}
     expected[(0, 1)] = list(range(15))  # the first rank alone: steps 0..14
     for epoch, cursor in ((1, 15), (2, 0)):
@@ -145,6 +148,9 @@ def test_the_lr_column_is_the_schedule_across_a_stop_a_resume_and_another_world_
         mine = (b["rank"] == rank) & (b["epoch"] == epoch)
         np.testing.assert_allclose(b["lr"][mine], [cosine_lr(s, 2 * n, 10) for s in steps], rtol=1e-12)
     assert len(b["lr"]) == 2 * n
+    e = read_table(tmp_path / "r" / "metrics.h5", "epochs")
+    assert np.isfinite(e["val_accuracy"]).tolist() == [True, True]
+    assert np.isfinite(e["test_accuracy"]).tolist() == [False, True]
 
 
 def test_a_stop_and_resume_with_fp16_accumulation_and_a_schedule_is_bit_identical(tmp_path):

@@ -6,6 +6,7 @@ summary's, the same on every rank; the straight run is shared by the module.
 """
 
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -158,3 +159,16 @@ def test_fit_refuses_the_validation_options_naming_what_to_do():
         r"options; fit\(\) evaluates eval_fn on data's 'test' split",
     ):
         flodl_mpi.fit(val_fraction=0.2, keep_best="val_loss")
+
+
+def test_a_resume_of_a_run_that_stopped_early_has_nothing_to_do(straight, tmp_path):
+    run_dir, _ = straight
+    shutil.copytree(run_dir, tmp_path / "r")
+    before = read_table(tmp_path / "r" / "metrics.h5", "epochs")["epoch"].tolist()
+    proc = fork_flodl(*ARGS, "--run-dir", str(tmp_path / "r"), "--resume", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "nothing to do: the run stopped early after epoch 6 (no better val_loss since epoch 4, --early-stop 2); "
+        "raise --early-stop to train further; no checkpoint, metrics.h5 or config record written"
+    ) in proc.stdout
+    assert read_table(tmp_path / "r" / "metrics.h5", "epochs")["epoch"].tolist() == before
