@@ -27,7 +27,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "DATA_LOADING", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
+__all__ = ["AMP_MODES", "ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BEST_METRICS", "DATA_LOADING", "DEVICES", "HIERARCHICAL",
+           "LR_GAMMA_DEFAULT", "LR_SCHEDULES", "NODE_REDUCES",
            "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OPTIMIZER_WEIGHT_DECAY", "OUTERS",
            "OUTPUT_OPTIONS", "PROGRESS", "RESUME_AUTO", "TASKS", "ConfigError", "TrainConfig", "check_fit_arguments",
            "check_int", "check_output_option", "config_key_text", "optimizer_class", "own_loop_config",
@@ -59,6 +60,14 @@ NODE_REDUCES = ("auto", "shm", "mpi")
 HIERARCHICAL = ("auto", "on", "off")
 #: The ``--average-optimizer-state`` choices (flodl_mpi.protocol.optimizer_state).
 AVERAGE_OPTIMIZER_STATE = ("auto", "off", "mean", "corrected")
+#: ``--lr-schedule``: the learning rate's decay over the run's cohort steps (flodl_mpi.training.lr_schedule).
+LR_SCHEDULES = ("constant", "cosine", "step", "linear")
+#: ``--lr-gamma``'s default: ``step``'s factor per ``--lr-step-size`` cohort steps (torch.optim.lr_scheduler.StepLR's).
+LR_GAMMA_DEFAULT = 0.1
+#: ``--keep-best``: the validation metrics a best checkpoint is chosen by (lower loss, higher accuracy).
+BEST_METRICS = ("val_loss", "val_accuracy")
+#: ``--amp``: torch.autocast's dtype for the forward pass (fp16 adds a GradScaler); off: the model's own dtype.
+AMP_MODES = ("off", "bf16", "fp16")
 #: ``--progress``: rank 0's bar within an epoch, or one line per epoch (auto: a bar on a terminal).
 PROGRESS = ("auto", "bar", "lines")
 #: ``--resume auto`` (``resume = "auto"``, ``resume="auto"``): continue the run when it holds a checkpoint,
@@ -163,7 +172,16 @@ class TrainConfig:
     outer_reset_inner: bool = False   # clear each rank's optimizer state after each outer step
     average_optimizer_state: str = "auto"  # one of AVERAGE_OPTIMIZER_STATE (flodl_mpi.protocol.optimizer_state)
     scale_lr: bool = False            # linear scaling rule: lr x world size (Goyal et al. 2017)
-    warmup_steps: int = 0             # cohort steps (global batches) over which scale_lr ramps from 1x to Wx
+    warmup_steps: int = 0             # cohort steps of the linear warm-up: from 0 (scale_lr: from lr) to the peak
+    lr_schedule: str = "constant"     # one of LR_SCHEDULES, over the cohort steps after the warm-up
+    lr_step_size: int | None = None   # step: cohort steps between decays (needed by step, refused by the others)
+    lr_gamma: float | None = None     # step: the factor per lr_step_size steps; None = LR_GAMMA_DEFAULT
+    amp: str = "off"                  # one of AMP_MODES: mixed precision of the forward pass (torch.autocast)
+    accumulate: int = 1               # micro-batches of batch_size per optimizer step (gradient accumulation)
+    val_fraction: float | None = None  # share of the training set held out for validation, split once from seed
+    test_every_epoch: bool = False    # with a validation set: evaluate the test set every epoch too (else at the end)
+    keep_best: str | None = None      # one of BEST_METRICS: keep checkpoints/best.h5, the best epoch's
+    early_stop: int | None = None     # stop after this many epochs without a better keep_best (or val_loss)
     clip_grad_norm: float | None = None  # max L2 norm of each rank's gradients before its step; None = off
     eval_batch_size: int = 1024       # samples per evaluation batch
     threads: int | None = None        # torch threads per rank; None = the rule in flodl_mpi.runtime.launcher
@@ -227,6 +245,11 @@ class TrainConfig:
         need(isinstance(self.scale_lr, bool), "scale_lr", self.scale_lr, "true or false")
         need(isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool) and self.warmup_steps >= 0,
              "warmup_steps", self.warmup_steps, "an integer >= 0")
+        self._check_schedule(need)
+        self._check_validation(need)
+        need(self.amp in AMP_MODES, "amp", self.amp, f"one of {', '.join(AMP_MODES)}")
+        need(isinstance(self.accumulate, int) and not isinstance(self.accumulate, bool) and self.accumulate >= 1,
+             "accumulate", self.accumulate, "an integer >= 1")
         need(self.clip_grad_norm is None or (isinstance(self.clip_grad_norm, (int, float))
                                              and not isinstance(self.clip_grad_norm, bool)
                                              and math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0),
@@ -234,6 +257,56 @@ class TrainConfig:
         need(isinstance(self.drop_last, bool), "drop_last", self.drop_last, "true or false")
         if self.resume and self.run_dir is None:
             raise ConfigError("--resume needs --run-dir: the run directory to continue")
+
+    def _check_schedule(self, need) -> None:
+        """``--lr-schedule`` and the options it takes: ``step`` needs ``--lr-step-size``; ``--lr-step-size``
+        and ``--lr-gamma`` are refused with another schedule (they would change nothing)."""
+        need(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule, f"one of {', '.join(LR_SCHEDULES)}")
+        need(self.lr_step_size is None or (isinstance(self.lr_step_size, int) and not isinstance(self.lr_step_size, bool)
+                                           and self.lr_step_size >= 1), "lr_step_size", self.lr_step_size,
+             "an integer >= 1")
+        need(self.lr_gamma is None or (isinstance(self.lr_gamma, (int, float)) and not isinstance(self.lr_gamma, bool)
+                                       and math.isfinite(self.lr_gamma) and 0 < self.lr_gamma <= 1),
+             "lr_gamma", self.lr_gamma, "a number in (0, 1]")
+        if self.lr_schedule == "step" and self.lr_step_size is None:
+            raise ConfigError("--lr-schedule step needs --lr-step-size N: the cohort steps between decays by "
+                              "--lr-gamma")
+        if self.lr_schedule != "step" and (self.lr_step_size is not None or self.lr_gamma is not None):
+            raise ConfigError(f"--lr-step-size and --lr-gamma take effect with --lr-schedule step; --lr-schedule "
+                              f"{self.lr_schedule} does not decay in steps")
+
+    def _check_validation(self, need) -> None:
+        """``--val-fraction`` and what needs a validation set: ``--test-every-epoch``, ``--keep-best``,
+        ``--early-stop``."""
+        need(self.val_fraction is None or (isinstance(self.val_fraction, (int, float))
+                                           and not isinstance(self.val_fraction, bool) and 0 < self.val_fraction < 1),
+             "val_fraction", self.val_fraction, "a number in (0, 1)")
+        need(isinstance(self.test_every_epoch, bool), "test_every_epoch", self.test_every_epoch, "true or false")
+        need(self.keep_best is None or self.keep_best in BEST_METRICS, "keep_best", self.keep_best,
+             f"one of {', '.join(BEST_METRICS)}")
+        need(self.early_stop is None or (isinstance(self.early_stop, int) and not isinstance(self.early_stop, bool)
+                                         and self.early_stop >= 1), "early_stop", self.early_stop, "an integer >= 1")
+        if self.val_fraction is None:
+            asked = [f"--{n.replace('_', '-')}" for n in ("test_every_epoch", "keep_best", "early_stop")
+                     if getattr(self, n) not in (None, False)]
+            if asked:
+                raise ConfigError(f"{', '.join(asked)} need{'s' if len(asked) == 1 else ''} a validation set: add "
+                                  "--val-fraction F (the test set is not for choosing a model)")
+
+    @property
+    def best_metric(self) -> str:
+        """What ``--keep-best`` and ``--early-stop`` watch: ``--keep-best``'s metric, else ``val_loss``."""
+        return self.keep_best or "val_loss"
+
+    @property
+    def lr_gamma_value(self) -> float:
+        """``step``'s factor per ``--lr-step-size`` cohort steps (``--lr-gamma``; default `LR_GAMMA_DEFAULT`, 0.1)."""
+        return LR_GAMMA_DEFAULT if self.lr_gamma is None else float(self.lr_gamma)
+
+    @property
+    def step_samples(self) -> int:
+        """Samples of one optimizer step of one rank: ``batch_size × accumulate``, the unit of the batch plan."""
+        return self.batch_size * self.accumulate
 
     def _check_balancer(self, need) -> None:
         """The policy options: valid values, and only with a policy that takes them (its registry entry)."""
@@ -500,12 +573,15 @@ def check_fit_arguments(*, train_step: Any, eval_fn: Any, lr_schedule: Any, eval
     """:func:`flodl_mpi.fit`'s own arguments (its other options are :class:`TrainConfig`'s fields).
 
     Raises:
-        ValueError: ``train_step``, ``eval_fn`` or ``lr_schedule`` given and not callable;
+        ValueError: ``train_step``, ``eval_fn`` or ``lr_schedule`` given and not callable (``lr_schedule``:
+            nor one of `LR_SCHEDULES`);
             ``eval_every`` not an int >= 0; ``optimizer`` neither a factory nor one of
             `OPTIMIZERS`; ``task`` none of `TASKS` nor None.
     """
+    if isinstance(lr_schedule, str) and lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule={lr_schedule!r}: must be a callable or one of {', '.join(LR_SCHEDULES)}")
     for name, value in (("train_step", train_step), ("eval_fn", eval_fn), ("lr_schedule", lr_schedule)):
-        if value is not None and not callable(value):
+        if value is not None and not callable(value) and not (name == "lr_schedule" and isinstance(value, str)):
             raise ValueError(f"{name} must be callable, got {type(value).__name__}")
     if not (isinstance(eval_every, int) and eval_every >= 0):
         raise ValueError(f"eval_every must be an int >= 0, got {eval_every!r}")

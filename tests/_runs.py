@@ -106,6 +106,7 @@ def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, .
             "test_loss": 2.0 / (np.arange(E) + 2),
             "test_accuracy": np.array([0.5, 0.9, 0.8][:E] + [0.85] * max(0, E - 3)),
             "nonfinite_batches": np.zeros(E, dtype=np.int64),
+            "val_loss": np.full(E, np.nan), "val_accuracy": np.full(E, np.nan),  # (no validation set)
         },
         "batches": {c: np.zeros((1,), dtype=dt) for c, (dt, _) in schema["batches"].items()},
     }

@@ -109,7 +109,7 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
         plain_batch = worker.Trainer._train_batch
 
         def train_batch(self, perm, b, epoch, report, *args):
-            idx = batch_indices(perm, self.cfg.batch_size, b, self.cfg.drop_last)
+            idx = batch_indices(perm, self.cfg.step_samples, b, self.cfg.drop_last)
             read.setdefault(f"e{epoch}", []).append(np.asarray(idx))
             read["rank"] = [np.array([self.rank])]
             return plain_batch(self, perm, b, epoch, report, *args)

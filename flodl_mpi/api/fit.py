@@ -467,7 +467,7 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
           train_step: Callable | None = None, eval_fn: Callable | None = None, data=None, task: str | None = None,
           names: Mapping[str, str] | None = None, batch_size: int = 32, epochs: int = 10, lr: float = 1e-3,
           policy: str = "sync", window: int = 1, gamma: float = 1.0, seed: int = 0, drop_last: bool = False,
-          lr_schedule: Callable[[int], float] | None = None, scale_lr: bool = False, warmup_steps: int = 0,
+          lr_schedule: Callable[[int], float] | str | None = None, scale_lr: bool = False, warmup_steps: int = 0,
           clip_grad_norm: float | None = None, eval_every: int = 1, eval_batch_size: int = 1024,
           run_dir: str | os.PathLike | None = None, resume: bool | str = False, checkpoint_every: int = 1,
           keep_checkpoints: int = 3, device: str = "auto", threads: int | None = None,
@@ -515,9 +515,16 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             policy in `flodl_mpi.policy.registry`, one registered by your script too).
         lr_schedule: ``cohort_step -> factor`` on each group's initial learning
             rate; the cohort step counts the cohort's optimizer steps (global
-            batches), so the schedule is the one a single process would follow.
-        scale_lr, warmup_steps: the linear scaling rule (lr × world size, reached
-            linearly over ``warmup_steps`` cohort steps; Goyal et al. 2017).
+            steps), so the schedule is the one a single process would follow. Or
+            the name of one of ``flodl-mpi train --lr-schedule``'s: ``"constant"``,
+            ``"cosine"``, ``"linear"`` (over the run's steps after the warm-up),
+            ``"step"`` (with ``lr_step_size=``, ``lr_gamma=``).
+        scale_lr, warmup_steps: the linear scaling rule (lr × world size) and the
+            linear warm-up over ``warmup_steps`` cohort steps, from lr (``scale_lr``:
+            Goyal et al. 2017) or from 0 to the peak; the schedule multiplies it.
+        amp, accumulate: as ``--amp`` (``"off"``, ``"bf16"``, ``"fp16"``: autocast of the
+            train step and ``eval_fn``; fp16 with a GradScaler) and ``--accumulate``
+            (micro-batches of ``batch_size`` per optimizer step), given in ``**options``.
         clip_grad_norm: clip each rank's gradient L2 norm before each step (None: off).
         eval_every: epochs between evaluations (the last epoch is always
             evaluated; 0: only on request and at the end).
@@ -581,6 +588,7 @@ def _setup(session, a: dict) -> Run:
         check_fit_arguments(train_step=a["train_step"], eval_fn=a["eval_fn"], lr_schedule=a["lr_schedule"],
                             eval_every=a["eval_every"], optimizer=opt, task=a["task"])
         extra = dict(a["options"])
+        named_schedule = {"lr_schedule": a["lr_schedule"]} if isinstance(a["lr_schedule"], str) else {}
         passable = (set(TrainConfig.field_names()) - set(a)
                     - {"optimizer", "data", "model", "train_x", "train_y", "test_x", "test_y"})  # names= has those
         unknown = sorted(set(extra) - passable)
@@ -589,6 +597,10 @@ def _setup(session, a: dict) -> Run:
 
             named = [p.name for p in inspect.signature(fit).parameters.values() if p.kind != p.VAR_KEYWORD]
             raise ValueError(unknown_keywords("fit()", unknown, set(named) | passable))
+        held = [k for k in ("val_fraction", "keep_best", "early_stop", "test_every_epoch") if extra.get(k)]
+        if held:  # the validation split is the CLI's: fit evaluates eval_fn on the data's test split
+            raise ValueError(f"{', '.join(held)}: flodl-mpi train's validation options; fit() evaluates eval_fn on "
+                             "data's 'test' split: pass your validation split there (or use flodl-mpi train)")
         return TrainConfig(
             data=_describe(a["data"]) if a["data"] is not None and isinstance(a["data"], (str, os.PathLike))
             else (None if a["data"] is None else "in-memory arrays"),
@@ -599,7 +611,7 @@ def _setup(session, a: dict) -> Run:
             resume=a["resume"], device=a["device"], stall_timeout=float(a["stall_timeout"]),
             chunk_elems=a["chunk_elems"], on_non_finite=a["on_non_finite"], eval_batch_size=a["eval_batch_size"],
             threads=a["threads"], scale_lr=a["scale_lr"], warmup_steps=a["warmup_steps"],
-            clip_grad_norm=a["clip_grad_norm"], **extra,
+            clip_grad_norm=a["clip_grad_norm"], **named_schedule, **extra,
         )
 
     cfg = agree(comm, "config", config, watchdog)  # its flags become fit()'s keywords in fit (api_words)
@@ -616,7 +628,7 @@ def _setup(session, a: dict) -> Run:
     threads, threads_line = settle_threads(comm, world.host, agree(comm, "threads", lambda: thread_request(
         cfg.threads), watchdog))
     torch.set_num_threads(threads)
-    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
+    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank, cfg.amp), watchdog)
     if a["data"] is None:
         data = for_task(load_data(cfg, world, watchdog), a["task"])  # integer labels: never raises
     else:
@@ -630,13 +642,13 @@ def _setup(session, a: dict) -> Run:
                          cfg.eval_batch_size)
     opt = a["optimizer"]
     task = UserTask(step_fn, opt if callable(opt) else None, boundary, book.record, cfg, world.size,
-                    schedule=a["lr_schedule"])
+                    schedule=a["lr_schedule"] if callable(a["lr_schedule"]) else None)
 
     # -- the model: same structure everywhere, one training step on the smallest batch (undone)
     torch.manual_seed(cfg.seed)
 
     def make_model() -> nn.Module:
-        from flodl_mpi.training.data import smallest_batch
+        from flodl_mpi.training.accumulate import smallest_micro_batch
 
         m = a["model"]
         if m is None:
@@ -656,7 +668,7 @@ def _setup(session, a: dict) -> Run:
         wide = wide_tensor(built)  # before a trial batch of the data fails on it less clearly
         if wide is not None:
             raise ValueError(wide)
-        k = max(smallest_batch(data.train.n, cfg.batch_size, cfg.drop_last), 1)
+        k = max(smallest_micro_batch(data.train.n, cfg.batch_size, cfg.accumulate, cfg.drop_last), 1)
         batch = (torch.from_numpy(data.train.x[:k]).to(device), torch.from_numpy(data.train.y[:k]).to(device))
         _scalars.activate(_scalars.ScalarBook())  # the check's scalars are dropped
         try:

@@ -30,11 +30,15 @@ import time
 
 from flodl_mpi import __version__
 from flodl_mpi.config import (
+    AMP_MODES,
     ASYNC_ADOPTS,
     AVERAGE_OPTIMIZER_STATE,
     DATA_LOADING,
+    BEST_METRICS,
     DEVICES,
     HIERARCHICAL,
+    LR_GAMMA_DEFAULT,
+    LR_SCHEDULES,
     NODE_REDUCES,
     ON_NON_FINITE,
     OPTIMIZER_WEIGHT_DECAY,
@@ -122,8 +126,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="linear scaling rule: each rank's learning rate x the world size (a round averages one "
                         "batch per rank, so the cohort takes one step per batch-size x world-size samples)")
     g.add_argument("--warmup-steps", type=int,
-                   help="with --scale-lr: cohort steps (global batches) over which the factor rises linearly from "
-                        f"1 to the world size (default {d.warmup_steps})")
+                   help="cohort steps (global steps) of a linear warm-up to the peak learning rate: from 0 to --lr, "
+                        "or with --scale-lr from --lr to --lr x the world size (Goyal et al.); --lr-schedule decays "
+                        f"after it (default {d.warmup_steps})")
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES,
+                   help="the learning rate's decay over the run's cohort steps after the warm-up, as torch.optim."
+                        "lr_scheduler's: cosine (to 0, CosineAnnealingLR), linear (to 0, LinearLR), step (x --lr-gamma "
+                        f"every --lr-step-size steps, StepLR); the same on every rank (default {d.lr_schedule})")
+    g.add_argument("--lr-step-size", type=int, metavar="STEPS",
+                   help="--lr-schedule step: cohort steps between decays (required by step)")
+    g.add_argument("--lr-gamma", type=float,
+                   help=f"--lr-schedule step: the factor per --lr-step-size steps, in (0, 1] (default {LR_GAMMA_DEFAULT})")
+    g.add_argument("--amp", choices=AMP_MODES,
+                   help="mixed precision: the forward pass and the evaluation under torch.autocast in bfloat16 or "
+                        "float16 (fp16 scales the loss with a GradScaler; a step it skips carries no mass); "
+                        f"parameters stay float32 (default {d.amp})")
+    g.add_argument("--accumulate", type=int, metavar="K",
+                   help="gradient accumulation: each optimizer step averages the gradients of K micro-batches of "
+                        "--batch-size, so one rank's step covers batch-size x K samples and the batch plan, windows "
+                        f"and mass count those steps (default {d.accumulate})")
     g.add_argument("--clip-grad-norm", type=float, metavar="NORM",
                    help="clip each rank's gradient L2 norm to NORM before its optimizer step (default: off)")
     g.add_argument("--drop-last", action="store_true", default=None,
@@ -134,6 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "batches, as it trains them (a background thread reads the next window's ahead; the same "
                         "values, bit for bit); auto: stream when the features as float32 exceed a quarter of the "
                         f"memory available per rank of the host (default {d.data_loading})"),
+    g = t.add_argument_group("validation and the best model")
+    g.add_argument("--val-fraction", type=float, metavar="F",
+                   help="hold out this share of the training set, once, from --seed, as a validation set evaluated "
+                        "every epoch (val_loss, val_accuracy); the test set is then evaluated at the end only "
+                        "(default: none)")
+    g.add_argument("--test-every-epoch", action="store_true", default=None,
+                   help="with --val-fraction: evaluate the test set every epoch too")
+    g.add_argument("--keep-best", choices=BEST_METRICS, metavar="METRIC",
+                   help=f"keep the checkpoint of the best epoch by METRIC ({', '.join(BEST_METRICS)}) in "
+                        "checkpoints/best/, beside the newest --keep-checkpoints (needs --val-fraction)")
+    g.add_argument("--early-stop", type=int, metavar="PATIENCE",
+                   help="end the run after PATIENCE epochs without a better --keep-best metric (default val_loss); "
+                        "needs --val-fraction")
     g = t.add_argument_group("averaging")
     g.add_argument("--policy", choices=policy_names(), help=policy_help(d.policy))  # the registry's entries
     g.add_argument("--window", type=int,

@@ -106,6 +106,23 @@ def _last_by_name(run: Run, evaluated: bool) -> tuple[dict[str, float], int | No
     return {names[i].removeprefix("eval/"): float(values[i]) for i in rows if epochs[i] == last}, last
 
 
+def _validation(run: Run, acc: np.ndarray | None) -> dict[str, Any]:
+    """The summary's validation figures (``--val-fraction``): ``val_metric`` (the run's ``--keep-best``
+    metric, else ``val_loss``; None: no validation set), ``val_last``, ``val_best`` and ``val_best_epoch``
+    (1-based) of it, and ``test_epoch``: the epoch the test set was last evaluated in (None: never)."""
+    out: dict[str, Any] = {"val_metric": None, "val_last": math.nan, "val_best": math.nan, "val_best_epoch": None,
+                           "test_epoch": None}
+    if acc is not None and np.isfinite(acc).any():
+        out["test_epoch"] = int(np.flatnonzero(np.isfinite(acc))[-1]) + 1
+    metric = run.config.get("keep_best") or "val_loss"
+    col = run.column("epochs", metric)
+    if col is None or not np.isfinite(col).any():
+        return out
+    best = int(np.nanargmin(col) if metric.endswith("loss") else np.nanargmax(col))
+    out.update(val_metric=metric, val_last=_last_finite(col), val_best=float(col[best]), val_best_epoch=best + 1)
+    return out
+
+
 def summarize(run: Run) -> dict[str, Any]:
     """The numbers of a run's text summary, from its tables (absent columns give NaN/None).
 
@@ -117,7 +134,8 @@ def summarize(run: Run) -> dict[str, Any]:
         ``test_metrics_epoch``: the user's evaluation metrics of the last epoch
         evaluated (``eval/<name>`` rows of the ``scalars`` table); ``scalars``
         and ``scalars_epoch``: the ``record_scalar`` values of the last epoch;
-        ``best_test_accuracy`` and ``best_epoch`` (1-based); ``rounds``,
+        ``best_test_accuracy`` and ``best_epoch`` (1-based; NaN and None for a run with a validation
+        set: its model is chosen on that, `_validation`'s ``val_*`` and ``test_epoch``); ``rounds``,
         ``skipped_rounds``; ``elapsed_s`` (the later of the last epoch's and
         round's ``time_s``); ``bytes_per_rank`` (sum of ``rounds/bytes``);
         ``world``: ``[(first round, world size)]`` (`Run.world_size_history`);
@@ -173,7 +191,8 @@ def summarize(run: Run) -> dict[str, Any]:
     }
     s["test_metrics"], s["test_metrics_epoch"] = _last_by_name(run, evaluated=True)
     s["scalars"], s["scalars_epoch"] = _last_by_name(run, evaluated=False)
-    if acc is not None and np.isfinite(acc).any():
+    s.update(_validation(run, acc))
+    if acc is not None and np.isfinite(acc).any() and s["val_metric"] is None:  # (with a validation set: not chosen on test)
         best = int(np.nanargmax(acc))
         s["best_test_accuracy"], s["best_epoch"] = float(acc[best]), best + 1
     # Per-rank figures read only the rows whose world had the rank (a resume at another
@@ -287,7 +306,14 @@ def format_summary(run: Run) -> str:
     lines = [f"run {run.path}  ({describe_world(run)}, {describe_policy(run)}, gamma {cfg.get('gamma', '?')})",
              epochs]
     # What the run measured, no more: accuracy only when there is one, the user's metrics by their names.
-    if not math.isnan(s["test_accuracy"]) or not math.isnan(s["best_test_accuracy"]):
+    if s["val_metric"] is not None:  # each number says its set: chosen on validation, the test set at the end
+        kept = " (kept in checkpoints/best/)" if cfg.get("keep_best") else ""
+        lines.append(f"  validation    {s['val_metric']} {_fmt(s['val_last'])} (last)   best {_fmt(s['val_best'])} "
+                     f"at epoch {s['val_best_epoch']}{kept}")
+        if not math.isnan(s["test_accuracy"]):
+            lines.append(f"  test accuracy {_fmt(s['test_accuracy'])} (test set, epoch {s['test_epoch']}: the model "
+                         "of that epoch)")
+    elif not math.isnan(s["test_accuracy"]) or not math.isnan(s["best_test_accuracy"]):
         lines.append(f"  test accuracy {_fmt(s['test_accuracy'])} (last)   best {_fmt(s['best_test_accuracy'])}"
                      + (f" at epoch {s['best_epoch']}" if s["best_epoch"] else ""))
     shown = ({"loss"} if not math.isnan(s["test_loss"]) else set()) | \

@@ -29,7 +29,7 @@ import numpy as np
 from flodl_mpi.outputs import h5sink
 from flodl_mpi.outputs.h5attrs import write_attrs
 
-from . import checkpoint
+from . import best_checkpoint, checkpoint
 
 if TYPE_CHECKING:
     from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
@@ -116,8 +116,9 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             "per_rank_batch_share": (_F64, W), "per_rank_epoch_ms": (_F64, W),
             "per_rank_compute_ms": (_F64, W), "per_rank_data_ms": (_F64, W),
             "per_rank_share_complete_ms": (_F64, W),  # compute + data wait (SPEC §5)
-            "test_loss": (_F64, ()), "test_accuracy": (_F64, ()),
+            "test_loss": (_F64, ()), "test_accuracy": (_F64, ()),  # NaN: the test set not evaluated
             "nonfinite_batches": (_I64, ()),  # batches whose loss was NaN/Inf: not in the losses
+            "val_loss": (_F64, ()), "val_accuracy": (_F64, ()),  # the validation set's (NaN: none)
         },
         "batches": {
             "rank": (_I32, ()), "epoch": (_I64, ()), "step": (_I64, ()),
@@ -958,6 +959,8 @@ class MetricsWriter:
                                   f"checkpoint {name}")
                 checkpoint.write_checkpoint(self.checkpoint_dir / name, params, buffers, meta, order, ranks,
                                             cohort=cohort)
+                if meta.get("keep_best") and meta.get("is_best"):  # --keep-best: before the pruning may take it
+                    best_checkpoint.keep_best(self.checkpoint_dir / name)
                 checkpoint.prune_checkpoints(self.checkpoint_dir, self._keep)
                 self.last_save_s = time.monotonic() - t0
             elif kind == "flush":

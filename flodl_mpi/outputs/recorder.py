@@ -176,6 +176,7 @@ def _epoch_row(s: EpochSummary, time_s: float) -> dict[str, np.ndarray]:
         "per_rank_epoch_ms": s.per_rank_epoch_ms, "per_rank_compute_ms": s.per_rank_compute_ms,
         "per_rank_data_ms": s.per_rank_data_ms, "per_rank_share_complete_ms": s.per_rank_share_complete_ms,
         "test_loss": s.test_loss, "test_accuracy": s.test_accuracy, "nonfinite_batches": s.nonfinite_batches,
+        "val_loss": s.val_loss, "val_accuracy": s.val_accuracy,
     }
     return {k: np.asarray([v]) for k, v in row.items()}
 

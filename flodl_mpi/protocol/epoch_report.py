@@ -28,7 +28,9 @@ class EpochReport:
     rounds, evaluation excluded), ``compute_ms`` (forward, backward, step), ``data_ms`` (waiting
     for batches), ``test_loss_sum``, ``test_correct`` and ``test_count`` (this
     rank's slice of the test set, evaluated on the consensus; ``test_correct`` is
-    NaN when the evaluation measures no accuracy, e.g. a regression).
+    NaN when the evaluation measures no accuracy, e.g. a regression; ``test_count`` 0:
+    not evaluated this epoch), and ``val_loss_sum``, ``val_correct``, ``val_count``, the
+    same of the validation set (``--val-fraction``; count 0: none).
     """
 
     loss_sum: float = 0.0
@@ -41,6 +43,9 @@ class EpochReport:
     test_correct: float = 0.0
     test_count: int = 0
     nonfinite_batches: int = 0
+    val_loss_sum: float = 0.0
+    val_correct: float = 0.0
+    val_count: int = 0
 
     def to_row(self) -> np.ndarray:
         """float64 ``(len(EPOCH_FIELDS),)``."""
@@ -85,6 +90,10 @@ class EpochSummary:
     nonfinite_batches: int = 0
     #: Per-batch records gathered for this exchange (set by the bridge).
     batch_records: int = 0
+    #: The validation set's mean loss and accuracy (``--val-fraction``), as ``test_*``; NaN: none.
+    val_loss: float = float("nan")
+    val_accuracy: float = float("nan")
+    val_count: int = 0
 
 
 def excluded_words(nonfinite_batches: int) -> str:
@@ -121,9 +130,8 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None
         busy_s = (col["compute_ms"] + col["data_ms"]) / 1e3
         throughput = np.where(busy_s > 0, col["samples"] / np.where(busy_s > 0, busy_s, 1.0), 0.0)
     throughput = np.where(col["samples"] < 0, np.nan, throughput)
-    test_count = int(col["test_count"].sum())
-    correct = col["test_correct"][col["test_count"] > 0]  # ranks without test samples say nothing
-    measured = test_count > 0 and bool(np.all(np.isfinite(correct)))
+    test_loss, test_accuracy, test_count = _evaluated(col, "test")
+    val_loss, val_accuracy, val_count = _evaluated(col, "val")
     if allocation is not None:
         alloc = np.asarray(allocation, dtype=np.float64)
         share = alloc / alloc.sum()
@@ -144,8 +152,21 @@ def aggregate_epoch(matrix: np.ndarray, epoch: int, rounds: int, allocation=None
         per_rank_compute_ms=col["compute_ms"].copy(),
         per_rank_data_ms=col["data_ms"].copy(),
         per_rank_share_complete_ms=col["compute_ms"] + col["data_ms"],
-        test_loss=float(col["test_loss_sum"].sum() / test_count) if test_count else float("nan"),
-        test_accuracy=float(correct.sum() / test_count) if measured else float("nan"),
+        test_loss=test_loss,
+        test_accuracy=test_accuracy,
         test_count=test_count,
         nonfinite_batches=int(nonfinite.sum()),
+        val_loss=val_loss,
+        val_accuracy=val_accuracy,
+        val_count=val_count,
     )
+
+
+def _evaluated(col: dict[str, np.ndarray], split: str) -> tuple[float, float, int]:
+    """``(mean loss, accuracy, count)`` of ``split`` ("test" or "val") over the ranks' slices; NaN when
+    nothing was evaluated, the accuracy NaN unless every rank that evaluated samples measured it."""
+    count = int(col[f"{split}_count"].sum())
+    correct = col[f"{split}_correct"][col[f"{split}_count"] > 0]  # ranks without samples say nothing
+    measured = count > 0 and bool(np.all(np.isfinite(correct)))
+    loss = float(col[f"{split}_loss_sum"].sum() / count) if count else float("nan")
+    return loss, float(correct.sum() / count) if measured else float("nan"), count

@@ -82,6 +82,8 @@ class Dataset:
     #: lines (``warning: ...``) on labels that add classes training never targets: a test label
     #: the training split lacks, no label 0 (1-based labels); logged by the trainer's header.
     warnings: tuple[str, ...] = ()
+    #: the validation split (``--val-fraction``: `flodl_mpi.training.validation`), or None.
+    val: Split | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:

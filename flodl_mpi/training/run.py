@@ -25,8 +25,22 @@ from flodl_mpi.training.progress import EpochProgress, stdout_is_terminal
 from flodl_mpi.training.setup import RankRun, TrainerFront, load_data, start_trainer
 from flodl_mpi.training.train import final_line, load_replay_plan, pick_device, smallest_training_batch
 from flodl_mpi.training.train_log import log, log_to_stdout, note_failure, verbosity
+from flodl_mpi.training.best_model import BestWatch
+from flodl_mpi.training.validation import split_validation
 
 __all__ = ["progress_mode", "run_train", "stop_hint"]
+
+
+def _stopped_early(cfg, ckpt) -> str | None:
+    """The nothing-to-do line of a resumed run whose checkpoint stopped early under this run's
+    ``--early-stop`` (`flodl_mpi.training.best_model.BestWatch`), else None."""
+    if ckpt is None or cfg.val_fraction is None or cfg.early_stop is None:
+        return None
+    watch = BestWatch(cfg.best_metric, cfg.early_stop)
+    if not watch.restore(ckpt.extra) or not watch.early_stopped:
+        return None
+    return (f"nothing to do: the run stopped early after epoch {ckpt.epoch} (no better {watch.metric} since epoch "
+            f"{watch.best_epoch}, --early-stop {cfg.early_stop}); raise --early-stop to train further")
 
 
 def progress_mode(args, rank: int) -> EpochProgress:
@@ -59,8 +73,10 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest,
     requested = agree(comm, "threads", lambda: thread_request(cfg.threads), watchdog)
     threads, threads_line = settle_threads(comm, world.host, requested)
     torch.set_num_threads(threads)
-    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank), watchdog)
+    device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank, cfg.amp), watchdog)
     data = load_data(cfg, world, watchdog)
+    loaded = data  # --val-fraction: held out once, from --seed, before anything is planned on the training set
+    data = agree(comm, "data", lambda: split_validation(loaded, cfg.val_fraction, cfg.seed), watchdog)
     replay = load_replay_plan(cfg, world, watchdog, data)
 
     # -- model: right output size, one training step; the same structure everywhere (the setup checks)
@@ -88,6 +104,10 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest,
             # of the outputs. Nothing more is written: no config record, no metrics.h5 rebuild, no save.
             log.info(f"{final_line(run.cfg, True, [], run.ckpt.epoch, run.run_dir)}; no checkpoint, "
                      "metrics.h5 or config record written")
+            return False
+        early = _stopped_early(run.cfg, run.ckpt)
+        if early is not None:  # as above: every rank read the same meta and returns alike
+            log.info(f"{early}; no checkpoint, metrics.h5 or config record written")
             return False
         return True
 

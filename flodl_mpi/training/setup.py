@@ -358,9 +358,9 @@ class TrainerFront(FrontEnd):
         torch.manual_seed(int(np.random.SeedSequence([cfg.seed, world.rank]).generate_state(1)[0]))
         if self.late_header is None:
             log_header(cfg, world.size, run.replica, run.attrs["devices"], data, run.run_dir, bridge=run.bridge)
-            n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
+            n_batches = num_batches(data.train.n, cfg.step_samples, cfg.drop_last)
             if n_batches < world.size:
-                log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.batch_size} for {world.size} "
+                log.warning(f"warning: an epoch has {n_batches} batch(es) of {cfg.step_samples} for {world.size} "
                             f"ranks, so rank(s) {n_batches}..{world.size - 1} never train; lower --batch-size")
             for line in run.writer.recovered:
                 log.info(f"warning: {line}")

@@ -17,6 +17,7 @@ from torch import nn
 
 from flodl_mpi.config import TrainConfig
 from flodl_mpi.training.data import Split
+from flodl_mpi.training.lr_schedule import decay_factor, learning_rate_factor
 
 __all__ = ["ClassificationTask", "UserTask", "evaluate", "learning_rate_factor", "make_optimizer"]
 
@@ -65,9 +66,12 @@ class ClassificationTask:
     """``flodl-mpi train``'s task: cross-entropy on class labels, test loss and accuracy, the config's optimizer.
 
     Args:
-        cfg: the run's ``TrainConfig`` (``scale_lr``, ``warmup_steps``, ``clip_grad_norm``); None: none of them.
+        cfg: the run's ``TrainConfig`` (``scale_lr``, ``warmup_steps``, ``lr_schedule``, ``clip_grad_norm``);
+            None: none of them.
         world_size: ranks in the run (the linear scaling rule's factor).
-        schedule: ``cohort_step -> factor`` on the initial learning rate, or None.
+        schedule: ``cohort_step -> factor`` on the initial learning rate (:func:`flodl_mpi.fit`'s
+            ``lr_schedule``), or None: the config's named schedule, bound to the run's length by
+            :meth:`set_total_steps` (`flodl_mpi.training.lr_schedule.decay_factor`).
     """
 
     #: The cohort asked for a checkpoint at this epoch's boundary (never, from the CLI).
@@ -78,6 +82,25 @@ class ClassificationTask:
         self.scale_lr = bool(getattr(cfg, "scale_lr", False))
         self.warmup_steps = int(getattr(cfg, "warmup_steps", 0))
         self.clip_grad_norm = getattr(cfg, "clip_grad_norm", None)
+        self._cfg = cfg
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """Bind the config's named schedule (``--lr-schedule``) to the run's ``total_steps`` cohort steps
+        (``epochs × steps per epoch``); a schedule given as a callable, and ``constant``, need none.
+
+        Raises:
+            ValueError: ``cosine`` or ``linear`` with a warm-up as long as the run (no step to decay over).
+        """
+        name = getattr(self._cfg, "lr_schedule", "constant")
+        if self.schedule is not None or name == "constant":
+            return
+        cfg, warmup = self._cfg, self.warmup_steps
+        if name in ("cosine", "linear") and warmup >= total_steps:
+            raise ValueError(f"--warmup-steps {warmup} covers the whole run ({total_steps} cohort steps: --epochs "
+                             f"{cfg.epochs} x {total_steps // cfg.epochs} steps), leaving --lr-schedule {name} "
+                             "nothing to decay over; lower --warmup-steps or raise --epochs")
+        step_size, gamma = cfg.lr_step_size, cfg.lr_gamma_value
+        self.schedule = lambda step: decay_factor(name, step, total_steps, warmup, step_size, gamma)
 
     def make_optimizer(self, cfg, model: nn.Module) -> torch.optim.Optimizer:
         return self._keep_initial_lr(make_optimizer(cfg, model))
@@ -92,15 +115,33 @@ class ClassificationTask:
         x, y = batch
         return nn.functional.cross_entropy(model(x), y)
 
-    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, cohort_step: int) -> None:
-        """The learning rate of this cohort step, clipping, then ``optimizer.step()``."""
-        if self.schedule is not None or (self.scale_lr and self.world_size > 1):
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, cohort_step: int,
+             scaler: torch.amp.GradScaler | None = None) -> bool:
+        """The learning rate of this cohort step, clipping, then ``optimizer.step()``.
+
+        With ``scaler`` (``--amp fp16``) the gradients are unscaled before clipping and the
+        step is the scaler's, skipped when they hold Inf/NaN (torch.amp.GradScaler; its
+        scale then backs off: a lower scale after ``update()`` is how a skip shows).
+
+        Returns:
+            Whether the optimizer stepped (False: the scaler skipped it).
+        """
+        if self.schedule is not None or self.warmup_steps > 0 or (self.scale_lr and self.world_size > 1):
             f = learning_rate_factor(cohort_step, self.world_size, self.scale_lr, self.warmup_steps, self.schedule)
             for group in optimizer.param_groups:  # (a checkpoint from before may lack initial_lr)
                 group["lr"] = group.setdefault("initial_lr", group["lr"]) * f
+        if scaler is None:
+            if self.clip_grad_norm is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+            optimizer.step()
+            return True
         if self.clip_grad_norm is not None:
+            scaler.unscale_(optimizer)
             nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
-        optimizer.step()
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler.get_scale() >= before
 
     def end_epoch(self, trainer, epoch: int, report) -> tuple[float, int, int]:
         """``(test loss sum, correct, count)`` of this rank's slice of the test set (see `evaluate`)."""
@@ -117,32 +158,6 @@ class ClassificationTask:
     def epoch_words(self) -> str:
         """Extra words for the epoch's log line (the test loss and accuracy are the worker's)."""
         return ""
-
-
-def learning_rate_factor(cohort_step: int, world_size: int, scale_lr: bool, warmup_steps: int,
-                         schedule: Callable[[int], float] | None) -> float:
-    """The factor on each param group's initial learning rate at a cohort step.
-
-    ``schedule(cohort_step)`` (1 without one) times the linear scaling rule when
-    ``scale_lr``: ``W`` after ``warmup_steps`` cohort steps, rising linearly from
-    1 to ``W`` before (Goyal et al. 2017, "Accurate, Large Minibatch SGD",
-    arXiv:1706.02677, §2.1-2.2). The cohort step counts the cohort's optimizer
-    steps, i.e. global batches: ``epoch × batches per epoch + batch index``,
-    the same number a single process training on the same batches would reach.
-
-    Raises:
-        ValueError: the schedule returned a non-finite or negative factor.
-    """
-    factor = 1.0
-    if scale_lr and world_size > 1:
-        ramp = 1.0 if warmup_steps <= 0 else min(1.0, (cohort_step + 1) / warmup_steps)
-        factor = 1.0 + (world_size - 1) * ramp
-    if schedule is not None:
-        s = float(schedule(cohort_step))
-        if not (s >= 0.0 and s < float("inf")):
-            raise ValueError(f"lr_schedule({cohort_step}) returned {s!r}; it must be a finite factor >= 0")
-        factor *= s
-    return factor
 
 
 class UserTask(ClassificationTask):

@@ -31,7 +31,8 @@ from flodl_mpi.policy.registry import describe as describe_policy
 from flodl_mpi.policy.registry import get as policy_spec
 from flodl_mpi.policy.registry import make_policy
 from flodl_mpi.runtime.world import Watchdog, World, agree
-from flodl_mpi.training.data import Dataset, num_batches, smallest_batch
+from flodl_mpi.training.accumulate import smallest_micro_batch
+from flodl_mpi.training.data import Dataset, num_batches
 from flodl_mpi.training.model_record import resume_difference
 from flodl_mpi.training.resume_inputs import data_path_difference, model_spec_difference
 from flodl_mpi.training.resume_target import new_run_line
@@ -39,23 +40,57 @@ from flodl_mpi.training.train_log import log, say_once
 from flodl_mpi.training.worker import Replica
 from flodl_mpi.transport.bridge import Bridge
 
-__all__ = ["RESUME_MUST_MATCH", "check_resume_data", "describe_averaging_path", "effective_batch_line", "final_line",
-           "load_replay_plan", "log", "log_header", "pick_device", "resume_point", "smallest_training_batch"]
+__all__ = ["RESUME_MUST_MATCH", "check_amp", "check_resume_data", "describe_averaging_path", "effective_batch_line",
+           "final_line", "load_replay_plan", "log", "log_header", "pick_device", "resume_point",
+           "smallest_training_batch", "step_options_line"]
 
 
-def pick_device(choice: str, local_rank: int) -> torch.device:
-    """Map ``--device`` and the local rank to a device: one GPU per local rank.
+def pick_device(choice: str, local_rank: int, amp: str = "off") -> torch.device:
+    """Map ``--device`` and the local rank to a device: one GPU per local rank; ``--amp`` is checked on it.
 
     Raises:
-        ValueError: ``cuda`` asked for but no CUDA device is visible.
+        ValueError: ``cuda`` asked for but no CUDA device is visible; ``amp`` the device cannot run
+            (`check_amp`).
     """
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    else:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    check_amp(amp, device)
     return device
+
+
+def check_amp(amp: str, device: torch.device) -> None:
+    """Refuse ``--amp`` when this torch cannot autocast to its dtype on ``device`` (a CUDA device without
+    bfloat16, a torch whose CPU autocast lacks float16): a trial matmul under ``torch.autocast``, and fp16's
+    ``torch.amp.GradScaler`` built for the device, before anything is trained.
+
+    Raises:
+        ValueError: one line naming the mode, the device and what torch said.
+    """
+    if amp == "off":
+        return
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    why = None
+    if device.type == "cuda" and amp == "bf16" and not torch.cuda.is_bf16_supported():
+        why = f"{torch.cuda.get_device_name(device)} has no bfloat16 (torch.cuda.is_bf16_supported() is False)"
+    else:
+        try:
+            with torch.autocast(device.type, dtype=dtype):
+                out = torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+            if out.dtype != dtype:
+                why = f"a matmul under torch.autocast gave {out.dtype}"
+            if amp == "fp16":
+                torch.amp.GradScaler(device.type)
+        except (RuntimeError, ValueError) as exc:
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if why is not None:
+        other = "bf16" if amp == "fp16" else "fp16"
+        raise ValueError(f"--amp {amp}: torch {torch.__version__} cannot autocast to {dtype} on {device.type} "
+                         f"({why}); use --amp {other} or --amp off")
 
 
 def load_replay_plan(cfg: TrainConfig, world: World, watchdog: Watchdog, data: Dataset) -> RecordedPlan | None:
@@ -73,8 +108,8 @@ def load_replay_plan(cfg: TrainConfig, world: World, watchdog: Watchdog, data: D
     comm = world.comm
     plan = comm.bcast(agree(comm, "replay plan", lambda: read_recorded_plan(cfg.replay_plan) if world.rank == 0
                             else None, watchdog, name_ranks=False), root=0)
-    n_batches = num_batches(data.train.n, cfg.batch_size, cfg.drop_last)
-    samples = n_batches * cfg.batch_size if cfg.drop_last else data.train.n
+    n_batches = num_batches(data.train.n, cfg.step_samples, cfg.drop_last)
+    samples = n_batches * cfg.step_samples if cfg.drop_last else data.train.n
     why = plan.refusal(world.size, cfg.policy, n_batches, samples, cfg.epochs)
     if why is not None:
         raise InputError(why)
@@ -82,15 +117,17 @@ def load_replay_plan(cfg: TrainConfig, world: World, watchdog: Watchdog, data: D
 
 
 def smallest_training_batch(cfg: TrainConfig, n_samples: int) -> tuple[int, str]:
-    """The smallest batch the batch plan makes (samples), and what to change if the model fails on it.
+    """The smallest batch the batch plan makes (samples; a micro-batch with ``--accumulate``), and what
+    to change if the model fails on it.
 
     Raises:
         ValueError: ``--drop-last`` leaves no batch at all.
     """
-    k = smallest_batch(n_samples, cfg.batch_size, cfg.drop_last)
+    k = smallest_micro_batch(n_samples, cfg.batch_size, cfg.accumulate, cfg.drop_last)
     if k == 0:
-        raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} leaves no batch: the training set has "
-                         f"{n_samples} samples; lower --batch-size")
+        both = f" x --accumulate {cfg.accumulate}" if cfg.accumulate > 1 else ""
+        raise ValueError(f"--drop-last with --batch-size {cfg.batch_size}{both} leaves no batch: the training set "
+                         f"has {n_samples} samples; lower --batch-size")
     if k == n_samples:  # the whole set is one batch: no batch size or --drop-last makes it larger
         return k, (f"the whole training set is {n_samples} sample{'s' if n_samples != 1 else ''}, one batch; "
                    "this model needs a larger training set")
@@ -123,33 +160,55 @@ def effective_batch_line(cfg: TrainConfig, world_size: int, api: bool = False, n
     by the data, issue 26 item 9) and the step ratio of the real plan.
     """
     scale, raise_lr = ("scale_lr=True", "lr") if api else ("--scale-lr", "--lr")
-    eff, ratio = cfg.batch_size * world_size, world_size
+    per = cfg.step_samples  # one optimizer step's samples on one rank
+    batch = f"batch {cfg.batch_size}" if cfg.accumulate == 1 else \
+        f"batch {cfg.batch_size} x {cfg.accumulate} accumulated = {per}"
+    eff, ratio = per * world_size, world_size
     ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
-    text = f"batch {cfg.batch_size} per rank, effective batch {cfg.batch_size} x {ranks} = {eff} samples per step " \
-           "of the averaged model"
-    batches = num_batches(n_samples, cfg.batch_size, cfg.drop_last) if n_samples is not None else 0
-    planned = min(n_samples, batches * cfg.batch_size) if cfg.drop_last else n_samples
+    text = f"{batch} per rank, effective batch {per} x {ranks} = {eff} samples per step of the averaged model"
+    batches = num_batches(n_samples, per, cfg.drop_last) if n_samples is not None else 0
+    planned = min(n_samples, batches * per) if cfg.drop_last else n_samples
     if n_samples is not None and batches > 0 and eff > planned:
         ratio = batches / -(-batches // world_size)  # one process's steps per epoch / the cohort's rounds
-        text = (f"batch {cfg.batch_size} per rank, effective batch {planned} samples per step of the averaged "
-                f"model, at most: {cfg.batch_size} x {ranks} = {eff} asked, capped by the training set of "
+        text = (f"{batch} per rank, effective batch {planned} samples per step of the averaged "
+                f"model, at most: {per} x {ranks} = {eff} asked, capped by the training set of "
                 f"{n_samples} samples ({batches} batch{'es' if batches != 1 else ''} per epoch)")
     if cfg.scale_lr and world_size > 1:
         ramp = f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""
         return f"{text}; {scale}: lr {cfg.lr:g} x {world_size} = {cfg.lr * world_size:g}{ramp}"
     if world_size > 1 and ratio > 1:
-        return (f"{text}; lr {cfg.lr:g} as given (one process at batch {cfg.batch_size} would take {ratio:g}x "
+        return (f"{text}; lr {cfg.lr:g} as given (one process at batch {per} would take {ratio:g}x "
                 f"the steps per epoch: to match it, raise {raise_lr} toward {cfg.lr * ratio:g} or "
                 f"{'set' if api else 'add'} {scale})")
     return text
+
+
+def step_options_line(cfg: TrainConfig, total_steps: int, api: bool = False) -> str | None:
+    """The header's line on the learning-rate schedule and the precision of a step (None: the defaults).
+
+    ``total_steps``: the run's cohort steps (``epochs × steps per epoch``), what ``cosine`` and
+    ``linear`` decay over. ``api``: worded in :func:`flodl_mpi.fit`'s keywords.
+    """
+    words = []
+    if cfg.lr_schedule != "constant" or (cfg.warmup_steps and not cfg.scale_lr):
+        start = "from --lr" if cfg.scale_lr else "from 0"
+        warm = f"{cfg.warmup_steps} warm-up steps {start}, then " if cfg.warmup_steps else ""
+        shape = {"constant": "constant", "cosine": "cosine to 0", "linear": "linear to 0",
+                 "step": f"x {cfg.lr_gamma_value:g} every {cfg.lr_step_size} steps"}[cfg.lr_schedule]
+        words.append(f"learning rate: {warm}{shape} over the run's {total_steps} cohort steps")
+    if cfg.amp != "off":
+        words.append(f"{'amp=' if api else '--amp '}{cfg.amp}: forward and evaluation under torch.autocast"
+                     + (", loss scaled by a GradScaler" if cfg.amp == "fp16" else ""))
+    return "; ".join(words) or None
 
 
 #: Options a resumed run must share with the checkpoint's run: they decide the
 #: model, the data order, the windows and the optimizer state's meaning. The world
 #: size may change (see `Trainer.resume` for how per-rank state is remapped). The
 #: optimizer is checked against the state the checkpoint holds (`_check_optimizer`).
-RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "drop_last", "seed",
-                     "policy", "window", "gamma", "optimizer", "outer", "average_optimizer_state")
+RESUME_MUST_MATCH = ("model", "data", "train_x", "train_y", "test_x", "test_y", "batch_size", "accumulate",
+                     "drop_last", "seed", "val_fraction", "policy", "window", "gamma", "optimizer", "outer",
+                     "average_optimizer_state")
 
 
 def _find_resume(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, data_n: int,
@@ -413,7 +472,7 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
     ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
     log.info(f"flodl-mpi {__version__}: {ranks}, {_describe_policy(cfg)}, "
              f"gamma {cfg.gamma:g}, {sum(p.numel() for p in replica.params)} params on {devices}, "
-             f"{data.train.n} train / {data.test.n} test samples from {data.source}"
+             f"{data.train.n} train / {_held_out(cfg, data, api)}{data.test.n} test samples from {data.source}"
              f"{', ' + data.classes_note if data.classes_note else ''}; run dir {run_dir}")
     for line in data.warnings:  # labels that give outputs training never targets (issue 26 item 9)
         log.warning(line)
@@ -421,6 +480,9 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
         log.info(f"data streamed (--data-loading {cfg.data_loading}): each rank reads only its batches' rows of the "
                  "features, a thread reading the next window's ahead; the labels are in memory")
     log.info(effective_batch_line(cfg, world_size, api, data.train.n))
+    options = step_options_line(cfg, cfg.epochs * num_batches(data.train.n, cfg.step_samples, cfg.drop_last), api)
+    if options:
+        log.info(options)
     if bridge is not None and world_size > 1:
         log.info(describe_averaging_path(cfg, bridge.reducer.path, bridge.reducer.nodes))
     policy, options = f"policy={cfg.policy!r}" if api else f"--policy {cfg.policy}", policy_spec(cfg.policy).options
@@ -434,6 +496,14 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
     warning = short_window_warning(cfg.outer, window, cadence, cfg.outer_lr, cfg.outer_momentum, api=api)
     if warning:
         log.warning(warning)
+
+
+def _held_out(cfg: TrainConfig, data: Dataset, api: bool) -> str:
+    """The header's words on the validation split: ``287 validation (--val-fraction 0.2, seed 0) / ``; "" for none."""
+    if data.val is None:
+        return ""
+    option = f"val_fraction={cfg.val_fraction:g}" if api else f"--val-fraction {cfg.val_fraction:g}"
+    return f"{data.val.n} validation ({option} of the training set, seed {cfg.seed}) / "
 
 
 def final_line(cfg: TrainConfig, done: bool, history: list, start_epoch: int, run_dir: Path,

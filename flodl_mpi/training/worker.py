@@ -25,6 +25,7 @@ from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
 from flodl_mpi.outputs.metrics import writer_or_none
 from flodl_mpi.outputs.saver import saver_for
 from flodl_mpi.config import TrainConfig
+from flodl_mpi.training.accumulate import micro_batches
 from flodl_mpi.training.data import Dataset, batch_indices, epoch_permutation, num_batches
 from flodl_mpi.runtime import hooks
 from flodl_mpi.training.model_record import model_record
@@ -35,12 +36,16 @@ from flodl_mpi.training.progress import EpochProgress
 from flodl_mpi.policy.replay import RecordedPlan
 from flodl_mpi.protocol.epoch_report import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch, excluded_words
 from flodl_mpi.runtime.signals import StopRequest
-from flodl_mpi.training.task import ClassificationTask
+from flodl_mpi.training.best_model import BestWatch
+from flodl_mpi.training.task import ClassificationTask, evaluate
 
 __all__ = ["ReplacedTensorError", "Replica", "Trainer", "state_arrays"]
 
 #: Every this many steps a batch record carries the L2 norm of all params (SPEC §5).
 PARAM_NORM_EVERY = 10
+
+#: ``--amp``'s autocast dtype (`flodl_mpi.config.AMP_MODES`); None: no autocast.
+AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ReplacedTensorError(ValueError):
@@ -493,6 +498,14 @@ class Trainer:
                                       0.0 if outer is None else outer.momentum,
                                       api=type(self.task) is not ClassificationTask)
         self.optimizer = self.task.make_optimizer(cfg, replica.model)
+        # The named schedule spans the run's cohort steps (epochs x steps per epoch: not the world size).
+        self.task.set_total_steps(cfg.epochs * num_batches(data.train.n, cfg.step_samples, cfg.drop_last))
+        #: ``--amp``: the forward pass's autocast dtype on this device (None: off), and fp16's GradScaler.
+        self.amp_dtype = AMP_DTYPES[cfg.amp]
+        self.scaler = torch.amp.GradScaler(replica.device.type) if cfg.amp == "fp16" else None
+        #: ``--keep-best`` / ``--early-stop``: the best validation epoch so far (None: neither asked).
+        self.best = None if data.val is None or not (cfg.keep_best or cfg.early_stop) else \
+            BestWatch(cfg.best_metric, cfg.early_stop, keep=cfg.keep_best is not None)
         #: The next window's plan (quotas, anchor): the policy's, the same on every rank.
         self.plan = bridge.policy.plan()
         #: ``--replay-plan``: each window runs the recorded plan of the round that closes it, not the policy's.
@@ -562,6 +575,10 @@ class Trainer:
         old_size = ckpt.world_size
         mine = resume_state.restore_rank(ckpt, self.rank, self.world_size, self.optimizer, self.replica.model)
         self.global_step, same = mine.global_step, mine.same_world
+        if self.best is not None:  # the best so far and the patience used, as the run left them
+            self.best.restore(ckpt.extra)
+        if self.scaler is not None and "grad_scaler" in mine.attrs:  # (a run without --amp fp16 starts it afresh)
+            self.scaler.load_state_dict(dict(mine.attrs["grad_scaler"]))
         if self.state_average is not None:
             self.state_average.start()  # the saved state is the last round's consensus
         if not same:
@@ -570,7 +587,7 @@ class Trainer:
         # Hyperparameters are the run's as configured now (a resume may change --lr); the weight
         # decay only when given (else the run's own, restored with the state: issue 26 item 11).
         for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.lr
+            group["lr"] = group["initial_lr"] = self.cfg.lr  # what a schedule's factor multiplies, too
             if self.cfg.weight_decay is not None:
                 group["weight_decay"] = self.cfg.weight_decay
             if "momentum" in group:
@@ -609,6 +626,8 @@ class Trainer:
         """:meth:`fit` one epoch at a time: yields each epoch's :class:`EpochSummary` (the same on every rank)."""
         self.done = True
         for epoch in range(self.start_epoch, self.cfg.epochs):
+            if self.best is not None and self.best.early_stopped:  # (a resumed run that had stopped early)
+                break
             known = len(self.history)
             stopped = self._epoch(epoch, self.start_cursor if epoch == self.start_epoch else 0)
             if stopped:
@@ -621,6 +640,11 @@ class Trainer:
             yield from self.history[known:]
             if stopped:
                 break
+            if self.best is not None and self.best.early_stopped:
+                b = self.best
+                self.log(f"early stop after epoch {epoch + 1}: no better {b.metric} in {b.bad_epochs} epoch(s) "
+                         f"(--early-stop {b.patience}); the best, {b.best:.4f}, was epoch {b.best_epoch}")
+                break
 
     # ---- one epoch -------------------------------------------------------------
 
@@ -629,7 +653,7 @@ class Trainer:
         cfg, model = self.cfg, self.replica.model
         t_epoch = time.perf_counter()
         perm = epoch_permutation(self.data.train.n, cfg.seed, epoch)
-        n_batches = num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)
+        n_batches = num_batches(self.data.train.n, cfg.step_samples, cfg.drop_last)
         report, self._carried = (self._carried or EpochReport()), None
         rows: list[tuple] = []
         stopped = False
@@ -694,9 +718,20 @@ class Trainer:
 
     def _end_epoch(self, epoch: int, report: EpochReport, rows: list, cursor: int, stopped: bool) -> bool:
         """Evaluate the model (the consensus), exchange the epoch's reports, report and save; returns ``stopped``."""
-        n_batches = num_batches(self.data.train.n, self.cfg.batch_size, self.cfg.drop_last)
-        # -- evaluate the consensus on this rank's slice of the test set
-        report.test_loss_sum, report.test_correct, report.test_count = self.task.end_epoch(self, epoch, report)
+        n_batches = num_batches(self.data.train.n, self.cfg.step_samples, self.cfg.drop_last)
+        # -- evaluate the consensus on this rank's slices of the validation and the test set; with a
+        # validation set the test set only at the end (the last epoch, or one that may stop early: decided
+        # from gathered values, the same on every rank) or with --test-every-epoch
+        val, cfg = self.data.val, self.cfg
+        test_now = val is None or cfg.test_every_epoch or epoch == cfg.epochs - 1 or \
+            (self.best is not None and self.best.may_stop_next())
+        with self.autocast():  # evaluated in the precision it trains in (--amp)
+            if val is not None:
+                report.val_loss_sum, report.val_correct, report.val_count = evaluate(
+                    self.replica.model, val, self.rank, self.world_size, self.replica.device, cfg.eval_batch_size)
+            if test_now:
+                report.test_loss_sum, report.test_correct, report.test_count = self.task.end_epoch(self, epoch,
+                                                                                                   report)
         # -- epoch exchange: every rank gets the same summary; rank 0 writes metrics
         summary = self.bridge.epoch_end(report, np.array(rows, dtype=np.float64), epoch)
         self.plan = self.bridge.policy.plan()  # the guard's verdict at the exchange may have moved the anchor
@@ -705,6 +740,10 @@ class Trainer:
         self.latest = summary
         self.history.append(summary)
         self._epoch_complete = cursor >= n_batches
+        if self.best is not None:
+            self.best.is_best = False
+            if self._epoch_complete:  # a stopped epoch's numbers are not an epoch's
+                self.best.observe(epoch + 1, getattr(summary, cfg.best_metric))
         self.task.after_epoch(self, summary)
         self._report(summary, stopped, cursor, report)
         return stopped
@@ -717,25 +756,47 @@ class Trainer:
         if window.end < n_batches:
             after = plan_window(plan.quotas, window.end, n_batches)
             mine += range(after.starts[self.rank], after.starts[self.rank] + after.counts[self.rank])
-        self.data.train.x.prefetch([batch_indices(perm, cfg.batch_size, b, cfg.drop_last) for b in mine])
+        # In the order _train_batch asks for them: each step's --accumulate micro-batches.
+        self.data.train.x.prefetch([part for b in mine
+                                    for part, _ in micro_batches(batch_indices(perm, cfg.step_samples, b, cfg.drop_last),
+                                                                 cfg.batch_size)])
+
+    def autocast(self):
+        """``--amp``: torch.autocast on the run's device in its dtype; off: a no-op context."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.replica.device.type, dtype=self.amp_dtype)
 
     def _train_batch(self, perm: np.ndarray, b: int, epoch: int, report: EpochReport, cohort_step: int = 0) -> tuple:
-        cfg, dev = self.cfg, self.replica.device
+        """One optimizer step on global step ``b``'s samples: ``--accumulate`` micro-batches, then the task's step.
+
+        Each micro-batch's loss is weighted by its share of the step's samples
+        (`flodl_mpi.training.accumulate.micro_batches`), so the accumulated gradient is the
+        step's mean loss's. The step counts toward this rank's mass (``steps``) only when the
+        optimizer stepped: a step fp16's GradScaler skipped changed nothing.
+        """
+        cfg, dev, model = self.cfg, self.replica.device, self.replica.model
         t0 = time.perf_counter()
-        idx = batch_indices(perm, cfg.batch_size, b, cfg.drop_last)
-        x = torch.from_numpy(self.data.train.x[idx]).to(dev, non_blocking=True)
-        y = torch.from_numpy(self.data.train.y[idx]).to(dev, non_blocking=True)
-        t1 = time.perf_counter()
-        hooks.call("batch", self)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.task.loss(self.replica.model, (x, y), cohort_step)
-        loss = hooks.fold("loss", loss, self)
-        loss.backward()
-        self.task.step(self.replica.model, self.optimizer, cohort_step)
-        loss_value = loss.item()  # sync point: the step is done on the device
+        idx = batch_indices(perm, cfg.step_samples, b, cfg.drop_last)
+        data_s, loss_value = 0.0, 0.0
+        for j, (part, weight) in enumerate(micro_batches(idx, cfg.batch_size)):
+            t_data = time.perf_counter()
+            x = torch.from_numpy(self.data.train.x[part]).to(dev, non_blocking=True)
+            y = torch.from_numpy(self.data.train.y[part]).to(dev, non_blocking=True)
+            data_s += time.perf_counter() - t_data
+            if j == 0:
+                hooks.call("batch", self)
+                self.optimizer.zero_grad(set_to_none=True)
+            with self.autocast():
+                loss = self.task.loss(model, (x, y), cohort_step)
+                loss = hooks.fold("loss", loss, self)
+            scaled = loss if weight == 1.0 else loss * weight
+            (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
+            loss_value += loss.item() * weight  # sync point: the micro-batch is done on the device
+        stepped = self.task.step(model, self.optimizer, cohort_step, self.scaler)
         self.loss_finite = self.loss_finite and math.isfinite(loss_value)
         t2 = time.perf_counter()
-        self.steps += 1
+        self.steps += 1 if stepped else 0
         self.global_step += 1
         if math.isfinite(loss_value):
             report.loss_sum += loss_value
@@ -743,11 +804,11 @@ class Trainer:
             report.nonfinite_batches += 1
         report.batches += 1
         report.samples += len(idx)
-        report.data_ms += 1e3 * (t1 - t0)
-        report.compute_ms += 1e3 * (t2 - t1)
+        report.data_ms += 1e3 * data_s
+        report.compute_ms += 1e3 * (t2 - t0 - data_s)
         norm = self.replica.param_norm() if self.global_step % PARAM_NORM_EVERY == 0 else math.nan
         lr = self.optimizer.param_groups[0]["lr"]
-        return (self.rank, epoch + 1, self.global_step, 1e3 * (t2 - t0), 1e3 * (t1 - t0), loss_value, lr, norm)
+        return (self.rank, epoch + 1, self.global_step, 1e3 * (t2 - t0), 1e3 * data_s, loss_value, lr, norm)
 
     def _async_round(self, window: int, facts: dict) -> RoundUpdate | None:
         """Async (SPEC §4): adopt the round in flight, if any, then start this window's.
@@ -844,12 +905,15 @@ class Trainer:
         if self.writer.writes:  # rank 0's epoch line
             partial = ""
             if stopped:
-                n_batches = num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)
+                n_batches = num_batches(self.data.train.n, cfg.step_samples, cfg.drop_last)
                 partial = (f" (stopped after {cursor} of {n_batches} batches)" if cursor < n_batches else
                            " (complete: the stop came with its last round)")
             # What was measured, no more: an epoch not evaluated has no test numbers, a regression no accuracy.
             tests = "".join(f"  {name} {value:.4f}" for name, value in
-                            (("test_loss", s.test_loss), ("test_acc", s.test_accuracy)) if math.isfinite(value))
+                            (("val_loss", s.val_loss), ("val_acc", s.val_accuracy), ("test_loss", s.test_loss),
+                             ("test_acc", s.test_accuracy)) if math.isfinite(value))
+            if self.best is not None and self.best.is_best:
+                tests += f"  (best {self.best.metric}" + (", kept)" if self.best.keep else ")")
             self.log(f"epoch {s.epoch + 1}/{cfg.epochs}{partial}  loss {s.avg_loss:.4f}"
                      f"{excluded_words(s.nonfinite_batches)}{tests}"
                      f"{self.task.epoch_words()}  rounds {s.rounds}  {s.epoch_ms / 1e3:.1f} s")
@@ -863,9 +927,10 @@ class Trainer:
         # Decided from the config and gathered values only: every rank agrees, and
         # every rank joins the state gather of the save.
         due = (cfg.checkpoint_every and (s.epoch + 1) % cfg.checkpoint_every == 0) or self.task.checkpoint_now
-        if due or last or stopped:
+        best = self.best is not None and ((self.best.is_best and self.best.keep) or self.best.early_stopped)
+        if due or last or stopped or best:  # (a new best epoch is kept: --keep-best; an early stop is the end)
             # A stop in the epoch's last window ended the epoch anyway: save it complete.
-            in_epoch = stopped and cursor < num_batches(self.data.train.n, cfg.batch_size, cfg.drop_last)
+            in_epoch = stopped and cursor < num_batches(self.data.train.n, cfg.step_samples, cfg.drop_last)
             self.save_checkpoint(s, reason="graceful_shutdown" if stopped else "checkpoint",
                                  cursor=cursor if in_epoch else 0, report=report)
 
@@ -878,9 +943,17 @@ class Trainer:
         which is where a resumed run goes on; ``epoch_reports`` then holds every
         rank's report of that epoch so far.
         """
-        arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
+        arrays, attrs = self._rank_state()
         ranks = self.bridge.gather_to_root((arrays, attrs, dataclasses.asdict(report) if cursor else None))
         self.saver.save(lambda: self._contents(s, reason, cursor, ranks))  # rank 0 (the others gathered no state)
+
+    def _rank_state(self) -> tuple[dict, dict]:
+        """This rank's state for a checkpoint (`flodl_mpi.training.rank_state.capture`), with fp16's
+        GradScaler state (``grad_scaler``: its scale and growth tracker) so a resume scales alike."""
+        arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
+        if self.scaler is not None:
+            attrs["grad_scaler"] = self.scaler.state_dict()
+        return arrays, attrs
 
     def check_saveable(self, directory, start_epoch: int = 0) -> None:
         """The save check (`flodl_mpi.outputs.checkpoint_room.check_saveable`, rank 0) with a checkpoint
@@ -903,7 +976,7 @@ class Trainer:
                 line naming why, what is needed and what to do.
             OSError: the checkpoint directory is not writable.
         """
-        arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
+        arrays, attrs = self._rank_state()
 
         def trial() -> CheckpointContents:
             s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
@@ -911,8 +984,9 @@ class Trainer:
                                   * self.world_size)
 
         cfg = self.cfg
-        self.saver.check(directory, trial, self.optimizer, cfg.keep_checkpoints,
-                         checkpoint_room.saves_ahead(cfg.epochs, start_epoch, cfg.checkpoint_every))
+        best = cfg.keep_best is not None  # one more file (checkpoints/best/), and a save at any epoch may be one
+        self.saver.check(directory, trial, self.optimizer, cfg.keep_checkpoints + int(best),
+                         checkpoint_room.saves_ahead(cfg.epochs, start_epoch, 1 if best else cfg.checkpoint_every))
 
     def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> CheckpointContents:
         """The checkpoint of this run now, from the gathered ``(arrays, attrs, epoch report or None)``
@@ -946,7 +1020,7 @@ class Trainer:
             epoch_reports=[report for _, _, report in ranks] if cursor else None,
             epoch_scalars=stopped.pop("epoch_scalars", None),
             epoch_intents=stopped.pop("epoch_intents", None),
-            extra=stopped,
+            extra={**stopped, **(self.best.meta() if self.best is not None else {})},
             ranks={r: (arrays, attrs) for r, (arrays, attrs, _) in enumerate(ranks)},
             cohort=outer.state_dict() if outer is not None and outer.kind != "avg" else None,
         )

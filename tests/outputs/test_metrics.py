@@ -64,7 +64,7 @@ def test_schema_shapes():
     for name in ("control_ms", "round_ms", "bridge_ms", "wait_ms", "snapshot_ms", "adopt_ms"):
         assert schema["rounds"][name] == (np.dtype(np.float64), (4,))
     assert schema["epochs"]["nonfinite_batches"] == (np.dtype(np.int64), ())
-    assert len(schema["rounds"]) == 26 and len(schema["epochs"]) == 18 and len(schema["batches"]) == 8
+    assert len(schema["rounds"]) == 26 and len(schema["epochs"]) == 20 and len(schema["batches"]) == 8
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         table_schema(0)
 

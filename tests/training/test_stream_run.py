@@ -17,7 +17,8 @@ from tests.training.test_resume import STOPPED
 
 pytestmark = pytest.mark.slow
 
-ARGS = ("train", "--epochs", "2", "--window", "3", "--seed", "3")
+# --accumulate 2 of 16: 32-sample steps as at the default batch, read ahead micro-batch by micro-batch
+ARGS = ("train", "--epochs", "2", "--window", "3", "--seed", "3", "--batch-size", "16", "--accumulate", "2")
 
 
 @pytest.fixture(scope="module")
