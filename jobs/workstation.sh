@@ -55,7 +55,7 @@ if mpiexec --version 2>/dev/null | grep -qi 'open mpi'; then
 fi
 
 # --restarts N [--restart-world-size M] are this script's; the rest is flodl-mpi train's.
-restarts='' restart_n=$n run_dir='' args=()
+restarts='' restart_n='' run_dir='' args=()
 while [[ $# -gt 0 ]]; do
     case $1 in
         --restarts|--restart-world-size)
@@ -76,7 +76,7 @@ while [[ $# -gt 0 ]]; do
     fi
 done
 if [[ -z $restarts ]]; then
-    if [[ $restart_n != "$n" ]]; then say "error: --restart-world-size needs --restarts N"; exit 2; fi
+    if [[ -n $restart_n ]]; then say "error: --restart-world-size needs --restarts N"; exit 2; fi
     exec mpiexec "${flags[@]}" -n "$n" flodl-mpi train "${args[@]}"
 fi
 if [[ -z $run_dir ]]; then
@@ -154,7 +154,7 @@ while :; do
     fi
     if [[ -n $signal_no ]]; then
         why="a rank was killed by signal $signal_no"
-        [[ $status -le 4 ]] && why+=" (the launcher's status $status is that signal's number, not flodl-mpi's)"
+        if [[ $status -le 4 ]]; then why+="; the launcher's $status is that signal's number, not flodl-mpi's"; fi
     else
         case $status in
             2) say "launch $launch ended with status 2 (bad input): not restarted, the same input would fail again"
@@ -177,7 +177,7 @@ while :; do
         say "launch $launch ended with status $status ($why): no restart left ($used of $restarts used); exit status $status"
         exit "$status"
     fi
-    used=$((used + 1)) ranks=$restart_n
+    used=$((used + 1)) ranks=${restart_n:-$n}
     say "launch $launch ended with status $status ($why): restart $used of $restarts, $ranks rank(s), from the" \
         "last checkpoint in $run_dir (--resume auto)"
     if [[ -f $run_dir/train.log ]]; then

@@ -27,8 +27,10 @@ class TimedLines:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[tuple[float, str, str]] = []
         self._lock = threading.Lock()
-        self._readers = [threading.Thread(target=self._read, args=(stream, name), daemon=True)
-                         for stream, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, name), daemon=True)
+            for stream, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))
+        ]
         for reader in self._readers:
             reader.start()
 

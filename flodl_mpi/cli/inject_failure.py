@@ -83,28 +83,52 @@ def _seconds(text: str) -> float:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``inject-failure`` on the ``flodl-mpi`` sub-parsers."""
-    p = sub.add_parser("inject-failure", allow_abbrev=False,
-                       help="kill -9 a rank of a live run at a round, an epoch, a stage or a time (to test a setup)",
-                       description="Kill -9 a chosen or a random rank of the run training in RUN_DIR (ranks on this "
-                                   "host), once or at each of several launches (a restart loop). Exit status 0 every "
-                                   "kill made, 1 the run finished or --timeout passed first, 2 bad input.")
+    p = sub.add_parser(
+        "inject-failure",
+        allow_abbrev=False,
+        help="kill -9 a rank of a live run at a round, an epoch, a stage or a time (to test a setup)",
+        description="Kill -9 a chosen or a random rank of the run training in RUN_DIR (ranks on this "
+        "host), once or at each of several launches (a restart loop). Exit status 0 every "
+        "kill made, 1 the run finished or --timeout passed first, 2 bad input.",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (its --run-dir)")
     when = p.add_mutually_exclusive_group(required=True)
-    when.add_argument("--round", type=_count, metavar="N",
-                      help="once metrics.h5 holds round N (from 0; its rows come up to 0.5 s late)")
+    when.add_argument(
+        "--round",
+        type=_count,
+        metavar="N",
+        help="once metrics.h5 holds round N (from 0; its rows come up to 0.5 s late)",
+    )
     when.add_argument("--epoch", type=_count, metavar="N", help="once epoch N (from 1) has ended")
-    when.add_argument("--stage", choices=STAGES,
-                      help="setup: as soon as a launch's ranks are up; checkpoint: while a checkpoint is written")
+    when.add_argument(
+        "--stage",
+        choices=STAGES,
+        help="setup: as soon as a launch's ranks are up; checkpoint: while a checkpoint is written",
+    )
     when.add_argument("--after", type=_seconds, metavar="SECONDS", help="this long after a launch's ranks are up")
-    p.add_argument("--rank", type=_rank_choice, default="random",
-                   help="the rank to kill, or random (default: random, among the launch's ranks on this host)")
-    p.add_argument("--times", type=_count, default=1,
-                   help="kills in all, one per launch: after each, wait for the next launch (default 1)")
-    p.add_argument("--every", type=_count, default=0, metavar="N",
-                   help="with --round or --epoch: the k-th kill (from 0) comes at N + k x this (default 0)")
+    p.add_argument(
+        "--rank",
+        type=_rank_choice,
+        default="random",
+        help="the rank to kill, or random (default: random, among the launch's ranks on this host)",
+    )
+    p.add_argument(
+        "--times",
+        type=_count,
+        default=1,
+        help="kills in all, one per launch: after each, wait for the next launch (default 1)",
+    )
+    p.add_argument(
+        "--every",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="with --round or --epoch: the k-th kill (from 0) comes at N + k x this (default 0)",
+    )
     p.add_argument("--seed", type=int, help="seed of --rank random (default: a fresh one)")
-    p.add_argument("--timeout", type=_seconds, default=600.0,
-                   help="give up after this many seconds, exit status 1 (default 600)")
+    p.add_argument(
+        "--timeout", type=_seconds, default=600.0, help="give up after this many seconds, exit status 1 (default 600)"
+    )
     return p
 
 
@@ -191,17 +215,25 @@ def run(args: argparse.Namespace) -> int:
                     killed.add(launch.launch)
                     kills += 1
                     where = _where(run_dir)
-                    print(f"flodl-mpi inject-failure: kill {kills} of {args.times}: SIGKILL to rank {victim.rank} "
-                          f"(pid {victim.pid}) of {launch.world_size} at {where}", flush=True)
+                    print(
+                        f"flodl-mpi inject-failure: kill {kills} of {args.times}: SIGKILL to rank {victim.rank} "
+                        f"(pid {victim.pid}) of {launch.world_size} at {where}",
+                        flush=True,
+                    )
                     continue
         elif launch is None or not launch.alive():
             if _finished(run_dir):
-                print(f"flodl-mpi inject-failure: the run finished (train.log: done) after {kills} of {args.times} "
-                      "kill(s)", file=sys.stderr)
+                print(
+                    f"flodl-mpi inject-failure: the run finished (train.log: done) after {kills} of {args.times} "
+                    "kill(s)",
+                    file=sys.stderr,
+                )
                 return EXIT_ERROR
         if time.monotonic() > deadline:
-            print(f"flodl-mpi inject-failure: --timeout {args.timeout:g} s passed after {kills} of {args.times} "
-                  "kill(s)", file=sys.stderr)
+            print(
+                f"flodl-mpi inject-failure: --timeout {args.timeout:g} s passed after {kills} of {args.times} kill(s)",
+                file=sys.stderr,
+            )
             return EXIT_ERROR
         time.sleep(POLL_S)
     return 0

@@ -61,7 +61,7 @@ def _zombie(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2:][:1] in ("Z", "X")
+    return stat[stat.rindex(")") + 2 :][:1] in ("Z", "X")
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,13 @@ def write_launch(run_dir: str | os.PathLike, ranks: list[dict]) -> Path:
     """
     path = Path(run_dir) / FILE_NAME
     first = ranks[0]
-    record = {"version": 1, "launch": f"{first['host']}:{first['pid']}:{first['start']}", "world_size": len(ranks),
-              "written": time.time(), "ranks": ranks}
+    record = {
+        "version": 1,
+        "launch": f"{first['host']}:{first['pid']}:{first['start']}",
+        "world_size": len(ranks),
+        "written": time.time(),
+        "ranks": ranks,
+    }
     tmp = path.with_name(f".{FILE_NAME}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w") as f:
@@ -113,8 +118,12 @@ def read_launch(run_dir: str | os.PathLike) -> Launch | None:
     """The launch ``run_dir/ranks.json`` names, or None when there is none yet (or it is not such a file)."""
     try:
         record = json.loads((Path(run_dir) / FILE_NAME).read_text())
-        ranks = tuple(LiveRank(int(r["rank"]), str(r["host"]), int(r["pid"]),
-                               None if r.get("start") is None else float(r["start"])) for r in record["ranks"])
+        ranks = tuple(
+            LiveRank(
+                int(r["rank"]), str(r["host"]), int(r["pid"]), None if r.get("start") is None else float(r["start"])
+            )
+            for r in record["ranks"]
+        )
         return Launch(str(record["launch"]), int(record["world_size"]), float(record["written"]), ranks)
     except (OSError, ValueError, KeyError, TypeError):
         return None
