@@ -103,6 +103,7 @@ def test_the_restart_loop_finishes_a_run_through_three_kills(tmp_path, tmp_path_
     ], stderr[-4000:]
     ended = job.times_of("workstation.sh: launch ")
     for k, (kill, end) in enumerate(zip(kill_times(injector), ended)):
+        print(f"kill {k + 1}: the launcher ended {end - kill:.2f} s after it")  # shown with pytest -s
         assert 0 <= end - kill < KILL_TO_END_S, f"launch {k + 1} ended {end - kill:.1f} s after its kill"
     assert wall < 200, f"the restart loop took {wall:.0f} s"
     log = (run_dir / "train.log").read_text()
