@@ -3,14 +3,15 @@
 Invariant: rank 0 writes the file once per launch, after the run dir's lock is held
 and metrics.h5 is open, under a temporary name then renamed (``os.replace``), so a
 reader sees a whole file of one launch or of the one before, never a mix. Each rank
-is named by its host, its pid and its process's start time: a reader on that host
-tells a live rank from a dead one whose pid was reused
-(:func:`flodl_mpi.runtime.stale_shm.process_start_time`). ``flodl-mpi inject-failure``
-reads it to find the ranks it kills; nothing in training reads it.
+is named by its host, its pid and its process's start (clock ticks after boot, field
+22 of ``/proc/<pid>/stat``, as the kernel keeps it: exact, whatever the wall clock
+does): a reader on that host tells a live rank from a dead one whose pid was reused.
+``flodl-mpi inject-failure`` reads it to find the ranks it kills; nothing in training
+reads it.
 
 Format (JSON): ``{"version": 1, "launch": "<host>:<pid>:<start>" (rank 0's, unique per
 launch), "world_size": W, "written": <time.time()>, "ranks": [{"rank": r, "host": str,
-"pid": int, "start": float or null}, ...]}``.
+"pid": int, "start": int or null}, ...]}`` (``start`` null where ``/proc`` cannot be read).
 """
 
 from __future__ import annotations
@@ -22,46 +23,48 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from flodl_mpi.runtime.stale_shm import process_start_time
-
-__all__ = ["FILE_NAME", "LiveRank", "Launch", "gather_ranks", "write_launch", "read_launch"]
+__all__ = ["FILE_NAME", "LiveRank", "Launch", "gather_ranks", "write_launch", "read_launch", "process_start"]
 
 #: The file's name in the run dir.
 FILE_NAME = "ranks.json"
 
-#: A process start time read back from ``/proc`` differs from the recorded one by a clock tick (and a clock step): 1 s.
-START_SLACK_S = 1.0
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """``/proc/<pid>/stat``'s fields from field 3 (state) on, or None (no such process, no ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()  # comm (field 2) may hold blanks and parentheses
+
+
+def process_start(pid: int | str = "self") -> int | None:
+    """Process ``pid``'s start, in clock ticks after boot (``/proc/<pid>/stat`` field 22), or None."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[22 - 3])
 
 
 @dataclass(frozen=True)
 class LiveRank:
-    """One rank of a launch: its rank, host name, pid and process start time (``time.time()`` seconds, or None)."""
+    """One rank of a launch: its rank, host name, pid and process start (clock ticks after boot, or None)."""
 
     rank: int
     host: str
     pid: int
-    start: float | None
+    start: int | None
 
     def alive(self) -> bool:
         """Whether this rank's process still runs (checked on its own host only; another host's: False).
 
-        A process with the pid but another start time (the pid reused) is not it.
+        A process with the pid but another start (the pid reused) is not it, nor one that has
+        ended and waits to be reaped (state Z or X).
         """
-        if self.host != socket.gethostname() or _zombie(self.pid):
+        if self.host != socket.gethostname():
             return False
-        now = process_start_time(self.pid)
-        if now is None:
+        fields = _stat_fields(self.pid)
+        if fields is None or fields[0] in ("Z", "X"):
             return False
-        return self.start is None or abs(now - self.start) <= START_SLACK_S
-
-
-def _zombie(pid: int) -> bool:
-    """Whether process ``pid`` has ended and waits for its parent to reap it (state Z or X in ``/proc``)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :][:1] in ("Z", "X")
+        return self.start is None or int(fields[22 - 3]) == self.start
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class Launch:
 
 def gather_ranks(comm) -> list[dict] | None:
     """Every rank's ``{"rank", "host", "pid", "start"}``, gathered to rank 0 (collective; None elsewhere)."""
-    me = {"rank": comm.rank, "host": socket.gethostname(), "pid": os.getpid(), "start": process_start_time()}
+    me = {"rank": comm.rank, "host": socket.gethostname(), "pid": os.getpid(), "start": process_start()}
     return comm.gather(me, root=0)
 
 
@@ -119,9 +122,7 @@ def read_launch(run_dir: str | os.PathLike) -> Launch | None:
     try:
         record = json.loads((Path(run_dir) / FILE_NAME).read_text())
         ranks = tuple(
-            LiveRank(
-                int(r["rank"]), str(r["host"]), int(r["pid"]), None if r.get("start") is None else float(r["start"])
-            )
+            LiveRank(int(r["rank"]), str(r["host"]), int(r["pid"]), None if r.get("start") is None else int(r["start"]))
             for r in record["ranks"]
         )
         return Launch(str(record["launch"]), int(record["world_size"]), float(record["written"]), ranks)
