@@ -142,3 +142,11 @@ def test_a_file_for_the_run_dir_is_refused(tmp_path, capsys):
     (tmp_path / "f").write_text("")
     assert main(["inject-failure", str(tmp_path / "f"), "--after", "1"]) == 2
     assert capsys.readouterr().err == f"flodl-mpi inject-failure: error: {tmp_path / 'f'}: not a directory\n"
+
+
+def test_a_killed_write_of_ranks_json_is_a_stale_temporary_for_the_next_resume(tmp_path):
+    from flodl_mpi.outputs.stale_files import stale_temporaries
+
+    (tmp_path / ".ranks.json.tmp-4242").write_text('{"version": 1')
+    (tmp_path / FILE_NAME).write_text("{}")
+    assert stale_temporaries(tmp_path) == [tmp_path / ".ranks.json.tmp-4242"]
