@@ -105,7 +105,7 @@ def test_the_restart_loop_finishes_a_run_through_three_kills(tmp_path, tmp_path_
     for k, (kill, end) in enumerate(zip(kill_times(injector), ended)):
         print(f"kill {k + 1}: the launcher ended {end - kill:.2f} s after it")  # shown with pytest -s
         assert 0 <= end - kill < KILL_TO_END_S, f"launch {k + 1} ended {end - kill:.1f} s after its kill"
-    assert wall < 200, f"the restart loop took {wall:.0f} s"
+    assert wall < 400, f"the restart loop took {wall:.0f} s"  # generous: a loaded machine (the kills are bounded above)
     log = (run_dir / "train.log").read_text()
     assert len(re.findall(r"workstation\.sh: launch \d ended with status \d+ \(a rank was killed", log)) == 3
 
