@@ -122,6 +122,7 @@ while :; do
     launch_args=("${args[@]}")
     if [[ $launch -gt 0 ]]; then launch_args=("${resume_args[@]}"); fi
     : >"$errors"
+    rm -f "$errors.pid"  # the last launch's pid must not stand for this one's
     # What the launcher prints goes where it would and to $errors, read below for how the
     # job ended: its stderr always; its stdout too when that is not a terminal (a terminal
     # stays one, for the progress bar). Its pid is written first, so a stop signal reaches it.

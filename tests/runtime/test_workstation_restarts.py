@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from flodl_mpi.outputs.checkpoint import read_newest
 from flodl_mpi.outputs.metrics import read_table
@@ -267,15 +268,15 @@ def test_a_stop_is_not_restarted_but_a_status_4_without_the_stop_is(tmp_path):
     assert "train.log does not end 'stopped, not done': under MPICH, a rank killed by signal 4" in err
 
 
-def test_a_stop_signal_to_the_script_reaches_the_launcher_and_ends_the_loop(tmp_path):
-    status, err, launches, log = _fake(
-        tmp_path, ["9 wait", "0"], "--restarts", "3", "--run-dir", "RUN", signal_when_ready=True
+@pytest.mark.parametrize("plan", [["9 wait", "0"], ["9", "9 wait", "0"]], ids=["first launch", "a relaunch"])
+def test_a_stop_signal_to_the_script_reaches_the_launcher_and_ends_the_loop(tmp_path, plan):
+    status, err, launches, log = _fake(tmp_path, plan, "--restarts", "3", "--run-dir", "RUN", signal_when_ready=True)
+    assert "got USR1" in log  # the launch then running got it (not an earlier one's pid)
+    assert (status, len(launches)) == (4, len(plan) - 1), err
+    assert _launch_lines(err)[-1] == (
+        f"workstation.sh: launch {len(plan) - 1} ended with status 4 (stopped on request): not restarted; "
+        "go on with --resume"
     )
-    assert "got USR1" in log
-    assert (status, len(launches)) == (4, 1), err
-    assert _launch_lines(err) == [
-        "workstation.sh: launch 1 ended with status 4 (stopped on request): not restarted; go on with --resume"
-    ]
 
 
 def test_refused_restart_options_are_one_line_and_exit_2(tmp_path):
