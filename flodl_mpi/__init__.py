@@ -8,7 +8,8 @@ writes metrics and checkpoints to HDF5.
 Two ways in from Python, both the same under ``python script.py`` (a world of 1)
 and ``mpiexec -n N python script.py``:
 
-- :class:`Averager`: keep your own loop, call ``averager.step()`` after each optimizer step.
+- :class:`Averager`: keep your own loop, call ``averager.step()`` after each optimizer step
+  (:func:`shard` gives each rank its batches of an epoch under the CLI's plan).
 - :func:`fit`: give a model factory, an optimizer factory, a train step and the
   data; iterate the returned :class:`Run` for the cohort's epoch metrics.
 
@@ -21,8 +22,9 @@ without one, MPI starts as a world of 1 on first use.
 
 __version__ = "0.1.0"
 
-__all__ = ["Averager", "CheckpointError", "EpochResult", "InputError", "Run", "Stopped", "__version__", "build_model",
-           "fit", "latest_checkpoint", "load_state_dict", "read_newest", "read_table", "record_scalar", "request"]
+__all__ = ["Averager", "CheckpointError", "EpochResult", "InputError", "Run", "Shard", "Stopped", "__version__",
+           "build_model", "fit", "latest_checkpoint", "load_state_dict", "read_newest", "read_table", "record_scalar",
+           "request", "shard"]
 
 _WHERE = {
     "Averager": "flodl_mpi.api.averager",
@@ -32,6 +34,9 @@ _WHERE = {
     "Run": "flodl_mpi.api.fit",
     "fit": "flodl_mpi.api.fit",
     "record_scalar": "flodl_mpi.training.scalars",
+    # a rank's batches of an epoch under the CLI's plan, for an own loop
+    "Shard": "flodl_mpi.training.shard",
+    "shard": "flodl_mpi.training.shard",
     # reading a run's outputs (no MPI is needed for these)
     "CheckpointError": "flodl_mpi.outputs.checkpoint",
     "latest_checkpoint": "flodl_mpi.outputs.checkpoint",

@@ -27,7 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
+__all__ = ["ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "DATA_LOADING", "DEVICES", "HIERARCHICAL", "NODE_REDUCES",
            "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OPTIMIZER_WEIGHT_DECAY", "OUTERS",
            "OUTPUT_OPTIONS", "PROGRESS", "RESUME_AUTO", "TASKS", "ConfigError", "TrainConfig", "check_fit_arguments",
            "check_int", "check_output_option", "config_key_text", "optimizer_class", "own_loop_config",
@@ -46,6 +46,9 @@ OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 #: here so the config and ``--help`` need no torch; tests/cli/test_config_messages.py compares them).
 OPTIMIZER_WEIGHT_DECAY = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}
 DEVICES = ("auto", "cpu", "cuda")
+#: ``--data-loading``: the features read whole at start (``memory``), a rank's batches read as it trains
+#: them (``stream``), or ``auto``: streamed when they would not fit (flodl_mpi.training.data.load_dataset).
+DATA_LOADING = ("auto", "memory", "stream")
 #: What a round does with a rank whose loss or parameters are NaN/Inf (``--on-non-finite``).
 ON_NON_FINITE = ("quarantine", "stop")
 #: The ``--outer`` choices (flodl_mpi.protocol.outer; kept here so the config needs no numpy).
@@ -125,6 +128,7 @@ class TrainConfig:
     epochs: int = 10                  # passes over the training set
     batch_size: int = 32              # samples per batch, per rank
     drop_last: bool = False           # drop each epoch's short last batch (else a lone sample is folded in)
+    data_loading: str = "auto"        # one of DATA_LOADING: how --data's features reach memory
     lr: float = 1e-3                  # learning rate
     optimizer: str = "adam"           # one of OPTIMIZERS; a Python API run's own optimizer: "module:Class"
     momentum: float = 0.9             # sgd only
@@ -193,6 +197,7 @@ class TrainConfig:
              f"one of {', '.join(OPTIMIZERS)}")
         need(self.policy in policy_names(), "policy", self.policy, f"one of {', '.join(policy_names())}")
         need(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
+        need(self.data_loading in DATA_LOADING, "data_loading", self.data_loading, f"one of {', '.join(DATA_LOADING)}")
         need(self.on_non_finite in ON_NON_FINITE, "on_non_finite", self.on_non_finite,
              f"one of {', '.join(ON_NON_FINITE)}")
         need(self.outer in OUTERS, "outer", self.outer, f"one of {', '.join(OUTERS)}")
@@ -297,7 +302,7 @@ class TrainConfig:
 
     @property
     def async_adopt_value(self) -> str:
-        """How ``async`` adopts (``--async-adopt``; default ``delta``, measured closer to sync in the README;
+        """How ``async`` adopts (``--async-adopt``; default ``delta``, measured closer to sync in docs/benchmarks.rst;
         ``easgd`` when only ``--easgd-alpha`` is given, which implies it)."""
         if self.async_adopt is None:
             return "easgd" if self.easgd_alpha is not None else ADOPTION_DEFAULTS["async_adopt"]

@@ -17,6 +17,10 @@ Hooks (each patches the package in this process only):
   --script-round-ms X   ... and each round's overhead time as X ms.
   --record-indices DIR  each rank writes DIR/rank<r>.npz at exit: per epoch, the
                         training sample indices it read (``e<epoch>``), in order.
+  --count-reads DIR     each rank writes DIR/reads<r>.npz at exit: every read of a streamed
+                        dataset (--data-loading stream), in order: its rows
+                        (``rows``, start and stop), its dataset (``train``: 1 for the
+                        training features) and whether the read-ahead thread made it.
   --fault KIND@RANK:ROUND
                         inject that fault (tests/faults.py) on the product's hooks
                         (flodl_mpi.runtime.hooks): e.g. ``bridge@1:3``.
@@ -47,6 +51,7 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
     p.add_argument("--script-speeds")
     p.add_argument("--script-round-ms", type=float)
     p.add_argument("--record-indices")
+    p.add_argument("--count-reads")
     p.add_argument("--fault")
     opts, rest = p.parse_known_args(argv)
     if rest[:1] == ["--"]:
@@ -118,6 +123,33 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
                 np.savez(out / f"rank{int(read['rank'][0][0])}.npz", **{k: np.concatenate(v) for k, v in read.items()})
 
         at_exit.append(dump)
+
+    if opts.count_reads is not None:
+        from pathlib import Path
+
+        import numpy as np
+        from mpi4py import MPI
+
+        from flodl_mpi.training import stream
+
+        reads: list[tuple] = []
+        plain_read = stream.H5Rows._read_into
+
+        def read_into(self, out, start, stop):
+            ahead = threading.current_thread().name == "flodl-read-ahead"
+            reads.append((start, stop, int(self._ds.name == "/train/x"), int(ahead)))
+            return plain_read(self, out, start, stop)
+
+        stream.H5Rows._read_into = read_into
+
+        def dump_reads():
+            out = Path(opts.count_reads)
+            out.mkdir(parents=True, exist_ok=True)
+            table = np.array(reads, dtype=np.int64).reshape(-1, 4)
+            np.savez(out / f"reads{MPI.COMM_WORLD.rank}.npz", rows=table[:, :2], train=table[:, 2],
+                     ahead=table[:, 3])
+
+        at_exit.append(dump_reads)
 
     if opts.save_delay:
         plain_write = checkpoint.write_checkpoint

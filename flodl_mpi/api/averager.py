@@ -4,7 +4,9 @@ Invariant: the averager only counts and averages. Your loop keeps its optimizer,
 schedule, AMP scaler and clipping; after each optimizer step it calls
 :meth:`Averager.step`, and every ``window`` calls a round runs in the bridge
 thread (SPEC §2) and the consensus is adopted before ``step`` returns. Every rank
-calls ``step`` the same number of times, so every rank enters the same rounds.
+calls ``step`` the same number of times (in :meth:`Averager.join`, a rank out of
+data makes idle calls until the gathered round says every rank is), so every
+rank enters the same rounds.
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ class Averager:
     Collective contract: every rank builds it with the same arguments (same
     model structure: checked), calls :meth:`step` the same number of times
     (a rank without a batch calls ``step(realized=False)``: it joins the round
-    with mass 0), and calls :meth:`end_epoch` and :meth:`close` at the same
-    points. Every ``window``-th call of :meth:`step` in an epoch runs one round, and
+    with mass 0; ranks with unequal numbers of batches run the loop in
+    :meth:`join`, which makes those calls for a rank out of data), and calls
+    :meth:`end_epoch` and :meth:`close` at the same points. Every ``window``-th call of :meth:`step` in an epoch runs one round, and
     :meth:`end_epoch` closes an unfinished window with one: each rank's
     parameters weighted by its realized steps since its last consensus,
     ``mass = steps ** gamma`` (SPEC §1), floating buffers averaged among ranks
@@ -153,7 +156,7 @@ class Averager:
     consensus raises :class:`flodl_mpi.errors.NonFiniteError` on every rank alike.
     Checkpoints already written stay.
 
-    Example (README.rst, "Keep your loop", has a complete one)::
+    Example (docs/tutorial/own-loop.rst has a complete one)::
 
         with flodl_mpi.Averager(model, optimizer=opt, run_dir="runs/a", resume=resuming) as avg:
             for epoch in range(avg.start_epoch, epochs):      # a resumed run goes on where it stopped
@@ -257,6 +260,8 @@ class Averager:
         #: Rows metrics.h5 holds per table (a checkpoint records them for a resume).
         self._metrics_rows = {"epochs": 0, "batches": 0, "scalars": 0}
         self._round_pending = False
+        self._join: _Join | None = None  # the join block this rank is in (Averager.join)
+        self._idle = False  # in the join's idle rounds: this rank's loop is out of data
         self.world = world
         #: This rank and the world size (1 under plain ``python``).
         self.rank, self.world_size = world.rank, world.size
@@ -431,6 +436,12 @@ class Averager:
             n = self._hooked if self.optimizer is not None else 1
         else:
             n = 1 if realized else 0
+        if self._join is not None:
+            self._join.settled = False  # this rank stepped: its join is not over
+        return self._count(loss, n, samples)
+
+    def _count(self, loss, n: int, samples: int | None):
+        """One step() call of ``n`` realized steps (0: an idle call); every ``window`` calls, the round."""
         self._hooked = 0
         now = time.perf_counter()
         batch_ms = 1e3 * (now - self._t_last)
@@ -469,6 +480,71 @@ class Averager:
                 raise
             raise words from exc.__cause__
 
+    def join(self) -> _Join:
+        """A context manager for loops whose ranks have unequal numbers of batches (``torch.distributed``'s ``Join``).
+
+        ``with avg.join(): for batch in mine: ... avg.step(...)``. A rank whose loop
+        leaves the block (or calls :meth:`end_epoch` or :meth:`close` inside it) while
+        others still step goes on as an idle rank: it makes ``step(realized=False)``
+        calls, so it enters every round the others enter, with the steps it had not
+        averaged yet in its first one and mass 0 (SPEC §1: nothing of its
+        parameters in the consensus) after that, adopting each consensus. It stops
+        after the first round in which every rank is out of data: each rank says so
+        in the round's control gather (``joined``), so the decision is the gathered
+        matrix's, the same on every rank, and every rank leaves in that round, after
+        as many ``step()`` calls. :meth:`end_epoch` and :meth:`close` then see equal
+        counts. The decision costs one round after the last rank's last step (a
+        skipped one, a control gather only, when no rank has steps left to average).
+
+        Every rank must use the join around the same loop (a rank outside one that
+        reaches :meth:`end_epoch` while another idles in one gets the
+        unequal-count :class:`~flodl_mpi.errors.CohortError`, as without join).
+        Inside the block, :meth:`end_epoch` idles until every rank is out of data,
+        then ends the epoch for all (so one join may hold the whole epoch loop); the
+        block's exit right after an :meth:`end_epoch` runs no round. An exception
+        leaving the block runs no round (the job ends as any error ends it).
+
+        Returns:
+            The context manager; ``with avg.join() as a`` binds the averager.
+
+        Raises:
+            RuntimeError: after :meth:`close`, or inside another ``join()`` of this averager.
+        """
+        if self._closed:
+            raise RuntimeError("Averager.join() after close()")
+        return _Join(self)
+
+    def shard(self, n_samples: int, epoch: int, *, batch_size: int, seed: int = 0, drop_last: bool = False,
+              uneven: str = "join"):
+        """This rank's batches of ``epoch`` under the CLI's plan: :func:`flodl_mpi.shard` with this averager's
+        rank, world size and window (``for idx in avg.batches(avg.shard(len(data), epoch, batch_size=32)): ...``).
+
+        Arguments, return value and errors as :func:`flodl_mpi.shard`'s (``uneven="join"``: run the loop in
+        :meth:`join`, the ranks' counts may differ by up to ``window``).
+        """
+        from flodl_mpi.training.shard import shard
+
+        return shard(n_samples, epoch, seed, batch_size=batch_size, rank=self.rank, world_size=self.world_size,
+                     window=self.cfg.window, drop_last=drop_last, uneven=uneven)
+
+    def _join_rounds(self) -> None:
+        """Collective: idle step() calls (mass 0) until the round in which every rank sends ``joined`` 1."""
+        self._idle = True
+        try:
+            while True:
+                update = self._count(None, 0, None)
+                if update is not None and update.all_joined:  # gathered: every rank leaves in this round
+                    return
+        finally:
+            self._idle = False
+
+    def _leave_join(self) -> None:
+        """A join block's normal exit: its idle rounds, an error in them raised in the API's words."""
+        try:
+            self._join_rounds()
+        except BaseException as exc:  # the exception itself, or its API words (_failing), with its cause
+            raise self._failing(exc) from exc.__cause__
+
     def batches(self, batches):
         """Your epoch's batches less those a stopped run trained already: ``for b in avg.batches(mine): ...``.
 
@@ -497,7 +573,7 @@ class Averager:
         self.bridge.add_training_ms("snapshot", 1e3 * (time.perf_counter() - t0))
         stop = self._session.stop is not None and self._session.stop.requested
         update = self.bridge.round(self.steps, self._calls, stop=stop, loss_finite=self._loss_finite,
-                                   calls=self._epoch_calls)
+                                   calls=self._epoch_calls, joined=1.0 if self._idle else 0.0)
         self._calls, self._loss_finite = 0, True
         self._round_pending = True
         if update.adopted and not self.bridge.alone:  # a world of one's consensus is its own values
@@ -583,7 +659,12 @@ class Averager:
             raise RuntimeError("Averager.end_epoch() after close()")
         sums = _check_metrics(metrics)
         try:
-            return self._end_epoch(sums)
+            if self._join is not None:  # in a join: every rank out of data first (equal counts)
+                self._join_rounds()
+            result = self._end_epoch(sums)
+            if self._join is not None:
+                self._join.settled = True  # the epoch ended for every rank: the block's exit runs no round
+            return result
         except BaseException as exc:
             words = self._failing(exc)
             if words is exc:
@@ -712,6 +793,8 @@ class Averager:
         if self._closed:
             return
         try:
+            if self._join is not None and not self._join.settled:  # in a join: every rank out of data first
+                self._join_rounds()
             self._close()
         except BaseException as exc:
             words = self._failing(exc)
@@ -843,6 +926,28 @@ class Averager:
             with contextlib.suppress(Exception):
                 self._finish()
         leave_on_error(self._session, exc)  # aborts the job unless the ranks can leave together
+        return False
+
+
+class _Join:
+    """:meth:`Averager.join`'s context manager: on a normal exit, idle rounds until every rank is out of data."""
+
+    def __init__(self, avg: Averager) -> None:
+        self.avg = avg
+        #: No step() since an end_epoch() in this block: the exit needs no round (every rank ended the epoch).
+        self.settled = False
+
+    def __enter__(self) -> Averager:
+        if self.avg._join is not None:
+            raise RuntimeError("Averager.join() inside another join() of the same averager")
+        self.avg._join = self
+        return self.avg
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        avg = self.avg
+        avg._join = None
+        if exc is None and not avg._closed and not self.settled:
+            avg._leave_join()
         return False
 
 

@@ -21,7 +21,8 @@ import h5py
 import numpy as np
 
 from flodl_mpi.outputs.checkpoint import READ_ERRORS, CheckpointError, first_line, read_checkpoint
-from flodl_mpi.outputs.run_reader import RunError, metrics_attrs, open_metrics
+from flodl_mpi.cli.run_events import change_words
+from flodl_mpi.outputs.run_reader import RunError, metrics_attrs, open_metrics, read_membership
 
 __all__ = ["add_parser", "dataset_status", "describe_checkpoint", "describe_metrics", "main", "run"]
 
@@ -175,6 +176,10 @@ def describe_metrics(path: Path) -> str:
             for col, shape in lengths.items():
                 extra = f"  ({shape[0] - rows} row(s) ahead: being written)" if shape[0] > rows else ""
                 lines.append(f"    {col:<24} {group[col].dtype!s:<8} per row {shape[1:]}{extra}")
+    changes = read_membership(path)
+    if changes:  # the ledger in words (ids are stable ids; docs/elastic-records.rst)
+        lines.append(f"  membership changes ({len(changes)}):")
+        lines += [f"    {change_words(c)}" for c in changes]
     if isinstance(cfg, dict):
         lines.append("  config:")
         for key, value in cfg.items():

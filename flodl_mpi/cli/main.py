@@ -32,6 +32,7 @@ from flodl_mpi import __version__
 from flodl_mpi.config import (
     ASYNC_ADOPTS,
     AVERAGE_OPTIMIZER_STATE,
+    DATA_LOADING,
     DEVICES,
     HIERARCHICAL,
     NODE_REDUCES,
@@ -128,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drop-last", action="store_true", default=None,
                    help="drop each epoch's incomplete last batch (as PyTorch's DataLoader) instead of training on it")
     g.add_argument("--seed", type=int, help=f"seed of the data order and the model's initial values (default {d.seed})")
+    g.add_argument("--data-loading", choices=DATA_LOADING,
+                   help="memory: each rank reads --data's features whole at start; stream: each rank reads only its "
+                        "batches, as it trains them (a background thread reads the next window's ahead; the same "
+                        "values, bit for bit); auto: stream when the features as float32 exceed a quarter of the "
+                        f"memory available per rank of the host (default {d.data_loading})"),
     g = t.add_argument_group("averaging")
     g.add_argument("--policy", choices=policy_names(), help=policy_help(d.policy))  # the registry's entries
     g.add_argument("--window", type=int,
@@ -153,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async: how a rank adopts the consensus of a round it trained past, keeping its own "
                         "steps since the round's snapshot: delta takes the consensus in place of the snapshot; "
                         "easgd pulls the snapshot only --easgd-alpha of the way to it (EASGD's elastic pull: the "
-                        "ranks keep part of their spread; measured level with delta: README, 'Async's accuracy') "
+                        "ranks keep part of their spread; measured level with delta: the docs' Benchmarks page, 'Async's accuracy') "
                         f"(default {ADOPTION_DEFAULTS['async_adopt']}; easgd when only --easgd-alpha is given)")
     g.add_argument("--easgd-alpha", type=float,
                    help="async with --async-adopt easgd: adopt each consensus as theta + alpha * (consensus - "

@@ -68,7 +68,8 @@ def _title(runs: Sequence[Run], what: str) -> str:
 
 #: How each kind of `flodl_mpi.cli.run_events.Event` is drawn (a vertical line, its gid ``event:<kind>``).
 _EVENT_STYLE = {"stop": {"color": "red", "linestyle": "--"}, "resume": {"color": "green", "linestyle": "-."},
-                "world": {"color": "purple", "linestyle": "-"}}
+                "world": {"color": "purple", "linestyle": "-"},
+                "membership": {"color": "darkorange", "linestyle": ":"}}
 
 
 def _round_axis(runs: Sequence[Run]) -> str:
@@ -88,7 +89,7 @@ _AXIS_LABEL = {"round": "round", "epoch": "epoch (a round at the share of its ep
 
 
 def _mark_events(ax, runs: Sequence[Run], axis: str) -> None:
-    """A vertical line at each stop, resume and world-size change of each run (`run_events.events`):
+    """A vertical line at each stop, resume, world-size and membership change of each run (`run_events.events`):
     on a round axis between the last round before it and the first after, on an epoch axis
     where the rounds done by then end. Each line's gid is ``event:<kind>``."""
     for i, run in enumerate(runs):
@@ -230,13 +231,13 @@ def ranks_figure(runs: Sequence[Run]) -> Figure | None:
         for r in range(run.width):
             style = _series_style(runs, i, r)
             if thr is not None:
-                ax_thr.plot(x, thr[:, r], marker="o", markersize=3, label=_label(runs, run, f"rank {r}"), **style)
+                ax_thr.plot(x, thr[:, r], marker="o", markersize=3, label=_label(runs, run, run.rank_name(r)), **style)
             if done is not None:
                 ax_share.plot(x, 100 * done[:, r], marker="o", markersize=3, gid="batches done",
-                              label=_label(runs, run, f"rank {r}: done"), **style)
+                              label=_label(runs, run, f"{run.rank_name(r)}: done"), **style)
             if alloc is not None:
                 ax_share.plot(x, 100 * alloc[:, r], linewidth=1, alpha=0.7, gid="allocation",
-                              label=_label(runs, run, f"rank {r}: policy's allocation"),
+                              label=_label(runs, run, f"{run.rank_name(r)}: policy's allocation"),
                               **{**style, "linestyle": ":"})
     ax_thr.set(title="Throughput per rank (samples / s of compute + data wait)", xlabel="epoch", ylabel="samples / s")
     ax_share.set(title="Share of the epoch's batches done per rank\n"
@@ -269,7 +270,7 @@ def time_figure(runs: Sequence[Run]) -> Figure | None:
     labels, rows = [], []
     for run, p in parts:
         for r in range(p.shape[0]):
-            labels.append(f"rank {r}" if len(runs) == 1 else f"{run.label}: rank {r}")
+            labels.append(run.rank_name(r) if len(runs) == 1 else f"{run.label}: {run.rank_name(r)}")
             rows.append(p[r])
     data = np.array(rows)
     shown = [j for j in range(data.shape[1]) if np.any(np.abs(data[:, j]) > 0)]
@@ -317,11 +318,11 @@ def divergence_figure(runs: Sequence[Run]) -> Figure | None:
         idle = (mass == 0) if mass is not None and mass.shape == y.shape else np.zeros(y.shape, dtype=bool)
         for r in range(y.shape[1]):
             style = _series_style(runs, i, r)
-            ax.plot(x, np.where(idle[:, r], np.nan, y[:, r]), linewidth=1, label=_label(runs, run, f"rank {r}"),
+            ax.plot(x, np.where(idle[:, r], np.nan, y[:, r]), linewidth=1, label=_label(runs, run, run.rank_name(r)),
                     **style)
             if idle[:, r].any():
                 ax.plot(x[idle[:, r]], y[idle[:, r], r], "x", color=style["color"], markersize=4, linestyle="none",
-                        gid="idle", label=_label(runs, run, f"rank {r} idle (mass 0)"))
+                        gid="idle", label=_label(runs, run, f"{run.rank_name(r)} idle (mass 0)"))
         first = True
         for k in epoch_ends(run):
             ax.axvline(x[k], color="gray" if len(runs) == 1 else _color(i), linestyle=":", linewidth=0.8, alpha=0.6,
@@ -404,8 +405,8 @@ def cadence_figure(runs: Sequence[Run]) -> Figure | None:
                     alpha=0.6, label=_label(runs, run, "anchor"))
         if window is not None:
             for r in range(window.shape[1]):
-                ax.step(x, window[:, r], where="post", linewidth=1, label=_label(runs, run, f"rank {r} window"),
-                        **_series_style(runs, i, r))
+                ax.step(x, window[:, r], where="post", linewidth=1,
+                        label=_label(runs, run, f"{run.rank_name(r)} window"), **_series_style(runs, i, r))
     _mark_events(ax, runs_q, axis)
     ax.set_ylim(bottom=0)
     ax.set(title=_title(runs_q, "Anchor and batches per rank in each window"), xlabel=_AXIS_LABEL[axis],

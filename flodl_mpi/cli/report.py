@@ -26,11 +26,12 @@ import numpy as np
 
 from flodl_mpi.outputs.metrics import GUARD_VERDICTS
 from flodl_mpi.outputs.run_reader import NOT_OPTIONS, Run, RunError, load_run
+from flodl_mpi.cli.run_events import change_words
 from flodl_mpi.cli.time_budget import AVERAGING, NAMES, averaging_seconds, rank_seconds, time_parts
 from flodl_mpi.policy.registry import blocking, describe, lookup
 
-__all__ = ["add_parser", "describe_policy", "describe_world", "differing_options", "format_comparison",
-           "format_summary", "main", "plural", "rank_seconds", "summarize"]
+__all__ = ["add_parser", "describe_membership", "describe_policy", "describe_world", "differing_options",
+           "format_comparison", "format_summary", "main", "plural", "rank_seconds", "summarize"]
 
 
 def _last(col: np.ndarray | None) -> float:
@@ -61,13 +62,34 @@ def plural(n: int, noun: str) -> str:
 
 
 def describe_world(run: Run) -> str:
-    """The world sizes over the run, from ``world_size_history``: ``2 ranks``, or after a resume
-    at another size ``2 ranks, then 1 from round 10 (resumed)``."""
+    """The world sizes over the run, from ``world_size_history`` and the membership changes: ``2 ranks``,
+    or after a resume at another size ``2 ranks, then 1 from round 10 (resumed)``, or after a rank died
+    ``3 ranks, then 2 from round 20 (1 left)``."""
     history = run.world_size_history
     text = plural(history[0][1], "rank")
-    for first, w in history[1:]:
-        text += f", then {w} from round {first} (resumed)"
+    steps = [(first, w, "resumed") for first, w in history[1:]]
+    for c in run.membership:  # a rank died or joined: one change of the world in place (SPEC §9)
+        why = " and ".join(f"{len(ids)} {verb}" for ids, verb in ((c.left, "left"), (c.joined, "joined")) if ids)
+        steps.append((c.round, c.world_size, why))
+    for first, w, why in sorted(steps, key=lambda t: t[0]):
+        text += f", then {w} from round {first} ({why})"
     return text
+
+
+def describe_membership(run: Run) -> list[str]:
+    """The report's lines on the run's membership changes (`Run.membership`), none without one:
+    a summary of what they cost (detection, recovery: mean and largest, ms; the steps lost, in all),
+    then one line per change (`flodl_mpi.cli.run_events.change_words`)."""
+    changes = run.membership
+    if not changes:
+        return []
+    det, rec = [c.detection_ms for c in changes], [c.recovery_ms for c in changes]
+    left, joined = sum(len(c.left) for c in changes), sum(len(c.joined) for c in changes)
+    lost = sum(c.total_steps_lost for c in changes)
+    lines = [f"  membership    {plural(len(changes), 'change')} ({left} left, {joined} joined): detection "
+             f"{sum(det) / len(det):.0f} ms mean, {max(det):.0f} largest; recovery {sum(rec) / len(rec):.0f} ms "
+             f"mean, {max(rec):.0f} largest; {plural(lost, 'step')} lost in all (never averaged)"]
+    return lines + [f"    {change_words(c)}" for c in changes]
 
 
 def _last_by_name(run: Run, evaluated: bool) -> tuple[dict[str, float], int | None]:
@@ -290,13 +312,15 @@ def format_summary(run: Run) -> str:
         f"  stops {s['stops']}, resumes {s['resumes']}; guard "
         + (", ".join(f"{k} {v}" for k, v in s["guard"].items()) or "stable in every round"),
     ]
+    lines += describe_membership(run)
     if s["anchor"] is not None:
         first, last, top = s["anchor"]
         lines.append(f"  anchor        {first} first, {last} last, {top} largest"
                      + (f"; {100 * s['overlap']:.0f} % of the round time hidden behind compute"
                         if s["overlap"] is not None else ""))
     if s["quarantined"]:
-        lines.append("  quarantined   " + ", ".join(f"rank {r} in {n} round(s)" for r, n in s["quarantined"].items()))
+        lines.append("  quarantined   "
+                     + ", ".join(f"{run.rank_name(r)} in {n} round(s)" for r, n in s["quarantined"].items()))
     if s["last_log"]:
         lines.append(f"  last log line {s['last_log']}")
     return "\n".join(lines)

@@ -14,25 +14,44 @@ from typing import NamedTuple
 import numpy as np
 
 from flodl_mpi.outputs.run_reader import Run
+from flodl_mpi.protocol.membership import MembershipChange
 
-__all__ = ["Event", "epoch_ends", "events", "round_epochs", "rounds_to_epochs"]
+__all__ = ["Event", "change_words", "epoch_ends", "events", "round_epochs", "rounds_to_epochs"]
 
 _STOP = re.compile(r"stopped on request\b.*\b(?:at|after) round (\d+)")
 
 
 class Event(NamedTuple):
     """One mark on a time line: after ``rounds`` rounds, a ``kind`` ("stop", "resume",
-    "world") described by ``label``."""
+    "world", "membership") described by ``label``."""
 
     rounds: int
     kind: str
     label: str
 
 
+def _ids(ids: tuple[int, ...]) -> str:
+    return f"id{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+
+
+def change_words(c: MembershipChange) -> str:
+    """One membership change in words: ``round 20: id 1 left (14 steps lost); 2 ranks; detection
+    120 ms, recovery 40 ms`` (ids are stable ids: the launch rank, then a join counter)."""
+    what = []
+    if c.left:
+        lost = c.total_steps_lost
+        what.append(f"{_ids(c.left)} left ({lost} step{'' if lost == 1 else 's'} lost)")
+    if c.joined:
+        what.append(f"{_ids(c.joined)} joined")
+    return (f"round {c.round}: {' and '.join(what)}; {c.world_size} rank{'' if c.world_size == 1 else 's'}; "
+            f"detection {c.detection_ms:.0f} ms, recovery {c.recovery_ms:.0f} ms")
+
+
 def events(run: Run) -> list[Event]:
     """Stops (train.log's "stopped on request ... at/after round N" lines), resumes (the
-    rounds of `Run.resume_rounds`) and world-size changes (``world_size_history``), in
-    round order; a resume that changed the world size is one ``world`` event."""
+    rounds of `Run.resume_rounds`), world-size changes (``world_size_history``) and
+    membership changes (`Run.membership`: a rank that died or joined, at the round it cut
+    off), in round order; a resume that changed the world size is one ``world`` event."""
     out = []
     for line in run.log_lines:
         m = _STOP.search(line)
@@ -45,6 +64,8 @@ def events(run: Run) -> list[Event]:
     for n in dict.fromkeys(run.resume_rounds):
         if n not in changes:
             out.append(Event(n, "resume", f"resume (round {n})"))
+    for c in run.membership:
+        out.append(Event(c.round, "membership", change_words(c)))
     return sorted(out, key=lambda e: (e.rounds, e.kind != "stop"))
 
 

@@ -50,13 +50,24 @@ _PHASES = {"control gather": "control_ms", "pack": "pack_ms", "allreduce": "allr
 
 
 def rank_seconds(run: Run) -> np.ndarray:
-    """Seconds each rank was in the run, float64 ``(W,)`` (W the widest world size): the
-    stretches (`Run.segments`) whose world had the rank; every rank: the elapsed time,
-    for a run at one world size."""
+    """Seconds each rank was in the run, float64 ``(W,)`` (W the widest world size, or the stable
+    ids ever given): the stretches (`Run.segments`) whose world had the rank, less the time after
+    it left (`Run.membership`), plus the time since it joined; every rank: the elapsed time, for a
+    run at one world size."""
     out = np.zeros(run.width)
-    for _, w, start, end in run.segments():
+    segments = run.segments()
+    for _, w, start, end in segments:
         out[:w] += max(0.0, end - start)
-    return out
+    # After a membership change the columns are stable ids: an id that left stops counting when the
+    # change was in place (its ``time_s``), one that joined starts then, until the stretch ends (a
+    # resume launches the ranks again; docs/elastic-records.rst).
+    for c in run.membership:
+        end = next((seg[3] for seg in reversed(segments) if seg[0] <= c.round), 0.0)
+        for ids, sign in ((c.left, -1.0), (c.joined, 1.0)):
+            for i in ids:
+                if i < len(out):
+                    out[i] += sign * max(0.0, end - c.time_s)
+    return np.maximum(out, 0.0)
 
 
 def blocking(run: Run) -> bool:

@@ -1,8 +1,8 @@
 """metrics.h5: append-only tables readable while the run writes, and rank 0's writer thread.
 
 Invariant: every dataset exists before SWMR is switched on, and after that the file
-only grows (one resize + one write + one flush per column per append), so a concurrent SWMR reader always
-sees a consistent prefix. The schema is data (`table_schema`); the README documents it.
+only grows (one resize + one write + one flush per column per append), so a concurrent SWMR
+reader always sees a consistent prefix. The schema is data (`table_schema`); docs/file-formats.rst documents it.
 
 Layout: ``/<table>/<column>`` datasets of shape ``(rows, *per_row_shape)``. All columns
 of a table are appended together, column after column, so a reader that catches an
@@ -132,6 +132,17 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             "epoch": (_I64, ()), "name": (_NAME, ()), "value": (_F64, ()), "count": (_I64, ()),
             "per_rank_mean": (_F64, W), "per_rank_count": (_I64, W),
         },
+        # One row per membership change (SPEC §9, the ledger; docs/elastic-records.rst). Its
+        # per-rank columns, as every table's once a rank left or joined, are indexed by stable id
+        # (`flodl_mpi.protocol.membership`): the launch rank, then a join counter.
+        "membership": {
+            "round": (_I64, ()),  # the abandoned round: the new world's first round has this number
+            "time_s": (_F64, ()),
+            "left": (_BOOL, W), "joined": (_BOOL, W),  # by stable id
+            "steps_lost": (_I64, W),  # steps since the last adopted consensus of each id that left, never averaged
+            "rank": (_I32, W),  # each id's rank after the change (-1: not a member)
+            "world_size": (_I64, ()), "detection_ms": (_F64, ()), "recovery_ms": (_F64, ()),
+        },
     }
 
 
@@ -189,6 +200,19 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _root_attrs(f: h5py.File) -> dict[str, Any]:
+    """The root attributes of an open metrics.h5 as `MetricsFile` takes them: JSON ones decoded,
+    numpy scalars as Python's, without those it writes itself (``json_attrs``, ``schema_version``,
+    ``world_size_history``: the history is read from the file again)."""
+    raw = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
+    for key in json.loads(raw.pop("json_attrs", "[]")):
+        if key in raw:
+            raw[key] = json.loads(raw[key])
+    for key in ("schema_version", "world_size_history"):
+        raw.pop(key, None)
+    return raw
+
+
 def _pad(arr: np.ndarray, width: int) -> np.ndarray:
     """Per-rank rows ``(k, w)`` widened to ``(k, width)``: NaN for floats, -1 for integers."""
     if arr.shape[1] == width:
@@ -213,6 +237,11 @@ class MetricsFile:
             seen). Those rows of an existing file at ``path`` (even one a killed
             run left open for writing) are copied into a fresh file with
             ``attrs``; later rows are dropped (the resumed run redoes them).
+            ``membership`` rows, unless counted here, are kept for the rounds
+            kept (``round`` below ``keep_rows["rounds"]``).
+        width: the per-rank columns' width the appends use (default ``world_size``):
+            after a membership change, rows are indexed by stable id, up to
+            `flodl_mpi.protocol.membership.Membership.width` wide; see `take_over`.
 
     The file is always built complete under a temporary name
     (``metrics.h5.resume-tmp``), closed, fsynced, reopened for appending in SWMR
@@ -234,15 +263,17 @@ class MetricsFile:
     """
 
     def __init__(self, path: str | os.PathLike, world_size: int, attrs: Mapping[str, Any],
-                 keep_rows: Mapping[str, int] | None = None):
+                 keep_rows: Mapping[str, int] | None = None, width: int | None = None):
         self.path = Path(path)
-        self.live_schema = table_schema(world_size)
+        self.live_schema = table_schema(world_size if width is None else width)
         if "world_size" in attrs and attrs["world_size"] != world_size:
             raise ValueError(
                 f"attrs['world_size']={attrs['world_size']!r} differs from world_size={world_size}"
             )
         #: Lines saying what a resume repaired (for the run's log).
         self.recovered: list[str] = []
+        #: Rows each table kept (`take_over`'s); empty for a new file or a resume.
+        self.rows: dict[str, int] = {}
         self._file: h5py.File | None = None
         history: list[list[int]] = [[0, world_size]]
         salvaged: dict[str, dict[str, np.ndarray]] = {}
@@ -262,6 +293,7 @@ class MetricsFile:
                     history.append([start, world_size])
                 width = max(old_width, *(w for _, w in history))
             _step("salvaged")
+        width = max(width, self.live_schema["rounds"]["steps"][1][0])  # the appends' width fits too
         self.schema = table_schema(width)
         tmp = self.path.with_name(self.path.name + ".resume-tmp")
         tmp.unlink(missing_ok=True)
@@ -283,6 +315,42 @@ class MetricsFile:
         with contextlib.suppress(OSError):
             _fsync(self.path.parent)
         _step("replaced")
+
+    @classmethod
+    def take_over(cls, path: str | os.PathLike, width: int | None = None) -> MetricsFile:
+        """Reopen a metrics.h5 another writer left (rank 0 died; SPEC §9): every row it had flushed, once.
+
+        The lowest surviving rank calls it in one process. Each table keeps the rows
+        every column of it holds (`read_table`: an append the dead writer left half done
+        is dropped whole, so nothing is duplicated when the caller appends from there);
+        the root attributes are kept as they are. The file is rebuilt as a resume's is
+        (temp name, fsync, rename: a kill at any step leaves the old file or the new one,
+        whole; a leftover temporary is removed by the next take-over or resume).
+        `rows` says how many rows each table kept, so the caller appends what came
+        after them (e.g. the rounds it holds that the dead writer had not flushed).
+
+        Args:
+            path: the metrics.h5 (it may still be flagged open by the dead writer).
+            width: the per-rank width the new writer appends (default: the file's);
+                the file is widened to it (a newcomer's id) and never narrowed.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            OSError: it cannot be read as HDF5.
+        """
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no metrics.h5 to take over")
+        with h5py.File(path, "r", swmr=True) as f:
+            raw = _root_attrs(f)
+            file_width = int(f["rounds/steps"].shape[1])
+            tables = list(f)
+        rows = {t: min((len(a) for a in read_table(path, t).values()), default=0) for t in tables}
+        # Every table named, with 0 for one this file predates: its rows are the file's, not a round's count.
+        keep = {t: rows.get(t, 0) for t in table_schema(1)}
+        out = cls(path, int(raw["world_size"]), raw, keep_rows=keep, width=max(file_width, width or 0))
+        out.rows = keep
+        return out
 
     def _open_writer(self, path: Path) -> None:
         """Open the complete file at ``path`` to append, in SWMR mode (every object exists, as SWMR requires)."""
@@ -351,6 +419,9 @@ class MetricsFile:
         for table, columns in self.live_schema.items():
             rows = read_table(self.path, table) if table in present else {}  # a table this file predates: no rows
             keep, have = int(keep_rows.get(table, 0)), min((len(a) for a in rows.values()), default=0)
+            if table == "membership" and table not in keep_rows and "round" in rows:
+                # The changes of the rounds kept (rows in round order): a later one is the future dropped.
+                keep = int(np.count_nonzero(rows["round"][:have] < int(keep_rows.get("rounds", 0))))
             if have < keep:
                 raise ValueError(f"{self.path}: table {table!r} has {have} rows, the checkpoint saw {keep}")
             out[table] = {name: a[:keep] for name, a in rows.items() if name in columns}  # later rows are redone
@@ -621,6 +692,9 @@ class MetricsWriter:
         keep_checkpoints: complete checkpoints kept after each save, >= 1.
         keep_rows: resume: continue the existing metrics.h5, cut to these rows
             per table (see `MetricsFile`).
+        width: per-rank width of the appends (default ``world_size``; see `MetricsFile`).
+
+    :meth:`take_over` builds the writer of the lowest surviving rank when rank 0 died.
     """
 
     #: This rank writes the run's files (`NoMetricsWriter` on every other rank).
@@ -634,8 +708,10 @@ class MetricsWriter:
         checkpoint_dir: Path | None = None,
         keep_checkpoints: int = 3,
         keep_rows: Mapping[str, int] | None = None,
+        width: int | None = None,
     ):
-        self.schema = table_schema(world_size)
+        self.schema = table_schema(world_size if width is None else width)
+        self._width, self._take_over = width, False
         if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
         self.run_dir = Path(run_dir)
@@ -654,9 +730,36 @@ class MetricsWriter:
         self._held_table, self._held_since = "", 0.0
         #: What a resume repaired in metrics.h5 (`MetricsFile.recovered`), once started.
         self.recovered: list[str] = []
+        #: After :meth:`take_over` has started: the rows each table kept (`MetricsFile.take_over`).
+        self.rows: dict[str, int] = {}
         #: Seconds the latest checkpoint took to write (0 before the first).
         self.last_save_s = 0.0
         self._thread = threading.Thread(target=self._run, name="flodl-writer", daemon=True)
+
+    @classmethod
+    def take_over(cls, run_dir: Path, width: int | None = None, checkpoint_dir: Path | None = None,
+                  keep_checkpoints: int = 3) -> MetricsWriter:
+        """The writer of the rank that takes over rank 0's duties (SPEC §9): on :meth:`start`, it
+        reopens ``run_dir/metrics.h5`` with every row the dead writer had flushed
+        (`MetricsFile.take_over`; `rows` then says how many) and appends from there.
+
+        Args:
+            run_dir: the run directory holding metrics.h5.
+            width: the per-rank width of the appends (the membership's); at least the file's.
+            checkpoint_dir, keep_checkpoints: as the constructor's.
+
+        Raises:
+            FileNotFoundError: no metrics.h5 there. OSError: it cannot be read.
+        """
+        path = Path(run_dir) / "metrics.h5"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no metrics.h5 to take over")
+        with h5py.File(path, "r", swmr=True) as f:
+            attrs, file_width = _root_attrs(f), int(f["rounds/steps"].shape[1])
+        writer = cls(run_dir, int(attrs["world_size"]), attrs, checkpoint_dir, keep_checkpoints,
+                     width=max(file_width, width or 0))
+        writer._take_over = True
+        return writer
 
     # -------------------------------------------------------------- caller side
 
@@ -821,7 +924,11 @@ class MetricsWriter:
         metrics = None
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            metrics = MetricsFile(self.path, self._world_size, self._attrs, self._keep_rows)
+            if self._take_over:
+                metrics = MetricsFile.take_over(self.path, self._width)
+                self.rows = metrics.rows
+            else:
+                metrics = MetricsFile(self.path, self._world_size, self._attrs, self._keep_rows, self._width)
             self.recovered = metrics.recovered
             self._ready.set()
             while self._serve(metrics):

@@ -13,10 +13,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from flodl_mpi.outputs.metrics import table_schema
 from flodl_mpi.protocol.control import ACK
 from flodl_mpi.protocol.epoch_report import BATCH_COLUMNS, EpochSummary
+from flodl_mpi.protocol.membership import Membership, MembershipChange
 
-__all__ = ["COHORT_ACKS", "NoRecorder", "Recorder", "batch_columns", "recorder_for"]
+__all__ = ["COHORT_ACKS", "NoRecorder", "Recorder", "batch_columns", "keyed_by_id", "membership_row", "recorder_for"]
 
 #: The acks stored as one value for the whole cohort, rank 0's, a scalar column: ``post_norm``
 #: is the same on every rank; ``bytes`` is what rank 0 put on the wire (in a hierarchical round
@@ -38,6 +40,9 @@ class NoRecorder:
     def epoch(self, summary: EpochSummary, batch_table: np.ndarray | None, time_s: float) -> None:
         """Write an epoch's row and its batch records (nothing here)."""
 
+    def membership(self, change: MembershipChange, members: Membership) -> None:
+        """Write a membership change's row and key later rows by stable id (nothing here)."""
+
 
 class Recorder(NoRecorder):
     """Rank 0's recorder over a ``MetricsWriter`` (its ``append(table, rows)`` and ``append_held(table, row)``).
@@ -50,6 +55,20 @@ class Recorder(NoRecorder):
     def __init__(self, writer) -> None:
         self._writer = writer
         self._pending: dict | None = None
+        #: The membership rows are keyed by once it changed (None: the launch ranks, rank = id).
+        self._members: Membership | None = None
+
+    def membership(self, change: MembershipChange, members: Membership) -> None:
+        """Append ``change``'s ``membership`` row; from here on every row's per-rank values are keyed by
+        the stable ids of ``members`` (the membership after the change), `keyed_by_id`.
+
+        The pending round (the one the change cut off: its acks never come) is dropped. The
+        writer's per-rank width must be ``members.width`` (`MetricsWriter`'s ``width``; a newcomer's
+        id widens it: `MetricsWriter.take_over`).
+        """
+        self._pending = None
+        self._members = members
+        self._writer.append("membership", membership_row(change, members))
 
     def round(self, **record) -> None:
         """Hold one round's own facts (``rounds`` columns but the ack ones and ``guard``).
@@ -68,6 +87,8 @@ class Recorder(NoRecorder):
         per_rank = {n: acks[n] for n in ACK.names if n not in COHORT_ACKS}
         rec.update(per_rank, post_norm=float(acks["post_norm"][0]), bytes=int(acks["bytes"][0]),
                    guard=0 if verdict is None else int(verdict))
+        if self._members is not None:
+            rec = keyed_by_id("rounds", rec, self._members)
         # Held by the writer and appended in blocks (a round may come every few ms): the values are
         # copies or views of this round's gathered matrix, which nothing writes again.
         self._writer.append_held("rounds", rec)
@@ -75,9 +96,16 @@ class Recorder(NoRecorder):
 
     def epoch(self, summary: EpochSummary, batch_table: np.ndarray | None, time_s: float) -> None:
         """Append the gathered batch records ``(k, len(BATCH_COLUMNS))`` and the epoch's row."""
+        batches, row = None, _epoch_row(summary, time_s)
         if batch_table is not None and len(batch_table):
-            self._writer.append("batches", batch_columns(batch_table))
-        self._writer.append("epochs", _epoch_row(summary, time_s))
+            batches = batch_columns(batch_table)
+        if self._members is not None:
+            row = keyed_by_id("epochs", row, self._members, rows=True)
+            if batches is not None:  # a batch's rank becomes its stable id
+                batches["rank"] = np.asarray(self._members.ids, dtype=np.int32)[batches["rank"]]
+        if batches is not None:
+            self._writer.append("batches", batches)
+        self._writer.append("epochs", row)
 
 
 def batch_columns(batch_table: np.ndarray) -> dict[str, np.ndarray]:
@@ -87,6 +115,50 @@ def batch_columns(batch_table: np.ndarray) -> dict[str, np.ndarray]:
         cols[name] = cols[name].astype(np.int64)
     cols["rank"] = cols["rank"].astype(np.int32)
     return cols
+
+
+def _fill(dtype: np.dtype):
+    """metrics.h5's padding of a slot with no value: NaN (floats), False (booleans), -1 (integers)."""
+    return np.nan if dtype.kind == "f" else (False if dtype.kind == "b" else -1)
+
+
+def keyed_by_id(table: str, row: dict, members: Membership, rows: bool = False) -> dict:
+    """``row`` with each per-rank value (index = rank) widened to ``(members.width,)`` (index = stable id).
+
+    The slots of ids that are not ranks now hold the padding (`_fill`), so readers see
+    them as absent (`flodl_mpi.outputs.run_reader.Run.per_rank`). ``rows``: the values
+    carry a leading row axis (``(1, W)``, as `_epoch_row`'s).
+    """
+    out = dict(row)
+    for name, (dtype, shape) in table_schema(1)[table].items():
+        if shape and name in out:
+            v = np.asarray(out[name])
+            out[name] = members.scatter(v[0], _fill(v.dtype))[None] if rows else members.scatter(v, _fill(v.dtype))
+    return out
+
+
+def membership_row(change: MembershipChange, members: Membership) -> dict[str, np.ndarray]:
+    """The ``membership`` table's row of ``change`` (one row, per-id columns ``(1, members.width)``).
+
+    ``members`` is the membership after the change: its ranks give the ``rank`` column.
+
+    Raises:
+        ValueError: an id of ``change`` beyond ``members.width``, or ``change.world_size`` not
+            ``members.world_size``.
+    """
+    width = members.width
+    if any(i >= width for i in (*change.left, *change.joined)) or change.world_size != members.world_size:
+        raise ValueError(f"the change (left {list(change.left)}, joined {list(change.joined)}, world size "
+                         f"{change.world_size}) does not fit the membership (ids {list(members.ids)}, width {width})")
+    left, joined = np.zeros((1, width), bool), np.zeros((1, width), bool)
+    left[0, list(change.left)] = True
+    joined[0, list(change.joined)] = True
+    steps = np.zeros((1, width), np.int64)
+    steps[0, list(change.left)] = change.steps_lost
+    rank = members.scatter(np.arange(members.world_size, dtype=np.int32), -1)[None]
+    return {"round": np.asarray([change.round]), "time_s": np.asarray([change.time_s]), "left": left,
+            "joined": joined, "steps_lost": steps, "rank": rank, "world_size": np.asarray([change.world_size]),
+            "detection_ms": np.asarray([change.detection_ms]), "recovery_ms": np.asarray([change.recovery_ms])}
 
 
 def recorder_for(rank: int, writer) -> NoRecorder:

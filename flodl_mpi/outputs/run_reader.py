@@ -21,8 +21,9 @@ import h5py
 import numpy as np
 
 from flodl_mpi.outputs.metrics import SCHEMA_VERSION, read_table
+from flodl_mpi.protocol.membership import MembershipChange
 
-__all__ = ["Run", "RunError", "load_run", "metrics_attrs", "open_metrics"]
+__all__ = ["Run", "RunError", "changes_of", "load_run", "metrics_attrs", "open_metrics", "read_membership"]
 
 #: Per table, the integer per-rank column whose -1 padding marks a rank the row's world did not have.
 _PRESENCE = {"rounds": "steps", "epochs": "per_rank_batches", "scalars": "per_rank_count"}
@@ -101,8 +102,26 @@ class Run:
 
     @property
     def width(self) -> int:
-        """Per-rank columns' width: the largest world size the run had (``max`` over the history)."""
-        return max(w for _, w in self.world_size_history)
+        """Per-rank columns' width: the largest world size the run had (``max`` over the history),
+        or more after a membership change: one slot per stable id ever given."""
+        cols = (c for t in self.tables.values() for c in t.values() if c.ndim == 2)
+        return max([w for _, w in self.world_size_history] + [c.shape[1] for c in cols])
+
+    def rank_name(self, column: int) -> str:
+        """How a per-rank column is named on plots and in tables: ``rank 2``, or ``id 2`` (its stable
+        id) once the run's membership changed (a column is then one id across the changes)."""
+        return f"{'id' if self.membership else 'rank'} {column}"
+
+    @property
+    def membership(self) -> list[MembershipChange]:
+        """The run's membership changes in round order (metrics.h5 ``membership``, `changes_of`);
+        empty while the ranks stayed those launched, and for a file from before the table.
+
+        Once a change happened, every per-rank column is indexed by stable id (the launch
+        rank, then a join counter), so ``per_rank(table, name)[:, i]`` is one rank's series
+        across the changes, NaN where that id was not a rank (docs/elastic-records.rst).
+        """
+        return changes_of(self.tables.get("membership", {}))
 
     def present(self, table: str) -> np.ndarray | None:
         """Which ranks the world that wrote each row had: bool ``(rows, width)``, or None (no rows).
@@ -160,6 +179,39 @@ class Run:
         """The column, or None when the table or column is absent or has no rows."""
         col = self.tables.get(table, {}).get(name)
         return col if col is not None and len(col) else None
+
+
+def changes_of(table: dict[str, np.ndarray]) -> list[MembershipChange]:
+    """The rows of a ``membership`` table (column -> array, as `read_table` gives) as changes.
+
+    ``left`` / ``joined`` (bool, per stable id) become the ids; ``steps_lost`` is read for
+    the ids that left. A table without its columns (an older file) gives no change.
+    """
+    need = ("round", "time_s", "left", "joined", "steps_lost", "world_size", "detection_ms", "recovery_ms")
+    if any(name not in table for name in need):
+        return []
+    out = []
+    for i in range(min(len(table[name]) for name in need)):
+        left = np.flatnonzero(table["left"][i])
+        out.append(MembershipChange(
+            round=int(table["round"][i]), time_s=float(table["time_s"][i]), left=tuple(int(v) for v in left),
+            joined=tuple(int(v) for v in np.flatnonzero(table["joined"][i])),
+            steps_lost=tuple(max(0, int(table["steps_lost"][i][v])) for v in left),
+            world_size=int(table["world_size"][i]), detection_ms=float(table["detection_ms"][i]),
+            recovery_ms=float(table["recovery_ms"][i])))
+    return out
+
+
+def read_membership(path: str | os.PathLike) -> list[MembershipChange]:
+    """The membership changes of a metrics.h5 (`changes_of`), safe while the run writes; [] without the table.
+
+    Raises:
+        BlockingIOError: as `read_table` (the file stayed locked for 10 s).
+    """
+    try:
+        return changes_of(read_table(path, "membership"))
+    except KeyError:  # a file from before the table
+        return []
 
 
 def open_metrics(path: str | os.PathLike, timeout: float = 10.0) -> h5py.File:

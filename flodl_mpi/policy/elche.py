@@ -36,6 +36,15 @@ REARM_STABLE_ROUNDS = 5
 HIDE_HEADROOM = 2.0
 
 
+def _ranks_in(ranks, world_size: int) -> list[int]:
+    """``ranks`` as ints, each checked to be in ``[0, world_size)`` (ValueError names the first that is not)."""
+    out = [int(r) for r in ranks]
+    bad = [r for r in out if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"ranks {bad} are not in the world of {world_size} ranks")
+    return out
+
+
 def _round_half_up(x: float) -> int:
     """Round to nearest, halves up (Python's ``round`` rounds halves to even)."""
     return math.floor(x + 0.5)
@@ -254,6 +263,46 @@ class ElChe:
             self.latched, self.stable_run = True, 0
         if self.anchor != old:
             self._rebalance(force=True)
+
+    # ---- membership (SPEC §9) ------------------------------------------------------
+
+    def without_ranks(self, ranks) -> None:
+        """Re-plan for the world without ``ranks`` (positions before the shrink; survivors keep their order).
+
+        The survivors' smoothed speeds stay (SPEC §9: "re-plans from its smoothed speeds
+        without the dead ranks' rows"); the slowest survivor becomes the anchor rank and
+        every quota is recomputed against it at once (the dead zone does not apply: the
+        world changed). The anchor and the growth latch stay.
+
+        Raises:
+            ValueError: a rank outside the world, or every rank.
+        """
+        gone = set(_ranks_in(ranks, self.world_size))
+        if len(gone) >= self.world_size:
+            raise ValueError(f"without_ranks({sorted(gone)}) leaves no rank of the {self.world_size}")
+        keep = [r for r in range(self.world_size) if r not in gone]
+        self.world_size = len(keep)
+        self.readings = [self.readings[r] for r in keep]
+        self.ratios = [self.ratios[r] for r in keep]
+        self.anchor_rank = 0
+        self._counts = [self._counts[r] for r in keep]
+        self._rebalance(force=True)
+
+    def with_new_ranks(self, count: int) -> None:
+        """Re-plan for ``count`` >= 1 newcomers above the current ranks: each has no reading yet, so
+        it runs the anchor (as the slowest would) until its first window is timed (the phase is
+        ``warmup`` until then); the others' quotas are unchanged.
+
+        Raises:
+            ValueError: ``count`` < 1.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an int >= 1, got {count!r}")
+        self.world_size += count
+        self.readings += [[] for _ in range(count)]
+        self.ratios += [1.0] * count
+        self._counts += [self.anchor] * count
+        self._rebalance(force=True)
 
     # ---- checkpoints --------------------------------------------------------------
 

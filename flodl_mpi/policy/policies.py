@@ -108,6 +108,37 @@ class Policy(ABC):
             return None
         return self.guard.observe(facts.max_divergence)
 
+    def without_ranks(self, ranks) -> None:
+        """Re-plan, in place, for the world without ``ranks`` (positions before the shrink, SPEC §9).
+
+        Every survivor calls it with the same agreed failed set, so every survivor holds
+        the same plan for the new world's first window. The guard's trend stays (it
+        reads the consensus' divergence, not a rank's). A policy with per-rank state
+        overrides this and :meth:`with_new_ranks` (and calls them here).
+
+        Raises:
+            ValueError: a rank outside the world, named twice, or every rank.
+        """
+        gone = [int(r) for r in ranks]
+        bad = [r for r in gone if not 0 <= r < self.world_size]
+        if bad or len(set(gone)) != len(gone) or len(set(gone)) >= self.world_size:
+            raise ValueError(f"without_ranks({gone}): each rank once, in the world of {self.world_size}, and not "
+                             "every rank")
+        self.world_size -= len(gone)
+
+    def with_new_ranks(self, count: int) -> None:
+        """Re-plan, in place, for ``count`` >= 1 newcomers above the current ranks (SPEC §9 "Join").
+
+        A newcomer is then given :meth:`state_dict` and builds its policy at the new world
+        size with :meth:`load_state_dict`, so it holds the same plan as the others.
+
+        Raises:
+            ValueError: ``count`` < 1.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an int >= 1, got {count!r}")
+        self.world_size += count
+
     def state_dict(self) -> dict:
         """JSON-able state, saved in checkpoints (SPEC §6)."""
         return {"name": self.name, "guard": self.guard.state_dict()}
@@ -130,6 +161,14 @@ class FixedPolicy(Policy):
 
     def plan(self) -> Plan:
         return self._plan
+
+    def without_ranks(self, ranks) -> None:
+        super().without_ranks(ranks)
+        self._plan = Plan(tuple(fixed_quotas(self.world_size, self._plan.anchor)), self._plan.anchor)
+
+    def with_new_ranks(self, count: int) -> None:
+        super().with_new_ranks(count)
+        self._plan = Plan(tuple(fixed_quotas(self.world_size, self._plan.anchor)), self._plan.anchor)
 
 
 class CadencePolicy(Policy):
@@ -206,6 +245,23 @@ class CadencePolicy(Policy):
             self._window_ms = float(ms[a] * facts.window[a]) if facts.window[a] > 0 else math.nan
             self._window_anchor = int(facts.anchor)
         return verdict
+
+    def without_ranks(self, ranks) -> None:
+        """ElChe re-plans without the ranks' rows (:meth:`~flodl_mpi.policy.elche.ElChe.without_ranks`).
+
+        The anchor rank's window time is forgotten: it timed a window of the old world
+        (whose round was abandoned), so the next round proposes no growth; a verdict
+        waiting for the next window's close still acts then.
+        """
+        super().without_ranks(ranks)
+        self.elche.without_ranks(ranks)
+        self._window_ms, self._window_anchor = math.nan, 0
+
+    def with_new_ranks(self, count: int) -> None:
+        """ElChe gives each newcomer the anchor until it is timed
+        (:meth:`~flodl_mpi.policy.elche.ElChe.with_new_ranks`)."""
+        super().with_new_ranks(count)
+        self.elche.with_new_ranks(count)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "elche": self.elche.state_dict(), "window_ms": self._window_ms,

@@ -8,7 +8,7 @@ policy checks, train.log's header, the report, :func:`flodl_mpi.fit` and
 :class:`flodl_mpi.Averager` read the entries here; :func:`make_policy` builds the policy
 a config names.
 
-Adding a policy (README, "Adding a policy")::
+Adding a policy (docs/howto/add-policy.rst)::
 
     from flodl_mpi.policy.policies import Plan, Policy
     from flodl_mpi.policy.registry import PolicySpec, count, register

@@ -131,7 +131,8 @@ def read_recorded_plan(path: str | os.PathLike) -> RecordedPlan:
 
     Raises:
         ReplayError: no such file, not a flodl-mpi metrics file, no rounds, a run whose
-            world size changed (its per-rank columns mean other ranks over time), or a
+            world size changed (a resume at another size, or a membership change: a rank
+            that died or joined; its per-rank columns mean other ranks over time), or a
             policy whose plan is fixed (``sync``, ``window``: nothing to replay).
     """
     p = Path(path)
@@ -147,10 +148,20 @@ def read_recorded_plan(path: str | os.PathLike) -> RecordedPlan:
                                   "run's RUN_DIR/metrics.h5")
             rounds = {name: f["rounds"][name][()] for name in ("quota", "anchor", "window")}
             samples = f["epochs/per_rank_samples"][()] if "epochs/per_rank_samples" in f else np.zeros((0, 1))
+            # The membership ledger (SPEC §9), rows cut to the shortest column as every reader does.
+            changes = f["membership"] if "membership" in f else {}
+            n_changes = min((len(changes[c]) for c in changes), default=0)
+            change_rounds = changes["round"][:n_changes] if n_changes else np.zeros(0, np.int64)
+            change_sizes = changes["world_size"][:n_changes] if n_changes else np.zeros(0, np.int64)
     except FileNotFoundError:
         raise ReplayError(f"{where}: no such file; give a finished run's RUN_DIR/metrics.h5") from None
     except OSError as exc:
         raise ReplayError(f"{where}: cannot be read as HDF5 ({exc}); give a run's RUN_DIR/metrics.h5") from None
+    if len(change_rounds):
+        raise ReplayError(f"{where}: the recorded run's plan was ended by a membership change at round "
+                          f"{int(change_rounds[0])} (a rank left or joined: {int(attrs['world_size'])} ranks, then "
+                          f"{int(change_sizes[0])}); the rounds after it are another world's plan, so it cannot be "
+                          "replayed")
     history = attrs.get("world_size_history") or []
     if len(history) > 1:
         raise ReplayError(f"{where}: the recorded run changed its world size ({history}); its plan cannot be replayed")

@@ -77,8 +77,11 @@ class Columns:
 #: calls in the epoch so far, so a rank that ends its epoch while another still steps is
 #: seen in the same gather by both (``bridge.boundary_verdict``). ``snapshot_ms``: the
 #: training thread's copy of this round's values into the staging (`Bridge.add_training_ms`).
+#: ``joined`` (the own loop's, :meth:`flodl_mpi.Averager.join`; NaN elsewhere): 1 when the rank's
+#: loop is out of data and it takes part as an idle rank, 0 while it still steps; the round in
+#: which every rank sends 1 ends the join on every rank (`RoundUpdate.all_joined`).
 ROUND_HEAD = Columns("steps", "window", "stop", "non_finite", "batch_ms", "quota", "anchor", "ending", "calls",
-                     "snapshot_ms")
+                     "snapshot_ms", "joined")
 
 #: The ack of a rank's previous round (SPEC §2 step 9); it rides the next gather.
 #: ``control_ms``: the control gather, its wait for the slowest rank included.

@@ -43,7 +43,7 @@ OUTER_DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (1.0, 0.9), "nesterov": (0.7, 0.9
 #: 20 50``): slowmo ends at 0.850 (window 5), 0.817 (10), 0.919 (20), 0.953 (50); nesterov at
 #: 0.925, 0.953, 0.961, 0.975; --outer avg at 0.975-0.981 at every window. At sync both trail
 #: early (3 epochs: 0.678 and 0.767 against 0.950) and end within a point (0.972, 0.969 against
-#: 0.975). README, "Outer optimizers, measured".
+#: 0.975). docs/benchmarks.rst, "Outer optimizers, measured".
 SHORT_WINDOW = {"slowmo": 50, "nesterov": 50}
 #: The steady-state amplification ``lr / (1 - momentum)`` from which a short window is warned about.
 _AMPLIFIED = 2.0
@@ -95,7 +95,7 @@ def short_window_warning(kind: str, window: int, cadence: str, lr: float | None 
             seen = (f"; on the built-in digits (2 ranks, Adam, 10 epochs) it ended at {_MEASURED[kind][at]:.3f} test "
                     f"accuracy {where} against {_MEASURED['avg'][at]:.3f} for --outer avg")
         # MNIST-1D's Adam runs gained from nesterov at a window of 10: the cost depends on the task.
-        seen += " (the cost depends on the task: README, 'Outer optimizers, measured')"
+        seen += " (the cost depends on the task: the docs' Benchmarks page, 'Outer optimizers, measured')"
     if api:
         outer, avg, wider = f"outer={kind!r}", "outer='avg'", f"policy='window', window={SHORT_WINDOW[kind]}"
         seen = seen.replace("--outer avg", avg).replace("--window ", "window=")

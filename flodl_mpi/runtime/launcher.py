@@ -265,7 +265,7 @@ def thread_request(threads: int | None, environ: Mapping[str, str] | None = None
 
 def torch_threads(requested: tuple[int | None, str], usable_cpus: int, sharing: int,
                   environ: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """Torch threads for this rank, and why (the default rule, documented in the README).
+    """Torch threads for this rank, and why (the default rule, documented in docs/reference/cli.rst, "Threads per rank").
 
     1. an explicit ``--threads`` or ``OMP_NUM_THREADS`` (see :func:`thread_request`), as given;
     2. else Slurm's ``SLURM_CPUS_PER_TASK`` (the task's share of a node whose

@@ -16,9 +16,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from flodl_mpi.config import TASKS  # fit(task=...): None infers it from the targets' dtype
+from flodl_mpi.config import DATA_LOADING, TASKS  # fit(task=...): None infers it from the targets' dtype
 
 __all__ = [
+    "DATA_LOADING",
     "DEFAULT_NAMES",
     "DataError",
     "Dataset",
@@ -36,6 +37,10 @@ __all__ = [
     "smallest_batch",
     "write_digits",
 ]
+
+#: ``--data-loading auto`` streams (`flodl_mpi.training.stream`) when both splits' features as float32 exceed
+#: this share of the host's available memory per rank on it.
+STREAM_ABOVE = 0.25
 
 #: Dataset names inside the HDF5 file, by role.
 DEFAULT_NAMES = {"train_x": "train/x", "train_y": "train/y", "test_x": "test/x", "test_y": "test/y"}
@@ -382,17 +387,24 @@ def for_task(data: Dataset, task: str | None) -> Dataset:
 
 
 def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAMES,
-                 targets: str = "class") -> Dataset:
+                 targets: str = "class", loading: str = "memory", ranks_per_host: int = 1) -> Dataset:
     """Read and validate a train/test classification dataset from an HDF5 file.
 
     Args:
-        path: HDF5 file, opened read-only; everything is read into memory.
+        path: HDF5 file, opened read-only; everything is read into memory, or with
+            ``loading="stream"`` the labels only, the features then read as they are
+            indexed (:class:`flodl_mpi.training.stream.H5Rows`: the same float32 values;
+            their finiteness is checked as each batch is read, a non-finite row then a
+            :class:`DataError` in training naming the file row).
         names: dataset names by role, keys as in ``DEFAULT_NAMES`` (``train_x``,
             ``train_y``, ``test_x``, ``test_y``); keys not given keep the default.
             ``*_x``: numeric (N, *feature_shape), N >= 1, finite as float32.
             ``*_y``: 1-D integer (N,) labels >= 0. Train and test feature shapes match.
         targets: ``"class"`` (the CLI's) or ``"any"``: also floating ``*_y`` of
             shape ``(N, ...)`` (regression; ``num_classes`` 0), as :func:`dataset_from_arrays`.
+        loading: one of `DATA_LOADING`; ``"auto"`` streams when both splits' features as
+            float32 exceed `STREAM_ABOVE` of the memory available (/proc/meminfo) divided
+            by ``ranks_per_host``, the ranks that each load the file on this host.
 
     Returns:
         ``Dataset`` with x float32 C-contiguous, y int64, ``num_classes`` = max label + 1.
@@ -403,14 +415,29 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
     """
     names = _check_names(names)
     file = str(path)
+    if loading not in DATA_LOADING:
+        raise ValueError(f"loading must be one of {', '.join(DATA_LOADING)}, got {loading!r}")
     with _open(file) as f:
-        raw = {role: _dataset_of(f, name, file)[()] for role, name in names.items()}
+        objs = {role: _dataset_of(f, name, file) for role, name in names.items()}
+        if loading == "auto":
+            loading = _auto_loading([objs["train_x"].shape, objs["test_x"].shape], ranks_per_host)
+        if loading == "stream":
+            for role in ("train_x", "test_x"):
+                _feature_kind(objs[role].dtype, objs[role].shape, names[role], file)
+                if objs[role].size == 0:
+                    raise DataError(f"{names[role]!r} in {file!r} is empty (shape {objs[role].shape})")
+        raw = {role: obj[()] for role, obj in objs.items() if loading == "memory" or role.endswith("_y")}
         stated = _stated_classes(f, names["train_y"], file)
+    if loading == "stream":
+        from flodl_mpi.training.stream import H5Rows
+
+        for role in ("train_x", "test_x"):
+            raw[role] = H5Rows(file, names[role], _row_check(names[role], file))
 
     splits = {}
     for split in ("train", "test"):
         xname, yname = names[f"{split}_x"], names[f"{split}_y"]
-        x = _features(raw[f"{split}_x"], xname, file)
+        x = raw[f"{split}_x"] if loading == "stream" else _features(raw[f"{split}_x"], xname, file)
         y = (_labels if targets == "class" else _targets)(raw[f"{split}_y"], yname, file)
         if len(x) != len(y):
             raise DataError(
@@ -419,6 +446,30 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
         splits[split] = Split(x=x, y=y)
 
     return _dataset(splits, names, file, stated)
+
+
+def _auto_loading(shapes: list, ranks_per_host: int) -> str:
+    """``auto``'s choice: ``stream`` when the features as float32 exceed `STREAM_ABOVE` of the memory per rank."""
+    from flodl_mpi.training.stream import float32_bytes, memory_available
+
+    available = memory_available()
+    need = sum(float32_bytes(s) for s in shapes)
+    return "stream" if available is not None and need > STREAM_ABOVE * available / max(1, ranks_per_host) else \
+        "memory"
+
+
+def _row_check(name: str, file: str):
+    """The streamed rows' check: the in-memory path's finiteness check, its line naming the file row."""
+    def check(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        finite = np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+        if not finite.all():
+            first = int(np.flatnonzero(~finite)[0])
+            raise DataError(f"{name!r} in {file!r} holds non-finite values (NaN or Inf as float32): row "
+                            f"{int(rows[first])}, read while streaming it ({int((~finite).sum())} such row(s) in "
+                            "this batch); the file was not loaded whole, so it was not checked at start")
+        return values
+
+    return check
 
 
 def _stated_classes(f: h5py.File, yname: str, file: str) -> int | None:

@@ -63,12 +63,14 @@ def load_data(cfg: TrainConfig, world: World, watchdog: Watchdog) -> Dataset:
     """
     names = {k: getattr(cfg, k) for k in DEFAULT_NAMES}
     if cfg.data is not None:
-        return agree(world.comm, "data", lambda: load_dataset(cfg.data, names), watchdog)
+        return agree(world.comm, "data", lambda: load_dataset(cfg.data, names, loading=cfg.data_loading,
+                                                             ranks_per_host=world.local_size), watchdog)
     path = default_digits_path()
     # One writer per host (the cache may be node-local); the write is atomic.
     agree(world.comm, "data", lambda: ensure_digits(path) if world.local_rank == 0 else None, watchdog,
           name_ranks=False)
-    return agree(world.comm, "data", lambda: load_dataset(path, names), watchdog)
+    return agree(world.comm, "data", lambda: load_dataset(path, names, loading=cfg.data_loading,
+                                                         ranks_per_host=world.local_size), watchdog)
 
 
 def run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:

@@ -417,6 +417,9 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
              f"{', ' + data.classes_note if data.classes_note else ''}; run dir {run_dir}")
     for line in data.warnings:  # labels that give outputs training never targets (issue 26 item 9)
         log.warning(line)
+    if hasattr(data.train.x, "prefetch"):  # streamed (flodl_mpi.training.stream): say so, auto's choice too
+        log.info(f"data streamed (--data-loading {cfg.data_loading}): each rank reads only its batches' rows of the "
+                 "features, a thread reading the next window's ahead; the labels are in memory")
     log.info(effective_batch_line(cfg, world_size, api, data.train.n))
     if bridge is not None and world_size > 1:
         log.info(describe_averaging_path(cfg, bridge.reducer.path, bridge.reducer.nodes))

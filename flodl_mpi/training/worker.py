@@ -643,6 +643,8 @@ class Trainer:
             window = plan_window(plan.quotas, cursor, n_batches)
             first = window.starts[self.rank]
             mine = range(first, first + window.counts[self.rank])
+            if hasattr(self.data.train.x, "prefetch"):  # streamed (--data-loading): read ahead
+                self._read_ahead(perm, plan, window, n_batches)
             # -- train this rank's batches of the window; time them for the balancer
             busy_ms = 0.0
             for b in mine:
@@ -708,6 +710,16 @@ class Trainer:
         self.task.after_epoch(self, summary)
         self._report(summary, stopped, cursor, report)
         return stopped
+
+    def _read_ahead(self, perm: np.ndarray, plan: Plan, window, n_batches: int) -> None:
+        """Hand the streamed features this window's batches of this rank, then the next window's as planned now
+        (read during this window and its round; a plan the round changes drops them: never served wrong)."""
+        cfg = self.cfg
+        mine = list(range(window.starts[self.rank], window.starts[self.rank] + window.counts[self.rank]))
+        if window.end < n_batches:
+            after = plan_window(plan.quotas, window.end, n_batches)
+            mine += range(after.starts[self.rank], after.starts[self.rank] + after.counts[self.rank])
+        self.data.train.x.prefetch([batch_indices(perm, cfg.batch_size, b, cfg.drop_last) for b in mine])
 
     def _train_batch(self, perm: np.ndarray, b: int, epoch: int, report: EpochReport, cohort_step: int = 0) -> tuple:
         cfg, dev = self.cfg, self.replica.device

@@ -85,6 +85,9 @@ class RoundUpdate:
     plan: Plan | None = None
     #: The guard's verdict on the round before this one (None: there was none).
     verdict: Verdict | None = None
+    #: Every rank sent ``joined`` 1 (its own loop is out of data, `flodl_mpi.Averager.join`): from
+    #: the gathered matrix, the same on every rank; the join ends after this round.
+    all_joined: bool = False
 
 
 @dataclass
@@ -291,7 +294,8 @@ class Bridge:
             self.comm.Bcast([plane.staging, MPI.FLOAT], root=root)
 
     def round(self, steps: int, window: int, stop: bool = False, loss_finite: bool = True, *,
-              batch_ms: float = math.nan, quota: int = 0, anchor: int = 0, calls: float = math.nan) -> RoundUpdate:
+              batch_ms: float = math.nan, quota: int = 0, anchor: int = 0, calls: float = math.nan,
+              joined: float = math.nan) -> RoundUpdate:
         """One averaging round; blocks until the consensus is in the staging.
 
         Collective: every rank calls it, the same number of times, idle ranks
@@ -308,6 +312,8 @@ class Bridge:
                 compute only; NaN for none): the balancer's speed reading.
             quota, anchor: the plan the window ran under (recorded).
             calls: the own loop's ``step()`` calls in its epoch so far (see :meth:`boundary`).
+            joined: the own loop's join state: 1 out of data (an idle rank in a join), 0 still
+                stepping, NaN outside the own loop; :attr:`RoundUpdate.all_joined` says whether every rank sent 1.
 
         Raises:
             NonFiniteError: raised identically on every rank: no rank was
@@ -316,7 +322,8 @@ class Bridge:
             CohortError: raised identically on every rank.
             RoundError: the round failed on this rank.
         """
-        self.submit(steps, window, stop, loss_finite, batch_ms=batch_ms, quota=quota, anchor=anchor, calls=calls)
+        self.submit(steps, window, stop, loss_finite, batch_ms=batch_ms, quota=quota, anchor=anchor, calls=calls,
+                    joined=joined)
         return self.wait()
 
     def boundary(self, ending: int, calls: int) -> None:
@@ -340,7 +347,8 @@ class Bridge:
         self._call(("boundary", row))
 
     def submit(self, steps: int, window: int, stop: bool = False, loss_finite: bool = True, *,
-               batch_ms: float = math.nan, quota: int = 0, anchor: int = 0, calls: float = math.nan) -> None:
+               batch_ms: float = math.nan, quota: int = 0, anchor: int = 0, calls: float = math.nan,
+               joined: float = math.nan) -> None:
         """Start a round (arguments as :meth:`round`) and return at once; :meth:`wait` takes its update.
 
         For the ``async`` policy: the training thread trains on while the bridge
@@ -356,7 +364,7 @@ class Bridge:
             raise RuntimeError("submit(): a round is in flight already; wait() for it first")
         row = ROUND_HEAD.row(steps=int(steps), window=int(window), stop=float(bool(stop)),
                              non_finite=0 if loss_finite else _LOSS, batch_ms=batch_ms, quota=quota, anchor=anchor,
-                             calls=calls, snapshot_ms=self._snapshot_ms)
+                             calls=calls, snapshot_ms=self._snapshot_ms, joined=joined)
         self._snapshot_ms = math.nan
         self._send(("round", row))
 
@@ -704,6 +712,7 @@ class Bridge:
             outer_stepped=outer_stepped,
             plan=self.policy.plan(),
             verdict=verdict,
+            all_joined=bool((cols["joined"] == 1.0).all()),
         )
 
     def _take_acks(self, cols: dict, batch_ms: np.ndarray, window: np.ndarray, anchor: int = 0,
@@ -822,4 +831,5 @@ def boundary_verdict(ending: np.ndarray, calls: np.ndarray) -> str | None:
     ranks = "; ".join(f"rank {r} {where.get(float(a), '?')} {int(c)}" + ("" if a == 0 else " step() call(s)")
                       for r, (a, c) in enumerate(zip(at, counts)))
     return (f"the ranks called step() a different number of times in this epoch ({ranks}); every rank must call "
-            "step() equally often between end_epoch() calls (a rank without a batch calls step(realized=False))")
+            "step() equally often between end_epoch() calls (a rank without a batch calls step(realized=False), or "
+            "the loop runs in `with avg.join():`)")

@@ -403,7 +403,7 @@ def test_uneven_step_counts_end_train_log_with_the_reason(uneven, where):
     log = (run_dir / "train.log").read_text()
     assert log.count("failed:") == 1 and log.splitlines()[-1].split(" ", 1)[1] == f"run failed: CohortError: {why}" \
         "; every rank must call step() equally often between end_epoch() calls (a rank without a batch calls " \
-        "step(realized=False))"
+        "step(realized=False), or the loop runs in `with avg.join():`)"
 
 
 def test_boundary_verdict_from_the_gathered_columns():
@@ -418,7 +418,8 @@ def test_boundary_verdict_from_the_gathered_columns():
     assert boundary_verdict(np.array([1.0, 1.0]), np.array([7.0, 6.0])) == (
         "the ranks called step() a different number of times in this epoch (rank 0 in end_epoch() after 7 step() "
         "call(s); rank 1 in end_epoch() after 6 step() call(s)); every rank must call step() equally often between "
-        "end_epoch() calls (a rank without a batch calls step(realized=False))")
+        "end_epoch() calls (a rank without a batch calls step(realized=False), or the loop runs in "
+        "`with avg.join():`)")
     assert "rank 0 in close() after 2 step() call(s); rank 1 in end_epoch()" in boundary_verdict(
         np.array([2.0, 1.0]), np.array([2.0, 2.0]))
 

@@ -19,8 +19,8 @@ from flodl_mpi.protocol.control import ACK, ROUND_HEAD
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "file-formats.rst"
 #: What a rank says in the control gather that is not stored as a column of its own: the stop
-#: request, the non-finite bits (stored as ``quarantined``), and the own loop's boundary facts.
-CONTROL_ONLY = {"stop", "non_finite", "ending", "calls"}
+#: request, the non-finite bits (stored as ``quarantined``), and the own loop's boundary and join facts.
+CONTROL_ONLY = {"stop", "non_finite", "ending", "calls", "joined"}
 
 
 def test_every_column_of_every_table_is_explained_in_file_formats():

@@ -74,11 +74,11 @@ def _patched():
 
     from flodl_mpi.outputs import checkpoint
     from flodl_mpi.policy import policies
-    from flodl_mpi.training import worker
+    from flodl_mpi.training import stream, worker
     from flodl_mpi.transport import bridge
 
     return [(bridge.Bridge, "submit"), (policies.CadencePolicy, "observe"), (worker.Trainer, "_train_batch"),
-            (checkpoint, "write_checkpoint"), (threading.Thread, "join")]
+            (checkpoint, "write_checkpoint"), (threading.Thread, "join"), (stream.H5Rows, "_read_into")]
 
 
 def _main(spec_path: str) -> int:

@@ -27,6 +27,9 @@ CADENCE_HOOKS = ("--script-speeds", "1,3", "--script-round-ms", "40")
 # the divergence trend differs and the guard holds the anchor after its first growth.
 CADENCE = ("train", "--policy", "cadence", "--anchor", "4", "--epochs", "3", "--batch-size", "16",
            "--average-optimizer-state", "off")
+# test_shard_gives_each_rank_what_the_cli_trained_on_it's run: 1437 in 64s is 23 batches (the last of 29); at 2
+# ranks, windows of 2 x 3: three, then 5 left, split (3, 2)
+WINDOW_PLAN = ("train", "--window", "3", "--epochs", "2", "--batch-size", "64", "--seed", "7")
 # test_async_a_stop_in_an_epochs_carried_round_ends_that_epoch_then_stops_after_the_next_window's
 ASYNC_HOOKS = ("--script-speeds", "1,3", "--script-round-ms", "60")
 ASYNC = ("train", "--policy", "async", "--anchor", "4", "--max-anchor", "4", "--epochs", "3")
@@ -42,6 +45,8 @@ def runs(tmp_path_factory):
     plan = {
         "coverage": (("--script-speeds", "1,3", "--script-round-ms", "0", "--record-indices", str(seen)),
                      ("train", "--policy", "cadence", "--anchor", "4", "--epochs", "2")),
+        # flodl_mpi.shard's plan is this (tests/training/test_shard.py): a fixed window, uneven last windows
+        "window-plan": (("--record-indices", str(base / "seen-window")), WINDOW_PLAN),
         "cadence-straight": (CADENCE_HOOKS, CADENCE),
         "cadence-stopped": ((*CADENCE_HOOKS, "--stop-at-round", "9"), CADENCE),
         "async-10": ((), ("train", "--policy", "async", "--epochs", "10")),
@@ -56,7 +61,7 @@ def runs(tmp_path_factory):
     first = run_sequence(2, [(hooks, (*args, "--run-dir", str(base / name))) for name, (hooks, args) in plan.items()],
                          base)
     out = {name: (base / name, proc) for name, proc in zip(plan, first)}
-    out["seen"] = seen
+    out["seen"], out["seen-window"] = seen, base / "seen-window"
     for name in ("cadence", "async"):
         d = base / f"{name}-stopped"
         out[f"{name}-mid"] = (read_checkpoint(latest_checkpoint(d / "checkpoints")),
@@ -86,6 +91,21 @@ def test_cadence_at_speeds_1_to_3_reads_every_sample_exactly_once_per_epoch(runs
     np.testing.assert_allclose(epochs["per_rank_batch_share"], [[0.75, 0.25]] * 2)  # the allocation, normalized
     np.testing.assert_array_equal(epochs["per_rank_batches"], [[32, 13], [34, 11]])
     np.testing.assert_array_equal(epochs["per_rank_share_complete_ms"] > 0, True)
+
+
+def test_shard_gives_each_rank_what_the_cli_trained_on_it(runs):
+    """Issue 22 item 6: ``flodl_mpi.shard`` at the run's seed, batch size, window and world size is, per rank and
+    epoch, the samples ``flodl-mpi train`` read on that rank, in order (recorded by --record-indices)."""
+    import flodl_mpi
+
+    (_, proc), seen = runs["window-plan"], runs["seen-window"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        reads = np.load(seen / f"rank{rank}.npz")
+        for epoch in (0, 1):
+            mine = flodl_mpi.shard(N_TRAIN, epoch, 7, batch_size=64, rank=rank, world_size=2, window=3)
+            assert len(mine) == (12, 11)[rank]
+            np.testing.assert_array_equal(np.concatenate(list(mine)), reads[f"e{epoch}"])
 
 
 def test_a_stopped_and_resumed_cadence_run_equals_the_uninterrupted_one(runs):

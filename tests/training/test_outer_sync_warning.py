@@ -30,7 +30,7 @@ def test_a_short_window_is_warned_about_with_what_it_cost(kind, window, cadence,
     assert line.startswith(f"warning: --outer {kind} with a round ")
     assert f"({cadence}) amplifies each round's change about {gain:.0f}x" in line
     assert quoted in line and f"--policy window --window {SHORT_WINDOW[kind]} or more" in line
-    assert "(the cost depends on the task: README, 'Outer optimizers, measured')" in line
+    assert "(the cost depends on the task: the docs' Benchmarks page, 'Outer optimizers, measured')" in line
     assert "\n" not in line
 
 
