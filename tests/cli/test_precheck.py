@@ -48,7 +48,8 @@ def test_input_mistakes_are_refused_before_mpi_and_torch_start(tmp_path):
         ("--data", str(tmp_path / "nope.h5")): f"--data {str(tmp_path / 'nope.h5')!r}: no such file",
         ("--data", good, "--train-y", "labels"):
             f"dataset 'labels' not found in {good!r} (has: test/x, test/y, train/x, train/y)",
-        ("--data", floats): f"'train/y' in {floats!r} must be 1-D integer class labels, got float64 (12,)",
+        ("--data", floats): f"'train/y' in {floats!r} must be 1-D integer class labels, got float64 (12,) "
+                               "(or per-position labels: integers of shape (N, T), T >= 2)",
         ("--model", "no_such_module_26:make"): "--model 'no_such_module_26:make': cannot import module "
                                                "'no_such_module_26': ModuleNotFoundError: No module named "
                                                "'no_such_module_26'",
