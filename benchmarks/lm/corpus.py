@@ -69,8 +69,9 @@ def split_blocks(text: bytes, train_bytes: int, block_bytes: int = 65536, val_ev
     """Pick blocks spread evenly over ``text`` until the training split holds ``train_bytes``.
 
     Of the blocks taken (in text order), every ``val_every``-th (the 10th, 20th, ...) goes
-    to the validation split, the others to training. ``train_bytes`` is rounded up to whole
-    blocks.
+    to the validation split, the others to training; with fewer than ``val_every`` blocks,
+    one more block after them is the validation split. ``train_bytes`` is rounded up to
+    whole blocks.
 
     Returns:
         ``(train, validation)`` bytes.
@@ -82,14 +83,19 @@ def split_blocks(text: bytes, train_bytes: int, block_bytes: int = 65536, val_ev
         raise ValueError(f"block_bytes and train_bytes must be >= 1 and val_every >= 2, got "
                          f"{block_bytes}, {train_bytes}, {val_every}")
     n_train = math.ceil(train_bytes / block_bytes)
-    n_blocks = n_train + math.ceil(n_train / (val_every - 1))
+    n_blocks = n_train
+    while n_blocks - n_blocks // val_every < n_train:
+        n_blocks += 1
+    last_val = n_blocks < val_every  # too few for a k-th block: the one after the training blocks
+    n_blocks += last_val
     available = len(text) // block_bytes
     if n_blocks > available:
         raise ValueError(f"asked for {n_blocks} blocks of {block_bytes} bytes but the text holds {available}")
     starts = (np.arange(n_blocks, dtype=np.int64) * available // n_blocks) * block_bytes
     train, val = [], []
     for i, s in enumerate(starts.tolist()):
-        (val if (i + 1) % val_every == 0 else train).append(text[s : s + block_bytes])
+        held = (i + 1) % val_every == 0 or (last_val and i == n_blocks - 1)
+        (val if held else train).append(text[s : s + block_bytes])
     return b"".join(train), b"".join(val)
 
 

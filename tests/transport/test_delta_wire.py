@@ -177,3 +177,57 @@ def test_identical_values_on_every_rank(comm, kind):
         np.testing.assert_allclose(staging, moved, rtol=0, atol=float(np.max(np.spacing(moved))) * 2)
     finally:
         red.free()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_under_the_outer_step_the_reference_is_where_every_rank_starts(kind):
+    """With ``--outer nesterov`` the next round's deltas are taken from the outer step's result (what every
+    rank adopts), not from the plain consensus: the reference equals the adopted parameters bit for bit on
+    every rank, and the run stays within the quantisation of the float64 wire's run on the same steps."""
+    import torch
+
+    from flodl_mpi.protocol.outer import OuterOptimizer
+    from flodl_mpi.training.models import digits_mlp
+    from flodl_mpi.training.worker import Replica
+    from flodl_mpi.transport.bridge import Bridge
+
+    comm = MPI.COMM_WORLD
+    finals = []
+    for wire in (WireOptions("mpi", "off"), WireOptions("auto", "auto", delta=kind)):
+        torch.manual_seed(0)
+        replica = Replica(digits_mlp((64,), 10, hidden=16), torch.device("cpu"))
+        n = sum(p.numel() for p in replica.params)
+        bridge = Bridge(comm.Dup(), [tuple(p.shape) for p in replica.params], [], outer=OuterOptimizer("nesterov", n),
+                        wire=wire)
+        bridge.start()
+        opt = torch.optim.SGD(replica.model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + comm.rank)
+        for _ in range(4):
+            for _ in range(3):  # a window of 3 local steps on rank-specific data
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(replica.model(torch.randn(32, 64, generator=gen)),
+                                                  torch.randint(0, 10, (32,), generator=gen)).backward()
+                opt.step()
+            replica.snapshot(bridge)
+            update = bridge.round(steps=3, window=3)
+            assert update.adopted and update.outer_stepped
+            replica.adopt(bridge)
+            adopted = np.concatenate([p.detach().numpy().ravel() for p in replica.params])
+            if wire.delta != "off":
+                assert np.array_equal(bridge.reducer._delta.reference, adopted)
+            assert len(set(comm.allgather(digest(adopted)))) == 1
+        bridge.close()
+        finals.append(adopted.astype(np.float64))
+    exact, quantised = finals
+    moved = np.abs(exact - np.concatenate([p.detach().numpy().ravel() for p in
+                                           Replica(_seeded_mlp(), torch.device("cpu")).params]))
+    assert np.max(np.abs(quantised - exact)) < (0.02 if kind == "bf16" else 0.05) * np.max(moved)
+
+
+def _seeded_mlp():
+    import torch
+
+    from flodl_mpi.training.models import digits_mlp
+
+    torch.manual_seed(0)
+    return digits_mlp((64,), 10, hidden=16)
