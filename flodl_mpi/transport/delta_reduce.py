@@ -77,7 +77,7 @@ class DeltaReduce:
             self._send = np.empty(piece + 8, np.int8)
             self._recv = np.empty(W * (piece + 8), np.int8)
             self._mpi_type, self._mass_slots, self._elem_bytes = MPI.INT8_T, 8, 1
-        # the tensor each element belongs to, for the int8 grid (per tensor)
+        # the int8 grid's step of each tensor, agreed every round
         self._scales = np.zeros(len(layout.sizes), np.float64)
         self.extra_bytes = int(sum(b.nbytes for b in (self.reference, self.error, self._d, self._err, self._w32,
                                                       self._acc, self._tmp64, self._post, self._diff, self._send,
@@ -193,7 +193,8 @@ class DeltaReduce:
         """A rank's piece as float64 deltas (in ``self._tmp64``)."""
         out = self._tmp64[: hi - lo]
         if self.kind == "bf16":
-            return np.copyto(out, from_bf16(q, self._w32[: hi - lo])) or out
+            np.copyto(out, from_bf16(q, self._w32[: hi - lo]))
+            return out
         for t, a, b in self._segments(lo, hi):
             int8_dequantize(q[a - lo : b - lo], float(self._scales[t]), out[a - lo : b - lo])
         return out
