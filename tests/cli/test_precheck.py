@@ -54,6 +54,9 @@ def test_input_mistakes_are_refused_before_mpi_and_torch_start(tmp_path):
                                                "'no_such_module_26': ModuleNotFoundError: No module named "
                                                "'no_such_module_26'",
         ("--model", "net.py"): "--model 'net.py': expected 'module:factory' or 'path/to/file.py:factory'",
+        ("--wire", "int8-delta", "--node-reduce", "shm"): "--wire int8-delta travels over MPI (an Allgather of the "
+                                                         "quantised deltas over the world); it does not run with "
+                                                         "--node-reduce shm: use --node-reduce mpi or auto",
         ("--model", str(tmp_path / "gone.py") + ":make"):
             f"--model {str(tmp_path / 'gone.py') + ':make'!r}: no such file {str(tmp_path / 'gone.py')!r}",
         ("--run-dir", str(tmp_path / "afile")): f"--run-dir {str(tmp_path / 'afile')!r}: exists and is not a "
