@@ -28,10 +28,10 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = ["AMP_MODES", "ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BEST_METRICS", "DATA_LOADING", "DEVICES", "HIERARCHICAL",
-           "LR_GAMMA_DEFAULT", "LR_SCHEDULES", "NODE_REDUCES",
+           "LR_GAMMA_DEFAULT", "LR_SCHEDULES", "NODE_REDUCES", "WIRES",
            "NOT_IN_FILE", "ON_NON_FINITE", "OPTIMIZERS", "OPTIMIZER_CLASSES", "OPTIMIZER_WEIGHT_DECAY", "OUTERS",
            "OUTPUT_OPTIONS", "PROGRESS", "RESUME_AUTO", "TASKS", "ConfigError", "TrainConfig", "check_fit_arguments",
-           "check_int", "check_output_option", "config_key_text", "optimizer_class", "own_loop_config",
+           "check_int", "check_output_option", "config_key_text", "delta_refusal", "optimizer_class", "own_loop_config",
            "read_config_file", "value_problem"]
 
 #: ``fit(task=...)``: None infers it from the targets' dtype (integer: classification).
@@ -58,6 +58,10 @@ OUTERS = ("avg", "slowmo", "nesterov")
 NODE_REDUCES = ("auto", "shm", "mpi")
 #: ``--hierarchical``: node sums first, then the node leaders across nodes.
 HIERARCHICAL = ("auto", "on", "off")
+#: ``--wire``: what a round's frames carry (flodl_mpi.transport.reduce.WireOptions). fp32: the parameters (summed
+#: in float64); bf16: the parameters as bfloat16 (``--bf16-wire``); bf16-delta, int8-delta: the quantised change
+#: since the last consensus, with error feedback (flodl_mpi.transport.delta_reduce).
+WIRES = ("fp32", "bf16", "bf16-delta", "int8-delta")
 #: The ``--average-optimizer-state`` choices (flodl_mpi.protocol.optimizer_state).
 AVERAGE_OPTIMIZER_STATE = ("auto", "off", "mean", "corrected")
 #: ``--lr-schedule``: the learning rate's decay over the run's cohort steps (flodl_mpi.training.lr_schedule).
@@ -80,6 +84,18 @@ OUTPUT_OPTIONS = ("verbose", "quiet", "progress")
 NOT_IN_FILE = {"config": "a config file cannot name another one (give one --config on the command line)",
                "version": "--version prints the version and exits; it is not a run option",
                "help": "--help prints the options and exits; it is not a run option"}
+
+
+def delta_refusal(delta: str, node_reduce: str, hierarchical: str, bf16: bool) -> str:
+    """The one line refusing the delta wire with an option it does not run with (the config and the reducer alike)."""
+    wire = f"--wire {delta}-delta"
+    if bf16:
+        return f"{wire} with --bf16-wire: --bf16-wire is --wire bf16 (absolute values); give one --wire"
+    if node_reduce == "shm":
+        return (f"{wire} travels over MPI (an Allgather of the quantised deltas over the world); it does not run "
+                "with --node-reduce shm: use --node-reduce mpi or auto")
+    return (f"{wire} is flat over the world (one Allgather of the quantised deltas); --hierarchical on is not "
+            "implemented with it: use --hierarchical off or auto")
 
 
 class ConfigError(ValueError):
@@ -164,7 +180,8 @@ class TrainConfig:
     chunk_elems: int = 1 << 18        # float32 elements per Allreduce piece (1 MiB)
     node_reduce: str = "auto"         # one of NODE_REDUCES: shm (shared-memory node reduce) when it fits, else mpi
     hierarchical: str = "auto"        # one of HIERARCHICAL: per-node partial sums across nodes
-    bf16_wire: bool = False           # params and float buffers travel as bfloat16 (SPEC §7)
+    bf16_wire: bool = False           # params and float buffers travel as bfloat16 (SPEC §7): --wire bf16
+    wire: str | None = None           # one of WIRES; None = fp32, or bf16 with bf16_wire (its alias)
     on_non_finite: str = "quarantine"  # one of ON_NON_FINITE: a rank with NaN/Inf loss or params
     outer: str = "avg"                # one of OUTERS: the outer optimizer on the consensus (SPEC §7)
     outer_lr: float | None = None     # outer learning rate; None = the outer's usual (slowmo 1.0, nesterov 0.7)
@@ -223,9 +240,16 @@ class TrainConfig:
         need(self.hierarchical in HIERARCHICAL, "hierarchical", self.hierarchical,
              f"one of {', '.join(HIERARCHICAL)}")
         need(isinstance(self.bf16_wire, bool), "bf16_wire", self.bf16_wire, "true or false")
-        if self.bf16_wire and self.node_reduce == "mpi" and self.hierarchical == "on":
-            raise ConfigError(f"--bf16-wire with --node-reduce {self.node_reduce} --hierarchical on is not "
-                              "implemented; use --node-reduce shm (or --hierarchical off)")
+        need(self.wire is None or self.wire in WIRES, "wire", self.wire, f"one of {', '.join(WIRES)}")
+        if self.bf16_wire and self.wire not in (None, "bf16"):
+            raise ConfigError(f"--bf16-wire with --wire {self.wire}: --bf16-wire is --wire bf16; give one of them")
+        if self.wire_mode == "bf16" and self.node_reduce == "mpi" and self.hierarchical == "on":
+            raise ConfigError(f"--{'bf16-wire' if self.bf16_wire else 'wire bf16'} with --node-reduce "
+                              f"{self.node_reduce} --hierarchical on is not implemented; use --node-reduce shm (or "
+                              "--hierarchical off)")
+        if self.wire_mode.endswith("-delta") and (self.node_reduce == "shm" or self.hierarchical == "on"):
+            raise ConfigError(delta_refusal(self.wire_mode.removesuffix("-delta"), self.node_reduce,
+                                            self.hierarchical, False))
         need(self.average_optimizer_state in AVERAGE_OPTIMIZER_STATE, "average_optimizer_state",
              self.average_optimizer_state, f"one of {', '.join(AVERAGE_OPTIMIZER_STATE)}")
         need(self.outer_lr is None or (isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)
@@ -335,6 +359,11 @@ class TrainConfig:
         if self.easgd_alpha is not None and self.async_adopt == "delta":
             raise ConfigError(f"--easgd-alpha takes effect with --async-adopt easgd; --async-adopt "
                               f"{self.async_adopt_value} adds this rank's own steps to the consensus")
+
+    @property
+    def wire_mode(self) -> str:
+        """What the frames carry, one of `WIRES`: ``--wire``, else ``bf16`` with ``--bf16-wire``, else ``fp32``."""
+        return self.wire if self.wire is not None else ("bf16" if self.bf16_wire else "fp32")
 
     @property
     def weight_decay_value(self) -> float:

@@ -47,17 +47,21 @@ def default_train_step(model: nn.Module, batch) -> torch.Tensor:
 
 
 def default_eval(train_step: Callable) -> Callable:
-    """The default evaluation: the train step's loss (batch-weighted), and accuracy for class labels."""
+    """The default evaluation: the train step's loss, and accuracy for class labels.
+
+    Weighted by the labels in the batch: samples, or positions for per-position
+    labels ``(N, T)`` (a sequence task: the loss and accuracy are per token).
+    """
 
     def eval_fn(model: nn.Module, batch) -> dict[str, tuple[float, int]]:
         x, y = batch
-        n = int(x.shape[0])
+        n = int(y.numel()) if y.dtype == torch.int64 else int(x.shape[0])
         loss = train_step(model, batch)
         loss = loss[0] if isinstance(loss, tuple) else loss
         out = {"loss": (float(loss) * n, n)}
-        if y.dtype == torch.int64 and y.ndim == 1:
+        if y.dtype == torch.int64 and y.ndim in (1, 2):
             logits = model(x)
-            if logits.ndim == 2:
+            if logits.ndim == y.ndim + 1:
                 out["accuracy"] = (float((logits.argmax(dim=1) == y).sum()), n)
         return out
 
@@ -502,7 +506,8 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
         data: an HDF5 file (datasets ``train/x``, ``train/y``, ``test/x``, ``test/y``,
             renamed by ``names``), ``{"train": (x, y), "test": (x, y)}`` or
             ``((x, y), (x, y))`` of arrays or tensors; ``x`` numeric ``(N, ...)``,
-            ``y`` 1-D integer labels or float targets of any shape ``(N, ...)``;
+            ``y`` integer labels (1-D, or per position ``(N, T)``: logits ``(batch, C, T)``)
+            or float targets of any shape ``(N, ...)``;
             None: the built-in digits.
         task: ``"classification"`` (float labels that are whole numbers become
             int64 class labels), ``"regression"`` (integer labels become float

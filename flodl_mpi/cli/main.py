@@ -51,6 +51,7 @@ from flodl_mpi.config import (
     OUTPUT_OPTIONS,
     PROGRESS,
     RESUME_AUTO,
+    WIRES,
     ConfigError,
     TrainConfig,
     config_key_text,
@@ -218,7 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"several nodes and --node-reduce is shm (default {d.hierarchical})")
     g.add_argument("--bf16-wire", action="store_true", default=None,
                    help="parameters and float buffers travel as bfloat16 (sums and the divide in float64, "
-                        "checkpoints float32); all ranks alike")
+                        "checkpoints float32); all ranks alike; the same as --wire bf16")
+    g.add_argument("--wire", choices=WIRES,
+                   help="what a round's frames carry: fp32 the parameters (summed in float64), bf16 the parameters "
+                        "as bfloat16, bf16-delta / int8-delta the change since the last consensus, quantised "
+                        "(int8: a scale per tensor agreed by a max over the ranks) with error feedback, gathered "
+                        "over MPI (not with --node-reduce shm or --hierarchical on); sums and the divide in "
+                        "float64, checkpoints float32 (default fp32, or bf16 with --bf16-wire)"),
     g.add_argument("--on-non-finite", choices=ON_NON_FINITE,
                    help="a rank whose loss or parameters are NaN/Inf: quarantine it for the round (mass 0, it "
                         "adopts the others' consensus; the job stops only when no rank is finite), or stop the "

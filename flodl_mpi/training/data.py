@@ -52,7 +52,7 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Split:
-    """One split: ``x`` float32 (N, *feature_shape), C-contiguous; ``y`` int64 (N,)."""
+    """One split: ``x`` float32 (N, *feature_shape), C-contiguous; ``y`` int64 (N,) or (N, T) (per position)."""
 
     x: np.ndarray
     y: np.ndarray
@@ -187,8 +187,17 @@ def _finite_float32(x: np.ndarray, name: str, file: str) -> np.ndarray:
 
 
 def _label_kind(dtype: np.dtype, shape: tuple, name: str, file: str) -> None:
-    if len(shape) != 1 or dtype.kind not in "iu":
-        raise DataError(f"{name!r} in {file!r} must be 1-D integer class labels, got {dtype} {tuple(shape)}")
+    """Integer labels: one per sample ``(N,)``, or one per position ``(N, T)`` with ``T >= 2``.
+
+    Per-position labels are a sequence task's targets (a language model's next
+    tokens: the loss is the cross-entropy at every position, the model returns
+    logits ``(batch, C, T)``, as ``torch.nn.functional.cross_entropy`` takes
+    them). ``(N, 1)`` stays refused: a column of per-sample labels is the
+    likelier meaning, and it would need logits ``(batch, C, 1)``.
+    """
+    if dtype.kind not in "iu" or not (len(shape) == 1 or (len(shape) == 2 and shape[1] >= 2)):
+        raise DataError(f"{name!r} in {file!r} must be 1-D integer class labels, got {dtype} {tuple(shape)} "
+                        "(or per-position labels: integers of shape (N, T), T >= 2)")
 
 
 def _labels(y: np.ndarray, name: str, file: str) -> np.ndarray:
@@ -201,8 +210,9 @@ def _labels(y: np.ndarray, name: str, file: str) -> np.ndarray:
 
 
 def _targets(y: np.ndarray, name: str, file: str) -> np.ndarray:
-    """Targets of any task: integer class labels as :func:`_labels`, or float targets of any shape."""
-    if y.dtype.kind in "iu" and y.ndim == 1:
+    """Targets of any task: integer class labels as :func:`_labels` (per sample or per position), or float
+    targets of any shape."""
+    if y.dtype.kind in "iu" and (y.ndim == 1 or (y.ndim == 2 and y.shape[1] >= 2)):
         return _labels(y, name, file)
     if y.dtype.kind not in "biuf" or y.ndim < 1:
         raise DataError(f"{name!r} in {file!r} must be numeric targets of shape (N, ...), got {y.dtype} {y.shape}")
@@ -242,7 +252,13 @@ SPARSE_FLOOR = 1024
 
 
 def _first_row(y: np.ndarray, mask: np.ndarray) -> int:
-    return int(np.flatnonzero(mask)[0])
+    """The first row of ``y`` (labels ``(N,)`` or ``(N, T)``) where ``mask`` (``y``'s shape) holds."""
+    return int(np.flatnonzero(mask.reshape(len(mask), -1).any(axis=1))[0])
+
+
+def _row_label(y: np.ndarray, mask: np.ndarray, row: int) -> int:
+    """The first label of ``y[row]`` where ``mask`` holds (the label itself for per-sample labels)."""
+    return int(y[row].reshape(-1)[mask[row].reshape(-1)][0])
 
 
 def _class_count(splits: dict, names: Mapping[str, str], file: str, stated: int | None) -> tuple[int, str]:
@@ -263,7 +279,8 @@ def _class_count(splits: dict, names: Mapping[str, str], file: str, stated: int 
             over = y >= stated
             if over.any():
                 row = _first_row(y, over)
-                raise DataError(f"{name!r} in {file!r}: label {int(y[row])} at row {row} is not below the data's "
+                raise DataError(f"{name!r} in {file!r}: label {_row_label(y, over, row)} at row {row} is not "
+                                "below the data's "
                                 f"num_classes {stated} (labels are 0..{stated - 1})")
         return stated, f"{stated} classes (attribute num_classes of {file!r})"
     largest = max(int(y.max()) for _, y in ys)
@@ -401,7 +418,9 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
         names: dataset names by role, keys as in ``DEFAULT_NAMES`` (``train_x``,
             ``train_y``, ``test_x``, ``test_y``); keys not given keep the default.
             ``*_x``: numeric (N, *feature_shape), N >= 1, finite as float32.
-            ``*_y``: 1-D integer (N,) labels >= 0. Train and test feature shapes match.
+            ``*_y``: integer labels >= 0, 1-D ``(N,)`` or per position ``(N, T)``, ``T >= 2``
+            (a sequence task: the model returns logits ``(batch, C, T)``). Train and test
+            feature shapes match, and so do the label shapes.
         targets: ``"class"`` (the CLI's) or ``"any"``: also floating ``*_y`` of
             shape ``(N, ...)`` (regression; ``num_classes`` 0), as :func:`dataset_from_arrays`.
         loading: one of `DATA_LOADING`; ``"auto"`` streams when both splits' features as

@@ -184,7 +184,8 @@ def build_model(spec: str | None, input_shape: tuple[int, ...], num_classes: int
     return model
 
 
-def check_model_output(model: nn.Module, sample: torch.Tensor, num_classes: int, spec: str | None) -> None:
+def check_model_output(model: nn.Module, sample: torch.Tensor, num_classes: int, spec: str | None,
+                       positions: tuple[int, ...] = ()) -> None:
     """Run one forward pass on real samples and check the logits fit the labels.
 
     Args:
@@ -192,10 +193,12 @@ def check_model_output(model: nn.Module, sample: torch.Tensor, num_classes: int,
         sample: a float32 batch of shape ``(k, *input_shape)``, k >= 1.
         num_classes: classes in the data (largest label + 1).
         spec: the ``--model`` text, for messages (None: the built-in model).
+        positions: one sample's label shape: ``()`` for a label per sample,
+            ``(T,)`` for a label per position (a sequence task's ``(N, T)`` labels).
 
     Raises:
         ModelSpecError: the forward pass fails, or does not return logits of
-            shape ``(k, C)`` with ``C >= num_classes``.
+            shape ``(k, C, *positions)`` with ``C >= num_classes``.
     """
     name = f"--model {spec!r}" if spec is not None else "the built-in model"
     was_training = model.training
@@ -209,10 +212,14 @@ def check_model_output(model: nn.Module, sample: torch.Tensor, num_classes: int,
         ) from exc
     finally:
         model.train(was_training)
-    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != sample.shape[0]:
+    positions = tuple(positions)
+    if (not isinstance(out, torch.Tensor) or out.ndim != 2 + len(positions) or out.shape[0] != sample.shape[0]
+            or tuple(out.shape[2:]) != positions):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ModelSpecError(f"{name}: must return logits of shape (batch, classes), got {got} "
-                             f"for a batch of {sample.shape[0]}")
+        want = "(batch, classes)" if not positions else f"(batch, classes, {', '.join(map(str, positions))})"
+        per = "" if not positions else f" (the labels are per position, shape (N, {', '.join(map(str, positions))}))"
+        raise ModelSpecError(f"{name}: must return logits of shape {want}, got {got} "
+                             f"for a batch of {sample.shape[0]}{per}")
     if out.shape[1] < num_classes:
         raise ModelSpecError(f"{name}: outputs {out.shape[1]} logits per sample but the data has "
                              f"{num_classes} classes (labels 0..{num_classes - 1})")
@@ -257,7 +264,7 @@ def check_training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec
     Args:
         model: the built model, on ``x``'s device.
         x: float32 ``(k, *input_shape)``, k >= 1: the smallest batch the batch plan makes.
-        y: int64 ``(k,)`` labels.
+        y: int64 ``(k,)`` labels, or ``(k, T)`` per position.
         spec: the ``--model`` text, for messages (None: the built-in model).
         remedy: what the user can change, appended to the message (e.g. "raise --batch-size").
 

@@ -87,7 +87,8 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest,
         wide = wide_tensor(model)  # before a trial batch of float32 data fails on it less clearly
         if wide is not None:
             raise ModelSpecError(f"--model {cfg.model!r}: {wide}")
-        check_model_output(model, torch.from_numpy(data.train.x[:2]).to(device), data.num_classes, cfg.model)
+        check_model_output(model, torch.from_numpy(data.train.x[:2]).to(device), data.num_classes, cfg.model,
+                           data.train.y.shape[1:])
         k, remedy = smallest_training_batch(cfg, data.train.n)
         check_training_step(model, torch.from_numpy(data.train.x[:k]).to(device),
                             torch.from_numpy(data.train.y[:k]).to(device), cfg.model, remedy)

@@ -118,7 +118,8 @@ def make_bridge(cfg: TrainConfig, world: World, replica: Replica, writer, watchd
         gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, policy=make_policy(cfg, world.size),
         threaded=world.threaded_bridge, watchdog=watchdog, on_non_finite=cfg.on_non_finite,
         outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr, cfg.outer_momentum),
-        wire=WireOptions(cfg.node_reduce, cfg.hierarchical, cfg.bf16_wire),
+        wire=WireOptions(cfg.node_reduce, cfg.hierarchical, cfg.wire_mode == "bf16",
+                         delta=cfg.wire_mode.removesuffix("-delta") if cfg.wire_mode.endswith("-delta") else "off"),
         pin_staging=replica.device.type == "cuda" if pin_staging is None else bool(pin_staging),
     )
 

@@ -10,6 +10,7 @@ clipping), what is evaluated at the epoch's end. :class:`ClassificationTask` is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -45,8 +46,9 @@ def evaluate(model: nn.Module, split: Split, rank: int, world_size: int, device:
 
     Returns:
         ``(loss_sum, correct, count)`` — summed cross-entropy over the slice,
-        correct top-1 predictions and samples; the epoch exchange sums them over
-        ranks, so the cohort covers the whole split exactly once.
+        correct top-1 predictions and labels (samples; positions for per-position
+        labels ``(N, T)``, so the test loss is per token); the epoch exchange sums
+        them over ranks, so the cohort covers the whole split exactly once.
     """
     lo, hi = (split.n * rank) // world_size, (split.n * (rank + 1)) // world_size
     was_training = model.training
@@ -59,7 +61,7 @@ def evaluate(model: nn.Module, split: Split, rank: int, world_size: int, device:
         loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
         correct += int((logits.argmax(dim=1) == y).sum())
     model.train(was_training)
-    return loss_sum, correct, hi - lo
+    return loss_sum, correct, (hi - lo) * math.prod(split.y.shape[1:])
 
 
 class ClassificationTask:

@@ -443,6 +443,10 @@ def _check_optimizer(cfg: TrainConfig, path: Path, recorded: str | None, held: s
 _PATH_WORDS = {
     "allreduce": "one chunked MPI Allreduce over the world",
     "allgather-bf16": "bfloat16 frames gathered over the world (MPI Allgather), summed in float32",
+    "allgather-bf16-delta": "bfloat16 deltas from the last consensus, with error feedback, gathered over the world "
+                            "(MPI Allgather), summed in float64",
+    "allgather-int8-delta": "int8 deltas from the last consensus (a scale per tensor), with error feedback, gathered "
+                            "over the world (MPI Allgather), summed in float64",
     "shm": "the node's shared memory (/dev/shm), each rank summing a slice",
     "shm-in-place": "the node's shared memory (/dev/shm), in place",
     "shm+leaders": "node sums in shared memory, then the node leaders' MPI Allreduce across nodes",
@@ -455,7 +459,8 @@ def describe_averaging_path(cfg: TrainConfig, path: str, nodes: int) -> str:
     ``--bf16-wire`` as resolved by the reducer: `flodl_mpi.transport.reduce.Reducer` ``path``, ``nodes``)."""
     text = (f"averaging path: {_PATH_WORDS.get(path, path)} ({nodes} node{'' if nodes == 1 else 's'}; "
             f"--node-reduce {cfg.node_reduce}, --hierarchical {cfg.hierarchical}"
-            + (", --bf16-wire" if cfg.bf16_wire else "") + ")")
+            + (", --bf16-wire" if cfg.wire_mode == "bf16" else f", --wire {cfg.wire_mode}" if cfg.wire_mode != "fp32"
+               else "") + ")")
     if cfg.hierarchical == "on" and nodes == 1:
         text += "; hierarchical: on, 1 node: the node reduce alone (no step across nodes)"
     return text

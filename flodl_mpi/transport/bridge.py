@@ -211,9 +211,9 @@ class Bridge:
             raise ValueError(f"outer is over {outer.n} elements, the params over {self._p.layout.n}")
         self._b = _Plane(WireLayout(buffer_shapes, chunk_elems), comm, wire, pin_staging)
         self._chunk_elems, self._pin_staging = int(chunk_elems), bool(pin_staging)
-        # The optimizer state travels float32 whatever --bf16-wire says (its second
+        # The optimizer state travels float32 whatever --bf16-wire or --wire says (its second
         # moment feeds a square root: flodl_mpi.protocol.optimizer_state).
-        self._state_wire = replace(wire or WireOptions(), bf16=False)
+        self._state_wire = replace(wire or WireOptions(), bf16=False, delta="off")
         self.optimizer_state: OptimizerStateAverager | None = None
         self._s = _Plane(WireLayout((), chunk_elems), comm, self._state_wire)
         #: torch views of the optimizer-state staging (:meth:`attach_optimizer_state`).
@@ -683,6 +683,7 @@ class Bridge:
                 self._enter("outer step")
                 t0 = time.perf_counter()
                 self.outer.step(p.staging)
+                p.reducer.rebase(p.staging)  # the delta wire's next reference: where every rank starts from
                 outer_ms, outer_stepped = 1e3 * (time.perf_counter() - t0), True
         self._stage = "update"
         round_index = self.version

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from flodl_mpi.config import HIERARCHICAL, NODE_REDUCES
+from flodl_mpi.config import HIERARCHICAL, NODE_REDUCES, delta_refusal
 from flodl_mpi.protocol.realized_work import is_realized
 from flodl_mpi.protocol.wire import WireLayout, from_bf16, pack_piece, sum_squares_pieces, to_bf16, unpack_piece
+from flodl_mpi.transport.delta_reduce import DELTA_KINDS, DeltaReduce
 
 __all__ = [
     "HIERARCHICAL",
@@ -28,6 +29,7 @@ __all__ = [
     "Reducer",
     "WireOptions",
     "control_gather",
+    "delta_refusal",
     "sumcount_reduce",
 ]
 
@@ -272,14 +274,21 @@ class WireOptions:
         bf16: params and float buffers travel as bfloat16; sums and the divide
             in float64, the consensus rounded to float32 once; the mass exact
             (SPEC §7).
+        delta: ``"off"``, or one of :data:`~flodl_mpi.transport.delta_reduce.DELTA_KINDS`:
+            the delta wire (``--wire bf16-delta`` / ``int8-delta``,
+            :mod:`flodl_mpi.transport.delta_reduce`): quantised ``θ − c`` with error
+            feedback, over an MPI Allgather of the world. It runs flat over MPI only:
+            ``node_reduce 'shm'`` and ``hierarchical 'on'`` are refused with it
+            (``auto`` resolves to ``mpi`` and flat).
 
     Raises:
-        ValueError: an unknown choice.
+        ValueError: an unknown choice, or a combination not implemented.
     """
 
     node_reduce: str = "auto"
     hierarchical: str = "auto"
     bf16: bool = False
+    delta: str = "off"
 
     def __post_init__(self) -> None:
         if self.node_reduce not in NODE_REDUCES:
@@ -291,6 +300,11 @@ class WireOptions:
         if self.bf16 and self.node_reduce == "mpi" and self.hierarchical == "on":
             raise ValueError(f"bf16 with node_reduce {self.node_reduce!r} and hierarchical 'on' is not implemented; "
                              "use node_reduce 'shm' (or hierarchical 'off')")
+        if self.delta not in ("off", *DELTA_KINDS):
+            raise ValueError(f"delta must be 'off' or one of {', '.join(DELTA_KINDS)}, got {self.delta!r}")
+        if self.delta != "off" and (self.bf16 or self.node_reduce == "shm" or self.hierarchical == "on"):
+            raise ValueError(delta_refusal(self.delta, self.node_reduce, self.hierarchical, self.bf16))
+
 
 
 def _window_bytes(layout: WireLayout, ranks: int, bf16: bool) -> int:
@@ -325,7 +339,9 @@ class Reducer:
     (:func:`_reduce_bf16_allgather`), ``"shm"`` / ``"shm+leaders"`` (one
     node's shared window, then the node leaders across nodes),
     ``"shm-in-place"`` (one node, float32, the staging in the shared memory: ``in_place``),
-    ``"node-mpi+leaders"`` (MPI Reduce within the node, leaders' Allreduce, Bcast).
+    ``"node-mpi+leaders"`` (MPI Reduce within the node, leaders' Allreduce, Bcast),
+    ``"allgather-bf16-delta"`` / ``"allgather-int8-delta"`` (the delta wire,
+    :class:`~flodl_mpi.transport.delta_reduce.DeltaReduce`: its first round the exact Allreduce).
 
     Args:
         comm: the bridge's communicator; the reducer splits its own node and
@@ -366,6 +382,8 @@ class Reducer:
         nodes = comm.allreduce(int(node.rank == 0), op=MPI.SUM)
         self.nodes = nodes
         kind = options.node_reduce
+        if options.delta != "off":  # flat over MPI (WireOptions refused shm and hierarchical on)
+            kind = "mpi"
         if kind != "mpi":
             need = _window_bytes(layout, node.size, options.bf16)
             free = _shm_free()
@@ -379,6 +397,7 @@ class Reducer:
         #: the node reduce in use: ``"shm"`` or ``"mpi"`` (``"auto"`` resolved, the same on every rank)
         self.node_reduce = kind
         hier = options.hierarchical == "on" or (options.hierarchical == "auto" and nodes > 1 and kind == "shm")
+        hier = hier and options.delta == "off"
         if options.bf16 and hier and kind == "mpi":
             node.Free()
             raise ValueError("bf16 with a hierarchical MPI node reduce is not implemented; use node_reduce 'shm' "
@@ -418,7 +437,12 @@ class Reducer:
             self.extra_bytes = self._impl.extra_bytes
         else:
             node.Free()
-            if options.bf16:
+            if options.delta != "off":
+                self._frame, self._scratch = np.empty(piece, np.float64), np.empty(piece, np.float32)
+                self._delta = DeltaReduce(comm, layout, options.delta, self._exact_round)
+                self.path = f"allgather-{options.delta}-delta"
+                self.extra_bytes = self._frame.nbytes + self._scratch.nbytes + self._delta.extra_bytes
+            elif options.bf16:
                 W = comm.size
                 self._bufs = (np.empty(piece + 4, np.uint16), np.empty(W * (piece + 4), np.uint16),
                               np.empty(piece, np.float64), np.empty(piece, np.float32), np.empty(piece, np.float32),
@@ -429,6 +453,16 @@ class Reducer:
                 self._frame, self._scratch = np.empty(piece, np.float64), np.empty(piece, np.float32)
                 self.path = "allreduce"
                 self.extra_bytes = self._frame.nbytes + self._scratch.nbytes
+
+    def _exact_round(self, staging: np.ndarray, mass: float, stats: ReduceStats) -> None:
+        """The exact float64 Allreduce round (the delta wire's first, before it holds a reference)."""
+        _reduce(self.comm, self.layout, staging, self._frame, mass, self._scratch, stats)
+
+    def rebase(self, staging: np.ndarray) -> None:
+        """The delta wire's reference becomes ``staging`` (after the outer step, the same on every rank); no-op on
+        the other paths."""
+        if self.path.endswith("-delta"):
+            self._delta.rebase(staging)
 
     @property
     def node_gather(self):
@@ -488,6 +522,8 @@ class Reducer:
                 self._impl.reduce(staging, mass, stats)
             elif self.path == "allgather-bf16":
                 _reduce_bf16_allgather(self.comm, self.layout, staging, mass, self._bufs, stats)
+            elif self.path.endswith("-delta"):
+                self._delta.reduce(staging, mass, stats, _unpack)
             else:
                 _reduce(self.comm, self.layout, staging, self._frame, mass, self._scratch, stats)
         return stats

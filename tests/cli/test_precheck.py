@@ -48,11 +48,15 @@ def test_input_mistakes_are_refused_before_mpi_and_torch_start(tmp_path):
         ("--data", str(tmp_path / "nope.h5")): f"--data {str(tmp_path / 'nope.h5')!r}: no such file",
         ("--data", good, "--train-y", "labels"):
             f"dataset 'labels' not found in {good!r} (has: test/x, test/y, train/x, train/y)",
-        ("--data", floats): f"'train/y' in {floats!r} must be 1-D integer class labels, got float64 (12,)",
+        ("--data", floats): f"'train/y' in {floats!r} must be 1-D integer class labels, got float64 (12,) "
+                               "(or per-position labels: integers of shape (N, T), T >= 2)",
         ("--model", "no_such_module_26:make"): "--model 'no_such_module_26:make': cannot import module "
                                                "'no_such_module_26': ModuleNotFoundError: No module named "
                                                "'no_such_module_26'",
         ("--model", "net.py"): "--model 'net.py': expected 'module:factory' or 'path/to/file.py:factory'",
+        ("--wire", "int8-delta", "--node-reduce", "shm"): "--wire int8-delta travels over MPI (an Allgather of the "
+                                                         "quantised deltas over the world); it does not run with "
+                                                         "--node-reduce shm: use --node-reduce mpi or auto",
         ("--model", str(tmp_path / "gone.py") + ":make"):
             f"--model {str(tmp_path / 'gone.py') + ':make'!r}: no such file {str(tmp_path / 'gone.py')!r}",
         ("--run-dir", str(tmp_path / "afile")): f"--run-dir {str(tmp_path / 'afile')!r}: exists and is not a "
