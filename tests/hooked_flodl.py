@@ -17,6 +17,8 @@ Hooks (each patches the package in this process only):
   --script-round-ms X   ... and each round's overhead time as X ms.
   --record-indices DIR  each rank writes DIR/rank<r>.npz at exit: per epoch, the
                         training sample indices it read (``e<epoch>``), in order.
+  --dump-final DIR      each rank writes DIR/rank<r>.npz when its training ends:
+                        its model's state dict (name -> array) as it holds it.
   --fault KIND@RANK:ROUND
                         inject that fault (tests/faults.py) on the product's hooks
                         (flodl_mpi.runtime.hooks): e.g. ``bridge@1:3``.
@@ -48,6 +50,7 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
     p.add_argument("--script-round-ms", type=float)
     p.add_argument("--record-indices")
     p.add_argument("--fault")
+    p.add_argument("--dump-final")
     opts, rest = p.parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
@@ -118,6 +121,23 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
                 np.savez(out / f"rank{int(read['rank'][0][0])}.npz", **{k: np.concatenate(v) for k, v in read.items()})
 
         at_exit.append(dump)
+
+    if opts.dump_final is not None:
+        from pathlib import Path
+
+        import numpy as np
+
+        plain_fit = worker.Trainer.fit
+
+        def fit(self, *args, **kwargs):
+            history = plain_fit(self, *args, **kwargs)
+            out = Path(opts.dump_final)
+            out.mkdir(parents=True, exist_ok=True)
+            state = {k: v.detach().cpu().numpy() for k, v in self.replica.model.state_dict().items()}
+            np.savez(out / f"rank{self.rank}.npz", **state)
+            return history
+
+        worker.Trainer.fit = fit
 
     if opts.save_delay:
         plain_write = checkpoint.write_checkpoint

@@ -1,0 +1,14 @@
+"""One line per rank: its world rank, host name, node id (its node's first world rank) and node size, and
+whether a cross-host Allreduce of ones summed to the world size (run by tests/multinode/test_cluster.py)."""
+
+import socket
+
+from mpi4py import MPI
+
+world = MPI.COMM_WORLD
+node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+node_id = node.bcast(world.rank, root=0)
+total = world.allreduce(1, op=MPI.SUM)
+print(f"probe rank={world.rank} size={world.size} host={socket.gethostname()} node={node_id} "
+      f"node_size={node.size} local_rank={node.rank} sum={total}", flush=True)
+node.Free()
