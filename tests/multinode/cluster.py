@@ -232,7 +232,7 @@ exec nsenter -t "$pid" --uts --net --mount --wd="$PWD" -- sh -c "$*"
         else:
             env.update(PRTE_MCA_plm_ssh_agent=self.ssh_agent, PRTE_MCA_plm="ssh",
                        PRTE_MCA_oob_tcp_if_include="eth0", OMPI_MCA_btl="tcp,self", OMPI_MCA_pml="ob1",
-                       OMPI_MCA_btl_tcp_if_include="eth0", UCX_TLS="tcp,self", UCX_NET_DEVICES="eth0",
+                       OMPI_MCA_btl_tcp_if_include="eth0", OMPI_MCA_osc="^ucx", UCX_TLS="tcp,self", UCX_NET_DEVICES="eth0",
                        PRTE_MCA_prte_keep_fqdn_hostnames="1")
             hosts = ",".join(f"{h}:{per_host}" for h in self.hosts)
             cmd = [mpiexec, "--host", hosts, "--map-by", "ppr:%d:node" % per_host, "-n", str(n), *argv]
