@@ -49,8 +49,9 @@ def unavailable() -> str | None:
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         return f"multi-host harness needs {', '.join(missing)}"
-    probe = subprocess.run(["unshare", "--uts", "--net", "--mount", "true"], capture_output=True, text=True,
-                           timeout=30, check=False)
+    probe = subprocess.run(
+        ["unshare", "--uts", "--net", "--mount", "true"], capture_output=True, text=True, timeout=30, check=False
+    )
     if probe.returncode != 0:
         return f"unshare --uts --net --mount refused: {probe.stderr.strip()}"
     return None
@@ -77,8 +78,13 @@ class _Holder:
     def __init__(self, name: str, setup: str, net_only: bool = False) -> None:
         flags = ["--net"] if net_only else ["--uts", "--net", "--mount", "--propagation", "private"]
         script = f"set -e; {setup}; echo $$; exec sleep 100000"
-        self.proc = subprocess.Popen(["unshare", *flags, "--fork", "sh", "-c", script], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["unshare", *flags, "--fork", "sh", "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         line = self.proc.stdout.readline().strip()
         if not line.isdigit():
             err = self.proc.stderr.read() if self.proc.poll() is not None else ""
@@ -94,8 +100,9 @@ class _Holder:
         return ["nsenter", "-t", str(self.pid), *spaces, "--"]
 
     def sh(self, command: str, net_only: bool = False) -> None:
-        subprocess.run([*self.enter(net_only), "sh", "-c", command], check=True, capture_output=True, text=True,
-                       timeout=30)
+        subprocess.run(
+            [*self.enter(net_only), "sh", "-c", command], check=True, capture_output=True, text=True, timeout=30
+        )
 
     def close(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -131,20 +138,30 @@ class Cluster:
 
     def _make(self) -> None:
         etc_hosts = self.dir / "hosts"
-        etc_hosts.write_text("127.0.0.1 localhost\n" + "".join(
-            f"{SUBNET}.{i + 1} {h}\n" for i, h in enumerate(self.hosts)))
-        self._switch = _Holder("switch", "ip link set lo up; ip link add br0 type bridge; ip link set br0 up",
-                               net_only=True)
+        etc_hosts.write_text(
+            "127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{i + 1} {h}\n" for i, h in enumerate(self.hosts))
+        )
+        self._switch = _Holder(
+            "switch", "ip link set lo up; ip link add br0 type bridge; ip link set br0 up", net_only=True
+        )
         for i, h in enumerate(self.hosts):
-            setup = (f"hostname {h}; ip link set lo up; mount -t tmpfs -o size=50% tmpfs /dev/shm; "
-                     f"mount --bind {etc_hosts} /etc/hosts")
+            setup = (
+                f"hostname {h}; ip link set lo up; mount -t tmpfs -o size=50% tmpfs /dev/shm; "
+                f"mount --bind {etc_hosts} /etc/hosts"
+            )
             self._holders[h] = holder = _Holder(h, setup)
             # the pair is made in the switch, one end then moved into the host and named eth0
-            self._switch.sh(f"ip link add s{i} type veth peer name h{i}; ip link set h{i} netns {holder.pid}; "
-                            f"ip link set s{i} master br0; ip link set s{i} up", net_only=True)
+            self._switch.sh(
+                f"ip link add s{i} type veth peer name h{i}; ip link set h{i} netns {holder.pid}; "
+                f"ip link set s{i} master br0; ip link set s{i} up",
+                net_only=True,
+            )
             cap = f"; tc qdisc add dev eth0 root tbf rate {self.rate} burst 1mb latency 100ms" if self.rate else ""
-            holder.sh(f"ip link set h{i} name eth0; ip addr add {SUBNET}.{i + 1}/24 dev eth0; "
-                      f"ip link set eth0 mtu 9000; ip link set eth0 up{cap}", net_only=True)
+            holder.sh(
+                f"ip link set h{i} name eth0; ip addr add {SUBNET}.{i + 1}/24 dev eth0; "
+                f"ip link set eth0 mtu 9000; ip link set eth0 up{cap}",
+                net_only=True,
+            )
             self._switch.sh(f"ip link set s{i} mtu 9000", net_only=True)
         agent = self.dir / "ssh-agent.sh"
         pids = " ".join(f"{h}={hd.pid}" for h, hd in self._holders.items())
@@ -204,16 +221,22 @@ exec nsenter -t "$pid" --uts --net --mount --wd="$PWD" -- sh -c "$*"
     def link_bytes(self, host: str) -> int:
         """Bytes ``host`` has sent on its link (``eth0``'s tx counter)."""
         # /proc/net/dev is the reading process's network namespace (/sys/class/net is the mounter's)
-        out = subprocess.run([*self._holders[host].enter(net_only=True), "cat", "/proc/net/dev"],
-                             capture_output=True, text=True, check=True, timeout=30).stdout
+        out = subprocess.run(
+            [*self._holders[host].enter(net_only=True), "cat", "/proc/net/dev"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
         for line in out.splitlines():
             name, _, counters = line.partition(":")
             if name.strip() == "eth0":
                 return int(counters.split()[8])
         raise RuntimeError(f"{host} has no eth0")
 
-    def launch(self, kind: str, mpiexec: str, per_host: int, argv: list[str], env: dict, timeout: float,
-               during=None) -> Launched:
+    def launch(
+        self, kind: str, mpiexec: str, per_host: int, argv: list[str], env: dict, timeout: float, during=None
+    ) -> Launched:
         """Run ``argv`` on ``per_host`` ranks of every host, rank r on host ``r // per_host``; the finished launch.
 
         Args:
@@ -227,20 +250,45 @@ exec nsenter -t "$pid" --uts --net --mount --wd="$PWD" -- sh -c "$*"
         n = per_host * len(self.hosts)
         env = dict(env)
         if kind == "hydra":
-            cmd = [mpiexec, "-launcher", "manual", "-hosts", ",".join(self.hosts), "-n", str(n), "-ppn",
-                   str(per_host), *argv]
+            cmd = [
+                mpiexec,
+                "-launcher",
+                "manual",
+                "-hosts",
+                ",".join(self.hosts),
+                "-n",
+                str(n),
+                "-ppn",
+                str(per_host),
+                *argv,
+            ]
         else:
-            env.update(PRTE_MCA_plm_ssh_agent=self.ssh_agent, PRTE_MCA_plm="ssh",
-                       PRTE_MCA_oob_tcp_if_include="eth0", OMPI_MCA_btl="tcp,self", OMPI_MCA_pml="ob1",
-                       OMPI_MCA_btl_tcp_if_include="eth0", OMPI_MCA_osc="^ucx", UCX_TLS="tcp,self", UCX_NET_DEVICES="eth0",
-                       PRTE_MCA_prte_keep_fqdn_hostnames="1")
+            env.update(
+                PRTE_MCA_plm_ssh_agent=self.ssh_agent,
+                PRTE_MCA_plm="ssh",
+                PRTE_MCA_oob_tcp_if_include="eth0",
+                OMPI_MCA_btl="sm,tcp,self",
+                OMPI_MCA_pml="ob1",
+                OMPI_MCA_mpi_yield_when_idle="1",
+                OMPI_MCA_btl_tcp_if_include="eth0",
+                OMPI_MCA_osc="^ucx",
+                UCX_TLS="tcp,self",
+                UCX_NET_DEVICES="eth0",
+                PRTE_MCA_prte_keep_fqdn_hostnames="1",
+            )
             hosts = ",".join(f"{h}:{per_host}" for h in self.hosts)
             cmd = [mpiexec, "--host", hosts, "--map-by", "ppr:%d:node" % per_host, "-n", str(n), *argv]
         start = time.monotonic()
         out, err = self.dir / f"out-{time.time_ns()}", self.dir / f"err-{time.time_ns()}"
         with open(out, "w+") as fo, open(err, "w+") as fe:
-            proc = subprocess.Popen([*self.enter(self.hosts[0]), *cmd], stdout=subprocess.PIPE, stderr=fe,
-                                    env=env, text=True, start_new_session=True)
+            proc = subprocess.Popen(
+                [*self.enter(self.hosts[0]), *cmd],
+                stdout=subprocess.PIPE,
+                stderr=fe,
+                env=env,
+                text=True,
+                start_new_session=True,
+            )
             proxies: list[subprocess.Popen] = []
             pump = threading.Thread(target=self._pump, args=(kind, proc, fo, fe, proxies, env), daemon=True)
             pump.start()
@@ -271,11 +319,18 @@ exec nsenter -t "$pid" --uts --net --mount --wd="$PWD" -- sh -c "$*"
         its host (proxy id i: host i)."""
         for line in proc.stdout:
             if kind == "hydra" and line.startswith("HYDRA_LAUNCH: "):
-                args = shlex.split(line[len("HYDRA_LAUNCH: "):])
+                args = shlex.split(line[len("HYDRA_LAUNCH: ") :])
                 host = self.hosts[int(args[args.index("--proxy-id") + 1])]
-                proxies.append(subprocess.Popen([*self.enter(host), *args], stdin=subprocess.DEVNULL, env=env,
-                                                stdout=err, stderr=err,
-                                                start_new_session=True))
+                proxies.append(
+                    subprocess.Popen(
+                        [*self.enter(host), *args],
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                        stdout=err,
+                        stderr=err,
+                        start_new_session=True,
+                    )
+                )
                 continue
             if kind == "hydra" and line.startswith("HYDRA_LAUNCH_END"):
                 continue

@@ -52,8 +52,15 @@ def _install() -> None:
         pre = np.array(staging, copy=True)
         stats = plain(self, staging, mass, masses, **kwargs)
         key = _order.setdefault(id(self), len(_order))
-        _last[key] = dict(pre=pre, mass=float(mass), post=np.array(staging, copy=True), path=self.path,
-                          bf16=self.options.bf16, realized=stats.realized, W=self.comm.size)
+        _last[key] = dict(
+            pre=pre,
+            mass=float(mass),
+            post=np.array(staging, copy=True),
+            path=self.path,
+            bf16=self.options.bf16,
+            realized=stats.realized,
+            W=self.comm.size,
+        )
         return stats
 
     reduce_mod.Reducer.reduce = reduce
@@ -90,8 +97,15 @@ def run(name: str, world: MPI.Comm) -> dict:
         post = rec["post"]
         rel = float(np.linalg.norm(post - ref) / max(np.linalg.norm(ref), 1e-300))
         bits = float(np.mean(post.view(np.uint32) == ref.astype(np.float32).view(np.uint32)))
-        report["planes"].append({"path": sorted(paths), "n": int(post.size), "realized": bool(rec["realized"]),
-                                 "rel_err": rel, "bits_equal": bits})
+        report["planes"].append(
+            {
+                "path": sorted(paths),
+                "n": int(post.size),
+                "realized": bool(rec["realized"]),
+                "rel_err": rel,
+                "bits_equal": bits,
+            }
+        )
     report["hosts"] = world.allgather(socket.gethostname())
     return report
 

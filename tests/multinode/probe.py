@@ -9,6 +9,9 @@ world = MPI.COMM_WORLD
 node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
 node_id = node.bcast(world.rank, root=0)
 total = world.allreduce(1, op=MPI.SUM)
-print(f"probe rank={world.rank} size={world.size} host={socket.gethostname()} node={node_id} "
-      f"node_size={node.size} local_rank={node.rank} sum={total}", flush=True)
+print(
+    f"probe rank={world.rank} size={world.size} host={socket.gethostname()} node={node_id} "
+    f"node_size={node.size} local_rank={node.rank} sum={total}",
+    flush=True,
+)
 node.Free()

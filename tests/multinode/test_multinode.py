@@ -39,8 +39,10 @@ HERE = Path(__file__).parent
 
 def _skip_reason() -> str | None:
     if os.environ.get("FLODL_TEST_MULTINODE") not in ("1", "require"):
-        return ("the multi-host tests run only with FLODL_TEST_MULTINODE=1 (root; namespaces and veth links; "
-                ".ci/run's multi-node stage runs them)")
+        return (
+            "the multi-host tests run only with FLODL_TEST_MULTINODE=1 (root; namespaces and veth links; "
+            ".ci/run's multi-node stage runs them)"
+        )
     if MPIEXEC is None:
         return "mpiexec not found"
     return unavailable()
@@ -49,15 +51,24 @@ def _skip_reason() -> str | None:
 _REASON = _skip_reason()
 if _REASON and os.environ.get("FLODL_TEST_MULTINODE") == "require":
     raise RuntimeError(f"FLODL_TEST_MULTINODE=require, but: {_REASON}")
-pytestmark = [pytest.mark.multinode, pytest.mark.launch, pytest.mark.slow,
-              pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.launch,
+    pytest.mark.slow,
+    pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
+]
 
 
 def _env(extra: dict | None = None) -> dict:
     root = str(HERE.parents[1])
-    return launch_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                       "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
-                       **(extra or {})})
+    return launch_env(
+        {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+            **(extra or {}),
+        }
+    )
 
 
 def launch(cluster: Cluster, per_host: int, argv: list[str], timeout: float = 240.0, during=None):
@@ -100,9 +111,15 @@ def test_ranks_land_on_their_hosts(hosts, per_host):
 
 #: config -> the reduce path of the parameters' plane, on a world of several hosts with several ranks each
 PATHS = {
-    "sync-auto": "shm+leaders", "sync-flat-mpi": "allreduce", "sync-hier-mpi": "node-mpi+leaders",
-    "sync-hier-shm": "shm+leaders", "sync-bf16-hier": "shm+leaders", "sync-bf16-flat": "allgather-bf16",
-    "window": "shm+leaders", "cadence": "shm+leaders", "async": "shm+leaders",
+    "sync-auto": "shm+leaders",
+    "sync-flat-mpi": "allreduce",
+    "sync-hier-mpi": "node-mpi+leaders",
+    "sync-hier-shm": "shm+leaders",
+    "sync-bf16-hier": "shm+leaders",
+    "sync-bf16-flat": "allgather-bf16",
+    "window": "shm+leaders",
+    "cadence": "shm+leaders",
+    "async": "shm+leaders",
 }
 #: One float32 rounding of a float64 value: relative error at most 2**-24 per element.
 TOL = 2.0**-23
@@ -115,7 +132,7 @@ def _matrix(hosts: int, per_host: int, names: list[str]) -> dict:
     reports = {}
     for line in r.stdout.splitlines():
         if line.startswith("MATRIX "):
-            rep = json.loads(line[len("MATRIX "):])
+            rep = json.loads(line[len("MATRIX ") :])
             reports[rep["name"]] = rep
     assert sorted(reports) == sorted(names), _text(r)
     return reports
@@ -197,7 +214,7 @@ def test_death_of_a_whole_host_stops_the_job_and_loses_no_checkpoint(tmp_path):
     # nodeb's every process (its proxy or daemon and both its ranks) is killed at once, after the first
     # checkpoint is on disk: as its power failing would. The elastic path (issue: membership) has not landed:
     # the job stops. MPICH's Hydra ends at once with a non-zero status; Open MPI's launcher prints that it lost
-    # the daemon and ends the job, but its status is 0 (measured: prterun 5.0.11), so a job script must read
+    # nodeb's daemon and ends the job, but its status is 0 (measured: prterun 5.0.11), so a job script must read
     # train.log's final line, not the status alone. Either way the checkpoint written before is whole and the
     # run resumes from it on the host left.
     run = tmp_path / "run"
@@ -218,7 +235,13 @@ def test_death_of_a_whole_host_stops_the_job_and_loses_no_checkpoint(tmp_path):
     if launcher_kind() == "hydra":
         assert r.returncode != 0, _text(r)
     else:
-        assert "PRTE has lost communication with a remote daemon" in r.stderr, _text(r)
+        # which of its two messages depends on when the daemon's end is seen (both seen here); either names nodeb
+        said = r.stdout + r.stderr
+        assert r.returncode == 0 and "nodeb" in said, _text(r)
+        assert (
+            "PRTE has lost communication with a remote daemon" in said
+            or "A daemon failed to report back after being spawned" in said
+        ), _text(r)
     log = (run / "train.log").read_text()
     assert "epoch 40/40" not in log  # it did stop
     saved = sorted(glob.glob(str(run / "checkpoints" / "*.h5")))
