@@ -248,7 +248,9 @@ exec nsenter -t "$pid" --uts --net --mount --wd="$PWD" -- sh -c "$*"
                 runs in a thread of its own.
         """
         n = per_host * len(self.hosts)
-        env = dict(env)
+        # UCX (MPICH's netmod; Open MPI's too if chosen) would see one machine (its boot id) and move the
+        # cross-host bytes through shared memory or process_vm_readv: only TCP over the link between hosts
+        env = {**env, "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"}
         if kind == "hydra":
             cmd = [
                 mpiexec,
@@ -272,8 +274,6 @@ exec nsenter -t "$pid" --uts --net --mount --wd="$PWD" -- sh -c "$*"
                 OMPI_MCA_mpi_yield_when_idle="1",
                 OMPI_MCA_btl_tcp_if_include="eth0",
                 OMPI_MCA_osc="^ucx",
-                UCX_TLS="tcp,self",
-                UCX_NET_DEVICES="eth0",
                 PRTE_MCA_prte_keep_fqdn_hostnames="1",
             )
             hosts = ",".join(f"{h}:{per_host}" for h in self.hosts)
