@@ -98,8 +98,13 @@ def worker(params: list[int], repeats: int) -> None:
             else:
                 path = "MPI_Allreduce"
             if comm.rank == 0:
-                print("BENCH " + json.dumps({"P": P, "row": row, "path": path, "ms": 1e3 * statistics.median(times),
-                                             "link_bytes": per_host}), flush=True)
+                print(
+                    "BENCH "
+                    + json.dumps(
+                        {"P": P, "row": row, "path": path, "ms": 1e3 * statistics.median(times), "link_bytes": per_host}
+                    ),
+                    flush=True,
+                )
 
 
 def _rate_bits(rate: str) -> float:
@@ -134,22 +139,35 @@ def main() -> int:
     for rate in args.rates:
         bps = _rate_bits(rate) / 8
         with Cluster(host_names(2), rate=rate) as cluster:
-            argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--repeats", str(args.repeats),
-                    "--params", *map(str, args.params)]
+            argv = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                "--repeats",
+                str(args.repeats),
+                "--params",
+                *map(str, args.params),
+            ]
             r = cluster.launch(kind, MPIEXEC, 2, argv, env, timeout=1800)
         if r.returncode != 0:
             print(r.stdout[-3000:], r.stderr[-3000:], file=sys.stderr)
             return 1
         rows = [json.loads(line[6:]) for line in r.stdout.splitlines() if line.startswith("BENCH ")]
         print(f"\nlink {rate} per host")
-        print(f"{'P':>10} {'row':<10} {'path':<16} {'ms':>9} {'x bound':>8} {'x MPI f32':>9} {'link MB/host/round':>19}")
+        print(
+            f"{'P':>10} {'row':<10} {'path':<16} {'ms':>9} {'x bound':>8} {'x MPI f32':>9} {'link MB/host/round':>19}"
+        )
         for P in args.params:
             bound = 2 * (2 - 1) / 2 * 4 * P / bps * 1e3
             mpi = next(x["ms"] for x in rows if x["P"] == P and x["row"] == "MPI f32")
             for x in (x for x in rows if x["P"] == P):
-                print(f"{P:>10} {x['row']:<10} {x['path']:<16} {x['ms']:>9.1f} {x['ms'] / bound:>8.2f} "
-                      f"{x['ms'] / mpi:>9.2f} {x['link_bytes'] / 1e6:>19.1f}")
-            print(f"{P:>10} {'bound':<10} {'':<16} {bound:>9.1f} {'':>8} {'':>9} {2 * (2 - 1) / 2 * 4 * P / 1e6:>19.1f}")
+                print(
+                    f"{P:>10} {x['row']:<10} {x['path']:<16} {x['ms']:>9.1f} {x['ms'] / bound:>8.2f} "
+                    f"{x['ms'] / mpi:>9.2f} {x['link_bytes'] / 1e6:>19.1f}"
+                )
+            print(
+                f"{P:>10} {'bound':<10} {'':<16} {bound:>9.1f} {'':>8} {'':>9} {2 * (2 - 1) / 2 * 4 * P / 1e6:>19.1f}"
+            )
     return 0
 
 

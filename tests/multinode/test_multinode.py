@@ -23,6 +23,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -91,13 +92,20 @@ def _text(r) -> str:
 def test_ranks_land_on_their_hosts(hosts, per_host):
     names = host_names(hosts)
     with Cluster(names) as cluster:
+        before = [cluster.link_bytes(h) for h in names]
         r = launch(cluster, per_host, [sys.executable, str(HERE / "probe.py")], timeout=120)
+        sent = [cluster.link_bytes(h) - b for h, b in zip(names, before)]
     assert r.returncode == 0, _text(r)
+    # the probe's 8 MB Allreduce: every host sends at least its share over its link (a ring's 2(H-1)/H · 8 MB
+    # among H hosts, any algorithm at least (H-1)/H of it), not through memory shared behind the link's back
+    assert all(s >= (hosts - 1) / hosts * (8 << 20) for s in sent), sent
     rows = {}
-    for line in r.stdout.splitlines():
-        if line.startswith("probe "):
-            kv = dict(item.split("=") for item in line.split()[1:])
-            rows[int(kv["rank"])] = kv
+    # found anywhere in the output: the launcher forwards each rank's stream in chunks, which may meet mid-line
+    keys = ("rank", "size", "host", "node", "node_size", "local_rank", "sum")
+    pattern = "probe " + " ".join(f"{k}=({'[a-z]+' if k == 'host' else '[0-9]+'})" for k in keys)
+    for m in re.finditer(pattern, r.stdout):
+        kv = dict(zip(keys, m.groups()))
+        rows[int(kv["rank"])] = kv
     W = hosts * per_host
     assert sorted(rows) == list(range(W)), _text(r)
     for rank, kv in rows.items():
