@@ -21,6 +21,8 @@ Hooks (each patches the package in this process only):
                         dataset (--data-loading stream), in order: its rows
                         (``rows``, start and stop), its dataset (``train``: 1 for the
                         training features) and whether the read-ahead thread made it.
+  --dump-final DIR      each rank writes DIR/rank<r>.npz when its training ends:
+                        its model's state dict (name -> array) as it holds it.
   --fault KIND@RANK:ROUND
                         inject that fault (tests/faults.py) on the product's hooks
                         (flodl_mpi.runtime.hooks): e.g. ``bridge@1:3``.
@@ -53,6 +55,7 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
     p.add_argument("--record-indices")
     p.add_argument("--count-reads")
     p.add_argument("--fault")
+    p.add_argument("--dump-final")
     opts, rest = p.parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
@@ -150,6 +153,23 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
                      ahead=table[:, 3])
 
         at_exit.append(dump_reads)
+
+    if opts.dump_final is not None:
+        from pathlib import Path
+
+        import numpy as np
+
+        plain_fit = worker.Trainer.fit
+
+        def fit(self, *args, **kwargs):
+            history = plain_fit(self, *args, **kwargs)
+            out = Path(opts.dump_final)
+            out.mkdir(parents=True, exist_ok=True)
+            state = {k: v.detach().cpu().numpy() for k, v in self.replica.model.state_dict().items()}
+            np.savez(out / f"rank{self.rank}.npz", **state)
+            return history
+
+        worker.Trainer.fit = fit
 
     if opts.save_delay:
         plain_write = checkpoint.write_checkpoint
