@@ -479,8 +479,8 @@ def test_bare_command_lists_the_subcommands():
     proc = subprocess.run([sys.executable, "-m", "flodl_mpi"], capture_output=True, text=True, timeout=120,
                           check=False)
     assert proc.returncode == EXIT_INPUT and proc.stdout == ""
-    assert proc.stderr.startswith("usage: flodl-mpi") and "{train,report,inspect,export}" in proc.stderr
-    for name in ("train", "report", "inspect", "export"):
+    assert proc.stderr.startswith("usage: flodl-mpi") and "{train,report,inspect,export,inject-failure}" in proc.stderr
+    for name in ("train", "report", "inspect", "export", "inject-failure"):
         assert any(line.split()[:1] == [name] for line in proc.stderr.splitlines()), name
 
 
