@@ -181,6 +181,15 @@ class _Boundary:
         return True
 
 
+def _close_rows(data) -> None:
+    """Close the features fit() read on demand (streamed files, a torch Dataset's loader workers): idempotent."""
+    for split in (data.train, data.test, data.val):
+        close = getattr(getattr(split, "x", None), "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                close()
+
+
 def _loss_correct(sums: Mapping) -> tuple[float, float, int]:
     """``(loss sum, correct, count)`` of a rank's evaluation sums; ``correct`` NaN without ``accuracy``."""
     loss_sum, n = sums.get("loss", (0.0, 0))
@@ -324,6 +333,7 @@ class Run:
             self.history[-1].epoch == self._trainer.cfg.epochs
         _scalars.activate(None)
         self._trainer.bridge.close()
+        _close_rows(self._trainer.data)
         if self._writer.writes:  # rank 0 with a run dir: the final save, train.log's last line, the lock
             self._writer.close(timeout=None)
             from flodl_mpi.training.train import final_line

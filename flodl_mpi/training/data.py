@@ -479,19 +479,19 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
         if "val" in f:  # the file's own validation set (docs/tutorial/your-data.rst)
             objs.update({role: _dataset_of(f, name, file) for role, name in VAL_NAMES.items()})
         xs = [role for role in ("train_x", "test_x", "val_x") if role in objs]
+        every = {**names, **VAL_NAMES}
         if loading == "auto":
             loading = _auto_loading([objs[role].shape for role in xs], ranks_per_host)
         if loading == "stream":
             for role in xs:
-                _feature_kind(objs[role].dtype, objs[role].shape, names[role], file)
+                _feature_kind(objs[role].dtype, objs[role].shape, every[role], file)
                 if objs[role].size == 0:
-                    raise DataError(f"{names[role]!r} in {file!r} is empty (shape {objs[role].shape})")
+                    raise DataError(f"{every[role]!r} in {file!r} is empty (shape {objs[role].shape})")
         raw = {role: obj[()] for role, obj in objs.items() if loading == "memory" or role.endswith("_y")}
         stated = _stated_classes(f, names["train_y"], file)
     if loading == "stream":
         from flodl_mpi.training.stream import H5Rows
 
-        every = {**names, **VAL_NAMES}
         for role in xs:
             raw[role] = H5Rows(file, every[role], _row_check(every[role], file))
 
