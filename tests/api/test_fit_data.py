@@ -46,7 +46,9 @@ def same(a, b):
 KW = dict(epochs=2, batch_size=32, lr=0.01, seed=3)
 """
 
-SERIAL = COMMON + r"""
+SERIAL = (
+    COMMON
+    + r"""
 import json, sys
 from flodl_mpi.outputs.metrics import read_table
 from flodl_mpi.outputs.best_checkpoint import best_checkpoint
@@ -86,6 +88,7 @@ except flodl_mpi.InputError as exc:
     out["none"] = str(exc)
 print(json.dumps(out))
 """
+)
 
 
 @pytest.mark.in_fork
@@ -118,13 +121,19 @@ def test_fit_on_a_dataset_and_with_validation(tmp_path):
     assert t["epoch"][-1] in tested and [h[4] is not None for h in hist] == [e in tested for e in t["epoch"]]
     assert out["own val"]
     # one line each (InputError: exit 2 uncaught), the flags as fit()'s keywords
-    assert out["both"] == ("val_fraction=0.2: 'torch Dataset (Labelled, Rows)' holds a validation set already (287 "
-                           "samples); use one or the other")
-    assert out["none"] == ("keep_best needs a validation set: add val_fraction F or a val/ group to the data (the "
-                           "test set is not for choosing a model)")
+    assert out["both"] == (
+        "val_fraction=0.2: 'torch Dataset (Labelled, Rows)' holds a validation set already (287 "
+        "samples); use one or the other"
+    )
+    assert out["none"] == (
+        "keep_best needs a validation set: add val_fraction F or a val/ group to the data (the "
+        "test set is not for choosing a model)"
+    )
 
 
-MULTI = COMMON + r"""
+MULTI = (
+    COMMON
+    + r"""
 from mpi4py import MPI
 from flodl_mpi import shard
 comm = MPI.COMM_WORLD
@@ -138,6 +147,7 @@ for epoch in range(KW["epochs"]):
         np.add.at(planned, idx, 1)
 RESULT = (same(ref, got), np.array_equal(sets["train"].reads.numpy(), planned), sets["train"].reads.numpy())
 """
+)
 
 
 @pytest.mark.mpi
@@ -152,7 +162,9 @@ def test_fit_on_a_dataset_at_every_rank_reads_only_its_batches():
     assert set(total.tolist()) == {2}  # every sample once per epoch across the ranks
 
 
-VAL_GROUP = COMMON + r"""
+VAL_GROUP = (
+    COMMON
+    + r"""
 import json, sys, h5py
 from flodl_mpi.training.validation import split_validation
 held = split_validation(digits, 0.2, KW["seed"])   # the rows val_fraction=0.2 holds out, as the file's val/ group
@@ -171,6 +183,7 @@ for mode in ("memory", "stream"):
     out[mode] = [hist == ref_hist, same(ref, got)]
 print(json.dumps(out))
 """
+)
 
 
 @pytest.mark.in_fork
@@ -183,9 +196,19 @@ def test_a_val_group_in_the_file_is_the_validation_set_streamed_or_in_memory(tmp
     # --val-fraction beside the file's own: one line, exit 2, before anything is written
     from tests.conftest import fork_flodl
 
-    refused = fork_flodl("train", "--data", str(tmp_path / "with-val.h5"), "--val-fraction", "0.2", "--run-dir",
-                         str(tmp_path / "r"), timeout=120)
+    refused = fork_flodl(
+        "train",
+        "--data",
+        str(tmp_path / "with-val.h5"),
+        "--val-fraction",
+        "0.2",
+        "--run-dir",
+        str(tmp_path / "r"),
+        timeout=120,
+    )
     assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert (f"--val-fraction 0.2: {str(tmp_path / 'with-val.h5')!r} holds a validation set already (287 samples); "
-            "use one or the other") in refused.stderr
+    assert (
+        f"--val-fraction 0.2: {str(tmp_path / 'with-val.h5')!r} holds a validation set already (287 samples); "
+        "use one or the other"
+    ) in refused.stderr
     assert not (tmp_path / "r").exists()
