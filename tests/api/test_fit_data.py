@@ -60,6 +60,22 @@ out["dataset"] = same(ref, params(flodl_mpi.fit(data=sets, **KW)))
 sets = {"train": Labelled(*arrays["train"]), "test": Labelled(*arrays["test"])}
 out["workers"] = same(ref, params(flodl_mpi.fit(data=sets, num_workers=2, pin_memory=False, **KW)))
 out["worker reads"] = sorted(set(sets["train"].reads.tolist()))      # each sample once per epoch, 2 epochs
+# a stop in epoch 2 (SIGUSR1 from the train step, riding the next round), then resume=True: the same run
+import os, signal
+calls = [0]
+def stopping_step(model, batch):
+    calls[0] += 1
+    if calls[0] == 60:  # fit's one check call, then 45 steps an epoch: step 14 of epoch 2
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+sets = {"train": Labelled(*arrays["train"]), "test": Labelled(*arrays["test"])}
+try:
+    flodl_mpi.fit(data=sets, num_workers=2, train_step=stopping_step, run_dir=sys.argv[1] + "/s", **KW).wait()
+except flodl_mpi.Stopped:
+    out["stopped"] = True
+sets = {"train": Labelled(*arrays["train"]), "test": Labelled(*arrays["test"])}
+out["resumed"] = same(ref, params(flodl_mpi.fit(data=sets, num_workers=2, run_dir=sys.argv[1] + "/s", resume=True,
+                                                **KW)))
 # validation: val_fraction, keep_best, early_stop, in a run dir
 run = flodl_mpi.fit(data=arrays, epochs=6, batch_size=32, lr=0.05, val_fraction=0.2, keep_best="val_accuracy",
                     early_stop=2, run_dir=sys.argv[1] + "/v", keep_checkpoints=1)
@@ -99,6 +115,7 @@ def test_fit_on_a_dataset_and_with_validation(tmp_path):
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["dataset"] and out["workers"]  # bit-identical to the arrays, read in process or by 2 workers
     assert out["worker reads"] == [2]  # the workers read every training sample once per epoch, nothing else
+    assert out["stopped"] and out["resumed"]  # stopped mid-epoch 2 and resumed: bit-identical still
     t, hist = out["table"], out["history"]
     # early stop: the run ends after the first 2 epochs in a row without a better val_accuracy
     best, bad, stop = -1.0, 0, None
