@@ -570,10 +570,13 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             mode, no grad); the cohort's metric is ``Σ sum / Σ count``. Default: the
             train step's loss, and ``accuracy`` for class labels.
         data: an HDF5 file (datasets ``train/x``, ``train/y``, ``test/x``, ``test/y``,
-            renamed by ``names``), ``{"train": (x, y), "test": (x, y)}`` or
-            ``((x, y), (x, y))`` of arrays or tensors; ``x`` numeric ``(N, ...)``,
-            ``y`` 1-D integer labels or float targets of any shape ``(N, ...)``;
-            None: the built-in digits.
+            renamed by ``names``; a ``val`` group, ``val/x`` and ``val/y``, is the validation
+            set; read whole or streamed by ``data_loading=``, as ``--data-loading``),
+            ``{"train": ..., "test": ...}`` (and ``"val": ...``, a validation set) or
+            ``(train, test)``, each an ``(x, y)`` pair of arrays or tensors or a map-style
+            ``torch.utils.data.Dataset`` of ``(x, y)`` items (each rank reads only its
+            batches' items; see ``num_workers``); ``x`` numeric ``(N, ...)``, ``y`` 1-D
+            integer labels or float targets of any shape ``(N, ...)``; None: the built-in digits.
         task: ``"classification"`` (float labels that are whole numbers become
             int64 class labels), ``"regression"`` (integer labels become float
             targets), or None: from the targets' dtype, integer labels classify and
@@ -608,6 +611,20 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
         checkpoint_every: as the CLI's option; so are ``keep_checkpoints``, ``device``,
             ``threads``, ``stall_timeout``, ``on_non_finite``, ``chunk_elems``, ``seed``,
             ``drop_last`` and ``eval_batch_size``.
+        num_workers, pin_memory: for a ``torch.utils.data.Dataset`` in ``data``: the
+            ``DataLoader``'s worker processes (persistent over the run; 0: read in this
+            process) reading the batches of the current and the next window ahead, and its
+            ``pin_memory``. The items' features are cast to float32 as arrays are: the run is
+            the one the same arrays give, bit for bit. The labels are read once at the start
+            (the dataset's ``targets`` when it agrees with the first and last items, else a
+            pass over the items).
+        val_fraction, keep_best, early_stop, test_every_epoch: as ``--val-fraction``,
+            ``--keep-best``, ``--early-stop``, ``--test-every-epoch`` (given in ``**options``);
+            ``val_fraction`` beside the data's own validation set is refused. The validation
+            numbers are ``eval_fn``'s on it (``loss``: ``val_loss``, ``accuracy``:
+            ``val_accuracy``, each name ``val_<name>`` in the epoch's ``metrics``); with a
+            validation set the test set is evaluated at the end (and on an epoch that may stop
+            early, ``test_every_epoch``, or a request), not every ``eval_every`` epochs.
         verbose: rank 0 prints the CLI's lines (one per epoch) on stdout.
         comm: an mpi4py intracommunicator; None: the world.
         **options: any other ``flodl-mpi train`` option by its config name
