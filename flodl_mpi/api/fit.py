@@ -509,11 +509,12 @@ def _split_of(part, name: str, num_workers: int, pin_memory: bool):
     return DatasetRows(part, name, num_workers, pin_memory), dataset_labels(part, name, num_workers)
 
 
-def _load(data, names, cfg, num_workers: int = 0, pin_memory: bool = False):
+def _load(data, names, cfg, num_workers: int = 0, pin_memory: bool = False, ranks_per_host: int = 1):
     from flodl_mpi.training.data import DEFAULT_NAMES, DataError, dataset_from_arrays, load_dataset, with_val
 
     if isinstance(data, (str, os.PathLike)):
-        return load_dataset(data, {**DEFAULT_NAMES, **(names or {})}, targets="any", loading=cfg.data_loading)
+        return load_dataset(data, {**DEFAULT_NAMES, **(names or {})}, targets="any", loading=cfg.data_loading,
+                            ranks_per_host=ranks_per_host)
     if isinstance(data, Mapping):
         if not {"train", "test"} <= set(data) <= {"train", "val", "test"}:
             raise DataError(f"data as a dict needs the keys 'train' and 'test' (and 'val', a validation split), "
@@ -718,7 +719,7 @@ def _setup(session, a: dict) -> Run:
         data = for_task(load_data(cfg, world, watchdog), a["task"])  # integer labels: never raises
     else:
         data = agree(comm, "data", lambda: for_task(_load(a["data"], a["names"], cfg, a["num_workers"],
-                                                          a["pin_memory"]), a["task"]), watchdog)
+                                                          a["pin_memory"], world.local_size), a["task"]), watchdog)
     loaded = data  # val_fraction: held out once, from seed (the CLI's --val-fraction), or the data's own
     data = agree(comm, "data", lambda: settle_validation(loaded, cfg), watchdog)
     replay = load_replay_plan(cfg, world, watchdog, data)  # before anything is written

@@ -348,7 +348,7 @@ def with_val(data: Dataset, x, y, names: Mapping[str, str] = VAL_NAMES) -> Datas
         DataError: one line naming the dataset: a shape, kind or label that does not fit.
     """
     xname, yname, file = names["val_x"], names["val_y"], data.source
-    if isinstance(x, np.ndarray) or not hasattr(x, "shape"):
+    if not hasattr(x, "prefetch"):  # arrays, tensors; rows read on demand are checked as they are read
         x = _features(np.asarray(x.detach().cpu() if hasattr(x, "detach") else x), xname, file)
     y = np.asarray(y.detach().cpu() if hasattr(y, "detach") else y)
     if len(x) != len(y):
