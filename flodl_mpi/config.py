@@ -310,12 +310,8 @@ class TrainConfig:
              f"one of {', '.join(BEST_METRICS)}")
         need(self.early_stop is None or (isinstance(self.early_stop, int) and not isinstance(self.early_stop, bool)
                                          and self.early_stop >= 1), "early_stop", self.early_stop, "an integer >= 1")
-        if self.val_fraction is None:
-            asked = [f"--{n.replace('_', '-')}" for n in ("test_every_epoch", "keep_best", "early_stop")
-                     if getattr(self, n) not in (None, False)]
-            if asked:
-                raise ConfigError(f"{', '.join(asked)} need{'s' if len(asked) == 1 else ''} a validation set: add "
-                                  "--val-fraction F (the test set is not for choosing a model)")
+        # Without --val-fraction the data may hold its own validation set (a val/ group, fit()'s val split):
+        # what needs one is checked with the data (flodl_mpi.training.validation.settle_validation).
 
     @property
     def best_metric(self) -> str:

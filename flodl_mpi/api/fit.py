@@ -80,29 +80,48 @@ class _Boundary:
         self.checkpoint_now = False
         self.latest: EpochResult | None = None
         self._pending: tuple | None = None
+        self._val_sums: dict | None = None  # this epoch's validation sums, pooled at end_epoch
 
-    def end_epoch(self, trainer, epoch: int, report) -> tuple[float, int, int]:
+    def evaluate_val(self, trainer, split) -> tuple[float, float, int]:
+        """This rank's slice of the validation set through ``eval_fn``: ``(loss sum, correct, count)``.
+
+        ``correct`` is the ``accuracy`` sum (NaN when ``eval_fn`` gives none, as for a regression);
+        the sums of every name are kept and pooled at `end_epoch` (``val_<name>`` metrics).
+        """
+        self._val_sums = self._evaluate(trainer, split)
+        return _loss_correct(self._val_sums)
+
+    def end_epoch(self, trainer, epoch: int, report, test: bool = True) -> tuple[float, int, int]:
+        """The epoch's boundary on every rank: one exchange of scalars and intents, then the test set.
+
+        ``test``: the worker's decision (gathered values: alike on every rank). Without a
+        validation set the test set is evaluated on ``eval_every``'s epochs and the last; with
+        one, on the worker's epochs (the last, one that may stop early, ``test_every_epoch``).
+        A requested ``"eval"`` evaluates it either way.
+        """
         # -- one allgather: every rank's scalars, batches and intents (decides the rest alike)
         b = _scalars.exchange(trainer.bridge.allgather, self.book, report.batches)
-        scheduled = epoch + 1 == self.epochs or (self.eval_every > 0 and (epoch + 1) % self.eval_every == 0)
-        metrics, counts = {}, {}
-        if scheduled or "eval" in b.intents:
-            sums = self._evaluate(trainer)
-            totals = _scalars.pool_metrics(trainer.bridge.allgather(sums))  # the same on every rank
-            metrics, counts = {k: v for k, (v, _) in totals.items()}, {k: c for k, (_, c) in totals.items()}
+        if trainer.data.val is None:
+            scheduled = epoch + 1 == self.epochs or (self.eval_every > 0 and (epoch + 1) % self.eval_every == 0)
         else:
-            sums = {}
+            scheduled = test
+        val_sums, self._val_sums = self._val_sums, None
+        metrics, counts, sums = {}, {}, {}
+        if scheduled or "eval" in b.intents or val_sums is not None:
+            sums = self._evaluate(trainer, trainer.data.test) if scheduled or "eval" in b.intents else {}
+            gathered = trainer.bridge.allgather((sums, val_sums or {}))  # the same on every rank
+            totals = _scalars.pool_metrics([t for t, _ in gathered])
+            if val_sums is not None:
+                totals.update({f"val_{k}": v for k, v in _scalars.pool_metrics([v for _, v in gathered]).items()})
+            metrics, counts = {k: v for k, (v, _) in totals.items()}, {k: c for k, (_, c) in totals.items()}
         self.checkpoint_now = "checkpoint" in b.intents
         self._pending = (b, metrics, counts)
-        loss_sum, n = sums.get("loss", (0.0, 0))
-        # No accuracy measured (a regression, a user metric set without it): NaN, not 0 correct.
-        correct = round(sums["accuracy"][0]) if "accuracy" in sums and sums["accuracy"][1] == n else float("nan")
-        return float(loss_sum), correct, int(n)
+        return _loss_correct(sums)
 
     @torch.no_grad()
-    def _evaluate(self, trainer) -> dict[str, tuple[float, float]]:
-        """This rank's contiguous slice of the test set, in eval mode: ``{name: (sum, count)}``."""
-        split, rank, W, device = trainer.data.test, trainer.rank, trainer.world_size, trainer.replica.device
+    def _evaluate(self, trainer, split) -> dict[str, tuple[float, float]]:
+        """This rank's contiguous slice of ``split``, in eval mode: ``{name: (sum, count)}``."""
+        rank, W, device = trainer.rank, trainer.world_size, trainer.replica.device
         model = trainer.replica.model
         lo, hi = (split.n * rank) // W, (split.n * (rank + 1)) // W
         was_training = model.training
@@ -164,6 +183,23 @@ class _Boundary:
             if old % world_size == rank:
                 self.book.restore({k: (s, c) for k, (s, c) in books[old].items()}, intents[old])
         return True
+
+
+def _close_rows(data) -> None:
+    """Close the features fit() read on demand (streamed files, a torch Dataset's loader workers): idempotent."""
+    for split in (data.train, data.test, data.val):
+        close = getattr(getattr(split, "x", None), "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                close()
+
+
+def _loss_correct(sums: Mapping) -> tuple[float, float, int]:
+    """``(loss sum, correct, count)`` of a rank's evaluation sums; ``correct`` NaN without ``accuracy``."""
+    loss_sum, n = sums.get("loss", (0.0, 0))
+    # No accuracy measured (a regression, a user metric set without it): NaN, not 0 correct.
+    correct = round(sums["accuracy"][0]) if "accuracy" in sums and sums["accuracy"][1] == n else float("nan")
+    return float(loss_sum), correct, int(n)
 
 
 def _check_eval(out) -> dict[str, tuple[float, float]]:
@@ -301,6 +337,7 @@ class Run:
             self.history[-1].epoch == self._trainer.cfg.epochs
         _scalars.activate(None)
         self._trainer.bridge.close()
+        _close_rows(self._trainer.data)
         if self._writer.writes:  # rank 0 with a run dir: the final save, train.log's last line, the lock
             self._writer.close(timeout=None)
             from flodl_mpi.training.train import final_line
@@ -451,19 +488,53 @@ def _as_built(cfg: TrainConfig, opt) -> TrainConfig:
     return dataclasses.replace(cfg, **changes)
 
 
-def _load(data, names):
-    from flodl_mpi.training.data import DEFAULT_NAMES, DataError, dataset_from_arrays, load_dataset
+def _source(data) -> str:
+    """config.json's ``data`` of in-memory data: ``"in-memory arrays"``, or names the torch Datasets."""
+    from flodl_mpi.training.torch_rows import is_map_dataset
+
+    parts = data.values() if isinstance(data, Mapping) else data if isinstance(data, (tuple, list)) else ()
+    kinds = sorted({type(p).__name__ for p in parts if is_map_dataset(p)})
+    return f"torch Dataset ({', '.join(kinds)})" if kinds else "in-memory arrays"
+
+
+def _check_loader(num_workers, pin_memory) -> None:
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        raise ValueError(f"num_workers={num_workers!r}: must be an integer >= 0 (DataLoader worker processes)")
+    if not isinstance(pin_memory, bool):
+        raise ValueError(f"pin_memory={pin_memory!r}: must be True or False")
+
+
+def _split_of(part, name: str, num_workers: int, pin_memory: bool):
+    """``(x, y)`` of one split: an array pair as given, or a map-style torch Dataset's rows and labels."""
+    from flodl_mpi.training.torch_rows import DatasetRows, dataset_labels, is_map_dataset
+
+    if not is_map_dataset(part):
+        return part
+    return DatasetRows(part, name, num_workers, pin_memory), dataset_labels(part, name, num_workers)
+
+
+def _load(data, names, cfg, num_workers: int = 0, pin_memory: bool = False, ranks_per_host: int = 1):
+    from flodl_mpi.training.data import DEFAULT_NAMES, DataError, dataset_from_arrays, load_dataset, with_val
 
     if isinstance(data, (str, os.PathLike)):
-        return load_dataset(data, {**DEFAULT_NAMES, **(names or {})}, targets="any")
+        return load_dataset(data, {**DEFAULT_NAMES, **(names or {})}, targets="any", loading=cfg.data_loading,
+                            ranks_per_host=ranks_per_host)
     if isinstance(data, Mapping):
-        if set(data) != {"train", "test"}:
-            raise DataError(f"data as a dict needs exactly the keys 'train' and 'test', got {sorted(data)}")
-        return dataset_from_arrays(data["train"], data["test"])
+        if not {"train", "test"} <= set(data) <= {"train", "val", "test"}:
+            raise DataError(f"data as a dict needs the keys 'train' and 'test' (and 'val', a validation split), "
+                            f"got {sorted(data)}")
+        parts = {k: _split_of(v, k, num_workers, pin_memory) for k, v in data.items()}
+        out = dataset_from_arrays(parts["train"], parts["test"], _source(data))
+        if "val" not in parts:
+            return out
+        if not isinstance(parts["val"], (tuple, list)) or len(parts["val"]) != 2:
+            raise DataError(f"val must be an (x, y) pair of arrays or a torch Dataset, got {type(data['val']).__name__}")
+        return with_val(out, *parts["val"], {"val_x": "val x", "val_y": "val y"})
     if isinstance(data, (tuple, list)) and len(data) == 2:
-        return dataset_from_arrays(data[0], data[1])
-    raise TypeError("data must be an HDF5 file path, {'train': (x, y), 'test': (x, y)} or ((x, y), (x, y)); "
-                    f"got {type(data).__name__}")
+        return dataset_from_arrays(_split_of(data[0], "train", num_workers, pin_memory),
+                                   _split_of(data[1], "test", num_workers, pin_memory), _source(data))
+    raise TypeError("data must be an HDF5 file path, {'train': ..., 'test': ..., 'val': ...} or (train, test), each "
+                    f"an (x, y) pair of arrays or a map-style torch Dataset; got {type(data).__name__}")
 
 
 def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
@@ -476,7 +547,7 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
           run_dir: str | os.PathLike | None = None, resume: bool | str = False, checkpoint_every: int = 1,
           keep_checkpoints: int = 3, device: str = "auto", threads: int | None = None,
           stall_timeout: float = 600.0, on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18,
-          verbose: bool = False, comm=None, **options) -> Run:
+          num_workers: int = 0, pin_memory: bool = False, verbose: bool = False, comm=None, **options) -> Run:
     """Train with flodl_mpi's loop and averaging on your model, optimizer, step and data; returns a :class:`Run`.
 
     The same script runs under ``python`` (a world of 1) and ``mpiexec -n N``.
@@ -504,11 +575,14 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
             mode, no grad); the cohort's metric is ``Σ sum / Σ count``. Default: the
             train step's loss, and ``accuracy`` for class labels.
         data: an HDF5 file (datasets ``train/x``, ``train/y``, ``test/x``, ``test/y``,
-            renamed by ``names``), ``{"train": (x, y), "test": (x, y)}`` or
-            ``((x, y), (x, y))`` of arrays or tensors; ``x`` numeric ``(N, ...)``,
-            ``y`` integer labels (1-D, or per position ``(N, T)``: logits ``(batch, C, T)``)
-            or float targets of any shape ``(N, ...)``;
-            None: the built-in digits.
+            renamed by ``names``; a ``val`` group, ``val/x`` and ``val/y``, is the validation
+            set; read whole or streamed by ``data_loading=``, as ``--data-loading``),
+            ``{"train": ..., "test": ...}`` (and ``"val": ...``, a validation set) or
+            ``(train, test)``, each an ``(x, y)`` pair of arrays or tensors or a map-style
+            ``torch.utils.data.Dataset`` of ``(x, y)`` items (each rank reads only its
+            batches' items; see ``num_workers``); ``x`` numeric ``(N, ...)``, ``y`` integer
+            labels (1-D, or per position ``(N, T)``: logits ``(batch, C, T)``) or float targets
+            of any shape ``(N, ...)``; None: the built-in digits.
         task: ``"classification"`` (float labels that are whole numbers become
             int64 class labels), ``"regression"`` (integer labels become float
             targets), or None: from the targets' dtype, integer labels classify and
@@ -543,6 +617,20 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
         checkpoint_every: as the CLI's option; so are ``keep_checkpoints``, ``device``,
             ``threads``, ``stall_timeout``, ``on_non_finite``, ``chunk_elems``, ``seed``,
             ``drop_last`` and ``eval_batch_size``.
+        num_workers, pin_memory: for a ``torch.utils.data.Dataset`` in ``data``: the
+            ``DataLoader``'s worker processes (persistent over the run; 0: read in this
+            process) reading the batches of the current and the next window ahead, and its
+            ``pin_memory``. The items' features are cast to float32 as arrays are: the run is
+            the one the same arrays give, bit for bit. The labels are read once at the start
+            (the dataset's ``targets`` when it agrees with the first and last items, else a
+            pass over the items).
+        val_fraction, keep_best, early_stop, test_every_epoch: as ``--val-fraction``,
+            ``--keep-best``, ``--early-stop``, ``--test-every-epoch`` (given in ``**options``);
+            ``val_fraction`` beside the data's own validation set is refused. The validation
+            numbers are ``eval_fn``'s on it (``loss``: ``val_loss``, ``accuracy``:
+            ``val_accuracy``, each name ``val_<name>`` in the epoch's ``metrics``); with a
+            validation set the test set is evaluated at the end (and on an epoch that may stop
+            early, ``test_every_epoch``, or a request), not every ``eval_every`` epochs.
         verbose: rank 0 prints the CLI's lines (one per epoch) on stdout.
         comm: an mpi4py intracommunicator; None: the world.
         **options: any other ``flodl-mpi train`` option by its config name
@@ -581,6 +669,7 @@ def _setup(session, a: dict) -> Run:
     from flodl_mpi.training.setup import TrainerFront, load_data, start_trainer
     from flodl_mpi.training.train import load_replay_plan, pick_device
     from flodl_mpi.training.train_log import log_to_stdout
+    from flodl_mpi.training.validation import settle_validation
 
     world, watchdog = session.world, session.watchdog
     comm = world.comm
@@ -602,13 +691,10 @@ def _setup(session, a: dict) -> Run:
 
             named = [p.name for p in inspect.signature(fit).parameters.values() if p.kind != p.VAR_KEYWORD]
             raise ValueError(unknown_keywords("fit()", unknown, set(named) | passable))
-        held = [k for k in ("val_fraction", "keep_best", "early_stop", "test_every_epoch") if extra.get(k)]
-        if held:  # the validation split is the CLI's: fit evaluates eval_fn on the data's test split
-            raise ValueError(f"{', '.join(held)}: flodl-mpi train's validation options; fit() evaluates eval_fn on "
-                             "data's 'test' split: pass your validation split there (or use flodl-mpi train)")
+        _check_loader(a["num_workers"], a["pin_memory"])
         return TrainConfig(
             data=_describe(a["data"]) if a["data"] is not None and isinstance(a["data"], (str, os.PathLike))
-            else (None if a["data"] is None else "in-memory arrays"),
+            else (None if a["data"] is None else _source(a["data"])),
             model=_describe(a["model"]), epochs=a["epochs"], batch_size=a["batch_size"], drop_last=a["drop_last"],
             lr=a["lr"], optimizer=opt if isinstance(opt, str) else "adam", policy=a["policy"], window=a["window"],
             gamma=a["gamma"], seed=a["seed"], checkpoint_every=a["checkpoint_every"],
@@ -637,7 +723,10 @@ def _setup(session, a: dict) -> Run:
     if a["data"] is None:
         data = for_task(load_data(cfg, world, watchdog), a["task"])  # integer labels: never raises
     else:
-        data = agree(comm, "data", lambda: for_task(_load(a["data"], a["names"]), a["task"]), watchdog)
+        data = agree(comm, "data", lambda: for_task(_load(a["data"], a["names"], cfg, a["num_workers"],
+                                                          a["pin_memory"], world.local_size), a["task"]), watchdog)
+    loaded = data  # val_fraction: held out once, from seed (the CLI's --val-fraction), or the data's own
+    data = agree(comm, "data", lambda: settle_validation(loaded, cfg), watchdog)
     replay = load_replay_plan(cfg, world, watchdog, data)  # before anything is written
 
     # -- the task: the user's callables, the cohort's epoch boundary

@@ -166,15 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--val-fraction", type=float, metavar="F",
                    help="hold out this share of the training set, once, from --seed, as a validation set evaluated "
                         "every epoch (val_loss, val_accuracy); the test set is then evaluated at the end only "
-                        "(default: none)")
+                        "(default: none; a val/ group in --data is its own validation set, used instead)")
     g.add_argument("--test-every-epoch", action="store_true", default=None,
-                   help="with --val-fraction: evaluate the test set every epoch too")
+                   help="with a validation set: evaluate the test set every epoch too")
     g.add_argument("--keep-best", choices=BEST_METRICS, metavar="METRIC",
                    help=f"keep the checkpoint of the best epoch by METRIC ({', '.join(BEST_METRICS)}) in "
-                        "checkpoints/best/, beside the newest --keep-checkpoints (needs --val-fraction)")
+                        "checkpoints/best/, beside the newest --keep-checkpoints (needs --val-fraction or a val/ group)")
     g.add_argument("--early-stop", type=int, metavar="PATIENCE",
                    help="end the run after PATIENCE epochs without a better --keep-best metric (default val_loss); "
-                        "needs --val-fraction")
+                        "needs --val-fraction or a val/ group")
     g = t.add_argument_group("averaging")
     g.add_argument("--policy", choices=policy_names(), help=policy_help(d.policy))  # the registry's entries
     g.add_argument("--window", type=int,

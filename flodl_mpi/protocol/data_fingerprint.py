@@ -26,15 +26,18 @@ def _rows(n: int) -> np.ndarray:
 
 
 def fingerprint(data) -> dict:
-    """The fingerprint of a `flodl_mpi.training.data.Dataset` (train and test splits), JSON-ready.
+    """The fingerprint of a `flodl_mpi.training.data.Dataset` (train, test and validation splits), JSON-ready.
 
     Returns:
         ``{"<split> x": {"shape": [...], "dtype": str}, "<split> y": {...},
-        "<split> sha256": hex}`` for ``split`` in train, test, plus ``"sampled_rows"``.
+        "<split> sha256": hex}`` for ``split`` in train, test, and val when the data has a
+        validation set (a val/ group, ``--val-fraction``'s split), plus ``"sampled_rows"``.
     """
     out: dict = {"sampled_rows": SAMPLED_ROWS}
-    for name in ("train", "test"):
-        split = getattr(data, name)
+    for name in ("train", "test", "val"):
+        split = getattr(data, name, None)
+        if split is None:  # no validation set: no val keys (a fingerprint from before them has none either)
+            continue
         x, y = split.x, split.y
         h = hashlib.sha256()
         h.update(np.ascontiguousarray(np.asarray(y)).tobytes())
@@ -54,7 +57,7 @@ def differences(saved: dict, now: dict) -> list[str]:
     out = []
     for k in keys:
         a, b = saved.get(k), now.get(k)
-        if a == b:
+        if a == b or (a is None and k.startswith("val ")):  # a run recorded before the val keys: not comparable
             continue
         if k.endswith("sha256"):
             out.append(f"{k.split()[0]} data content (labels or sampled rows of x)")

@@ -7,6 +7,7 @@ same sample order from ``(seed, epoch)`` alone, so no order is ever communicated
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from flodl_mpi.config import DATA_LOADING, TASKS  # fit(task=...): None infers i
 __all__ = [
     "DATA_LOADING",
     "DEFAULT_NAMES",
+    "VAL_NAMES",
     "DataError",
     "Dataset",
     "Split",
@@ -35,6 +37,7 @@ __all__ = [
     "load_dataset",
     "num_batches",
     "smallest_batch",
+    "with_val",
     "write_digits",
 ]
 
@@ -235,8 +238,11 @@ def dataset_from_arrays(train: tuple, test: tuple, source: str = "in-memory arra
     for split, pair in (("train", train), ("test", test)):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise DataError(f"{split} must be an (x, y) pair of arrays, got {type(pair).__name__}")
-        x, y = (np.asarray(a.detach().cpu() if hasattr(a, "detach") else a) for a in pair)
-        x, y = _features(x, f"{split} x", source), _targets(y, f"{split} y", source)
+        if hasattr(pair[0], "prefetch"):  # rows read as they are indexed (a torch Dataset's): checked then
+            x, y = pair[0], _targets(np.asarray(pair[1]), f"{split} y", source)
+        else:
+            x, y = (np.asarray(a.detach().cpu() if hasattr(a, "detach") else a) for a in pair)
+            x, y = _features(x, f"{split} x", source), _targets(y, f"{split} y", source)
         if len(x) != len(y):
             raise DataError(f"{split}: x has {len(x)} rows but y has {len(y)}")
         splits[split] = Split(x=x, y=y)
@@ -343,6 +349,47 @@ def _dataset(splits: dict, names: Mapping[str, str], file: str, stated: int | No
                    warnings=_label_warnings(splits, names, file, stated is not None))
 
 
+#: The validation set's datasets in the HDF5 file, when it has a ``val`` group (in place of ``--val-fraction``).
+VAL_NAMES = {"val_x": "val/x", "val_y": "val/y"}
+
+
+def with_val(data: Dataset, x, y, names: Mapping[str, str] = VAL_NAMES) -> Dataset:
+    """``data`` with the validation split ``(x, y)``, checked against the training split.
+
+    ``x``: numeric ``(N, *features)`` (an array, made finite float32 as the others; or the
+    array-like rows of streamed features, checked as they are read); ``y``: targets of the
+    training split's kind: class labels below ``data.num_classes`` (whole-number floats
+    become int64 labels), or float targets of the training targets' shape.
+
+    Raises:
+        DataError: one line naming the dataset: a shape, kind or label that does not fit.
+    """
+    xname, yname, file = names["val_x"], names["val_y"], data.source
+    if not hasattr(x, "prefetch"):  # arrays, tensors; rows read on demand are checked as they are read
+        x = _features(np.asarray(x.detach().cpu() if hasattr(x, "detach") else x), xname, file)
+    y = np.asarray(y.detach().cpu() if hasattr(y, "detach") else y)
+    if len(x) != len(y):
+        raise DataError(f"{xname!r} has {len(x)} rows but {yname!r} has {len(y)} in {file!r}")
+    if tuple(x.shape[1:]) != data.train.feature_shape:
+        raise DataError(f"{xname!r} has feature shape {tuple(x.shape[1:])} but the training set has "
+                        f"{data.train.feature_shape} in {file!r}")
+    if data.train.y.dtype.kind == "i":
+        if y.dtype.kind == "f" and y.ndim == 1 and np.array_equal(y, np.round(y)):
+            y = y.astype(np.int64)
+        y = _labels(y, yname, file)
+        over = y >= data.num_classes
+        if over.any():
+            row = _first_row(y, over)
+            raise DataError(f"{yname!r} in {file!r}: label {int(y[row])} at row {row} is not below the "
+                            f"{data.num_classes} classes of the training and test sets")
+    else:
+        y = _targets(y, yname, file).astype(np.float32, copy=False)
+        if y.dtype.kind != "f" or y.shape[1:] != data.train.y.shape[1:]:
+            raise DataError(f"{yname!r} in {file!r}: targets {y.dtype} {y.shape[1:]} do not match the training "
+                            f"targets {data.train.y.dtype} {data.train.y.shape[1:]}")
+    return dataclasses.replace(data, val=Split(x=x, y=y))
+
+
 #: Float targets with at most this many distinct whole values look like class labels.
 LABEL_LIKE_MAX_DISTINCT = 256
 
@@ -359,6 +406,14 @@ def _label_like(y: np.ndarray) -> np.ndarray | None:
 
 
 def for_task(data: Dataset, task: str | None) -> Dataset:
+    """``data`` as ``task`` needs it, its validation split too (see `_for_task`)."""
+    out = _for_task(data, task)
+    if data.val is None or out is data:
+        return out
+    return with_val(out, data.val.x, data.val.y, {"val_x": "val x", "val_y": "val y"})
+
+
+def _for_task(data: Dataset, task: str | None) -> Dataset:
     """``data`` as ``task`` needs it: ``fit(task=...)`` (issue 26 item 6).
 
     ``"classification"``: integer labels as they are; float targets that are whole
@@ -440,20 +495,24 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
         raise ValueError(f"loading must be one of {', '.join(DATA_LOADING)}, got {loading!r}")
     with _open(file) as f:
         objs = {role: _dataset_of(f, name, file) for role, name in names.items()}
+        if "val" in f:  # the file's own validation set (docs/tutorial/your-data.rst)
+            objs.update({role: _dataset_of(f, name, file) for role, name in VAL_NAMES.items()})
+        xs = [role for role in ("train_x", "test_x", "val_x") if role in objs]
+        every = {**names, **VAL_NAMES}
         if loading == "auto":
-            loading = _auto_loading([objs["train_x"].shape, objs["test_x"].shape], ranks_per_host)
+            loading = _auto_loading([objs[role].shape for role in xs], ranks_per_host)
         if loading == "stream":
-            for role in ("train_x", "test_x"):
-                _feature_kind(objs[role].dtype, objs[role].shape, names[role], file)
+            for role in xs:
+                _feature_kind(objs[role].dtype, objs[role].shape, every[role], file)
                 if objs[role].size == 0:
-                    raise DataError(f"{names[role]!r} in {file!r} is empty (shape {objs[role].shape})")
+                    raise DataError(f"{every[role]!r} in {file!r} is empty (shape {objs[role].shape})")
         raw = {role: obj[()] for role, obj in objs.items() if loading == "memory" or role.endswith("_y")}
         stated = _stated_classes(f, names["train_y"], file)
     if loading == "stream":
         from flodl_mpi.training.stream import H5Rows
 
-        for role in ("train_x", "test_x"):
-            raw[role] = H5Rows(file, names[role], _row_check(names[role], file))
+        for role in xs:
+            raw[role] = H5Rows(file, every[role], _row_check(every[role], file))
 
     splits = {}
     for split in ("train", "test"):
@@ -466,7 +525,11 @@ def load_dataset(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
             )
         splits[split] = Split(x=x, y=y)
 
-    return _dataset(splits, names, file, stated)
+    data = _dataset(splits, names, file, stated)
+    if "val_x" in raw:
+        val_x = raw["val_x"] if loading == "stream" else _features(raw["val_x"], VAL_NAMES["val_x"], file)
+        data = with_val(data, val_x, raw["val_y"])
+    return data
 
 
 def _auto_loading(shapes: list, ranks_per_host: int) -> str:

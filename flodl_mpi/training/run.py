@@ -26,7 +26,7 @@ from flodl_mpi.training.setup import RankRun, TrainerFront, load_data, start_tra
 from flodl_mpi.training.train import final_line, load_replay_plan, pick_device, smallest_training_batch
 from flodl_mpi.training.train_log import log, log_to_stdout, note_failure, verbosity
 from flodl_mpi.training.best_model import BestWatch
-from flodl_mpi.training.validation import split_validation
+from flodl_mpi.training.validation import settle_validation
 
 __all__ = ["progress_mode", "run_train", "stop_hint"]
 
@@ -34,7 +34,7 @@ __all__ = ["progress_mode", "run_train", "stop_hint"]
 def _stopped_early(cfg, ckpt) -> str | None:
     """The nothing-to-do line of a resumed run whose checkpoint stopped early under this run's
     ``--early-stop`` (`flodl_mpi.training.best_model.BestWatch`), else None."""
-    if ckpt is None or cfg.val_fraction is None or cfg.early_stop is None:
+    if ckpt is None or cfg.early_stop is None:
         return None
     watch = BestWatch(cfg.best_metric, cfg.early_stop)
     if not watch.restore(ckpt.extra) or not watch.early_stopped:
@@ -76,7 +76,7 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest,
     device = agree(comm, "device", lambda: pick_device(cfg.device, world.local_rank, cfg.amp), watchdog)
     data = load_data(cfg, world, watchdog)
     loaded = data  # --val-fraction: held out once, from --seed, before anything is planned on the training set
-    data = agree(comm, "data", lambda: split_validation(loaded, cfg.val_fraction, cfg.seed), watchdog)
+    data = agree(comm, "data", lambda: settle_validation(loaded, cfg), watchdog)
     replay = load_replay_plan(cfg, world, watchdog, data)
 
     # -- model: right output size, one training step; the same structure everywhere (the setup checks)

@@ -145,8 +145,19 @@ class ClassificationTask:
         scaler.update()
         return scaler.get_scale() >= before
 
-    def end_epoch(self, trainer, epoch: int, report) -> tuple[float, int, int]:
-        """``(test loss sum, correct, count)`` of this rank's slice of the test set (see `evaluate`)."""
+    #: The worker calls `end_epoch` every epoch (True), or only on the epochs it tests (False).
+    boundary_every_epoch = False
+
+    def evaluate_val(self, trainer, split: Split) -> tuple[float, float, int]:
+        """``(val loss sum, correct, count)`` of this rank's slice of the validation set (see `evaluate`)."""
+        return evaluate(trainer.replica.model, split, trainer.rank, trainer.world_size, trainer.replica.device,
+                        trainer.cfg.eval_batch_size)
+
+    def end_epoch(self, trainer, epoch: int, report, test: bool = True) -> tuple[float, int, int]:
+        """``(test loss sum, correct, count)`` of this rank's slice of the test set (see `evaluate`).
+
+        ``test``: the worker's decision to test this epoch (always True here: called only then).
+        """
         return evaluate(trainer.replica.model, trainer.data.test, trainer.rank, trainer.world_size,
                         trainer.replica.device, trainer.cfg.eval_batch_size)
 
@@ -204,8 +215,15 @@ class UserTask(ClassificationTask):
                             f"(or (loss, {{name: value}})), got {got}")
         return out.reshape(())
 
-    def end_epoch(self, trainer, epoch, report):
-        return self.boundary.end_epoch(trainer, epoch, report)
+    #: The API's boundary exchanges the scalars and intents at every epoch's end, tested or not.
+    boundary_every_epoch = True
+
+    def evaluate_val(self, trainer, split):
+        """The validation set through ``eval_fn`` (its ``loss`` and ``accuracy``; see ``_Boundary``)."""
+        return self.boundary.evaluate_val(trainer, split)
+
+    def end_epoch(self, trainer, epoch, report, test=True):
+        return self.boundary.end_epoch(trainer, epoch, report, test)
 
     def after_epoch(self, trainer, summary) -> None:
         self.boundary.after_epoch(trainer, summary)

@@ -481,7 +481,9 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
              f"{', ' + data.classes_note if data.classes_note else ''}; run dir {run_dir}")
     for line in data.warnings:  # labels that give outputs training never targets (issue 26 item 9)
         log.warning(line)
-    if hasattr(data.train.x, "prefetch"):  # streamed (flodl_mpi.training.stream): say so, auto's choice too
+    if hasattr(data.train.x, "loader_words"):  # a torch Dataset (flodl_mpi.training.torch_rows)
+        log.info(data.train.x.loader_words())
+    elif hasattr(data.train.x, "prefetch"):  # streamed (flodl_mpi.training.stream): say so, auto's choice too
         log.info(f"data streamed (--data-loading {cfg.data_loading}): each rank reads only its batches' rows of the "
                  "features, a thread reading the next window's ahead; the labels are in memory")
     log.info(effective_batch_line(cfg, world_size, api, data.train.n))
@@ -507,6 +509,8 @@ def _held_out(cfg: TrainConfig, data: Dataset, api: bool) -> str:
     """The header's words on the validation split: ``287 validation (--val-fraction 0.2, seed 0) / ``; "" for none."""
     if data.val is None:
         return ""
+    if cfg.val_fraction is None:  # a val/ group of the file, or fit()'s validation split
+        return f"{data.val.n} validation (the data's own) / "
     option = f"val_fraction={cfg.val_fraction:g}" if api else f"--val-fraction {cfg.val_fraction:g}"
     return f"{data.val.n} validation ({option} of the training set, seed {cfg.seed}) / "
 

@@ -37,7 +37,7 @@ from flodl_mpi.policy.replay import RecordedPlan
 from flodl_mpi.protocol.epoch_report import EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch, excluded_words
 from flodl_mpi.runtime.signals import StopRequest
 from flodl_mpi.training.best_model import BestWatch
-from flodl_mpi.training.task import ClassificationTask, evaluate
+from flodl_mpi.training.task import ClassificationTask
 
 __all__ = ["ReplacedTensorError", "Replica", "Trainer", "state_arrays"]
 
@@ -729,11 +729,10 @@ class Trainer:
             (self.best is not None and self.best.may_stop_next())
         with self.autocast():  # evaluated in the precision it trains in (--amp)
             if val is not None:
-                report.val_loss_sum, report.val_correct, report.val_count = evaluate(
-                    self.replica.model, val, self.rank, self.world_size, self.replica.device, cfg.eval_batch_size)
-            if test_now:
-                report.test_loss_sum, report.test_correct, report.test_count = self.task.end_epoch(self, epoch,
-                                                                                                   report)
+                report.val_loss_sum, report.val_correct, report.val_count = self.task.evaluate_val(self, val)
+            if test_now or self.task.boundary_every_epoch:
+                report.test_loss_sum, report.test_correct, report.test_count = self.task.end_epoch(
+                    self, epoch, report, test_now)
         # -- epoch exchange: every rank gets the same summary; rank 0 writes metrics
         summary = self.bridge.epoch_end(report, np.array(rows, dtype=np.float64), epoch)
         self.plan = self.bridge.policy.plan()  # the guard's verdict at the exchange may have moved the anchor

@@ -56,7 +56,7 @@ def test_fit_runs_the_balanced_policies_with_rounds_inside_epochs():
     from flodl_mpi.errors import InputError
 
     with pytest.raises(InputError, match="fit\\(\\) got unknown option\\(s\\) bogus; the options it takes by name "
-                                         "are anchor, async_adopt, average_optimizer_state, batch_size"):
+                                         "are accumulate, amp, anchor, async_adopt, average_optimizer_state, batch_size"):
         flodl_mpi.fit(train_step=ce_step, epochs=1, bogus=3)
     for policy in ("cadence", "async"):
         # any other CLI option by its config name: the anchor of the balanced policies

@@ -144,3 +144,22 @@ def test_fit_with_tensors_refuses_changed_tensors_on_resume(tmp_path):
     assert _snapshot(run_dir) == before
     same = fit(False, 2)
     assert same.returncode == 0 and "RAN" in same.stdout, same.stdout + same.stderr[-2000:]
+
+
+def test_the_fingerprint_sees_the_validation_set():
+    from flodl_mpi.training.data import with_val
+
+    x, y = _data()
+    plain = fingerprint(_ds(x, y))
+    val = fingerprint(with_val(_ds(x, y), x[:30], y[:30]))
+    assert "val sha256" not in plain and differences(plain, val) == []  # recorded before val keys: not compared
+    relabelled = y[:30].copy()
+    relabelled[0] = (relabelled[0] + 1) % 3
+    assert differences(val, fingerprint(with_val(_ds(x, y), x[:30], relabelled))) == [
+        "val data content (labels or sampled rows of x)"
+    ]
+    assert differences(val, fingerprint(with_val(_ds(x, y), x[:31], y[:31]))) == [
+        "val x shape (31, 8) (was (30, 8))",
+        "val y shape (31,) (was (30,))",
+        "val data content (labels or sampled rows of x)",
+    ]

@@ -136,29 +136,31 @@ def test_a_stop_and_resume_keeps_the_best_and_the_patience(straight, tmp_path):
 
 def test_what_needs_a_validation_set_is_refused_without_one():
     from flodl_mpi.config import ConfigError, TrainConfig
+    from flodl_mpi.training.validation import settle_validation
 
-    with pytest.raises(ConfigError) as info:
-        TrainConfig(keep_best="val_loss", early_stop=3)
+    data = Dataset(
+        Split(np.zeros((10, 2), np.float32), np.arange(10) % 2),
+        Split(np.zeros((4, 2), np.float32), np.arange(4) % 2),
+        2,
+        "d.h5",
+    )
+    with pytest.raises(ValueError) as info:
+        settle_validation(data, TrainConfig(keep_best="val_loss", early_stop=3))
     assert str(info.value) == (
-        "--keep-best, --early-stop need a validation set: add --val-fraction F (the test set "
-        "is not for choosing a model)"
+        "--keep-best, --early-stop need a validation set: add --val-fraction F or a val/ group to the data "
+        "(the test set is not for choosing a model)"
+    )
+    own = Dataset(data.train, data.test, 2, "d.h5", val=Split(np.zeros((3, 2), np.float32), np.arange(3) % 2))
+    assert settle_validation(own, TrainConfig(keep_best="val_loss")) is own  # the data's own validation set
+    with pytest.raises(ValueError) as info:
+        settle_validation(own, TrainConfig(val_fraction=0.2))
+    assert (
+        str(info.value) == "--val-fraction 0.2: 'd.h5' holds a validation set already (3 samples); use one or the other"
     )
     with pytest.raises(ConfigError, match=r"^--val-fraction 1.0: must be a number in \(0, 1\)$"):
         TrainConfig(val_fraction=1.0)
     with pytest.raises(ConfigError, match="^--keep-best 'test_accuracy': must be one of val_loss, val_accuracy$"):
         TrainConfig(val_fraction=0.1, keep_best="test_accuracy")
-
-
-@pytest.mark.in_fork
-def test_fit_refuses_the_validation_options_naming_what_to_do():
-    import flodl_mpi
-
-    with pytest.raises(
-        flodl_mpi.InputError,
-        match=r"^val_fraction, keep_best: flodl-mpi train's validation "
-        r"options; fit\(\) evaluates eval_fn on data's 'test' split",
-    ):
-        flodl_mpi.fit(val_fraction=0.2, keep_best="val_loss")
 
 
 def test_a_resume_of_a_run_that_stopped_early_has_nothing_to_do(straight, tmp_path):
