@@ -12,7 +12,9 @@ the job); ``nan`` writes NaN into the rank's parameters before the round;
 ``nanloss`` makes the rank's losses in the window before the round NaN (so its
 gradients, and after the step its parameters, too); ``disk`` (rank 0) puts a file
 where the checkpoint directory was, so the writer thread's next save fails (the
-directory moves to ``checkpoints.moved-by-fault``). ``ROUND`` counts rounds from 0.
+directory moves to ``checkpoints.moved-by-fault``); ``kill`` is a kill -9 of the rank
+at the start of the round, its window trained (a death, for ``--on-rank-failure``).
+``ROUND`` counts rounds from 0.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from flodl_mpi.runtime import hooks
 
 __all__ = ["KINDS", "Fault", "InjectedFault", "parse_fault", "install", "fault_hooks"]
 
-KINDS = ("bridge", "step", "hang", "nan", "nanloss", "disk")
+KINDS = ("bridge", "step", "hang", "nan", "nanloss", "disk", "kill")
 
 
 class InjectedFault(RuntimeError):
@@ -71,8 +73,14 @@ def fault_hooks(spec: str) -> tuple[str, ...]:
 
 
 def _fault_hook(fault: Fault, kind: str, trainer) -> None:
-    """The trainer's faults (``step``, ``hang``, ``nan``, ``disk``) at their points; named in the hang's stacks."""
-    if not fault.fires(kind, trainer.rank, trainer.bridge.version):
+    """The trainer's faults (``step``, ``hang``, ``nan``, ``disk``, ``kill``) at their points; named in the hang's
+    stacks. ``kill``'s rank is the launch rank (after a shrink the ranks move down; the fault fires once)."""
+    rank = trainer.rank
+    if kind == "kill":
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.rank
+    if not fault.fires(kind, rank, trainer.bridge.version):
         return
     if kind == "step":
         raise InjectedFault(f"injected fault in the training step (rank {trainer.rank}, round {fault.round})")
@@ -80,6 +88,13 @@ def _fault_hook(fault: Fault, kind: str, trainer) -> None:
         print(f"injected fault: rank {trainer.rank} hangs in round {fault.round}", file=sys.stderr, flush=True)
         while True:  # the peers' watchdogs must end the job
             time.sleep(1.0)
+    if kind == "kill":
+        import os
+        import signal
+
+        print(f"injected fault: rank {rank} is killed (SIGKILL) at round {fault.round}", file=sys.stderr,
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     if kind == "nan":
         import torch
 
@@ -108,5 +123,5 @@ def install(fault: Fault) -> Callable[[], None]:
             return value
 
         return hooks.register("loss", loss)
-    point = "batch" if fault.kind in ("step", "hang") else "round_start"
+    point = "batch" if fault.kind in ("step", "hang") else "round_start"  # (kill: at the round's start)
     return hooks.register(point, lambda trainer: _fault_hook(fault, fault.kind, trainer))

@@ -21,6 +21,9 @@ Hooks (each patches the package in this process only):
                         dataset (--data-loading stream), in order: its rows
                         (``rows``, start and stop), its dataset (``train``: 1 for the
                         training features) and whether the read-ahead thread made it.
+  --dump-final DIR      each rank writes DIR/final<launch rank>.npz at exit: its final
+                        parameters (``p<i>``, named_parameters order), and per batch
+                        it trained ``trained``: (epoch, global batch, round then).
   --fault KIND@RANK:ROUND
                         inject that fault (tests/faults.py) on the product's hooks
                         (flodl_mpi.runtime.hooks): e.g. ``bridge@1:3``.
@@ -51,6 +54,7 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
     p.add_argument("--script-speeds")
     p.add_argument("--script-round-ms", type=float)
     p.add_argument("--record-indices")
+    p.add_argument("--dump-final")
     p.add_argument("--count-reads")
     p.add_argument("--fault")
     opts, rest = p.parse_known_args(argv)
@@ -123,6 +127,32 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
                 np.savez(out / f"rank{int(read['rank'][0][0])}.npz", **{k: np.concatenate(v) for k, v in read.items()})
 
         at_exit.append(dump)
+
+    if opts.dump_final is not None:
+        from pathlib import Path
+
+        import numpy as np
+        from mpi4py import MPI
+
+        trained: list[tuple[int, int, int]] = []
+        held: list = []
+        plain_step = worker.Trainer._train_batch
+
+        def train_batch_seen(self, perm, b, epoch, report, *args):
+            trained.append((epoch, int(b), self.bridge.version))
+            held[:] = [self]
+            return plain_step(self, perm, b, epoch, report, *args)
+
+        worker.Trainer._train_batch = train_batch_seen
+
+        def dump_final():
+            if held:
+                out = Path(opts.dump_final)
+                out.mkdir(parents=True, exist_ok=True)
+                params = {f"p{i}": p.detach().cpu().numpy() for i, p in enumerate(held[0].replica.params)}
+                np.savez(out / f"final{MPI.COMM_WORLD.rank}.npz", trained=np.array(trained, np.int64), **params)
+
+        at_exit.append(dump_final)
 
     if opts.count_reads is not None:
         from pathlib import Path
