@@ -13,14 +13,18 @@ back to the window's start and re-splits the epoch's batches.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from flodl_mpi.errors import CohortError, RankFailure
+from flodl_mpi.outputs import run_dir_lock, stale_files
+from flodl_mpi.outputs.metrics import MetricsWriter
 from flodl_mpi.protocol.membership import Membership, MembershipChange
 from flodl_mpi.runtime.elastic import revoke, shrink
-from flodl_mpi.runtime.world import Watchdog, World
-from flodl_mpi.training.train_log import log
+from flodl_mpi.runtime.world import Watchdog, World, agree
+from flodl_mpi.training.train_log import log, log_to_stdout, open_train_log
 
 __all__ = ["Recovered", "Recovery", "resolve_on_rank_failure"]
 
@@ -84,10 +88,14 @@ class Recovery:
         watchdog: the rank's stall watchdog (rebound to each new world).
         writer: rank 0's metrics writer; a NoMetricsWriter elsewhere.
         make_bridge: ``(world, policy) -> Bridge``, the run's bridge factory (not started).
+        run_dir: the run directory (None: no files; rank 0's death then needs no take-over).
+        keep_checkpoints: ``--keep-checkpoints``, for the writer that takes over.
     """
 
-    def __init__(self, world: World, watchdog: Watchdog, writer, make_bridge: Callable) -> None:
+    def __init__(self, world: World, watchdog: Watchdog, writer, make_bridge: Callable,
+                 run_dir: Path | None = None, keep_checkpoints: int = 3) -> None:
         self.world, self.watchdog, self.writer, self.make_bridge = world, watchdog, writer, make_bridge
+        self.run_dir, self.keep_checkpoints = run_dir, keep_checkpoints
         self.members = Membership.launch(world.size)
         watchdog.elastic = True
 
@@ -110,16 +118,14 @@ class Recovery:
                 f"rank(s) {ranks} died while the survivors were in different calls "
                 f"({sorted(set(seen))}): the run stops; resume it from its last checkpoint"
             )
-        if 0 in shrunk.failed:
-            raise CohortError(
-                f"rank 0 died in round {failure.round}: taking over its metrics.h5 and checkpoints is "
-                "not built yet, so the run stops; resume it from its last checkpoint"
-            )
         left = self.members.ids_of(shrunk.failed)
         self.members = self.members.without(shrunk.failed)
         comm = shrunk.comm
         self.world = dataclasses.replace(self.world, comm=comm, rank=comm.rank, size=comm.size)
         self.watchdog.rebind(comm)
+        if 0 in shrunk.failed and self.run_dir is not None:
+            agree(comm, "take-over", lambda: self._take_over(failure.round, shrunk.survivors[0]), self.watchdog,
+                  name_ranks=False)
         policy = old.policy
         policy.without_ranks(shrunk.failed)
         bridge = self.make_bridge(self.world, policy)
@@ -140,6 +146,28 @@ class Recovery:
             agreed_at,
             self.members,
         )
+
+    def _take_over(self, round_: int, new_rank0: int) -> None:
+        """The new rank 0 (the lowest survivor) takes over rank 0's files: the run dir's lock, the stale
+        temporaries (a checkpoint half written), metrics.h5 from its flushed rows, train.log; others: nothing."""
+        if self.world.rank != 0:
+            return
+        run_dir = self.run_dir
+        run_dir_lock.claim(run_dir)  # the dead rank's lock went with its process
+        removed = stale_files.remove_stale(run_dir)
+        writer = MetricsWriter.take_over(run_dir, width=self.members.width, checkpoint_dir=run_dir / "checkpoints",
+                                         keep_checkpoints=self.keep_checkpoints)
+        writer.start()
+        self.writer = writer
+        log_to_stdout(0, logging.INFO)
+        open_train_log(run_dir, 0)
+        self.watchdog.log_path = run_dir / "train.log"
+        line = stale_files.removal_line(run_dir, removed)
+        if line is not None:
+            log.info(line)
+        log.warning(f"round {round_}: rank 0 died; rank {new_rank0} (stable id {self.members.ids[0]}) takes over "
+                    f"as rank 0: metrics.h5 from its {writer.rows.get('rounds', 0)} flushed round row(s) on "
+                    "(the rows the dead writer still held are lost), the checkpoints and this log")
 
 
 def resolve_on_rank_failure(cfg, api: bool = False) -> tuple[str, str | None]:

@@ -265,7 +265,7 @@ def setup_rank(cfg: TrainConfig, world: World, watchdog: Watchdog, model: torch.
                 return make_bridge(cfg, new_world, run.replica, run.writer, watchdog, pin_staging=front.pin_staging,
                                    policy=policy, elastic=True)
 
-            front.trainer.elastic = Recovery(world, watchdog, run.writer, rebuild)
+            front.trainer.elastic = Recovery(world, watchdog, run.writer, rebuild, run.run_dir, cfg.keep_checkpoints)
         if failure_note is not None:
             log.info(failure_note)
         if run.run_dir is not None:  # anything that would fail at save time fails now, before any training
