@@ -87,7 +87,7 @@ class Recovery:
         world: this rank's world at the launch.
         watchdog: the rank's stall watchdog (rebound to each new world).
         writer: rank 0's metrics writer; a NoMetricsWriter elsewhere.
-        make_bridge: ``(world, policy) -> Bridge``, the run's bridge factory (not started).
+        make_bridge: ``(world, policy, writer) -> Bridge``, the run's bridge factory (not started).
         run_dir: the run directory (None: no files; rank 0's death then needs no take-over).
         keep_checkpoints: ``--keep-checkpoints``, for the writer that takes over.
     """
@@ -128,7 +128,7 @@ class Recovery:
                   name_ranks=False)
         policy = old.policy
         policy.without_ranks(shrunk.failed)
-        bridge = self.make_bridge(self.world, policy)
+        bridge = self.make_bridge(self.world, policy, self.writer)
         bridge.version = old.version
         bridge.resume_clock(old.elapsed)
         if trainer.state_average is not None:

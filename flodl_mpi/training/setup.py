@@ -261,8 +261,8 @@ def setup_rank(cfg: TrainConfig, world: World, watchdog: Watchdog, model: torch.
         run.replica.adopt(run.bridge)
         front.attach(run)
         if shrink:
-            def rebuild(new_world: World, policy) -> Bridge:
-                return make_bridge(cfg, new_world, run.replica, run.writer, watchdog, pin_staging=front.pin_staging,
+            def rebuild(new_world: World, policy, writer) -> Bridge:
+                return make_bridge(cfg, new_world, run.replica, writer, watchdog, pin_staging=front.pin_staging,
                                    policy=policy, elastic=True)
 
             front.trainer.elastic = Recovery(world, watchdog, run.writer, rebuild, run.run_dir, cfg.keep_checkpoints)
