@@ -92,8 +92,15 @@ class Recovery:
         keep_checkpoints: ``--keep-checkpoints``, for the writer that takes over.
     """
 
-    def __init__(self, world: World, watchdog: Watchdog, writer, make_bridge: Callable,
-                 run_dir: Path | None = None, keep_checkpoints: int = 3) -> None:
+    def __init__(
+        self,
+        world: World,
+        watchdog: Watchdog,
+        writer,
+        make_bridge: Callable,
+        run_dir: Path | None = None,
+        keep_checkpoints: int = 3,
+    ) -> None:
         self.world, self.watchdog, self.writer, self.make_bridge = world, watchdog, writer, make_bridge
         self.run_dir, self.keep_checkpoints = run_dir, keep_checkpoints
         self.members = Membership.launch(world.size)
@@ -124,8 +131,13 @@ class Recovery:
         self.world = dataclasses.replace(self.world, comm=comm, rank=comm.rank, size=comm.size)
         self.watchdog.rebind(comm)
         if 0 in shrunk.failed and self.run_dir is not None:
-            agree(comm, "take-over", lambda: self._take_over(failure.round, shrunk.survivors[0]), self.watchdog,
-                  name_ranks=False)
+            agree(
+                comm,
+                "take-over",
+                lambda: self._take_over(failure.round, shrunk.survivors[0]),
+                self.watchdog,
+                name_ranks=False,
+            )
         policy = old.policy
         policy.without_ranks(shrunk.failed)
         bridge = self.make_bridge(self.world, policy, self.writer)
@@ -155,8 +167,12 @@ class Recovery:
         run_dir = self.run_dir
         run_dir_lock.claim(run_dir)  # the dead rank's lock went with its process
         removed = stale_files.remove_stale(run_dir)
-        writer = MetricsWriter.take_over(run_dir, width=self.members.width, checkpoint_dir=run_dir / "checkpoints",
-                                         keep_checkpoints=self.keep_checkpoints)
+        writer = MetricsWriter.take_over(
+            run_dir,
+            width=self.members.width,
+            checkpoint_dir=run_dir / "checkpoints",
+            keep_checkpoints=self.keep_checkpoints,
+        )
         writer.start()
         self.writer = writer
         log_to_stdout(0, logging.INFO)
@@ -165,9 +181,11 @@ class Recovery:
         line = stale_files.removal_line(run_dir, removed)
         if line is not None:
             log.info(line)
-        log.warning(f"round {round_}: rank 0 died; rank {new_rank0} (stable id {self.members.ids[0]}) takes over "
-                    f"as rank 0: metrics.h5 from its {writer.rows.get('rounds', 0)} flushed round row(s) on "
-                    "(the rows the dead writer still held are lost), the checkpoints and this log")
+        log.warning(
+            f"round {round_}: rank 0 died; rank {new_rank0} (stable id {self.members.ids[0]}) takes over "
+            f"as rank 0: metrics.h5 from its {writer.rows.get('rounds', 0)} flushed round row(s) on "
+            "(the rows the dead writer still held are lost), the checkpoints and this log"
+        )
 
 
 def resolve_on_rank_failure(cfg, api: bool = False) -> tuple[str, str | None]:

@@ -27,15 +27,17 @@ from tests.conftest import HOOKED, MPIEXEC, launch_argv, launch_env, launcher_ki
 
 pytestmark = [pytest.mark.launch, pytest.mark.slow]
 
-KILL_ROUND = 20   # epoch 2's window 5 (an epoch of the digits at batch 32 on 3 ranks: 15 rounds)
-N_BATCHES = 45    # 1437 training samples in batches of 32 (the last of 29)
+KILL_ROUND = 20  # epoch 2's window 5 (an epoch of the digits at batch 32 on 3 ranks: 15 rounds)
+N_BATCHES = 45  # 1437 training samples in batches of 32 (the last of 29)
 RANKS = 3
 
 
 def _ulfm_or_skip() -> None:
     if MPIEXEC is None or launcher_kind() != "openmpi":
-        pytest.skip("this MPI (MPICH's Hydra) has no fault tolerance (ULFM): a death ends the job, as tested in "
-                    "tests/cli/test_cli.py")
+        pytest.skip(
+            "this MPI (MPICH's Hydra) has no fault tolerance (ULFM): a death ends the job, as tested in "
+            "tests/cli/test_cli.py"
+        )
 
 
 @pytest.fixture(scope="module", params=[1, 0], ids=["rank1", "rank0"])
@@ -44,8 +46,21 @@ def killed(request, tmp_path_factory):
     _ulfm_or_skip()
     dead = request.param
     root = tmp_path_factory.mktemp(f"killed{dead}")
-    argv = launch_argv(RANKS, sys.executable, HOOKED, "--dump-final", str(root / "final"), "--fault",
-                       f"kill@{dead}:{KILL_ROUND}", "--", "train", "--epochs", "2", "--run-dir", str(root / "run"))
+    argv = launch_argv(
+        RANKS,
+        sys.executable,
+        HOOKED,
+        "--dump-final",
+        str(root / "final"),
+        "--fault",
+        f"kill@{dead}:{KILL_ROUND}",
+        "--",
+        "train",
+        "--epochs",
+        "2",
+        "--run-dir",
+        str(root / "run"),
+    )
     argv[1:1] = ["--with-ft", "ulfm"]
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False, env=launch_env())
@@ -108,8 +123,9 @@ def test_every_batch_is_trained_once_per_epoch(killed):
 def test_shrink_is_refused_without_fault_tolerance(tmp_path):
     """Under a launcher without ULFM (MPICH; Open MPI without --with-ft): one line, exit 2, nothing trained."""
     t0 = time.monotonic()
-    proc = run_flodl(1, "train", "--epochs", "1", "--on-rank-failure", "shrink", "--run-dir", str(tmp_path / "r"),
-                     timeout=120)
+    proc = run_flodl(
+        1, "train", "--epochs", "1", "--on-rank-failure", "shrink", "--run-dir", str(tmp_path / "r"), timeout=120
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "--on-rank-failure shrink: " in lines[0], proc.stderr
