@@ -40,20 +40,26 @@ def _ulfm_or_skip() -> None:
         )
 
 
-@pytest.fixture(scope="module", params=[1, 0], ids=["rank1", "rank0"])
+def _ulfm_argv(*argv: str) -> list[str]:
+    argv = launch_argv(RANKS, *argv)
+    argv[1:1] = ["--with-ft", "ulfm"]
+    return argv
+
+
+@pytest.fixture(scope="module", params=[("kill-reduce", 1), ("kill", 0)], ids=["rank1-mid-reduce", "rank0"])
 def killed(request, tmp_path_factory):
-    """A run at 3 ranks whose rank ``request.param`` is killed (SIGKILL) at round 20."""
+    """A run at 3 ranks whose rank ``dead`` is killed (SIGKILL) in round 20: rank 1 in the params reduce
+    (its peers past the control gather, in the reduce), rank 0 at the round's start."""
     _ulfm_or_skip()
-    dead = request.param
+    kind, dead = request.param
     root = tmp_path_factory.mktemp(f"killed{dead}")
-    argv = launch_argv(
-        RANKS,
+    argv = _ulfm_argv(
         sys.executable,
         HOOKED,
         "--dump-final",
         str(root / "final"),
         "--fault",
-        f"kill@{dead}:{KILL_ROUND}",
+        f"{kind}@{dead}:{KILL_ROUND}",
         "--",
         "train",
         "--epochs",
@@ -61,7 +67,6 @@ def killed(request, tmp_path_factory):
         "--run-dir",
         str(root / "run"),
     )
-    argv[1:1] = ["--with-ft", "ulfm"]
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False, env=launch_env())
     return dead, root, proc, time.monotonic() - t0
@@ -70,7 +75,7 @@ def killed(request, tmp_path_factory):
 def test_the_run_finishes_with_one_membership_row(killed):
     dead, root, proc, seconds = killed
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"injected fault: rank {dead} is killed (SIGKILL) at round {KILL_ROUND}" in proc.stderr  # the path ran
+    assert f"injected fault: rank {dead} is killed (SIGKILL) " in proc.stderr  # the path ran
     assert seconds < 150
     with h5py.File(root / "run" / "metrics.h5", "r") as f:
         m = {k: f["membership"][k][()] for k in f["membership"]}
@@ -133,3 +138,23 @@ def test_shrink_is_refused_without_fault_tolerance(tmp_path):
     assert "epoch 1/1" not in proc.stdout
     assert not (tmp_path / "r").exists()  # refused before the run dir is made: nothing written
     assert time.monotonic() - t0 < 100
+
+
+def test_a_death_in_a_checkpoint_gather_stops_the_job_in_seconds(tmp_path):
+    """A death past the round (here in a checkpoint's state gather; the epoch exchange's takes the same path) is
+    not shrunk (docs/elastic.rst, "Limits"): the job ends, non-zero, naming the stage, within a bound (never a
+    hang); the checkpoint being gathered is absent, never half written."""
+    kind, stage = "kill-gather", "state gather"
+    _ulfm_or_skip()
+    run_dir = tmp_path / "run"
+    argv = _ulfm_argv(
+        sys.executable, HOOKED, "--fault", f"{kind}@1:15", "--", "train", "--epochs", "1", "--run-dir", str(run_dir)
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False, env=launch_env())
+    assert time.monotonic() - t0 < 120
+    assert proc.returncode != 0
+    assert f"injected fault: rank 1 is killed (SIGKILL) in the {stage} at round 15" in proc.stderr
+    assert f"a peer failed in round 15 at stage '{stage}': MPI_ERR_PROC_FAILED" in proc.stderr
+    assert list((run_dir / "checkpoints").glob("*.h5")) == []
+    assert f"a peer failed in round 15 at stage '{stage}'" in (run_dir / "train.log").read_text()
