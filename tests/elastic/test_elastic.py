@@ -1,20 +1,22 @@
 """A rank's death does not end the run (``--on-rank-failure shrink``; SPEC §9, issue 21).
 
 Under Open MPI's launcher with ``--with-ft ulfm`` (tests/run.sh --launch, .ci/run's Open
-MPI stage): three ranks train the built-in digits under ``--policy sync``; a kill -9 of
-rank 1, and in another run of rank 0, at the start of round 20 (epoch 2's sixth window).
-Each run must finish (exit 0) with one ``membership`` row, the survivors' final
-parameters bit for bit the same, and every training sample trained exactly once per
-epoch in the consensus: counted from what each rank trained (tests/hooked_flodl.py
---dump-final) plus what the dead rank trained before the abandoned round, which the
-sync plan fixes by hand (3 ranks, one batch each per window: rank r trains position
-3k + r of window k). Elsewhere (MPICH: no ULFM) the runs are skipped with the reason;
+MPI stage): three ranks train the built-in digits under ``--policy sync`` (and
+``--policy window --window 2``); a kill -9 of rank 1 (mid params reduce; at a round's
+start under the window), and in another run of rank 0, in a round of epoch 2. Each run
+must finish (exit 0) with one ``membership`` row, the survivors' final parameters bit
+for bit the same, and every training sample trained exactly once per epoch in the
+consensus: counted from what each rank trained (tests/hooked_flodl.py --dump-final)
+plus what the dead rank trained before the abandoned round, which the launch plan gives
+(`Kill.dead_batches`: fixed quotas, its windows over the whole epoch).
+Elsewhere (MPICH: no ULFM) the runs are skipped with the reason;
 the refusal of ``shrink`` is checked under every launcher.
 """
 
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 import subprocess
 import sys
 import time
@@ -23,11 +25,11 @@ import h5py
 import numpy as np
 import pytest
 
+from flodl_mpi.policy.cadence import plan_window
 from tests.conftest import HOOKED, MPIEXEC, launch_argv, launch_env, launcher_kind, run_flodl
 
 pytestmark = [pytest.mark.launch, pytest.mark.slow]
 
-KILL_ROUND = 20  # epoch 2's window 5 (an epoch of the digits at batch 32 on 3 ranks: 15 rounds)
 N_BATCHES = 45  # 1437 training samples in batches of 32 (the last of 29)
 RANKS = 3
 
@@ -46,22 +48,52 @@ def _ulfm_argv(*argv: str) -> list[str]:
     return argv
 
 
-@pytest.fixture(scope="module", params=[("kill-reduce", 1), ("kill", 0)], ids=["rank1-mid-reduce", "rank0"])
+@dataclass(frozen=True)
+class Kill:
+    """A kill -9 of launch rank ``dead`` in round ``round``, under a fixed window of ``q`` batches per rank."""
+
+    kind: str
+    dead: int
+    q: int  # 1: --policy sync (an epoch: 15 rounds); 2: --policy window --window 2 (an epoch: 8 rounds)
+    round: int
+
+    def policy(self) -> tuple[str, ...]:
+        return ("--policy", "sync") if self.q == 1 else ("--policy", "window", "--window", str(self.q))
+
+    def dead_batches(self) -> list[tuple[int, int]]:
+        """(epoch, batch) the dead rank trained in the rounds before the abandoned one, by the launch plan: fixed
+        quotas ``q`` per rank over the whole epoch's batches (`plan_window`, tested in tests/policy; here only
+        its windows are needed, not what the shrink does)."""
+        out, cursor, epoch = [], 0, 0
+        for _ in range(self.round):
+            w = plan_window((self.q,) * RANKS, cursor, N_BATCHES)
+            out += [(epoch, b) for b in range(w.starts[self.dead], w.starts[self.dead] + w.counts[self.dead])]
+            cursor = w.end
+            if cursor == N_BATCHES:
+                cursor, epoch = 0, epoch + 1
+        return out
+
+
+KILLS = [Kill("kill-reduce", 1, 1, 20), Kill("kill", 0, 1, 20), Kill("kill", 1, 2, 8)]
+
+
+@pytest.fixture(scope="module", params=KILLS, ids=["sync-rank1-mid-reduce", "sync-rank0", "window2-rank1"])
 def killed(request, tmp_path_factory):
     """A run at 3 ranks whose rank ``dead`` is killed (SIGKILL) in round 20: rank 1 in the params reduce
     (its peers past the control gather, in the reduce), rank 0 at the round's start."""
     _ulfm_or_skip()
-    kind, dead = request.param
-    root = tmp_path_factory.mktemp(f"killed{dead}")
+    kill = request.param
+    root = tmp_path_factory.mktemp(f"killed{kill.dead}")
     argv = _ulfm_argv(
         sys.executable,
         HOOKED,
         "--dump-final",
         str(root / "final"),
         "--fault",
-        f"{kind}@{dead}:{KILL_ROUND}",
+        f"{kill.kind}@{kill.dead}:{kill.round}",
         "--",
         "train",
+        *kill.policy(),
         "--epochs",
         "2",
         "--run-dir",
@@ -69,34 +101,36 @@ def killed(request, tmp_path_factory):
     )
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False, env=launch_env())
-    return dead, root, proc, time.monotonic() - t0
+    return kill, root, proc, time.monotonic() - t0
 
 
 def test_the_run_finishes_with_one_membership_row(killed):
-    dead, root, proc, seconds = killed
+    kill, root, proc, seconds = killed
+    dead, kill_round = kill.dead, kill.round
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"injected fault: rank {dead} is killed (SIGKILL) " in proc.stderr  # the path ran
     assert seconds < 150
     with h5py.File(root / "run" / "metrics.h5", "r") as f:
         m = {k: f["membership"][k][()] for k in f["membership"]}
         epochs = f["epochs"]["epoch"][()]
-    assert list(m["round"]) == [KILL_ROUND]
+    assert list(m["round"]) == [kill_round]
     assert m["left"][0].tolist() == [r == dead for r in range(RANKS)]
     assert not m["joined"].any()
     assert m["world_size"].tolist() == [RANKS - 1]
-    assert m["steps_lost"][0].tolist() == [int(r == dead) for r in range(RANKS)]  # its window: one sync step
+    assert m["steps_lost"][0].tolist() == [kill.q * (r == dead) for r in range(RANKS)]  # its window's steps
     assert m["rank"][0].tolist() == [-1 if r == dead else r - (r > dead) for r in range(RANKS)]
     assert 0 < m["detection_ms"][0] < 2000 and 0 < m["recovery_ms"][0] < 2000  # the issue's bound: 2 s together
     assert len(epochs) == 2  # both epochs' rows: the first by the launch writer, the second after the change
     log = (root / "run" / "train.log").read_text()
-    assert f"round {KILL_ROUND}: rank(s) {dead} (id {dead}) failed; 2 rank(s) go on" in log
+    assert f"round {kill_round}: rank(s) {dead} (id {dead}) failed; 2 rank(s) go on" in log
     if dead == 0:
-        assert f"round {KILL_ROUND}: rank 0 died; rank 1 (stable id 1) takes over as rank 0" in log
+        assert f"round {kill_round}: rank 0 died; rank 1 (stable id 1) takes over as rank 0" in log
     assert "done: test accuracy" in log
 
 
 def test_the_survivors_hold_the_same_parameters(killed):
-    dead, root, proc, _ = killed
+    kill, root, proc, _ = killed
+    dead = kill.dead
     assert proc.returncode == 0
     survivors = [np.load(root / "final" / f"final{r}.npz") for r in range(RANKS) if r != dead]
     assert not (root / "final" / f"final{dead}.npz").exists()  # it died: nothing written at its exit
@@ -107,19 +141,18 @@ def test_the_survivors_hold_the_same_parameters(killed):
 
 
 def test_every_batch_is_trained_once_per_epoch(killed):
-    dead, root, proc, _ = killed
+    kill, root, proc, _ = killed
+    dead, kill_round = kill.dead, kill.round
     assert proc.returncode == 0
     count = collections.Counter()
     for r in range(RANKS):
-        if r == dead:  # the sync plan: window k's position 3k + r; every window up to the abandoned round
-            for rnd in range(KILL_ROUND):
-                epoch, k = divmod(rnd, N_BATCHES // RANKS)
-                count[(epoch, RANKS * k + r)] += 1
+        if r == dead:  # by the plan: every window up to the abandoned round
+            count.update(kill.dead_batches())
             continue
         trained = np.load(root / "final" / f"final{r}.npz")["trained"]  # (epoch, batch, round then)
-        abandoned = np.flatnonzero(trained[:, 2] == KILL_ROUND)[0]  # its first batch at round 20 went back
+        abandoned = set(np.flatnonzero(trained[:, 2] == kill_round)[: kill.q])  # its first window at it went back
         for i, (epoch, batch, _) in enumerate(trained.tolist()):
-            if i != abandoned:
+            if i not in abandoned:
                 count[(epoch, batch)] += 1
     assert sorted(count) == [(e, b) for e in range(2) for b in range(N_BATCHES)]
     assert set(count.values()) == {1}, {k: v for k, v in count.items() if v != 1}
