@@ -46,6 +46,10 @@ elif [[ ${1:-} == --launch ]]; then
             "$c::test_bad_omp_num_threads_is_our_one_line_before_torch_loads"
             "$c::test_a_warning_is_printed_once"
             tests/cli/test_end_to_end.py::test_train_digits tests/cli/test_end_to_end.py::test_fixed_window_policy
+            # a rank's death under this launcher: the workstation restart loop through 3 kills (run A's epochs,
+            # bit-identical to it), and bad input not restarted
+            tests/runtime/test_workstation_restarts.py::test_the_restart_loop_finishes_a_run_through_three_kills
+            tests/runtime/test_workstation_restarts.py::test_bad_input_is_not_restarted
             # a rank's death under ULFM (mpiexec --with-ft ulfm; skipped, with the reason, under MPICH)
             tests/elastic/test_elastic.py
             # variants whose difference no MPI touches (run in the first stage): the -q case of the warning,

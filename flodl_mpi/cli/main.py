@@ -12,6 +12,10 @@ Looking at a run needs no mpiexec (and starts no MPI)::
     flodl-mpi inspect runs/A/checkpoints/ckpt-e000010-r000230.h5
     flodl-mpi export runs/A model.pt                   # plain state dict
 
+Checking a setup's failure path against a live run (kills a rank's process; no MPI)::
+
+    flodl-mpi inject-failure runs/A --epoch 3 --rank 1 # kill -9 rank 1 once epoch 3 has ended
+
 Exit status: 0 done (every epoch), 1 failed while training, 2 bad input, 3 a stalled
 round, 4 stopped on request (checkpoint saved; run again with ``--resume``).
 
@@ -69,9 +73,11 @@ from flodl_mpi.runtime.stale_shm import clear_before_mpi
 __all__ = ["main", "build_parser"]
 
 
-#: Sub-commands that only read a run's files, each in its own module (``add_parser``,
-#: ``run``). They run on a login node without mpiexec, so they never start MPI.
-TOOLS = {"report": "flodl_mpi.cli.report", "inspect": "flodl_mpi.cli.inspect_cmd", "export": "flodl_mpi.cli.export"}
+#: Sub-commands that start no MPI, each in its own module (``add_parser``, ``run``): the ones that
+#: only read a run's files (they run on a login node without mpiexec), and inject-failure, which
+#: reads them and kills a rank of the live run.
+TOOLS = {"report": "flodl_mpi.cli.report", "inspect": "flodl_mpi.cli.inspect_cmd", "export": "flodl_mpi.cli.export",
+         "inject-failure": "flodl_mpi.cli.inject_failure"}
 
 
 class _UsageError(Exception):
@@ -289,7 +295,7 @@ def unix_pipe() -> None:
 
 
 def _run_tool(argv: list[str]) -> int:
-    """``flodl-mpi report|inspect|export ...``: a plain argparse run, no MPI world."""
+    """``flodl-mpi report|inspect|export|inject-failure ...``: a plain argparse run, no MPI world."""
     parser = argparse.ArgumentParser(prog="flodl-mpi", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {name: importlib.import_module(module) for name, module in TOOLS.items()}

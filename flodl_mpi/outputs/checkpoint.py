@@ -287,9 +287,16 @@ def write_checkpoint(
         # track_order: datasets and attributes list in creation order (state-dict order,
         # `complete` last) in h5dump/h5ls as well as here.
         with h5sink.new_file(tmp, libver=LIBVER, track_order=True) as (f, sink):
-            def create(group: h5py.Group, name: str, data: np.ndarray) -> None:
+            def create(group: h5py.Group, name: str, data: np.ndarray, subgroups: dict | None = None) -> None:
                 if sink.error is not None:  # the disk refused a write: stop adding to the file
                     raise sink.error
+                parent, _, leaf = name.rpartition("/")
+                if parent and subgroups is not None:
+                    # Each subgroup (optimizer/state/<i>, ...) opened once, on its first array, in the
+                    # order h5py would create it (the file is the same): not looked up again per tensor.
+                    if parent not in subgroups:
+                        subgroups[parent] = group.require_group(parent)
+                    group, name = subgroups[parent], leaf
                 _create(group, name, data)
 
             for group, arrays in (("params", params), ("buffers", buffers)):
@@ -297,14 +304,14 @@ def write_checkpoint(
                 for name, value in arrays.items():
                     create(g, escape_name(name), _disk_array(name, value))
             for r, (arrays, attrs) in enumerate(ranks):
-                g = f.create_group(f"ranks/{r}")
+                g, subgroups = f.create_group(f"ranks/{r}"), {}
                 for name, value in arrays.items():
-                    create(g, name, np.asarray(value))
+                    create(g, name, np.asarray(value), subgroups)
                 g.attrs["json_keys"] = json.dumps(write_attrs(g.attrs, attrs, f"ranks[{r}]"))
             if cohort is not None:  # state every rank holds alike (the outer optimizer's): once
-                g = f.create_group("cohort")
+                g, subgroups = f.create_group("cohort"), {}
                 for name, value in cohort[0].items():
-                    create(g, name, np.asarray(value))
+                    create(g, name, np.asarray(value), subgroups)
                 g.attrs["json_keys"] = json.dumps(write_attrs(g.attrs, cohort[1], "cohort"))
             json_keys = write_attrs(f.attrs, meta, "meta")
             f.attrs["json_keys"] = json.dumps(json_keys)

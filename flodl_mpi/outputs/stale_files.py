@@ -3,7 +3,8 @@
 Invariant: while a process holds ``R/.lock`` (`flodl_mpi.outputs.run_dir_lock`), no other
 run writes in ``R``, so every temporary file there that this process did not
 create is stale: a write that was killed or failed (a checkpoint's
-``checkpoints/*.tmp-<pid>``, the save check's, ``metrics.h5.resume-tmp``). The
+``checkpoints/*.tmp-<pid>``, the save check's, ``metrics.h5.resume-tmp``, ranks.json's
+``.ranks.json.tmp-<pid>``). The
 process id in a name says nothing once the lock is held: ids repeat across nodes,
 containers and copies of a run dir. Such files can be as large as a checkpoint, so
 each is removed and named, with its size, in one line.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from flodl_mpi.outputs.checkpoint import TMP_RE as _TMP  # a temporary of write_checkpoint (and so of the save check)
 from flodl_mpi.outputs.h5sink import size_words
+from flodl_mpi.runtime.live_ranks import FILE_NAME as RANKS_FILE
 
 __all__ = ["stale_temporaries", "remove_stale", "removal_line"]
 
@@ -34,6 +36,7 @@ def stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     """
     run_dir = Path(run_dir)
     found = [run_dir / name for name in _RUN_DIR_TEMPS if (run_dir / name).is_file()]
+    found += [p for p in run_dir.glob(f".{RANKS_FILE}.tmp-*") if p.is_file()]
     ckpts = run_dir / "checkpoints"
     if ckpts.is_dir():
         found += [p for p in ckpts.iterdir() if _TMP.search(p.name) and p.is_file()]

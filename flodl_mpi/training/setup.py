@@ -43,6 +43,7 @@ from flodl_mpi.outputs.run_dir import make_run_dir
 from flodl_mpi.policy.registry import make_policy
 from flodl_mpi.protocol.outer import OuterOptimizer
 from flodl_mpi.runtime.launcher import clean_text
+from flodl_mpi.runtime.live_ranks import gather_ranks, write_launch
 from flodl_mpi.runtime.world import Watchdog, World, agree
 from flodl_mpi.training.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset
 from flodl_mpi.training.models import check_same_model
@@ -298,6 +299,7 @@ def _open_outputs(run: RankRun, front: FrontEnd) -> None:
     if run.data is not None:
         run.attrs["data_source"] = run.data.source
     name = config = None
+    ranks = gather_ranks(world.comm) if run_dir is not None else None  # R/ranks.json: flodl-mpi inject-failure's
     if world.rank == 0 and run_dir is not None:
         config = front.record(run)
         # config.json is the run's first config; each resume adds its own beside it.
@@ -315,6 +317,10 @@ def _open_outputs(run: RankRun, front: FrontEnd) -> None:
         except OSError as exc:
             raise disk_writer_error(run_dir, exc) or exc
         run.writer.start()
+        try:
+            write_launch(run_dir, ranks)
+        except OSError as exc:
+            raise disk_writer_error(run_dir, exc) or exc
 
     agree(world.comm, "metrics writer", open_files, run.watchdog, name_ranks=False)
 

@@ -64,6 +64,8 @@ def _wait_for_device(*groups) -> None:
     A non-blocking device-to-host copy returns before the bytes land; the
     staging must hold them before the bridge thread reads it.
     """
+    if not torch.cuda.is_initialized():  # no tensor can be on a CUDA device: nothing to look at (every round)
+        return
     devices = {t.device for g in groups for t in g if t.device.type == "cuda"}
     for d in devices:
         torch.cuda.current_stream(d).synchronize()

@@ -644,7 +644,7 @@ class Bridge:
         all_steps, flags = cols["steps"], cols["non_finite"].astype(np.int64)
         if flags.all() or (flags.any() and self.on_non_finite == "stop"):
             raise NonFiniteError(_non_finite_message(self.version, flags, self.on_non_finite))
-        masses = round_masses(all_steps, flags == 0, self.gamma)
+        masses = round_masses(all_steps.tolist(), (flags == 0).tolist(), self.gamma)  # plain floats: a round's few ranks
         skipped = not masses.quarantined and float(all_steps.sum()) == 0.0
         if skipped:
             # No rank moved: every snapshot already equals the consensus.
@@ -742,14 +742,14 @@ class Bridge:
         """Feed the policy the gathered facts (the previous round's acks and this window's
         speeds); rank 0's recorder completes the previous round's record. Returns the
         guard's verdict on the previous round (None: no round before this gather)."""
-        acked = not np.isnan(cols["divergence"]).all()
+        acked = not all(math.isnan(v) for v in cols["divergence"].tolist())  # plain floats: every round
         max_div, round_ms, wait_ms = None, math.nan, math.nan
         if acked:
             # The guard reads the ranks that contributed mass: an idle rank's or a
             # quarantined rank's divergence (NaN for the latter) says nothing of the
             # cohort's drift. A round where none did (skipped) reads as 0.
             contributed = cols["divergence"][self._contributed]
-            max_div = float(np.max(contributed)) if contributed.size else 0.0
+            max_div = float(contributed.max()) if contributed.size else 0.0
             round_ms, wait_ms = _max_if_finite(cols["round_ms"]), _max_if_finite(cols["wait_ms"])
         self._enter("policy")
         verdict = self.policy.observe(RoundFacts(batch_ms=np.asarray(batch_ms, dtype=np.float64),

@@ -297,3 +297,46 @@ def assert_readable_by_hdf5_1_10(path):
             src.copy(src[name], dst, name)  # raises "... version out of bounds" past v110
         for key, value in src.attrs.items():
             dst.attrs[key] = value
+
+
+def test_per_rank_subgroups_opened_once_make_the_file_per_tensor_paths_make(tmp_path):
+    """Issue 26 item 10: each subgroup of a rank's arrays is created once, on its first array (not looked
+    up again per tensor); the file holds the same groups and datasets, with the same dtypes and bytes,
+    as h5py's own intermediate-group creation of each full path (the reference, built here)."""
+    params, buffers, order = split_state(trained_model())
+    rng = np.random.default_rng(0)
+    arrays = {  # parents revisited out of order, several levels, a top-level name, int and float dtypes
+        "optimizer/state/0/exp_avg": rng.standard_normal(5).astype(np.float32),
+        "optimizer/state/1/exp_avg": rng.standard_normal((2, 3)),
+        "optimizer/state/0/step": np.array(7.0, dtype=np.float32),
+        "rng/torch": rng.integers(0, 255, 16).astype(np.uint8),
+        "optimizer/state/1/step": np.array(3, dtype=np.int64),
+        "int_buffers/1.num_batches_tracked": np.array(3, dtype=np.int64),
+        "top": np.arange(4),
+    }
+    path = write_checkpoint(tmp_path / "a.h5", params, buffers, {"round": 1}, order,
+                            ranks=[(arrays, {"global_step": 3}), (arrays, {"global_step": 4})],
+                            cohort=(arrays, {"k": 1}))
+    reference = tmp_path / "ref.h5"
+    with h5py.File(reference, "w", libver=LIBVER, track_order=True) as f:
+        for group in ("ranks/0", "ranks/1", "cohort"):
+            g = f.create_group(group)
+            for name, value in arrays.items():
+                g.create_dataset(name, data=value)  # h5py makes the intermediate groups
+    listing = {}
+    for p in (path, reference):
+        with h5py.File(p, "r") as f:
+            seen = []
+            for group in ("ranks/0", "ranks/1", "cohort"):
+                f[group].visititems(lambda name, obj, g=group: seen.append(
+                    (g, name, type(obj).__name__, obj[()].tobytes() if isinstance(obj, h5py.Dataset) else None,
+                     obj.dtype.str if isinstance(obj, h5py.Dataset) else None)))
+            listing[p] = seen
+    assert listing[path] == listing[reference]
+    assert len(listing[path]) == 3 * (len(arrays) + 6)  # 6 groups: optimizer, state, 0, 1, rng, int_buffers
+    ckpt = read_checkpoint(path)
+    for r in (0, 1):
+        assert set(ckpt.ranks[r][0]) == set(arrays)
+        for name, value in arrays.items():
+            np.testing.assert_array_equal(ckpt.ranks[r][0][name], value)
+            assert ckpt.ranks[r][0][name].dtype == value.dtype

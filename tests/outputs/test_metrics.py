@@ -432,3 +432,72 @@ def test_written_files_open_in_h5dump(tmp_path):
         proc = subprocess.run([h5dump, "-H", str(path)], capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "rounds" in proc.stdout or "params" in proc.stdout
+
+
+def test_a_kill_between_two_columns_of_an_append_keeps_every_earlier_row(tmp_path):
+    """Issue 26 item 10: an append writes each column with one extent change, one write and one flush; a
+    kill -9 half-way through one leaves the rows of every earlier append readable, exactly, and a resume
+    goes on from them."""
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "metrics.h5"
+    script = textwrap.dedent(f"""
+        import os
+        import tests.outputs.test_metrics as t
+        from flodl_mpi.outputs import metrics
+        f = metrics.MetricsFile({str(path)!r}, {W}, {{}})
+        f.append("rounds", t.round_rows(0, 2))
+        f.append("rounds", t.round_rows(2, 3))
+        real, calls = metrics._pad, []
+        def pad(arr, width):  # the per-rank columns of the next append: die before the fourth is written
+            calls.append(1)
+            if len(calls) == 4:
+                os._exit(9)
+            return real(arr, width)
+        metrics._pad = pad
+        f.append("rounds", t.round_rows(5, 4))
+        os._exit(0)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=str(Path(__file__).parents[2]), check=False)
+    assert proc.returncode == 9  # killed inside the third append
+    with h5py.File(path, "r", swmr=True) as f:  # the kill came between columns: some are one append longer
+        lengths = {name: f["rounds"][name].shape[0] for name in f["rounds"]}
+    assert set(lengths.values()) == {5, 9}, lengths
+    assert_table_equal(read_table(path, "rounds"), expected([round_rows(0, 2), round_rows(2, 3)]))
+    with MetricsFile(path, W, {}, keep_rows={"rounds": 5}) as f:  # a resume from the checkpoint that saw 5 rows
+        f.append("rounds", round_rows(5, 1))
+    assert_table_equal(read_table(path, "rounds"), expected([round_rows(0, 5), round_rows(5, 1)]))
+
+
+def test_row_counts_kept_by_the_writer_follow_every_append(tmp_path):
+    """The writer keeps each column's length itself (no HDF5 query per append): after appends of
+    1, 256 and 3 rows to every table (a chunk boundary crossed), every column holds exactly the rows
+    given, and a reader that opens the file between appends sees each append whole."""
+    path = tmp_path / "metrics.h5"
+    schema = table_schema(W)
+    rng = np.random.default_rng(1)
+
+    def rows(table, k):
+        out = {}
+        for name, (dtype, shape) in schema[table].items():
+            if h5py.check_enum_dtype(dtype) is not None:
+                out[name] = rng.integers(0, len(GUARD_VERDICTS), (k, *shape)).astype(dtype)
+            elif dtype.kind == "S":
+                out[name] = np.array([f"s{v}".encode() for v in rng.integers(0, 1000, k)], dtype=dtype)
+            elif dtype.kind == "b":
+                out[name] = rng.integers(0, 2, (k, *shape)).astype(bool)
+            else:
+                out[name] = (rng.standard_normal((k, *shape)) * 1000).astype(dtype)
+        return out
+
+    given = {t: [] for t in schema}
+    with MetricsFile(path, W, {}) as m:
+        for k in (1, 256, 3):
+            for table in schema:
+                given[table].append(rows(table, k))
+                m.append(table, given[table][-1])
+                assert_table_equal(read_table(path, table), expected(given[table]))
+    for table in schema:
+        assert_table_equal(read_table(path, table), expected(given[table]))

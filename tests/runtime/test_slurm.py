@@ -168,7 +168,7 @@ def test_preemptible_stop_while_running_requeues(tmp_path, sig):
     assert "scontrol requeue 7" in log, log
     assert f"got SIG{sig}" in out
     assert "stopped and saved in runs/7/checkpoints; requeueing job 7" in out
-    assert "srun --mpi=pmi2 flodl-mpi train --run-dir runs/7 --resume auto --epochs 3" in log
+    assert "srun --mpi=pmi2 --kill-on-bad-exit=1 flodl-mpi train --run-dir runs/7 --resume auto --epochs 3" in log
 
 
 def test_preemptible_forwards_the_stop_once(tmp_path):
@@ -218,7 +218,7 @@ def test_preemptible_message_names_the_given_run_dir(tmp_path, form):
     assert status == 4, out
     assert "stopped and saved in my/run/checkpoints; requeueing job 7" in out
     srun = next(line for line in log if line.startswith("srun "))
-    assert srun == f"srun --mpi=pmi2 flodl-mpi train --resume auto {' '.join(form)} --epochs 2"  # no runs/7 added
+    assert srun == f"srun --mpi=pmi2 --kill-on-bad-exit=1 flodl-mpi train --resume auto {' '.join(form)} --epochs 2"  # no runs/7 added
 
 
 @pytest.mark.parametrize("script", ["slurm-one-node.sbatch", "slurm-multi-node.sbatch", "slurm-preemptible.sbatch"])
@@ -228,7 +228,7 @@ def test_scripts_choose_pmi_and_pass_cpus_per_task(tmp_path, script, mpi, pmi):
     env = _stub_env(tmp_path, STUB_SRUN_EXIT="0", STUB_MPI=mpi, SLURM_CPUS_PER_TASK="3")
     status, out, log = _run_script(script, tmp_path, env)
     assert status == 0, out
-    assert next(line for line in log if line.startswith("srun ")).startswith(f"srun --mpi={pmi} flodl-mpi train")
+    assert next(line for line in log if line.startswith("srun ")).startswith(f"srun --mpi={pmi} --kill-on-bad-exit=1 flodl-mpi train")
     assert "SRUN_CPUS_PER_TASK=3 OMP_NUM_THREADS=3" in log  # Slurm >= 22.05 does not pass it on itself
 
 
