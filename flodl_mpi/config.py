@@ -52,6 +52,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DATA_LOADING = ("auto", "memory", "stream")
 #: What a round does with a rank whose loss or parameters are NaN/Inf (``--on-non-finite``).
 ON_NON_FINITE = ("quarantine", "stop")
+#: ``--on-rank-failure``: a rank's death ends the job (``stop``), or the survivors go on (``shrink``, ULFM).
+ON_RANK_FAILURE = ("stop", "shrink")
 #: The ``--outer`` choices (flodl_mpi.protocol.outer; kept here so the config needs no numpy).
 OUTERS = ("avg", "slowmo", "nesterov")
 #: ``--node-reduce``: how the ranks of one node sum their frames (flodl_mpi.transport.reduce.WireOptions).
@@ -183,6 +185,7 @@ class TrainConfig:
     bf16_wire: bool = False           # params and float buffers travel as bfloat16 (SPEC §7): --wire bf16
     wire: str | None = None           # one of WIRES; None = fp32, or bf16 with bf16_wire (its alias)
     on_non_finite: str = "quarantine"  # one of ON_NON_FINITE: a rank with NaN/Inf loss or params
+    on_rank_failure: str | None = None  # one of ON_RANK_FAILURE; None: shrink under Open MPI with --with-ft ulfm
     outer: str = "avg"                # one of OUTERS: the outer optimizer on the consensus (SPEC §7)
     outer_lr: float | None = None     # outer learning rate; None = the outer's usual (slowmo 1.0, nesterov 0.7)
     outer_momentum: float | None = None  # outer momentum in [0, 1); None = 0.9
@@ -233,6 +236,8 @@ class TrainConfig:
         need(self.policy in policy_names(), "policy", self.policy, f"one of {', '.join(policy_names())}")
         need(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
         need(self.data_loading in DATA_LOADING, "data_loading", self.data_loading, f"one of {', '.join(DATA_LOADING)}")
+        need(self.on_rank_failure is None or self.on_rank_failure in ON_RANK_FAILURE, "on_rank_failure",
+             self.on_rank_failure, f"one of {', '.join(ON_RANK_FAILURE)}")
         need(self.on_non_finite in ON_NON_FINITE, "on_non_finite", self.on_non_finite,
              f"one of {', '.join(ON_NON_FINITE)}")
         need(self.outer in OUTERS, "outer", self.outer, f"one of {', '.join(OUTERS)}")

@@ -8,7 +8,7 @@ and ends the job through the world abort (:mod:`flodl_mpi.runtime.world`).
 
 from __future__ import annotations
 
-__all__ = ["CohortError", "InputError", "NonFiniteError", "RoundError", "Stopped", "EXIT_ERROR", "EXIT_INPUT",
+__all__ = ["CohortError", "InputError", "NonFiniteError", "RankFailure", "RoundError", "Stopped", "EXIT_ERROR", "EXIT_INPUT",
            "EXIT_STALL", "EXIT_STOPPED"]
 
 #: Exit status of a run that failed while training.
@@ -44,6 +44,24 @@ class RoundError(RuntimeError):
 
     Local to the rank: the job ends through the world abort (SPEC §2 escape hatch).
     """
+
+
+class RankFailure(RoundError):
+    """A collective of the bridge failed because a peer died (ULFM's ``MPI_ERR_PROC_FAILED`` / ``MPI_ERR_REVOKED``).
+
+    Raised on this rank only, under ``--on-rank-failure shrink``; the survivors then
+    agree on the failed set (`flodl_mpi.runtime.elastic.shrink`) before anything else.
+
+    Attributes:
+        stage: the bridge's call that failed: ``"round"``, ``"epoch"`` (the epoch
+            exchange), ``"gather"`` (a checkpoint's state gather), ...
+        round: the round the bridge was in (rounds completed so far).
+        started: ``time.monotonic()`` when this rank entered the failed call.
+    """
+
+    def __init__(self, message: str, stage: str, round: int, started: float) -> None:
+        super().__init__(message)
+        self.stage, self.round, self.started = stage, round, started
 
 
 class Stopped(SystemExit):

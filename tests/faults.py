@@ -12,7 +12,12 @@ the job); ``nan`` writes NaN into the rank's parameters before the round;
 ``nanloss`` makes the rank's losses in the window before the round NaN (so its
 gradients, and after the step its parameters, too); ``disk`` (rank 0) puts a file
 where the checkpoint directory was, so the writer thread's next save fails (the
-directory moves to ``checkpoints.moved-by-fault``). ``ROUND`` counts rounds from 0.
+directory moves to ``checkpoints.moved-by-fault``); ``kill`` is a kill -9 of the rank
+at the start of the round, its window trained (a death, for ``--on-rank-failure``).
+``kill-reduce``, ``kill-epoch`` and ``kill-gather`` kill it on entering the bridge's
+params reduce (mid-round, after the control gather), the epoch exchange's gather, or a
+checkpoint's state gather. ``ROUND`` counts rounds from 0; the ``kill`` kinds' ``RANK``
+is the launch rank.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from flodl_mpi.runtime import hooks
 
 __all__ = ["KINDS", "Fault", "InjectedFault", "parse_fault", "install", "fault_hooks"]
 
-KINDS = ("bridge", "step", "hang", "nan", "nanloss", "disk")
+#: The bridge's stages at which the ``kill-*`` kinds kill -9 the rank (its peers are in or near that call).
+KILL_STAGES = {"kill-reduce": "params reduce", "kill-epoch": "epoch gather", "kill-gather": "state gather"}
+KINDS = ("bridge", "step", "hang", "nan", "nanloss", "disk", "kill", *KILL_STAGES)
 
 
 class InjectedFault(RuntimeError):
@@ -71,8 +78,14 @@ def fault_hooks(spec: str) -> tuple[str, ...]:
 
 
 def _fault_hook(fault: Fault, kind: str, trainer) -> None:
-    """The trainer's faults (``step``, ``hang``, ``nan``, ``disk``) at their points; named in the hang's stacks."""
-    if not fault.fires(kind, trainer.rank, trainer.bridge.version):
+    """The trainer's faults (``step``, ``hang``, ``nan``, ``disk``, ``kill``) at their points; named in the hang's
+    stacks. ``kill``'s rank is the launch rank (after a shrink the ranks move down; the fault fires once)."""
+    rank = trainer.rank
+    if kind == "kill":
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.rank
+    if not fault.fires(kind, rank, trainer.bridge.version):
         return
     if kind == "step":
         raise InjectedFault(f"injected fault in the training step (rank {trainer.rank}, round {fault.round})")
@@ -80,6 +93,8 @@ def _fault_hook(fault: Fault, kind: str, trainer) -> None:
         print(f"injected fault: rank {trainer.rank} hangs in round {fault.round}", file=sys.stderr, flush=True)
         while True:  # the peers' watchdogs must end the job
             time.sleep(1.0)
+    if kind == "kill":
+        _kill_here(f"at round {fault.round}")
     if kind == "nan":
         import torch
 
@@ -93,20 +108,40 @@ def _fault_hook(fault: Fault, kind: str, trainer) -> None:
         writer.checkpoint_dir.write_text("not a directory (injected fault)\n")
 
 
+def _kill_here(what: str) -> None:
+    import os
+    import signal
+
+    from mpi4py import MPI
+
+    print(f"injected fault: rank {MPI.COMM_WORLD.rank} is killed (SIGKILL) {what}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def install(fault: Fault) -> Callable[[], None]:
     """Register ``fault`` on the product's hooks (:mod:`flodl_mpi.runtime.hooks`); returns its remover."""
+    if fault.kind in KILL_STAGES:
+        from mpi4py import MPI
+
+        def kill_at_stage(bridge, stage: str) -> None:
+            if stage == KILL_STAGES[fault.kind] and fault.fires(fault.kind, MPI.COMM_WORLD.rank, bridge.version):
+                _kill_here(f"in the {stage} at round {fault.round}")
+
+        return hooks.register("bridge_stage", kill_at_stage)
     if fault.kind == "bridge":
+
         def bridge_stage(bridge, stage: str) -> None:
             if stage == "params reduce" and fault.fires("bridge", bridge.rank, bridge.version):
                 raise InjectedFault(f"injected fault in the bridge (rank {bridge.rank}, round {bridge.version})")
 
         return hooks.register("bridge_stage", bridge_stage)
     if fault.kind == "nanloss":
+
         def loss(value, trainer):
             if fault.fires("nanloss", trainer.rank, trainer.bridge.version):
                 return value * math.nan  # a non-finite loss, and so NaN gradients
             return value
 
         return hooks.register("loss", loss)
-    point = "batch" if fault.kind in ("step", "hang") else "round_start"
+    point = "batch" if fault.kind in ("step", "hang") else "round_start"  # (kill: at the round's start)
     return hooks.register(point, lambda trainer: _fault_hook(fault, fault.kind, trainer))

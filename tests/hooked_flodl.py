@@ -21,7 +21,10 @@ Hooks (each patches the package in this process only):
                         dataset (--data-loading stream), in order: its rows
                         (``rows``, start and stop), its dataset (``train``: 1 for the
                         training features) and whether the read-ahead thread made it.
-  --dump-final DIR      each rank writes DIR/rank<r>.npz when its training ends:
+  --dump-final DIR      each rank writes DIR/final<launch rank>.npz at exit: its final
+                        parameters (``p<i>``, named_parameters order), and per batch
+                        it trained ``trained``: (epoch, global batch, round then).
+  --dump-state DIR      each rank writes DIR/rank<r>.npz when its training ends:
                         its model's state dict (name -> array) as it holds it.
   --fault KIND@RANK:ROUND
                         inject that fault (tests/faults.py) on the product's hooks
@@ -53,9 +56,10 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
     p.add_argument("--script-speeds")
     p.add_argument("--script-round-ms", type=float)
     p.add_argument("--record-indices")
+    p.add_argument("--dump-final")
     p.add_argument("--count-reads")
     p.add_argument("--fault")
-    p.add_argument("--dump-final")
+    p.add_argument("--dump-state")
     opts, rest = p.parse_known_args(argv)
     if rest[:1] == ["--"]:
         rest = rest[1:]
@@ -127,6 +131,32 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
 
         at_exit.append(dump)
 
+    if opts.dump_final is not None:
+        from pathlib import Path
+
+        import numpy as np
+        from mpi4py import MPI
+
+        trained: list[tuple[int, int, int]] = []
+        held: list = []
+        plain_step = worker.Trainer._train_batch
+
+        def train_batch_seen(self, perm, b, epoch, report, *args):
+            trained.append((epoch, int(b), self.bridge.version))
+            held[:] = [self]
+            return plain_step(self, perm, b, epoch, report, *args)
+
+        worker.Trainer._train_batch = train_batch_seen
+
+        def dump_final():
+            if held:
+                out = Path(opts.dump_final)
+                out.mkdir(parents=True, exist_ok=True)
+                params = {f"p{i}": p.detach().cpu().numpy() for i, p in enumerate(held[0].replica.params)}
+                np.savez(out / f"final{MPI.COMM_WORLD.rank}.npz", trained=np.array(trained, np.int64), **params)
+
+        at_exit.append(dump_final)
+
     if opts.count_reads is not None:
         from pathlib import Path
 
@@ -154,7 +184,7 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
 
         at_exit.append(dump_reads)
 
-    if opts.dump_final is not None:
+    if opts.dump_state is not None:
         from pathlib import Path
 
         import numpy as np
@@ -163,7 +193,7 @@ def install_hooks(argv: list[str]) -> tuple[list[str], list]:
 
         def fit(self, *args, **kwargs):
             history = plain_fit(self, *args, **kwargs)
-            out = Path(opts.dump_final)
+            out = Path(opts.dump_state)
             out.mkdir(parents=True, exist_ok=True)
             state = {k: v.detach().cpu().numpy() for k, v in self.replica.model.state_dict().items()}
             np.savez(out / f"rank{self.rank}.npz", **state)

@@ -45,6 +45,7 @@ from flodl_mpi.config import (
     LR_SCHEDULES,
     NODE_REDUCES,
     ON_NON_FINITE,
+    ON_RANK_FAILURE,
     OPTIMIZER_WEIGHT_DECAY,
     OPTIMIZERS,
     OUTERS,
@@ -230,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank whose loss or parameters are NaN/Inf: quarantine it for the round (mass 0, it "
                         "adopts the others' consensus; the job stops only when no rank is finite), or stop the "
                         f"job (default {d.on_non_finite})")
+    g.add_argument("--on-rank-failure", choices=ON_RANK_FAILURE,
+                   help="a rank dies (kill -9, a node lost): stop ends the job (exit 1; resume from the last "
+                        "checkpoint); shrink goes on with the survivors (the round abandoned, the epoch's batches "
+                        "re-split; needs Open MPI started with 'mpiexec --with-ft ulfm'; blocking policies; "
+                        "docs/elastic.rst) (default: shrink under 'mpiexec --with-ft ulfm', else stop)")
     g.add_argument("--outer", choices=OUTERS,
                    help="outer optimizer on each round's consensus: avg adopts it as it is; slowmo (SlowMo) and "
                         f"nesterov (DiLoCo) step from the previous global parameters with momentum (default {d.outer})")

@@ -486,6 +486,10 @@ class Watchdog:
         self._exit_by: float | None = None
         self._closing = False
         self._hb_comm: MPI.Comm | None = None
+        #: ``--on-rank-failure shrink``: a heartbeat exchange that fails because a peer died ends the
+        #: thread quietly (the survivors shrink, then :meth:`rebind`), not the job.
+        self.elastic = False
+        self._rebinding = False
         self._thread = threading.Thread(target=self._run, name="flodl-watchdog", daemon=True)
         #: The run's log (``train.log``, rank 0's): firing appends ``HH:MM:SS run failed: [rank R: ]watchdog:
         #: <verdict>`` (the line printed) to it before the abort. None: nothing written (the other ranks;
@@ -543,6 +547,25 @@ class Watchdog:
                   file=sys.stderr, flush=True)
         self._thread.start()
 
+    def rebind(self, comm: MPI.Comm) -> None:
+        """Go on over ``comm``, the survivors' world after a shrink (``--on-rank-failure shrink``; collective there).
+
+        Revokes the heartbeats' old communicator (the thread's pending exchange fails
+        at once and the thread ends, :attr:`elastic` being set), waits for the thread,
+        then starts a new one on a duplicate of ``comm``. The rank's activity is kept.
+        """
+        from flodl_mpi.runtime.elastic import revoke  # (ULFM's calls: only an elastic run gets here)
+
+        self._rebinding = True
+        revoke(self._hb_comm)
+        if self._thread.is_alive():
+            self._thread.join()
+        self._rebinding = False
+        self.comm, self.rank = comm, comm.rank
+        self._hb_comm = comm.Dup() if self.heartbeats else None
+        self._thread = threading.Thread(target=self._run, name="flodl-watchdog", daemon=True)
+        self._thread.start()
+
     def close(self) -> None:
         """Stop the watchdog before the rank exits. Collective: every rank calls it when it leaves.
 
@@ -591,14 +614,16 @@ class Watchdog:
             # -- post this rank's beat; the exchange completes once every rank posted its own
             posted = time.monotonic()
             send = self._beat(posted)
-            request = comm.Iallgather([send.view(np.uint8), MPI.BYTE], [recv.view(np.uint8), MPI.BYTE])
-            while not request.Test():
-                now = time.monotonic()
-                self._check_exit(now)
-                why = overdue_verdict(now - posted, self.stall_timeout, self.rank, last, now - last_done)
-                if why is not None:
-                    self._fire(EXIT_STALL, why)
-                time.sleep(_POLL_S)
+            try:
+                request = comm.Iallgather([send.view(np.uint8), MPI.BYTE], [recv.view(np.uint8), MPI.BYTE])
+                while not request.Test():
+                    self._wait_beat(posted, last, last_done)
+            except MPI.Exception as exc:
+                from flodl_mpi.runtime.elastic import is_rank_failure
+
+                if self.elastic and is_rank_failure(exc):
+                    return  # a peer died: the survivors shrink and rebind() starts a new thread
+                raise
             beats, last_done = recv.copy(), time.monotonic()
             # -- decide from the gathered beats only: every rank decides alike
             if bool(beats["exiting"].all()):
@@ -609,10 +634,19 @@ class Watchdog:
             last = beats
             # -- wait for the next beat (at once when leaving: close() is waiting)
             due = posted + heartbeat_period(float(beats["timeout"].max()))
-            while not self._closing and (now := time.monotonic()) < due:
+            while not self._closing and not self._rebinding and (now := time.monotonic()) < due:
                 self._check_exit(now)
                 time.sleep(min(_POLL_S, due - now))
         comm.Free()
+
+    def _wait_beat(self, posted: float, last: np.ndarray | None, last_done: float) -> None:
+        """One poll while a heartbeat exchange is pending: fire when it is overdue, else sleep a little."""
+        now = time.monotonic()
+        self._check_exit(now)
+        why = overdue_verdict(now - posted, self.stall_timeout, self.rank, last, now - last_done)
+        if why is not None:
+            self._fire(EXIT_STALL, why)
+        time.sleep(_POLL_S)
 
     def _check_exit(self, now: float) -> None:
         if self._exit_by is not None and now > self._exit_by:

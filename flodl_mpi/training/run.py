@@ -138,6 +138,8 @@ def _train(run: RankRun, front: TrainerFront, stop: StopRequest) -> bool:
         with contextlib.suppress(WriterError):
             writer.close(timeout=10.0)
         raise
+    # After a shrink (--on-rank-failure) the trainer holds the new world's bridge and rank 0's writer.
+    bridge, writer = trainer.bridge, trainer.writer
     bridge.close()
     for line in bridge.profile.lines():  # every rank's, from the acks (rank 0 logs them)
         log.info(line)

@@ -47,6 +47,7 @@ from flodl_mpi.runtime.live_ranks import gather_ranks, write_launch
 from flodl_mpi.runtime.world import Watchdog, World, agree
 from flodl_mpi.training.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset
 from flodl_mpi.training.models import check_same_model
+from flodl_mpi.training.recovery import Recovery, resolve_on_rank_failure
 from flodl_mpi.training.train import check_resume_data, resume_point
 from flodl_mpi.training.train_log import close_train_log, log, open_train_log
 from flodl_mpi.training.worker import Replica
@@ -99,13 +100,16 @@ def run_attrs(cfg: TrainConfig, world: World, device: torch.device) -> dict:
 
 
 def make_bridge(cfg: TrainConfig, world: World, replica: Replica, writer, watchdog: Watchdog,
-                pin_staging: bool | None = None) -> Bridge:
+                pin_staging: bool | None = None, policy=None, elastic: bool = False) -> Bridge:
     """The bridge ``cfg`` describes, over a duplicate of the world's communicator (collective).
 
     The one bridge factory of the CLI, :func:`flodl_mpi.fit` and the ``Averager``: the
     policy (``make_policy``), the outer optimizer, how the frames travel (``WireOptions``:
     ``node_reduce``, ``hierarchical``, ``bf16_wire``), pinned staging. ``writer``: rank 0's
     metrics writer, or a ``NoMetricsWriter``. ``pin_staging``: None: pinned for a model on CUDA.
+    ``policy``: the one to go on with (a shrink's re-planned policy); None: ``make_policy``'s.
+    ``elastic``: ``--on-rank-failure shrink`` (a peer's death raises ``RankFailure``; the node
+    reduce ``auto`` is then MPI's, whose calls report a dead peer).
 
     Raises:
         ValueError: identically on every rank, from the reducers' planning (for
@@ -115,12 +119,15 @@ def make_bridge(cfg: TrainConfig, world: World, replica: Replica, writer, watchd
         world.comm.Dup(),
         [tuple(p.shape) for p in replica.params],
         [tuple(b.shape) for b in replica.float_buffers],
-        gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer, policy=make_policy(cfg, world.size),
+        gamma=cfg.gamma, chunk_elems=cfg.chunk_elems, writer=writer,
+        policy=make_policy(cfg, world.size) if policy is None else policy,
         threaded=world.threaded_bridge, watchdog=watchdog, on_non_finite=cfg.on_non_finite,
         outer=OuterOptimizer(cfg.outer, sum(p.numel() for p in replica.params), cfg.outer_lr, cfg.outer_momentum),
-        wire=WireOptions(cfg.node_reduce, cfg.hierarchical, cfg.wire_mode == "bf16",
+        wire=WireOptions("mpi" if elastic and cfg.node_reduce == "auto" else cfg.node_reduce, cfg.hierarchical,
+                         cfg.wire_mode == "bf16",
                          delta=cfg.wire_mode.removesuffix("-delta") if cfg.wire_mode.endswith("-delta") else "off"),
         pin_staging=replica.device.type == "cuda" if pin_staging is None else bool(pin_staging),
+        elastic=elastic,
     )
 
 
@@ -215,6 +222,10 @@ def setup_rank(cfg: TrainConfig, world: World, watchdog: Watchdog, model: torch.
             would fail. The metrics writer and train.log are closed first.
     """
     comm = world.comm
+    # --on-rank-failure: refused before anything is written (decided from the config and the launcher's
+    # environment, the same on every rank); the CLI's trainer only (not the Python API's loops)
+    cli = isinstance(front, TrainerFront) and front.task is None
+    on_failure, failure_note = resolve_on_rank_failure(cfg, api=not cli)
     check_same_model(model, comm)
     run = RankRun(cfg, world, watchdog, Replica(model, device), data)
     try:
@@ -239,7 +250,9 @@ def setup_rank(cfg: TrainConfig, world: World, watchdog: Watchdog, model: torch.
         close_train_log(run.train_log)
         raise
     try:
-        run.bridge = make_bridge(cfg, world, run.replica, run.writer, watchdog, pin_staging=front.pin_staging)
+        shrink = on_failure == "shrink"
+        run.bridge = make_bridge(cfg, world, run.replica, run.writer, watchdog, pin_staging=front.pin_staging,
+                                 elastic=shrink)
         if run.bridge.policy.blocking:  # async trains on while a round runs: its staging must stay apart
             # Bound params live in the staging: no copies per round. The Parameter objects stay
             # the same, so an optimizer built before (or after) keeps working.
@@ -249,6 +262,14 @@ def setup_rank(cfg: TrainConfig, world: World, watchdog: Watchdog, model: torch.
             run.bridge.broadcast(root=0)
         run.replica.adopt(run.bridge)
         front.attach(run)
+        if shrink:
+            def rebuild(new_world: World, policy, writer) -> Bridge:
+                return make_bridge(cfg, new_world, run.replica, writer, watchdog, pin_staging=front.pin_staging,
+                                   policy=policy, elastic=True)
+
+            front.trainer.elastic = Recovery(world, watchdog, run.writer, rebuild, run.run_dir, cfg.keep_checkpoints)
+        if failure_note is not None:
+            log.info(failure_note)
         if run.run_dir is not None:  # anything that would fail at save time fails now, before any training
             agree(comm, "checkpoint check", lambda: front.check_saveable(run), watchdog, name_ranks=False)
         if run.ckpt is not None:

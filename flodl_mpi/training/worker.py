@@ -9,6 +9,7 @@ ranks included. This module never calls MPI: it talks to the bridge.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import time
@@ -19,8 +20,9 @@ from torch import nn
 
 from flodl_mpi.outputs import checkpoint_room
 from flodl_mpi.training import rank_state, resume_state
+from flodl_mpi.errors import RankFailure
 from flodl_mpi.transport.bridge import Bridge, RoundUpdate
-from flodl_mpi.policy.cadence import plan_window
+from flodl_mpi.training.resplit import BatchQueue, lost_positions
 from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
 from flodl_mpi.outputs.metrics import writer_or_none
 from flodl_mpi.outputs.saver import saver_for
@@ -441,6 +443,20 @@ def state_arrays(model: nn.Module) -> tuple[dict[str, np.ndarray], dict[str, np.
 
 
 @dataclasses.dataclass
+class _Mark:
+    """The state every rank shares at a window's start (the last consensus), kept for a shrink.
+
+    ``--on-rank-failure shrink`` only: a copy of the model and the optimizer state per window.
+    """
+
+    rows: int            # batch records of the epoch so far
+    report: EpochReport  # the epoch's report so far (a copy)
+    global_step: int
+    model: list          # the params then the floating buffers (clones)
+    optimizer: dict      # the optimizer's state dict (a deep copy)
+
+
+@dataclasses.dataclass
 class _OpenEnd:
     """An async epoch whose last round runs on into the next epoch: what its end needs."""
 
@@ -551,6 +567,13 @@ class Trainer:
         self.made_progress = lambda what: None  # called after each batch (train.py: the stall watchdog's)
         #: After a resume at another world size: one line saying what was remapped.
         self.remapped = ""
+        #: ``--on-rank-failure shrink``: ``recover(trainer, failure, window)`` (`flodl_mpi.training.recovery`)
+        #: shrinks the world after a peer died in a round; None: a death ends the job (``stop``).
+        self.elastic = None
+        #: The epoch's batches in the order windows hand them out (`flodl_mpi.training.resplit`): the
+        #: whole plan, until a change re-splits what is left of it.
+        self.queue: BatchQueue | None = None
+        self._resume_queue: BatchQueue | None = None  # a mid-epoch checkpoint's queue after a change
 
     def resume(self, ckpt: CheckpointContents) -> None:
         """Continue from a checkpoint: counters, guard, per-rank state, the stopped epoch's report.
@@ -598,6 +621,9 @@ class Trainer:
         self.plan = self.bridge.policy.plan()
         self.rounds_started = self.bridge.version  # no round in flight at a checkpoint
         self.start_epoch, self.start_cursor = ckpt.epoch, ckpt.cursor
+        if ckpt.extra.get("batch_queue") is not None:  # stopped mid-epoch after a membership change
+            n_batches = num_batches(self.data.train.n, self.cfg.step_samples, self.cfg.drop_last)
+            self._resume_queue = BatchQueue.from_state_dict(ckpt.extra["batch_queue"], n_batches)
         if self.start_cursor:  # the epoch goes on: its report so far, re-evaluated at its end
             old = [r for r in range(old_size) if r % self.world_size == self.rank]
             reports = ckpt.stopped_reports(old)  # (schema 1, the same world size: from the state this rank read)
@@ -648,27 +674,81 @@ class Trainer:
                          f"(--early-stop {b.patience}); the best, {b.best:.4f}, was epoch {b.best_epoch}")
                 break
 
+    # ---- a peer's death (--on-rank-failure shrink) ----------------------------------
+
+    def _mark(self, report: EpochReport, rows: list) -> _Mark:
+        """What a window starts from, kept to go back to when its round is abandoned (`_shrink`)."""
+        with torch.no_grad():
+            model = [t.detach().clone() for t in (*self.replica.params, *self.replica.float_buffers)]
+        return _Mark(len(rows), dataclasses.replace(report), self.global_step, model,
+                     copy.deepcopy(self.optimizer.state_dict()))
+
+    def _shrink(self, failure: RankFailure, window, mark: _Mark, rows: list) -> tuple[EpochReport, list]:
+        """Go on without the ranks that died in this window's round (SPEC §9 "Shrink").
+
+        ``self.elastic`` agrees the failed set with the other survivors and rebuilds the
+        bridge on the shrunk world (`flodl_mpi.training.recovery`). The round is abandoned:
+        every survivor returns to the state it shares with every other, the window's
+        start (the last consensus: params, floating buffers; and its own optimizer state,
+        step count and epoch report of then), and the window's batches, every rank's, go
+        to the front of the epoch's new queue, then those not handed out yet
+        (`BatchQueue.after_change`): each batch is still trained once in the consensus.
+        The RNG (dropout) is not rewound.
+
+        Returns:
+            The epoch's report and batch records as they were at the window's start.
+        """
+        old_size = self.world_size
+        done = self.elastic(self, failure, window)
+        self.bridge, self.rank, self.world_size = done.bridge, done.rank, done.world_size
+        self.writer = writer_or_none(done.writer)
+        self.saver = saver_for(self.rank, self.writer)
+        self.task.world_size = self.world_size
+        params, buffers = self.replica.params, self.replica.float_buffers
+        with torch.no_grad():
+            if self.replica.bound:
+                self.replica.bind(self.bridge)
+            for dst, src in zip((*params, *buffers), mark.model):
+                dst.copy_(src)
+        self.optimizer.load_state_dict(mark.optimizer)
+        self.steps, self.global_step, self.loss_finite = 0, mark.global_step, True
+        self.plan = self.bridge.policy.plan()
+        self.rounds_started = self.bridge.version
+        self.queue = self.queue.after_change(window.end, lost_positions([window], range(old_size)))
+        done.finish(self, window)
+        # this rank's records of the epoch before the window, under its new rank
+        return dataclasses.replace(mark.report), [(self.rank, *row[1:]) for row in rows[:mark.rows]]
+
     # ---- one epoch -------------------------------------------------------------
 
     def _epoch(self, epoch: int, cursor: int = 0) -> bool:
-        """One epoch from global batch ``cursor`` on; True when a stop round ended it."""
+        """One epoch from global batch ``cursor`` on; True when a stop round ended it.
+
+        Windows are planned over :attr:`queue` (positions; each position one global batch):
+        the whole plan, or after a membership change (`_shrink`) the batches no consensus
+        holds yet, so every batch is still trained once in the consensus.
+        """
         cfg, model = self.cfg, self.replica.model
         t_epoch = time.perf_counter()
         perm = epoch_permutation(self.data.train.n, cfg.seed, epoch)
         n_batches = num_batches(self.data.train.n, cfg.step_samples, cfg.drop_last)
+        self.queue = BatchQueue.whole(n_batches)
+        if self._resume_queue is not None:  # the queue a change left, from the checkpoint's cursor on
+            self.queue, self._resume_queue = self._resume_queue, None
+            cursor = 0
         report, self._carried = (self._carried or EpochReport()), None
         rows: list[tuple] = []
         stopped = False
         model.train()
         self.progress.start(f"epoch {epoch + 1}/{cfg.epochs}", n_batches, cursor, self.bridge.version)
-        while cursor < n_batches:
+        while cursor < len(self.queue):
             # -- plan: the same on every rank, no communication (SPEC §4)
             plan = self.plan if self.replay is None else Plan(*self.replay.plan(self.rounds_started))
-            window = plan_window(plan.quotas, cursor, n_batches)
-            first = window.starts[self.rank]
-            mine = range(first, first + window.counts[self.rank])
+            window, ids = self.queue.window(plan.quotas, cursor)
+            mine = ids[self.rank].tolist()
             if hasattr(self.data.train.x, "prefetch"):  # streamed (--data-loading): read ahead
-                self._read_ahead(perm, plan, window, n_batches)
+                self._read_ahead(perm, plan, window, mine)
+            mark = self._mark(report, rows) if self.elastic is not None else None
             # -- train this rank's batches of the window; time them for the balancer
             busy_ms = 0.0
             for b in mine:
@@ -685,14 +765,21 @@ class Trainer:
                 self._timed("snapshot", self.replica.snapshot, self.bridge)
                 if self.state_average is not None:
                     self._timed("snapshot", self.state_average.fill, self.bridge.state_tensors)
-                update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested,
-                                           loss_finite=self.loss_finite, **facts)
+                try:
+                    update = self.bridge.round(self.steps, len(mine), stop=self.stop.requested,
+                                               loss_finite=self.loss_finite, **facts)
+                except RankFailure as failure:
+                    if mark is None:
+                        raise
+                    report, rows = self._shrink(failure, window, mark, rows)
+                    cursor = 0  # the new queue's first position: the abandoned window's batches first
+                    continue
                 self.rounds_started += 1
                 self.loss_finite = True
                 self._adopt(update)
             else:
                 update = self._async_round(len(mine), facts)
-            self.progress.update(cursor, report.loss_sum / max(report.batches - report.nonfinite_batches, 1),
+            self.progress.update(n_batches - len(self.queue) + cursor, report.loss_sum / max(report.batches - report.nonfinite_batches, 1),
                                  self.bridge.version)
             self.writer.check()  # a disk error on rank 0 ends the job now, not at the epoch's end
             if update is not None and update.stop:
@@ -710,6 +797,7 @@ class Trainer:
         # The epoch's time: its windows and rounds, not the previous epoch's end done meanwhile.
         report.epoch_ms += 1e3 * (time.perf_counter() - t_epoch) - self._end_ms
         self._end_ms = 0.0
+        cursor = n_batches - len(self.queue) + cursor  # the epoch's batches done (a queue position before)
         if carry:
             # -- async: the epoch's last round runs on while the next epoch's first
             # window trains; this epoch ends when it arrives (_end_carried). Decided
@@ -749,14 +837,13 @@ class Trainer:
         self._report(summary, stopped, cursor, report)
         return stopped
 
-    def _read_ahead(self, perm: np.ndarray, plan: Plan, window, n_batches: int) -> None:
-        """Hand the streamed features this window's batches of this rank, then the next window's as planned now
-        (read during this window and its round; a plan the round changes drops them: never served wrong)."""
+    def _read_ahead(self, perm: np.ndarray, plan: Plan, window, mine: list[int]) -> None:
+        """Hand the streamed features this window's batches of this rank (``mine``: global batch ids), then the
+        next window's as planned now (read during this window and its round; a plan the round changes drops
+        them: never served wrong)."""
         cfg = self.cfg
-        mine = list(range(window.starts[self.rank], window.starts[self.rank] + window.counts[self.rank]))
-        if window.end < n_batches:
-            after = plan_window(plan.quotas, window.end, n_batches)
-            mine += range(after.starts[self.rank], after.starts[self.rank] + after.counts[self.rank])
+        if window.end < len(self.queue):
+            mine = mine + self.queue.window(plan.quotas, window.end)[1][self.rank].tolist()
         # In the order _train_batch asks for them: each step's --accumulate micro-batches.
         self.data.train.x.prefetch([part for b in mine
                                     for part, _ in micro_batches(batch_indices(perm, cfg.step_samples, b, cfg.drop_last),
@@ -989,6 +1076,14 @@ class Trainer:
         self.saver.check(directory, trial, self.optimizer, cfg.keep_checkpoints + int(best),
                          checkpoint_room.saves_ahead(cfg.epochs, start_epoch, 1 if best else cfg.checkpoint_every))
 
+    def _queue_meta(self, cursor: int) -> dict:
+        """A mid-epoch checkpoint's ``batch_queue`` after a membership change: the batches not trained yet, in
+        their queue's order (a resume plans over them; `BatchQueue.state_dict`); ``{}`` otherwise."""
+        if not cursor or self.queue is None or self.queue.is_whole:
+            return {}
+        n_batches = num_batches(self.data.train.n, self.cfg.step_samples, self.cfg.drop_last)
+        return {"batch_queue": BatchQueue(self.queue.batches[cursor - (n_batches - len(self.queue)):]).state_dict()}
+
     def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> CheckpointContents:
         """The checkpoint of this run now, from the gathered ``(arrays, attrs, epoch report or None)``
         of every rank; its cohort state is the outer optimizer's (the same on every rank), if it steps."""
@@ -1021,7 +1116,7 @@ class Trainer:
             epoch_reports=[report for _, _, report in ranks] if cursor else None,
             epoch_scalars=stopped.pop("epoch_scalars", None),
             epoch_intents=stopped.pop("epoch_intents", None),
-            extra={**stopped, **(self.best.meta() if self.best is not None else {})},
+            extra={**stopped, **(self.best.meta() if self.best is not None else {}), **self._queue_meta(cursor)},
             ranks={r: (arrays, attrs) for r, (arrays, attrs, _) in enumerate(ranks)},
             cohort=outer.state_dict() if outer is not None and outer.kind != "avg" else None,
         )

@@ -31,7 +31,7 @@ from mpi4py.util import pkl5
 from flodl_mpi.config import ON_NON_FINITE
 from flodl_mpi.protocol.control import ACK, NON_FINITE_LOSS, NON_FINITE_TENSORS, ROUND, ROUND_HEAD, Columns
 from flodl_mpi.protocol.divergence import TrendGuard, Verdict, triple_from_sums
-from flodl_mpi.errors import CohortError, NonFiniteError, RoundError
+from flodl_mpi.errors import CohortError, NonFiniteError, RankFailure, RoundError
 from flodl_mpi.outputs.metrics import WriterError
 from flodl_mpi.protocol.optimizer_state import OptimizerStateAverager
 from flodl_mpi.protocol.outer import OuterOptimizer
@@ -39,6 +39,7 @@ from flodl_mpi.policy.policies import FixedPolicy, Plan, Policy, RoundFacts
 from flodl_mpi.protocol.realized_work import is_realized, round_masses
 from flodl_mpi.outputs.recorder import recorder_for
 from flodl_mpi.runtime import hooks
+from flodl_mpi.runtime.elastic import is_rank_failure
 from flodl_mpi.transport.reduce import MAX_COUNT, Reducer, ReduceStats, WireOptions, control_gather
 from flodl_mpi.protocol.epoch_report import BATCH_COLUMNS, EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
 from flodl_mpi.protocol.round_profile import RunProfile
@@ -139,6 +140,10 @@ class Bridge:
             on every rank.
         pin_staging: allocate the staging in pinned host memory when CUDA
             is available (a rank whose model is on a GPU: asynchronous copies).
+        elastic: ``--on-rank-failure shrink`` (an MPI with ULFM): a call that fails
+            because a peer died or the communicator was revoked raises
+            :class:`~flodl_mpi.errors.RankFailure` (the survivors shrink), not
+            ``RoundError``, and does not arm the watchdog's exit.
 
     Non-finite values: each rank checks its own tensors (the pre-round sum of
     squares, a pass before the control gather) and is told whether its loss
@@ -192,6 +197,7 @@ class Bridge:
         policy: Policy | None = None,
         wire: WireOptions | None = None,
         pin_staging: bool = False,
+        elastic: bool = False,
     ) -> None:
         if on_non_finite not in ON_NON_FINITE:
             raise ValueError(f"on_non_finite must be one of {', '.join(ON_NON_FINITE)}, got {on_non_finite!r}")
@@ -201,6 +207,9 @@ class Bridge:
             raise ValueError(f"chunk_elems must be in [1, {MAX_COUNT}], got {chunk_elems!r}")
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.size
+        #: ``--on-rank-failure shrink``: a call that fails because a peer died raises `RankFailure`.
+        self.elastic = bool(elastic)
+        self._call_started = 0.0  # time.monotonic() of the training thread's last request
         self.gamma = float(gamma)
         self.anchor = int(anchor)
         self.on_non_finite = on_non_finite
@@ -384,6 +393,11 @@ class Bridge:
         self._ack[ACK.index("wait_ms")] = 1e3 * (time.perf_counter() - t0)
         return update
 
+    def record_membership(self, change, members) -> None:
+        """Rank 0: append ``change``'s ``membership`` row; later rows are keyed by ``members``' stable ids
+        (`flodl_mpi.outputs.recorder.Recorder.membership`). Call between rounds (no round in flight)."""
+        self._recorder.membership(change, members)
+
     def add_training_ms(self, part: str, ms: float) -> None:
         """Count ``ms`` of the training thread's own averaging work in the round's record.
 
@@ -466,8 +480,10 @@ class Bridge:
         if self._failed is not None:
             raise RoundError(f"rank {self.rank}: the bridge already failed in round {self._failed.round}")
         if self._threaded:
+            self._call_started = time.monotonic()
             self._requests.put(request)
         else:
+            self._call_started = time.monotonic()
             self._reply = self._serve_one(request)
         self._inflight = True
 
@@ -480,6 +496,9 @@ class Bridge:
             # appends on this thread too): the cause itself, not "the round failed".
             if isinstance(reply.error, (CohortError, WriterError)):
                 raise reply.error
+            if self.elastic and is_rank_failure(reply.error):
+                raise RankFailure(f"rank {self.rank}: a peer failed in round {reply.round} at stage '{reply.stage}': "
+                                  f"{reply.error}", reply.stage, reply.round, self._call_started) from reply.error
             raise RoundError(
                 f"rank {self.rank}: averaging round {reply.round} failed at stage "
                 f"'{reply.stage}': {type(reply.error).__name__}: {reply.error}"
@@ -537,7 +556,10 @@ class Bridge:
             return reply
         except BaseException as exc:  # crosses to the training thread as data
             if self._watchdog is not None:
-                self._watchdog.failed()
+                if self.elastic and is_rank_failure(exc):
+                    self._watchdog.round_finished()  # the survivors shrink: not an error this rank exits on
+                else:
+                    self._watchdog.failed()
             return _Failure(self.version, self._stage, exc)
 
     def _gather(self, row: np.ndarray) -> np.ndarray:

@@ -194,7 +194,7 @@ def _finals(dump: Path, W: int) -> list[dict]:
 def test_train_names_hosts_and_resumes_on_another_host_count(tmp_path):
     run = tmp_path / "run"
     with Cluster(host_names(2)) as cluster:
-        r = train(cluster, 2, run, "--epochs", "1", hooks=("--dump-final", str(tmp_path / "d1")))
+        r = train(cluster, 2, run, "--epochs", "1", hooks=("--dump-state", str(tmp_path / "d1")))
     assert r.returncode == 0, _text(r)
     with h5py.File(run / "metrics.h5", "r") as f:
         assert json.loads(f.attrs["hosts"]) == ["nodea", "nodea", "nodeb", "nodeb"]
@@ -206,7 +206,7 @@ def test_train_names_hosts_and_resumes_on_another_host_count(tmp_path):
     assert "node leaders' MPI Allreduce across nodes (2 nodes" in log
 
     with Cluster(host_names(3)) as cluster:
-        r = train(cluster, 1, run, "--epochs", "2", "--resume", hooks=("--dump-final", str(tmp_path / "d2")))
+        r = train(cluster, 1, run, "--epochs", "2", "--resume", hooks=("--dump-state", str(tmp_path / "d2")))
     assert r.returncode == 0, _text(r)
     log = (run / "train.log").read_text()
     assert "epoch 2/2" in log, log[-2000:]
