@@ -169,9 +169,9 @@ def test_terminal_gets_a_bar_through_mpiexec(tmp_path):
     asked of the launcher's terminal), which one rank has as two do."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    # Batches of 8 on 1 rank: an epoch of 180 rounds (1437 / 8) lasts well past the bar's 0.25 s redraw
-    # interval (at the default 32 an epoch can end within it), as batches of 4 on 2 ranks did.
-    rc, out = _train_in_pty(["--run-dir", str(tmp_path / "r"), "--epochs", "2", "--batch-size", "8"])
+    # Batches of 2 on 1 rank: an epoch of 719 rounds (1437 / 2) lasts well past the bar's 0.25 s redraw
+    # interval (at batch 8 a quiet machine ran its 180 rounds in 0.2 s, within it: no redraw).
+    rc, out = _train_in_pty(["--run-dir", str(tmp_path / "r"), "--epochs", "2", "--batch-size", "2"])
     assert rc == 0, out
     assert "\r" in out and "batch/s" in out and "rounds/s" in out and "loss " in out
     assert re.search(r"epoch 1/2: +\d+%", out), out          # the bar's description and percentage
