@@ -1092,9 +1092,8 @@ class Trainer:
 
     def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> CheckpointContents:
         """The checkpoint of this run now, from the gathered ``(arrays, attrs, epoch report or None)``
-        of every rank; its cohort state is the outer optimizer's (the same on every rank), if it steps."""
+        of every rank; its cohort state what every rank holds alike (:meth:`_cohort_state`)."""
         params, buffers, order = state_arrays(self.replica.model)
-        outer = self.bridge.outer
         stopped = self.task.stopped_epoch_meta() if cursor else {}  # the API's scalar books of the epoch so far
         return CheckpointContents(
             params=params, buffers=buffers, order=order,

@@ -32,10 +32,13 @@ def runs(tmp_path_factory):
     plan += [(("--stop-at-round", "8"), (*_args(w), "--run-dir", str(base / f"stopped-{w}"))) for w in WIRES]
     first = run_sequence(2, plan, base)
     stops = {w: read_checkpoint(latest_checkpoint(base / f"stopped-{w}" / "checkpoints")) for w in WIRES}
-    resumed = run_sequence(2, [((), (*_args(w), "--run-dir", str(base / f"stopped-{w}"), "--resume"))
-                               for w in WIRES], base)
-    return {w: (base / f"straight-{w}", first[i], base / f"stopped-{w}", first[len(WIRES) + i], stops[w], resumed[i])
-            for i, w in enumerate(WIRES)}
+    resumed = run_sequence(
+        2, [((), (*_args(w), "--run-dir", str(base / f"stopped-{w}"), "--resume")) for w in WIRES], base
+    )
+    return {
+        w: (base / f"straight-{w}", first[i], base / f"stopped-{w}", first[len(WIRES) + i], stops[w], resumed[i])
+        for i, w in enumerate(WIRES)
+    }
 
 
 @pytest.mark.parametrize("wire", WIRES)
