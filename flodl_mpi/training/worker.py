@@ -1074,8 +1074,14 @@ class Trainer:
 
         def trial() -> CheckpointContents:
             s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
-            return self._contents(s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))]
-                                  * self.world_size)
+            contents = self._contents(s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))]
+                                      * self.world_size)
+            wire = self.bridge.wire_state()
+            if wire is not None:  # the delta wire's reference, which the first round makes: in every later save
+                held, more = contents.cohort or ({}, wire[1])
+                sized = {f"wire_reference_{k.rsplit('/', 1)[1]}": e for k, e in wire[2].items()}  # its shape, dtype
+                contents.cohort = ({**held, **sized}, more)
+            return contents
 
         cfg = self.cfg
         best = cfg.keep_best is not None  # one more file (checkpoints/best/), and a save at any epoch may be one
