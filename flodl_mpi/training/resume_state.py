@@ -126,10 +126,10 @@ def restore_wire(contents: CheckpointContents, bridge, rank: int, world_size: in
         CheckpointError: the cohort state does not read back.
         ValueError: the state is for another quantisation or size.
     """
-    if bridge.wire_state() is None:
+    if bridge.wire_kind is None:
         return ""
     arrays, _ = contents.ranks[rank % contents.world_size]
-    wire = f"--wire {bridge.reducer.delta.kind}-delta"
+    wire = f"--wire {bridge.wire_kind}-delta"
     if not any(key.startswith("wire/error/") for key in arrays):
         bridge.load_wire_state(None, None, None)
         return (f"{wire}: the checkpoint holds no delta-wire state (an older flodl-mpi's or another --wire): the "

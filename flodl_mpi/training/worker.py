@@ -1044,7 +1044,7 @@ class Trainer:
         arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
         if self.scaler is not None:
             attrs["grad_scaler"] = self.scaler.state_dict()
-        wire = self.bridge.wire_state()
+        wire = self.bridge.wire_state(cohort=False)
         if wire is not None:  # the delta wire's error feedback: this rank's own (its reference is the cohort's)
             arrays.update(wire[2])
         return arrays, attrs
@@ -1076,7 +1076,7 @@ class Trainer:
             s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
             contents = self._contents(s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))]
                                       * self.world_size)
-            wire = self.bridge.wire_state()
+            wire = self.bridge.wire_state(cohort=False)
             if wire is not None:  # the delta wire's reference, which the first round makes: in every later save
                 held, more = contents.cohort or ({}, wire[1])
                 sized = {f"wire_reference_{k.rsplit('/', 1)[1]}": e for k, e in wire[2].items()}  # its shape, dtype
@@ -1135,7 +1135,7 @@ class Trainer:
     def _cohort_state(self) -> tuple[dict, dict] | None:
         """What every rank holds alike, saved once (``/cohort``): the outer optimizer's state when it steps,
         and the delta wire's reference (`flodl_mpi.transport.bridge.Bridge.wire_state`); None when neither."""
-        outer, wire = self.bridge.outer, self.bridge.wire_state()
+        outer, wire = self.bridge.outer, self.bridge.wire_state(mine=False)
         arrays, attrs = outer.state_dict() if outer is not None and outer.kind != "avg" else ({}, {})
         if wire is not None:
             arrays, attrs = {**arrays, **wire[0]}, {**attrs, **wire[1]}

@@ -444,26 +444,37 @@ class Bridge:
         """Continue a resumed run's clock from ``elapsed`` seconds."""
         self._t0 = time.monotonic() - float(elapsed)
 
-    def wire_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, np.ndarray]] | None:
+    @property
+    def wire_kind(self) -> str | None:
+        """The delta wire's quantisation (``"bf16"``, ``"int8"``: ``--wire <kind>-delta``), None on the other wires."""
+        d = self._p.reducer.delta
+        return None if d is None else d.kind
+
+    def wire_state(self, cohort: bool = True, mine: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any],
+                                                                           dict[str, np.ndarray]] | None:
         """The delta wire's state for a checkpoint (``--wire bf16-delta`` / ``int8-delta``), None on the other wires.
 
-        Returns ``(cohort arrays, cohort attrs, rank arrays)``: ``wire_reference_<plane>`` (float32, the
-        reference every rank holds alike: saved once, in ``/cohort``; absent before the plane's first round),
-        the attrs ``{"wire": {"kind": ..., "planes": [...]}}`` naming the planes with a reference, and this
-        rank's ``wire/error/<plane>`` (float32, its error feedback: saved per rank). ``<plane>``: ``params``
-        or ``buffers``. Call it between rounds (a checkpoint's: none in flight).
+        Returns ``(cohort arrays, cohort attrs, rank arrays)``, copies: ``wire_reference_<plane>`` (float32,
+        the reference every rank holds alike: saved once, in ``/cohort``; absent before the plane's first
+        round), the attrs ``{"wire": {"kind": ..., "planes": [...]}}`` naming the planes with a reference,
+        and this rank's ``wire/error/<plane>`` (float32, its error feedback: saved per rank). ``<plane>``:
+        ``params`` or ``buffers``. ``cohort`` / ``mine`` False: that part's arrays are not copied (empty).
+        Call it between rounds (a checkpoint's: none in flight).
         """
-        planes = [(name, plane.reducer.delta) for name, plane in (("params", self._p), ("buffers", self._b))]
-        planes = [(name, d) for name, d in planes if d is not None]
-        if not planes:
+        if self.wire_kind is None:
             return None
-        cohort, mine, held = {}, {}, []
-        for name, d in planes:
-            reference, error = d.state()
-            if reference is not None:
-                cohort[f"wire_reference_{name}"], held = reference, [*held, name]
-            mine[f"wire/error/{name}"] = error
-        return cohort, {"wire": {"kind": planes[0][1].kind, "planes": held}}, mine
+        shared, own, held = {}, {}, []
+        for name, plane in (("params", self._p), ("buffers", self._b)):
+            d = plane.reducer.delta
+            if d is None:
+                continue
+            if d.has_reference:
+                held.append(name)
+                if cohort:
+                    shared[f"wire_reference_{name}"] = d.reference.copy()
+            if mine:
+                own[f"wire/error/{name}"] = d.error.copy()
+        return shared, {"wire": {"kind": self.wire_kind, "planes": held}}, own
 
     def load_wire_state(self, cohort: dict[str, np.ndarray] | None, attrs: dict[str, Any] | None,
                         mine: dict[str, np.ndarray] | None) -> None:

@@ -89,14 +89,9 @@ class DeltaReduce:
         if self.has_reference:
             np.copyto(self.reference, staging)
 
-    def state(self) -> tuple[np.ndarray | None, np.ndarray]:
-        """``(reference, error)`` as copies for a checkpoint: float32 ``(layout.n,)`` each; the reference
-        None before the first round (the same on every rank), the error this rank's own."""
-        return (self.reference.copy() if self.has_reference else None), self.error.copy()
-
     def load_state(self, reference: np.ndarray | None, error: np.ndarray | None) -> None:
-        """Put back what :meth:`state` gave: the reference (the same on every rank; None: none yet, the next
-        round is the exact one) and this rank's error feedback (None: zeros, as a fresh rank's).
+        """Put back a saved ``reference`` (float32 ``(layout.n,)``, the same on every rank; None: none yet, the
+        next round is the exact one) and this rank's ``error`` feedback (None: zeros, as a fresh rank's).
 
         Raises:
             ValueError: an array that is not ``layout.n`` long.

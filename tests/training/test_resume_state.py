@@ -111,7 +111,7 @@ class _DeltaBridge:
 
     from flodl_mpi.transport.bridge import Bridge
 
-    wire_state, load_wire_state = Bridge.wire_state, Bridge.load_wire_state
+    wire_kind, wire_state, load_wire_state = Bridge.wire_kind, Bridge.wire_state, Bridge.load_wire_state
 
     def __init__(self, kind: str = "int8", n: int = 5):
         from types import SimpleNamespace
@@ -124,7 +124,6 @@ class _DeltaBridge:
                                                                              WireLayout(shapes), kind, None)))
 
         self._p, self._b = plane([(n,)]), plane([])
-        self.reducer = self._p.reducer
 
 
 def _delta_checkpoint(tmp_path, rng) -> tuple:
