@@ -21,10 +21,13 @@ File format (``SCHEMA_VERSION = 2``)::
                                  (optimizer state, RNG state); the group's attributes
                                  hold that rank's JSON-able state, as the root's do;
                                  a name component is escaped like a state-dict name
+                                 (a delta wire's error feedback: wire/error/<plane>)
     /cohort/prev, /cohort/velocity   optional: state every rank holds alike, once
                                  (the outer optimizer's previous global parameters
                                  and momentum, float32, flat); attributes: its kind,
-                                 lr, momentum, steps and size (`read_cohort_state`)
+                                 lr, momentum, steps and size (`read_cohort_state`);
+                                 /cohort/wire_reference_<plane> and the attribute
+                                 wire: a delta wire's reference (docs/file-formats.rst)
 
 Names: PyTorch allows any character in a state-dict name (``nn.ModuleDict({"conv1/7x7":
 ...})`` gives ``conv1/7x7.weight``), HDF5 does not: ``/`` separates groups, a name

@@ -42,7 +42,8 @@ extra             any other meta key, kept as read (written back as it was)
 
 Arrays: ``params``/``buffers``/``order`` (the consensus, `flodl_mpi.outputs.checkpoint`'s
 ``/params``, ``/buffers``), ``ranks`` (rank -> ``(arrays, attrs)``, each rank's own state,
-`flodl_mpi.training.rank_state.capture`) and ``cohort`` (the outer optimizer's state, or None).
+`flodl_mpi.training.rank_state.capture`, with a delta wire's error feedback) and ``cohort`` (the outer
+optimizer's state and a delta wire's reference, or None).
 
 Schema versions and compatibility (what an earlier writer left out, and how reading fills it):
 
@@ -60,6 +61,9 @@ Schema versions and compatibility (what an earlier writer left out, and how read
 - No ``epoch_complete``: complete. No ``cursor``: 0. ``metrics_rows`` without a table: 0 rows.
 - An own loop's epoch cut short without ``epoch_progress`` (an older Averager): the epoch restarts.
 - ``fit``'s stop mid-epoch without ``epoch_scalars``: that epoch's scalars restart.
+- A delta ``--wire`` run's checkpoint without ``wire/error/<plane>`` in ``/ranks/<r>`` (written before
+  the wire's state was kept): the wire starts afresh, its first round the exact one
+  (`flodl_mpi.training.resume_state.restore_wire`).
 
 No MPI, no torch: plain arrays and JSON values (reading needs only h5py).
 """
@@ -139,7 +143,8 @@ class CheckpointContents:
     run_record: dict[str, Any] | None = None
     #: rank -> ``(arrays, attrs)``; written as ``/ranks/0 .. /ranks/<n-1>``.
     ranks: dict[int, RankState] = field(default_factory=dict)
-    #: The outer optimizer's state ``(arrays, attrs)`` (the same on every rank), or None.
+    #: What every rank holds alike ``(arrays, attrs)``: the outer optimizer's state and a delta wire's
+    #: reference (`flodl_mpi.transport.bridge.Bridge.wire_state`), or None.
     cohort: RankState | None = None
     #: Meta keys of no field here (kept as read, written back).
     extra: dict[str, Any] = field(default_factory=dict)

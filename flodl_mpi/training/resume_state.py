@@ -3,13 +3,16 @@
 Invariant: the CLI's and ``fit``'s `flodl_mpi.training.worker.Trainer` and the own loop's
 ``Averager`` restore a rank from a `flodl_mpi.outputs.checkpoint_contents.CheckpointContents`
 here and only here: its own state (`restore_rank`: optimizer, step count, integer buffers,
-RNG) and the cohort's counters its bridge keeps (`restore_bridge`: round, policy or guard,
-outer optimizer, clock). The consensus parameters are loaded before, on every rank alike
+RNG), the cohort's counters its bridge keeps (`restore_bridge`: round, policy or guard,
+outer optimizer, clock) and a delta ``--wire``'s state (`restore_wire`: the reference, the
+rank's error feedback). The consensus parameters are loaded before, on every rank alike
 (`flodl_mpi.training.train.resume_point`). What a front end does with the epoch it resumes
 in (a cut-short epoch's reports, its loop's place) stays the front end's.
 
 Another world size (W_old -> W): new rank r takes the state of old rank ``r mod W_old`` (so
-rank r < W_old keeps its own); its RNG is not restored (old streams cannot be split or merged).
+rank r < W_old keeps its own); its RNG is not restored (old streams cannot be split or merged),
+and a delta wire's error feedback starts at zero (the residuals of W_old ranks do not map onto
+W ranks; the reference, the same on every rank, is restored).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
 from flodl_mpi.training import rank_state
 
-__all__ = ["RestoredRank", "restore_rank", "restore_bridge"]
+__all__ = ["RestoredRank", "restore_rank", "restore_bridge", "restore_wire"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +101,44 @@ def restore_bridge(contents: CheckpointContents, bridge) -> None:
     if outer is not None and outer.kind != "avg":
         outer.load_state_dict(*contents.cohort_state())
     bridge.resume_clock(contents.elapsed_s)
+
+
+def restore_wire(contents: CheckpointContents, bridge, rank: int, world_size: int) -> str:
+    """Put a delta ``--wire``'s state back into ``bridge`` (`flodl_mpi.transport.bridge.Bridge.load_wire_state`).
+
+    The same world size: the reference (``/cohort``, the same on every rank) and this rank's error
+    feedback (``wire/error/<plane>`` in its ``/ranks/<r>``), so the run goes on bit for bit as if never
+    stopped. Another world size: the reference, error feedback zero (the old ranks' residuals do not
+    map one to one onto the new ranks; what they held, at most one quantisation step per value and
+    rank, is not sent). A checkpoint without the state (written by an older flodl-mpi or another
+    ``--wire``): nothing is restored and the first round is the exact float64 Allreduce, as a fresh
+    run's. Every rank decides alike (from the one file and the world sizes).
+
+    Args:
+        contents: the checkpoint; ``contents.ranks`` holds the state of old rank ``rank mod W_old``.
+        bridge: the run's bridge.
+        rank, world_size: this rank in this run.
+
+    Returns:
+        One line for train.log saying what came back; "" on the other wires.
+
+    Raises:
+        CheckpointError: the cohort state does not read back.
+        ValueError: the state is for another quantisation or size.
+    """
+    if bridge.wire_kind is None:
+        return ""
+    arrays, _ = contents.ranks[rank % contents.world_size]
+    wire = f"--wire {bridge.wire_kind}-delta"
+    if not any(key.startswith("wire/error/") for key in arrays):
+        bridge.load_wire_state(None, None, None)
+        return (f"{wire}: the checkpoint holds no delta-wire state (an older flodl-mpi's or another --wire): the "
+                "first round after the resume is the exact float64 Allreduce, so the run is not bit-identical "
+                "to an uninterrupted one")
+    cohort, attrs = contents.cohort_state()
+    same = contents.world_size == world_size
+    bridge.load_wire_state(cohort, attrs, arrays if same else None)
+    if same:
+        return f"{wire}: the reference and each rank's error feedback restored from the checkpoint"
+    return (f"{wire}: world size {contents.world_size} -> {world_size}: the reference restored, each rank's error "
+            "feedback started at zero (the old ranks' residuals do not map onto the new ranks)")

@@ -417,6 +417,8 @@ class TrainerFront(FrontEnd):
                      f"{trainer.start_cursor} batch(es) into the next, round {run.bridge.version}")
             if trainer.remapped:
                 log.info(trainer.remapped)
+            if trainer.wire_resumed:
+                log.info(trainer.wire_resumed)
 
     def ready(self, run: RankRun) -> None:
         from flodl_mpi.training.train import log_header

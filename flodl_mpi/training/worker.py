@@ -567,6 +567,8 @@ class Trainer:
         self.made_progress = lambda what: None  # called after each batch (train.py: the stall watchdog's)
         #: After a resume at another world size: one line saying what was remapped.
         self.remapped = ""
+        #: After a resume with a delta ``--wire``: one line saying what its state came back as.
+        self.wire_resumed = ""
         #: ``--on-rank-failure shrink``: ``recover(trainer, failure, window)`` (`flodl_mpi.training.recovery`)
         #: shrinks the world after a peer died in a round; None: a death ends the job (``stop``).
         self.elastic = None
@@ -618,6 +620,7 @@ class Trainer:
             if "momentum" in group:
                 group["momentum"] = self.cfg.momentum
         resume_state.restore_bridge(ckpt, self.bridge)  # round, policy (or guard), outer optimizer, clock
+        self.wire_resumed = resume_state.restore_wire(ckpt, self.bridge, self.rank, self.world_size)
         self.plan = self.bridge.policy.plan()
         self.rounds_started = self.bridge.version  # no round in flight at a checkpoint
         self.start_epoch, self.start_cursor = ckpt.epoch, ckpt.cursor
@@ -1041,6 +1044,9 @@ class Trainer:
         arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.replica.model)
         if self.scaler is not None:
             attrs["grad_scaler"] = self.scaler.state_dict()
+        wire = self.bridge.wire_state(cohort=False)
+        if wire is not None:  # the delta wire's error feedback: this rank's own (its reference is the cohort's)
+            arrays.update(wire[2])
         return arrays, attrs
 
     def check_saveable(self, directory, start_epoch: int = 0) -> None:
@@ -1068,8 +1074,14 @@ class Trainer:
 
         def trial() -> CheckpointContents:
             s = aggregate_epoch(np.zeros((self.world_size, len(EPOCH_FIELDS))), -1, 0)
-            return self._contents(s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))]
-                                  * self.world_size)
+            contents = self._contents(s, "checkpoint", 1, [(arrays, attrs, dataclasses.asdict(EpochReport()))]
+                                      * self.world_size)
+            wire = self.bridge.wire_state(cohort=False)
+            if wire is not None:  # the delta wire's reference, which the first round makes: in every later save
+                held, more = contents.cohort or ({}, wire[1])
+                sized = {f"wire_reference_{k.rsplit('/', 1)[1]}": e for k, e in wire[2].items()}  # its shape, dtype
+                contents.cohort = ({**held, **sized}, more)
+            return contents
 
         cfg = self.cfg
         best = cfg.keep_best is not None  # one more file (checkpoints/best/), and a save at any epoch may be one
@@ -1086,9 +1098,8 @@ class Trainer:
 
     def _contents(self, s: EpochSummary, reason: str, cursor: int, ranks: list) -> CheckpointContents:
         """The checkpoint of this run now, from the gathered ``(arrays, attrs, epoch report or None)``
-        of every rank; its cohort state is the outer optimizer's (the same on every rank), if it steps."""
+        of every rank; its cohort state what every rank holds alike (:meth:`_cohort_state`)."""
         params, buffers, order = state_arrays(self.replica.model)
-        outer = self.bridge.outer
         stopped = self.task.stopped_epoch_meta() if cursor else {}  # the API's scalar books of the epoch so far
         return CheckpointContents(
             params=params, buffers=buffers, order=order,
@@ -1118,5 +1129,14 @@ class Trainer:
             epoch_intents=stopped.pop("epoch_intents", None),
             extra={**stopped, **(self.best.meta() if self.best is not None else {}), **self._queue_meta(cursor)},
             ranks={r: (arrays, attrs) for r, (arrays, attrs, _) in enumerate(ranks)},
-            cohort=outer.state_dict() if outer is not None and outer.kind != "avg" else None,
+            cohort=self._cohort_state(),
         )
+
+    def _cohort_state(self) -> tuple[dict, dict] | None:
+        """What every rank holds alike, saved once (``/cohort``): the outer optimizer's state when it steps,
+        and the delta wire's reference (`flodl_mpi.transport.bridge.Bridge.wire_state`); None when neither."""
+        outer, wire = self.bridge.outer, self.bridge.wire_state(mine=False)
+        arrays, attrs = outer.state_dict() if outer is not None and outer.kind != "avg" else ({}, {})
+        if wire is not None:
+            arrays, attrs = {**arrays, **wire[0]}, {**attrs, **wire[1]}
+        return (arrays, attrs) if arrays or attrs else None

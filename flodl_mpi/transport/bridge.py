@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -442,6 +443,60 @@ class Bridge:
     def resume_clock(self, elapsed: float) -> None:
         """Continue a resumed run's clock from ``elapsed`` seconds."""
         self._t0 = time.monotonic() - float(elapsed)
+
+    @property
+    def wire_kind(self) -> str | None:
+        """The delta wire's quantisation (``"bf16"``, ``"int8"``: ``--wire <kind>-delta``), None on the other wires."""
+        d = self._p.reducer.delta
+        return None if d is None else d.kind
+
+    def wire_state(self, cohort: bool = True, mine: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any],
+                                                                           dict[str, np.ndarray]] | None:
+        """The delta wire's state for a checkpoint (``--wire bf16-delta`` / ``int8-delta``), None on the other wires.
+
+        Returns ``(cohort arrays, cohort attrs, rank arrays)``, copies: ``wire_reference_<plane>`` (float32,
+        the reference every rank holds alike: saved once, in ``/cohort``; absent before the plane's first
+        round), the attrs ``{"wire": {"kind": ..., "planes": [...]}}`` naming the planes with a reference,
+        and this rank's ``wire/error/<plane>`` (float32, its error feedback: saved per rank). ``<plane>``:
+        ``params`` or ``buffers``. ``cohort`` / ``mine`` False: that part's arrays are not copied (empty).
+        Call it between rounds (a checkpoint's: none in flight).
+        """
+        if self.wire_kind is None:
+            return None
+        shared, own, held = {}, {}, []
+        for name, plane in (("params", self._p), ("buffers", self._b)):
+            d = plane.reducer.delta
+            if d is None:
+                continue
+            if d.has_reference:
+                held.append(name)
+                if cohort:
+                    shared[f"wire_reference_{name}"] = d.reference.copy()
+            if mine:
+                own[f"wire/error/{name}"] = d.error.copy()
+        return shared, {"wire": {"kind": self.wire_kind, "planes": held}}, own
+
+    def load_wire_state(self, cohort: dict[str, np.ndarray] | None, attrs: dict[str, Any] | None,
+                        mine: dict[str, np.ndarray] | None) -> None:
+        """Put back what :meth:`wire_state` gave (the same ``cohort`` on every rank; ``mine`` this rank's own, None:
+        the error feedback starts at zero); no-op on the other wires.
+
+        Planes whose reference was not saved start with the exact first round, as a fresh run's.
+
+        Raises:
+            ValueError: saved for another quantisation (``--wire`` differs), or arrays of another size.
+        """
+        saved = dict((attrs or {}).get("wire") or {})
+        for name, plane in (("params", self._p), ("buffers", self._b)):
+            d = plane.reducer.delta
+            if d is None:
+                continue
+            if saved.get("kind", d.kind) != d.kind:
+                raise ValueError(f"the delta-wire state is for --wire {saved['kind']}-delta, the run uses "
+                                 f"--wire {d.kind}-delta")
+            held = name in saved.get("planes", ())
+            d.load_state(np.asarray(cohort[f"wire_reference_{name}"]) if held else None,
+                         None if mine is None or not held else mine.get(f"wire/error/{name}"))
 
     def gather_to_root(self, obj):
         """Gather one object per rank to rank 0 (a list there, None elsewhere).

@@ -17,7 +17,8 @@ quantisation step, the remainder held in each rank's error feedback and sent nex
 
 The first round has no reference: it runs the exact float64 Allreduce
 (:func:`~flodl_mpi.transport.reduce.sumcount_reduce`'s path) and takes its consensus as ``c``
-(so does the first round after a resume). A rank of mass 0 (idle, quarantined) sends
+(so does the first round after a resume from a checkpoint that holds no wire state:
+:meth:`DeltaReduce.load_state` puts a saved reference and error feedback back). A rank of mass 0 (idle, quarantined) sends
 zeros and keeps its error feedback.
 
 MPI has no SUM for bfloat16 or a shared int8 grid, so the pieces are Allgathered (as
@@ -87,6 +88,20 @@ class DeltaReduce:
         """Take ``staging`` (the same on every rank: the outer optimizer's step on the consensus) as the reference."""
         if self.has_reference:
             np.copyto(self.reference, staging)
+
+    def load_state(self, reference: np.ndarray | None, error: np.ndarray | None) -> None:
+        """Put back a saved ``reference`` (float32 ``(layout.n,)``, the same on every rank; None: none yet, the
+        next round is the exact one) and this rank's ``error`` feedback (None: zeros, as a fresh rank's).
+
+        Raises:
+            ValueError: an array that is not ``layout.n`` long.
+        """
+        for name, arr in (("reference", reference), ("error feedback", error)):
+            if arr is not None and np.shape(arr) != (self.layout.n,):
+                raise ValueError(f"saved delta-wire {name} has shape {np.shape(arr)}, expected ({self.layout.n},)")
+        self.has_reference = reference is not None
+        np.copyto(self.reference, 0.0 if reference is None else np.asarray(reference, np.float32))
+        np.copyto(self.error, 0.0 if error is None else np.asarray(error, np.float32))
 
     def reduce(self, staging: np.ndarray, mass: float, stats, unpack) -> None:
         """One round into ``staging`` and ``stats`` (:class:`~flodl_mpi.transport.reduce.ReduceStats`).

@@ -465,6 +465,12 @@ class Reducer:
             self._delta.rebase(staging)
 
     @property
+    def delta(self) -> DeltaReduce | None:
+        """The delta wire's round (its reference and error feedback: :meth:`DeltaReduce.state`), or None on the
+        other paths (the same on every rank)."""
+        return self._delta if self.path.endswith("-delta") else None
+
+    @property
     def node_gather(self):
         """The node's shared-memory Allgather of small float64 rows on the in-place path
         (:class:`~flodl_mpi.transport.shm_gather.ShmGather`, collective over ``comm``: the same ranks), else None

@@ -104,3 +104,70 @@ def test_the_bridge_takes_the_round_the_clock_and_its_policys_state_or_the_guard
     contents.policy = None  # written before the policies kept state (the Averager's before this version)
     restore_bridge(contents, same := _Bridge("cadence"))
     assert (same.policy.loaded, same.guard.loaded) == (None, {"g": 1})
+
+
+class _DeltaBridge:
+    """The wire-state half of a `Bridge` over real `DeltaReduce` planes (no round runs: no MPI call)."""
+
+    from flodl_mpi.transport.bridge import Bridge
+
+    wire_kind, wire_state, load_wire_state = Bridge.wire_kind, Bridge.wire_state, Bridge.load_wire_state
+
+    def __init__(self, kind: str = "int8", n: int = 5):
+        from types import SimpleNamespace
+
+        from flodl_mpi.protocol.wire import WireLayout
+        from flodl_mpi.transport.delta_reduce import DeltaReduce
+
+        def plane(shapes):
+            return SimpleNamespace(reducer=SimpleNamespace(delta=DeltaReduce(SimpleNamespace(size=2),
+                                                                             WireLayout(shapes), kind, None)))
+
+        self._p, self._b = plane([(n,)]), plane([])
+
+
+def _delta_checkpoint(tmp_path, rng) -> tuple:
+    """A 2-rank checkpoint of a delta wire after some rounds: the planes' reference and each rank's error."""
+    reference = rng.standard_normal(5).astype(np.float32)
+    errors = [rng.standard_normal(5).astype(np.float32) * 1e-3 for _ in (0, 1)]
+    ranks = {}
+    for r in (0, 1):
+        b = _DeltaBridge()
+        b._p.reducer.delta.load_state(reference, errors[r])
+        cohort, attrs, mine = b.wire_state()
+        ranks[r] = (mine, {"global_step": 3})
+    contents = _contents(ranks)
+    contents.cohort = (cohort, attrs)
+    return read_contents(contents.write(tmp_path / "c.h5"), ranks=[0, 1]), reference, errors
+
+
+def test_a_delta_wire_takes_its_reference_and_error_feedback_back(tmp_path):
+    """Same world size: the reference (saved once) and rank r's own error feedback, bit for bit; another world
+    size: the reference, error feedback zero; a checkpoint without the state: none, the exact first round."""
+    from flodl_mpi.training.resume_state import restore_wire
+
+    contents, reference, errors = _delta_checkpoint(tmp_path, np.random.default_rng(3))
+    assert set(contents.cohort_state()[0]) == {"wire_reference_params"}  # the buffers plane is empty: no round
+    for r in (0, 1):
+        b = _DeltaBridge()
+        line = restore_wire(contents, b, r, 2)
+        d = b._p.reducer.delta
+        assert d.has_reference and d.reference.tobytes() == reference.tobytes()
+        assert d.error.tobytes() == errors[r].tobytes()
+        assert line == "--wire int8-delta: the reference and each rank's error feedback restored from the checkpoint"
+        assert not b._b.reducer.delta.has_reference  # a plane without a saved reference: the exact first round
+    b = _DeltaBridge()
+    line = restore_wire(contents, b, 2, 3)
+    d = b._p.reducer.delta
+    assert d.has_reference and d.reference.tobytes() == reference.tobytes() and not np.any(d.error)
+    assert line == ("--wire int8-delta: world size 2 -> 3: the reference restored, each rank's error feedback started "
+                    "at zero (the old ranks' residuals do not map onto the new ranks)")
+    old = _contents({0: ({}, {}), 1: ({}, {})})  # an older flodl-mpi's (or another --wire's): no wire state
+    b = _DeltaBridge()
+    b._p.reducer.delta.load_state(reference, errors[0])  # whatever it held is dropped
+    assert "the first round after the resume is the exact float64 Allreduce" in restore_wire(old, b, 0, 2)
+    assert not b._p.reducer.delta.has_reference and not np.any(b._p.reducer.delta.error)
+    with pytest.raises(ValueError, match="for --wire int8-delta, the run uses --wire bf16-delta"):
+        restore_wire(contents, _DeltaBridge("bf16"), 0, 2)
+    with pytest.raises(ValueError, match=r"reference has shape \(5,\), expected \(6,\)"):
+        restore_wire(contents, _DeltaBridge(n=6), 0, 2)
