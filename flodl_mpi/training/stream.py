@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import h5py
 import numpy as np
 
-__all__ = ["READ_AHEAD", "H5Rows", "float32_bytes", "memory_available"]
+__all__ = ["READ_AHEAD", "H5Rows", "float32_bytes", "memory_available", "row_index"]
 
 #: Batches the read-ahead thread holds read before the training thread takes them, at most.
 READ_AHEAD = 8
@@ -43,6 +43,22 @@ def float32_bytes(shape: Sequence[int]) -> int:
 
 class _Done:
     pass
+
+
+def row_index(key, n: int, owner: str, unit: str) -> np.ndarray:
+    """``key`` (a 1-D integer index array, negative counting from the end) as int64 positions in ``[0, n)``.
+
+    Raises:
+        TypeError: not a 1-D integer array (``owner`` names the reader that was indexed).
+        IndexError: a position outside ``[-n, n)`` (``unit``: "row", "item").
+    """
+    idx = np.asarray(key)
+    if idx.dtype.kind not in "iu" or idx.ndim != 1:
+        raise TypeError(f"{owner} takes a slice or a 1-D integer index array, got {idx.dtype} {idx.shape}")
+    idx = idx.astype(np.int64, copy=False)
+    if len(idx) and (idx.min() < -n or idx.max() >= n):
+        raise IndexError(f"{unit} index out of range for {n} {unit}s")
+    return np.where(idx < 0, idx + n, idx)
 
 
 class H5Rows:
@@ -138,13 +154,7 @@ class H5Rows:
             with self._lock:
                 self._read_into(raw, start, stop)
             return self._float32(raw, np.arange(start, stop, dtype=np.int64))
-        idx = np.asarray(key)
-        if idx.dtype.kind not in "iu" or idx.ndim != 1:
-            raise TypeError(f"H5Rows takes a slice or a 1-D integer index array, got {idx.dtype} {idx.shape}")
-        idx = idx.astype(np.int64, copy=False)
-        if len(idx) and (idx.min() < -self.shape[0] or idx.max() >= self.shape[0]):
-            raise IndexError(f"row index out of range for {self.shape[0]} rows")
-        idx = np.where(idx < 0, idx + self.shape[0], idx)
+        idx = row_index(key, self.shape[0], "H5Rows", "row")
         if self._pending and np.array_equal(self._pending[0], idx):
             self._pending.pop(0)
             got = self._queue.get()

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from flodl_mpi.training.stream import row_index
+
 __all__ = ["DatasetRows", "dataset_labels", "is_map_dataset"]
 
 
@@ -163,13 +165,7 @@ class DatasetRows:
     def __getitem__(self, key) -> np.ndarray:
         if isinstance(key, slice):
             return self._read(np.arange(*key.indices(self.shape[0]), dtype=np.int64))
-        idx = np.asarray(key)
-        if idx.dtype.kind not in "iu" or idx.ndim != 1:
-            raise TypeError(f"DatasetRows takes a slice or a 1-D integer index array, got {idx.dtype} {idx.shape}")
-        idx = idx.astype(np.int64, copy=False)
-        if len(idx) and (idx.min() < -self.shape[0] or idx.max() >= self.shape[0]):
-            raise IndexError(f"item index out of range for {self.shape[0]} items")
-        idx = np.where(idx < 0, idx + self.shape[0], idx)
+        idx = row_index(key, self.shape[0], "DatasetRows", "item")
         if self._pending and np.array_equal(self._pending[0], idx):
             if self._left == 0:  # the next pass: its batches were handed over together
                 self._start(self._chunks.popleft())
