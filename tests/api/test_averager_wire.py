@@ -81,7 +81,9 @@ def test_int8_delta_consensus_and_its_state_through_resume():
             np.testing.assert_allclose(params(m), c, rtol=0, atol=1e-7)
         avg.end_epoch()  # checkpoint: the reference (cohort) and each rank's error feedback
         saved = avg.bridge.wire_state()
+    assert np.abs(errors[rank]).max() > 1e-6  # the feedback is not zero: its restore is tested
     np.testing.assert_allclose(saved[2]["wire/error/params"], errors[rank], rtol=0, atol=1e-7)
+    np.testing.assert_allclose(saved[0]["wire_reference_params"], c, rtol=0, atol=1e-7)  # the last consensus
     m2 = nn.Linear(8, 3)
     with flodl_mpi.Averager(m2, run_dir=run_dir, wire="int8-delta", resume=True) as avg:
         back = avg.bridge.wire_state()
