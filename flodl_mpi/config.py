@@ -536,7 +536,7 @@ def check_int(value: Any, name: str, minimum: int) -> int:
 def own_loop_config(*, model: str, optimizer: str, policy: Any, window: Any, gamma: Any, run_dir: Any,
                     checkpoint_every: Any, keep_checkpoints: Any, stall_timeout: Any, on_non_finite: Any,
                     chunk_elems: Any, resume: Any, node_reduce: Any = "auto", hierarchical: Any = "auto",
-                    bf16_wire: Any = False, pin_staging: Any = None) -> TrainConfig:
+                    bf16_wire: Any = False, wire: Any = None, pin_staging: Any = None) -> TrainConfig:
     """The ``flodl_mpi.Averager``'s arguments as a :class:`TrainConfig`, checked in the keywords' words.
 
     Args:
@@ -544,8 +544,9 @@ def own_loop_config(*, model: str, optimizer: str, policy: Any, window: Any, gam
             name, or the default).
         policy: one of `own_loop_policies` (the registry's entries with ``own_loop``); window:
             ``step()`` calls between rounds.
-        node_reduce, hierarchical, bf16_wire: how a round's frames travel, as the CLI's
-            ``--node-reduce``, ``--hierarchical``, ``--bf16-wire``.
+        node_reduce, hierarchical, bf16_wire, wire: how a round's frames travel, as the CLI's
+            ``--node-reduce``, ``--hierarchical``, ``--bf16-wire``, ``--wire`` (one of `WIRES`, or None:
+            fp32, or bf16 with ``bf16_wire``; the config refuses the combinations the CLI does).
         pin_staging: True, False or None (pinned when the model is on CUDA); checked here,
             not a config field.
         others: as :class:`TrainConfig`'s fields.
@@ -584,6 +585,8 @@ def own_loop_config(*, model: str, optimizer: str, policy: Any, window: Any, gam
         raise ValueError(f"hierarchical must be one of {', '.join(HIERARCHICAL)}, got {hierarchical!r}")
     if not isinstance(bf16_wire, bool):
         raise TypeError(f"bf16_wire must be True or False, got {type(bf16_wire).__name__} {bf16_wire!r}")
+    if wire is not None and wire not in WIRES:
+        raise ValueError(f"wire must be one of {', '.join(WIRES)} or None, got {wire!r}")
     if pin_staging is not None and not isinstance(pin_staging, bool):
         raise TypeError("pin_staging must be True, False or None (pinned for a model on CUDA), got "
                         f"{type(pin_staging).__name__} {pin_staging!r}")
@@ -595,7 +598,8 @@ def own_loop_config(*, model: str, optimizer: str, policy: Any, window: Any, gam
                        run_dir=None if run_dir is None else str(run_dir), checkpoint_every=checkpoint_every,
                        keep_checkpoints=keep_checkpoints, stall_timeout=float(stall_timeout),
                        on_non_finite=on_non_finite, chunk_elems=chunk_elems, optimizer=optimizer, resume=resume,
-                       node_reduce=node_reduce, hierarchical=hierarchical, bf16_wire=bf16_wire)
+                       node_reduce=node_reduce, hierarchical=hierarchical, bf16_wire=bf16_wire,
+                       wire=wire)
 
 
 def check_fit_arguments(*, train_step: Any, eval_fn: Any, lr_schedule: Any, eval_every: Any, optimizer: Any,

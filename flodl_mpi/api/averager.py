@@ -115,6 +115,13 @@ class Averager:
             ``--node-reduce`` (``"auto"``, ``"shm"``, ``"mpi"``), ``--hierarchical`` (``"auto"``,
             ``"on"``, ``"off"``) and ``--bf16-wire`` (params and float buffers as bfloat16 on the
             wire; SPEC §7); train.log's averaging path and metrics.h5's config record them.
+        wire: what a round's frames carry, as ``flodl-mpi train --wire`` (`flodl_mpi.config.WIRES`):
+            ``"fp32"``, ``"bf16"`` (``bf16_wire=True``'s alias), ``"bf16-delta"`` or ``"int8-delta"``
+            (each rank's change since the last consensus, quantised, with error feedback: one Allgather
+            over the world); None (default): fp32, or bf16 with ``bf16_wire``. Refused (``InputError``):
+            ``bf16_wire=True`` with another wire, and a delta wire with ``node_reduce="shm"`` or
+            ``hierarchical="on"``. A delta wire's reference and each rank's error feedback are saved in
+            the checkpoints and restored by ``resume`` (the same world size: bit for bit).
         pin_staging: the bridge's staging in pinned (page-locked) host memory, for a model on
             CUDA; None (default): pinned when the model is on CUDA, as the CLI's.
         broadcast: start every rank from rank 0's parameters and buffers (default True).
@@ -174,7 +181,7 @@ class Averager:
                  checkpoint_every: int = 1, keep_checkpoints: int = 3, stall_timeout: float = 600.0,
                  on_non_finite: str = "quarantine", chunk_elems: int = 1 << 18, broadcast: bool = True,
                  resume: bool | str = False, node_reduce: str = "auto", hierarchical: str = "auto",
-                 bf16_wire: bool = False, pin_staging: bool | None = None, **options) -> None:
+                 bf16_wire: bool = False, wire: str | None = None, pin_staging: bool | None = None, **options) -> None:
         # -- validate every argument (STYLE 13), agreed by every rank: bad input is one
         # line from rank 0 and exit status 2, as the CLI's (flodl_mpi.errors.InputError)
         def validate() -> TrainConfig:
@@ -203,7 +210,7 @@ class Averager:
                                        keep_checkpoints=keep_checkpoints, stall_timeout=stall_timeout,
                                        on_non_finite=on_non_finite, chunk_elems=chunk_elems, resume=resume,
                                        node_reduce=node_reduce, hierarchical=hierarchical, bf16_wire=bf16_wire,
-                                       pin_staging=pin_staging)
+                                       wire=wire, pin_staging=pin_staging)
             except TypeError as exc:  # the wrong kind is bad input too (agree: ValueError is input)
                 raise ValueError(str(exc)) from None
 
@@ -320,6 +327,7 @@ class Averager:
         self.global_step = resume_state.restore_rank(ckpt, self.rank, self.world_size, self.optimizer,
                                                      self.model).global_step
         resume_state.restore_bridge(ckpt, self.bridge)  # round, policy (or guard), clock
+        self._wire_resumed = resume_state.restore_wire(ckpt, self.bridge, self.rank, self.world_size)
         self._saved_version = ckpt.round
         self.epoch = ckpt.epoch
         if ckpt.epoch_complete:
@@ -381,6 +389,8 @@ class Averager:
                      f"and integer buffers of old rank r mod {old_size}, its RNG not restored: the run is not the "
                      "uninterrupted one")
         self._say(line)
+        if self._wire_resumed:  # a delta wire: what of its state came back (the CLI's line)
+            self._say(self._wire_resumed)
 
     def _count_step(self, optimizer, args, kwargs) -> None:
         self._hooked += 1
@@ -722,14 +732,33 @@ class Averager:
         from flodl_mpi.training import rank_state
 
         if self.optimizer is not None:
-            return rank_state.capture(self.optimizer, self.global_step, self.model)
-        ints = {f"int_buffers/{k}": v for k, v in rank_state.integer_buffers(self.model).items()}
-        return ({"rng/torch": torch.get_rng_state().numpy().copy(), **ints}, {"global_step": int(self.global_step)})
+            arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.model)
+        else:
+            ints = {f"int_buffers/{k}": v for k, v in rank_state.integer_buffers(self.model).items()}
+            arrays, attrs = ({"rng/torch": torch.get_rng_state().numpy().copy(), **ints},
+                             {"global_step": int(self.global_step)})
+        wire = self.bridge.wire_state(cohort=False)
+        if wire is not None:  # the delta wire's error feedback: this rank's own (its reference is the cohort's)
+            arrays.update(wire[2])
+        return arrays, attrs
+
+    def _cohort_state(self, sized: bool = False):
+        """The delta wire's reference (``/cohort``, the same on every rank), None on the other wires; ``sized``:
+        with a zero array of the reference's shape and dtype per plane, for the save check before round 1."""
+        wire = self.bridge.wire_state(mine=False)
+        if wire is None:
+            return None
+        arrays, attrs = wire[0], wire[1]
+        if sized:  # the reference the first round makes: in every later save
+            mine = self.bridge.wire_state(cohort=False)[2]
+            arrays = {**{f"wire_reference_{k.rsplit('/', 1)[1]}": e for k, e in mine.items()}, **arrays}
+        return arrays, attrs
 
     def _contents(self, summary, reason: str, ranks: list, complete: bool = True,
-                  progress: list | None = None):
+                  progress: list | None = None, sized: bool = False):
         """The checkpoint of this run now (`flodl_mpi.outputs.checkpoint_contents.CheckpointContents`), from
-        every rank's ``(arrays, attrs)``; ``progress``: every rank's part of a cut-short epoch."""
+        every rank's ``(arrays, attrs)``; ``progress``: every rank's part of a cut-short epoch; ``sized``: the
+        save check's (`_cohort_state`)."""
         from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
         from flodl_mpi.training.model_record import model_record
         from flodl_mpi.training.worker import state_arrays
@@ -757,6 +786,7 @@ class Averager:
             epoch_progress={"step": self._epoch_calls, "ranks": progress} if not complete and progress is not None
             else None,
             ranks=dict(enumerate(ranks)),
+            cohort=self._cohort_state(sized=sized),
         )
 
     def _check_saveable(self) -> None:
@@ -764,7 +794,8 @@ class Averager:
         checkpoint of the initial state; room for one checkpoint (how many an own loop saves is not known)."""
         state = self._rank_state()
         self._saver.check(self.run_dir / "checkpoints", lambda: self._contents(None, "checkpoint",
-                                                                               [state] * self.world_size),
+                                                                               [state] * self.world_size,
+                                                                               sized=True),
                           self.optimizer, self.cfg.keep_checkpoints, saves=1)
 
     def _save(self, summary, reason: str, complete: bool = True) -> str | None:

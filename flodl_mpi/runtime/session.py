@@ -303,7 +303,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     return {"policy": policy_names(), "optimizer": c.OPTIMIZERS, "device": c.DEVICES, "on_non_finite": c.ON_NON_FINITE,
             "outer": c.OUTERS, "node_reduce": c.NODE_REDUCES, "hierarchical": c.HIERARCHICAL,
             "average_optimizer_state": c.AVERAGE_OPTIMIZER_STATE, "async_adopt": c.ASYNC_ADOPTS,
-            "resume": (c.RESUME_AUTO,)}  # --resume auto: resume='auto' (a plain --resume: resume=True)
+            "wire": c.WIRES, "resume": (c.RESUME_AUTO,)}  # --resume auto: resume='auto' (a plain --resume: resume=True)
 
 
 def _api_word(match) -> str:
