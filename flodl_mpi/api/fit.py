@@ -635,7 +635,7 @@ def fit(model: Callable[..., nn.Module] | nn.Module | None = None,
         comm: an mpi4py intracommunicator; None: the world.
         **options: any other ``flodl-mpi train`` option by its config name
             (``anchor``, ``easgd_alpha``, ``outer``, ``outer_lr``,
-            ``average_optimizer_state``, ``node_reduce``, ``bf16_wire``, ...:
+            ``average_optimizer_state``, ``node_reduce``, ``wire``, ...:
             ``TrainConfig``'s fields); an unknown name raises ``ValueError``
             (bad input, exit 2 under ``mpiexec``).
 
