@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from flodl_mpi.outputs.checkpoint import latest_checkpoint, load_state_dict, read_checkpoint
-from flodl_mpi.training.data import default_digits_path, load_dataset
+from flodl_mpi.training.data import default_digits_path, load_dataset, num_batches
 from flodl_mpi.errors import EXIT_INPUT, EXIT_STALL, EXIT_STOPPED
 from flodl_mpi.outputs.metrics import read_table
 from tests.conftest import MPIEXEC, flip_data_byte, fork_flodl, launch_argv, launch_env, run_flodl
@@ -155,7 +155,12 @@ def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
     ranks: test_resume_at_another_world_size), the second, of the finished run, does nothing (at the run's
     own world size: tests/runtime/test_finished_and_stopped_lines.py)."""
     run_dir = tmp_path / "k"
-    proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3",
+    # Batches of 2 (359 rounds an epoch at 2 ranks, 718 at 1: 1437 samples, the lone one folded): the kill, made once the first checkpoint is
+    # there, lands well before the run ends (at batch 32 a quiet machine ran the two epochs left, 23 rounds
+    # each, before the kill did: the run had finished).
+    batch = ("--batch-size", "2")
+    two_rank_rounds, one_rank_rounds = -(-num_batches(1437, 2) // 2), num_batches(1437, 2)
+    proc = subprocess.Popen(launch_argv(2, sys.executable, "-m", "flodl_mpi", "train", "--epochs", "3", *batch,
                              "--run-dir", str(run_dir)),
                              env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -172,12 +177,12 @@ def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
     assert proc.returncode != 0
     meta = read_checkpoint(latest_checkpoint(run_dir / "checkpoints")).meta
     saved = meta["round"]
-    # killed, not stopped: the newest checkpoint is an epoch's end; at 2 ranks, ceil(45 / 2) = 23 rounds an epoch
-    assert meta["epoch_complete"] and 1 <= meta["epoch"] < 3 and saved == 23 * meta["epoch"]
+    # killed, not stopped: the newest checkpoint is an epoch's end; at 2 ranks, ceil(718 / 2) = 359 rounds an epoch
+    assert meta["epoch_complete"] and 1 <= meta["epoch"] < 3 and saved == two_rank_rounds * meta["epoch"]
     damaged = run_dir / "checkpoints" / "ckpt-e000009-r000999.h5"  # say, a truncated copy
     damaged.write_bytes(b"\x89HDF\r\n\x1a\n truncated")
 
-    resumed = fork_flodl("train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", "--lr", "0.002",
+    resumed = fork_flodl("train", "--epochs", "3", *batch, "--run-dir", str(run_dir), "--resume", "--lr", "0.002",
                          timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"round {saved}" in resumed.stdout
@@ -185,11 +190,11 @@ def test_resume_after_kill_9_and_of_a_finished_run(tmp_path):
     assert damaged.with_name(damaged.name + ".damaged").read_bytes().endswith(b"truncated")
     rounds = read_table(run_dir / "metrics.h5", "rounds")
     # rows after the checkpoint redone, once: the epochs left at one rank, 45 rounds each
-    np.testing.assert_array_equal(rounds["round"], np.arange(saved + (3 - meta["epoch"]) * ONE_RANK_ROUNDS))
+    np.testing.assert_array_equal(rounds["round"], np.arange(saved + (3 - meta["epoch"]) * one_rank_rounds))
     lr = read_table(run_dir / "metrics.h5", "batches")["lr"]
     assert set(lr[-10:]) == {0.002}  # a resume may change the learning rate
 
-    again = fork_flodl("train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", timeout=300)
+    again = fork_flodl("train", "--epochs", "3", *batch, "--run-dir", str(run_dir), "--resume", timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing to do: the run already did 3 epochs (--epochs 3)" in again.stdout
 
