@@ -36,10 +36,11 @@ def _snapshot(run_dir: Path) -> dict[str, str]:
             for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != run_dir_lock.LOCK_NAME}
 
 
-def _start_until_a_checkpoint(run_dir: Path, epochs: int) -> subprocess.Popen:
+def _start_until_a_checkpoint(run_dir: Path, epochs: int, *args: str) -> subprocess.Popen:
     """A 1-rank run in ``run_dir`` in the background (one torch thread, as in a fork), returned once its first
     checkpoint is on disk (<= 180 s)."""
-    proc = start_flodl(1, "train", "--epochs", str(epochs), "--run-dir", str(run_dir), env={"OMP_NUM_THREADS": "1"})
+    proc = start_flodl(1, "train", "--epochs", str(epochs), *args, "--run-dir", str(run_dir),
+                       env={"OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 180
     while latest_checkpoint(run_dir / "checkpoints") is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -139,7 +140,10 @@ def test_a_run_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
     1-rank launch (was 2 ranks; the lock is rank 0's); the report and the resume are forks at 1 rank (were a
     ``python -m flodl_mpi report`` and a 2-rank launch)."""
     run_dir = tmp_path / "k"
-    proc = _start_until_a_checkpoint(run_dir, 3)
+    # batches of 2 (718 rounds an epoch): the kill lands while the run trains (at batch 32 a quiet machine can
+    # finish the 2 epochs after the first checkpoint, 45 rounds each, before it)
+    batch = ("--batch-size", "2")
+    proc = _start_until_a_checkpoint(run_dir, 3, *batch)
     try:
         assert run_dir_lock.in_use(run_dir)
         for pid in rank_pids(proc, f"--run-dir {run_dir}"):
@@ -151,7 +155,7 @@ def test_a_run_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
     assert not run_dir_lock.in_use(run_dir)
     report = fork_flodl("report", str(run_dir), timeout=120)
     assert "of 3 (not running: ended without a final record (crashed or killed))" in report.stdout, report.stdout
-    resumed = fork_flodl("train", "--epochs", "3", "--run-dir", str(run_dir), "--resume", timeout=300)
+    resumed = fork_flodl("train", "--epochs", "3", *batch, "--run-dir", str(run_dir), "--resume", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
 
