@@ -19,8 +19,10 @@ def ulfm(monkeypatch):
     monkeypatch.setattr(elastic, "fault_tolerance", lambda: None)
 
 
-def test_the_default_shrinks_where_it_can(ulfm):
+def test_the_default_stops_and_names_shrink_where_it_can(ulfm):
     mode, note = recovery.resolve_on_rank_failure(TrainConfig())
+    assert mode == "stop" and note.startswith("on a rank's death: stop (the default); --on-rank-failure shrink")
+    mode, note = recovery.resolve_on_rank_failure(TrainConfig(on_rank_failure="shrink"))
     assert mode == "shrink" and note.startswith("on a rank's death: shrink")
 
 
