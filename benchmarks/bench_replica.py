@@ -1,4 +1,4 @@
-"""Per-round cost of the training thread's snapshot and adoption (``worker.Replica``).
+"""Per-round cost of the training thread's snapshot and adoption (``replica.Replica``).
 
 Run in one process (no launcher needed)::
 
@@ -24,7 +24,7 @@ import torch
 from mpi4py import MPI
 
 from flodl_mpi.transport.bridge import Bridge
-from flodl_mpi.training.worker import Replica
+from flodl_mpi.training.replica import Replica
 
 
 def make_model(params: int, layers: int) -> torch.nn.Module:

@@ -12,7 +12,7 @@ method averages it across the ranks:
 * ``ours``: ``flodl_mpi.transport.bridge.Bridge.round(steps=1)`` in its background thread.
   ``+ copies``: the torch params are copied into the bridge's staging and back
   (the CUDA / non-float32 path). ``bound``: float32 CPU params are views of the
-  staging (``worker.Replica.bind``, the CPU training path), so a round has no
+  staging (``replica.Replica.bind``, the CPU training path), so a round has no
   copies in or out. One bound row per wire: ``--node-reduce mpi`` (chunked
   Allreduce), ``shm`` (the shared-memory node reduce), each with ``--bf16-wire``.
   ``Reducer.reduce only``: the reduce alone (no thread, no control gather).

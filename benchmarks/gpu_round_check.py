@@ -7,7 +7,7 @@ Run on a machine with a GPU, two ranks::
 
 Each rank builds the same list of tensors (different values per rank) on its
 device (``--cpu-only``: every rank on CPU; otherwise rank 0 on ``cuda:0`` when
-CUDA is available), wraps them in ``worker.Replica`` with a ``Bridge`` whose
+CUDA is available), wraps them in ``replica.Replica`` with a ``Bridge`` whose
 staging is pinned when the rank is on the GPU, and runs rounds as training does
 (``Replica.snapshot``: device to host, non-blocking into pinned staging, one
 stream wait; ``Bridge.round``; ``Replica.adopt``: non-blocking upload). Checks:
@@ -30,7 +30,7 @@ import torch
 from mpi4py import MPI
 
 from flodl_mpi.transport.bridge import Bridge
-from flodl_mpi.training.worker import Replica
+from flodl_mpi.training.replica import Replica
 
 
 def main() -> int:

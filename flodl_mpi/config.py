@@ -37,7 +37,7 @@ __all__ = ["AMP_MODES", "ASYNC_ADOPTS", "AVERAGE_OPTIMIZER_STATE", "BEST_METRICS
 #: ``fit(task=...)``: None infers it from the targets' dtype (integer: classification).
 TASKS = ("classification", "regression")
 
-#: How ``async`` adopts a consensus (``--async-adopt``; flodl_mpi.training.worker.Replica.adopt).
+#: How ``async`` adopts a consensus (``--async-adopt``; flodl_mpi.training.replica.Replica.adopt).
 ASYNC_ADOPTS = ("delta", "easgd")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 #: The class each of `OPTIMIZERS` builds (flodl_mpi.training.task.make_optimizer).

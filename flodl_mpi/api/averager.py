@@ -761,7 +761,7 @@ class Averager:
         save check's (`_cohort_state`)."""
         from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
         from flodl_mpi.training.model_record import model_record
-        from flodl_mpi.training.worker import state_arrays
+        from flodl_mpi.training.replica import state_arrays
 
         params, buffers, order = state_arrays(self.model)
         if summary is not None:

@@ -2,7 +2,7 @@
 
 Invariant: :func:`fit` builds the same objects ``flodl-mpi train`` does, through the
 same setup (`flodl_mpi.training.setup.setup_rank` with a ``TrainerFront``) — a
-``worker.Replica``, a ``bridge.Bridge``, rank 0's ``metrics.MetricsWriter`` and a
+``replica.Replica``, a ``bridge.Bridge``, rank 0's ``metrics.MetricsWriter`` and a
 ``worker.Trainer`` — and injects the user's callables through a
 :class:`flodl_mpi.training.task.UserTask`; every decision at an epoch boundary (evaluate?
 checkpoint?) is taken from gathered values, so every rank acts alike.

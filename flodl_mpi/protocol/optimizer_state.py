@@ -266,7 +266,7 @@ def adopt_delta(live: torch.Tensor, consensus: torch.Tensor, kept: torch.Tensor 
     snapshot, the same steps would give ``β^n·consensus + (own part)``. So
     ``decay = β^n`` (:func:`decay_base`) gives exactly the state the rank would hold
     had it adopted the consensus at the snapshot, the optimizer-state counterpart of
-    the parameters' ``consensus + (θ - θ_snapshot)`` (flodl_mpi.training.worker.Replica.adopt;
+    the parameters' ``consensus + (θ - θ_snapshot)`` (flodl_mpi.training.replica.Replica.adopt;
     Shen et al. 2019, arXiv:1906.12043), where ``decay = 1``. With ``decay = 1`` a
     momentum would get back the whole difference to the others' *stale* momentum,
     which its own steps had already forgotten (measured on MNIST-1D: 9 points under
@@ -439,7 +439,7 @@ class OptimizerStateAverager:
                 ``--async-adopt delta``): each running average becomes
                 ``live + alpha · β^steps · (consensus - kept)``, the state the rank would
                 hold had it taken ``kept + alpha (consensus - kept)`` at the fill, as its
-                parameters do (flodl_mpi.training.worker.Replica.adopt).
+                parameters do (flodl_mpi.training.replica.Replica.adopt).
 
         Raises:
             ValueError: ``delta`` without a kept snapshot, ``steps < 0``, or ``alpha`` outside

@@ -6,7 +6,7 @@ round fails at once), shrink the world (`flodl_mpi.runtime.elastic.shrink`: the 
 set is the shrunk group's complement, the same everywhere), check that every survivor
 failed in the same call (else the run stops, one line, every rank alike), then the new
 world's watchdog, policy (`Policy.without_ranks`: the re-plan), bridge, and the
-``membership`` row. The trainer (`flodl_mpi.training.worker.Trainer._shrink`) then goes
+``membership`` row. The trainer (`flodl_mpi.training.rollback.shrink`) then goes
 back to the window's start and re-splits the epoch's batches.
 """
 

@@ -50,7 +50,7 @@ from flodl_mpi.training.models import check_same_model
 from flodl_mpi.training.recovery import Recovery, resolve_on_rank_failure
 from flodl_mpi.training.train import check_resume_data, resume_point
 from flodl_mpi.training.train_log import close_train_log, log, open_train_log
-from flodl_mpi.training.worker import Replica
+from flodl_mpi.training.replica import Replica
 from flodl_mpi.transport.bridge import Bridge
 from flodl_mpi.transport.reduce import WireOptions
 
@@ -137,7 +137,7 @@ class RankRun:
 
     Attributes:
         cfg: the run's config (``run_dir`` as claimed, once it is).
-        replica: the model and its device (`flodl_mpi.training.worker.Replica`).
+        replica: the model and its device (`flodl_mpi.training.replica.Replica`).
         data: the training and test sets, or None (an own loop).
         run_dir: the claimed run directory; None: no files.
         train_log: rank 0's ``train.log`` handler (None elsewhere, or without files).

@@ -37,7 +37,7 @@ from flodl_mpi.training.model_record import resume_difference
 from flodl_mpi.training.resume_inputs import data_path_difference, model_spec_difference
 from flodl_mpi.training.resume_target import new_run_line
 from flodl_mpi.training.train_log import log, say_once
-from flodl_mpi.training.worker import Replica
+from flodl_mpi.training.replica import Replica
 from flodl_mpi.transport.bridge import Bridge
 
 __all__ = ["RESUME_MUST_MATCH", "check_amp", "check_resume_data", "describe_averaging_path", "effective_batch_line",

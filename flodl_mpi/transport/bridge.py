@@ -3,7 +3,7 @@
 Responsibilities: it is the only MPI caller while training runs, on its own
 duplicated communicator; it owns the staging the training thread snapshots
 into and adopts from (for float32 CPU models the parameters themselves live
-there, see ``worker.Replica.bind``); it runs the control gather, the all-idle
+there, see ``replica.Replica.bind``); it runs the control gather, the all-idle
 skip, the params and buffers reduces, the divergence triple and the version,
 the epoch exchange, and at checkpoints the gather of each rank's state. It is
 the transport only: what the gathered values mean for the next window is the
@@ -363,7 +363,7 @@ class Bridge:
 
         For the ``async`` policy: the training thread trains on while the bridge
         runs the round, so the staging must not alias the live parameters (do not
-        :meth:`~flodl_mpi.training.worker.Replica.bind`). At most one round is in flight;
+        :meth:`~flodl_mpi.training.replica.Replica.bind`). At most one round is in flight;
         unthreaded, the round runs here and :meth:`wait` returns its update.
 
         Raises:

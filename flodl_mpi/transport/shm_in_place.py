@@ -2,7 +2,7 @@
 
 Concept: on one node, with float32 frames, the ranks need not copy their
 tensors anywhere. The staging (where bound parameters live, see
-``worker.Replica.bind``) *is* this rank's segment of a file in ``/dev/shm``
+``replica.Replica.bind``) *is* this rank's segment of a file in ``/dev/shm``
 that every rank of the node maps. A round is then one pass per rank over its
 slice ``k`` of the frame (:func:`flodl_mpi.transport.node_reduce.slices`), block by
 cache-sized block (the several operations per block run from cache, not from

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_mpi.training.worker import Replica
+from flodl_mpi.training.replica import Replica
 
 
 class Tiny(nn.Module):

@@ -8,7 +8,7 @@ from mpi4py import MPI
 from flodl_mpi.transport.bridge import Bridge
 from flodl_mpi.training.models import digits_mlp
 from flodl_mpi.protocol.optimizer_state import OptimizerStateAverager
-from flodl_mpi.training.worker import Replica
+from flodl_mpi.training.replica import Replica
 
 pytestmark = pytest.mark.mpi
 

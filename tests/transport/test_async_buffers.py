@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_mpi.training.worker import Replica
+from flodl_mpi.training.replica import Replica
 
 
 class Counter(nn.Module):

@@ -13,7 +13,7 @@ from flodl_mpi.protocol.divergence import divergence_triple
 from flodl_mpi.errors import InputError, NonFiniteError, RoundError
 from flodl_mpi.training.models import digits_mlp
 from flodl_mpi.transport.reduce import WireOptions
-from flodl_mpi.training.worker import ReplacedTensorError, Replica, state_arrays
+from flodl_mpi.training.replica import ReplacedTensorError, Replica, state_arrays
 from flodl_mpi.runtime.world import agree
 
 pytestmark = pytest.mark.mpi

@@ -188,7 +188,7 @@ def test_under_the_outer_step_the_reference_is_where_every_rank_starts(kind):
 
     from flodl_mpi.protocol.outer import OuterOptimizer
     from flodl_mpi.training.models import digits_mlp
-    from flodl_mpi.training.worker import Replica
+    from flodl_mpi.training.replica import Replica
     from flodl_mpi.transport.bridge import Bridge
 
     comm = MPI.COMM_WORLD
