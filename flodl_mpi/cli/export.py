@@ -37,7 +37,7 @@ __all__ = ["FORMATS", "ExportStopped", "OutputRefused", "add_parser", "check_out
 FORMATS = ("pt", "safetensors")
 
 #: The files of a run directory an export must never replace (``fnmatch`` patterns).
-RUN_FILES = ("metrics.h5", "train.log", "config.json", "config-resume-r*.json", ".lock")
+RUN_FILES = ("metrics.h5", "train.log", "config.json", "config-resume-r*.json", "ranks.json", ".lock")
 
 
 class OutputRefused(ValueError):

@@ -328,7 +328,10 @@ def api_words(exc: BaseException) -> BaseException:
 
     if not isinstance(exc, CohortError) or "--" not in str(exc):
         return exc
-    text = re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)(?:( (?=['\"\d(]))| ([a-z][a-z0-9-]*\b))?", _api_word, str(exc))
+    # a flag, then either a value (quoted, a number, a parenthesis or an upper-case metavar such as ``F``: the
+    # keyword takes ``=``) or a lower-case word (a choice's value, or the prose that follows)
+    text = re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)(?:( (?=['\"\d(]|[A-Z]+\b))| ([a-z][a-z0-9-]*\b))?", _api_word,
+                  str(exc))
     new = type(exc)(text)
     new.__cause__, new.__traceback__ = exc.__cause__, exc.__traceback__
     return new

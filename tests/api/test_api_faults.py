@@ -559,6 +559,9 @@ def test_the_api_names_its_keywords_not_the_cli_flags():
                                     "--average-optimizer-state off; --on-non-finite stop, so; add --resume to go on")))
     assert text == ("average_optimizer_state='mean' is not supported with policy='async'; use "
                     "average_optimizer_state='off'; on_non_finite='stop', so; add resume=True to go on")
+    # an upper-case metavar is the keyword's value (not "add val_fraction F")
+    text = str(api_words(InputError("the data file has no val/ group: add --val-fraction F (0 < F < 1)")))
+    assert text == "the data file has no val/ group: add val_fraction=F (0 < F < 1)"
     plain = ValueError("--run-dir")
     assert api_words(plain) is plain
 

@@ -16,13 +16,14 @@ from flodl_mpi.cli.export import main
 
 
 def _run_dir(tmp_path, epochs=2):
-    """A run directory as training leaves it: config.json, train.log, metrics.h5, one checkpoint per epoch."""
+    """A run directory as training leaves it: config.json, train.log, metrics.h5, ranks.json, one checkpoint per epoch."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.json").write_text('{"epochs": 2}')
     (run / "train.log").write_text("epoch 1\nepoch 2\n")
     (run / "metrics.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 32)
     (run / "config-resume-r000023.json").write_text("{}")
+    (run / "ranks.json").write_text('{"ranks": []}')
     paths = []
     for e in range(1, epochs + 1):
         params = {"w": np.full((2, 3), float(e), np.float32)}
@@ -37,7 +38,7 @@ def _snapshot(run):
 
 @pytest.mark.parametrize("target", ["checkpoints/ckpt-e000002-r000046.h5", "checkpoints/ckpt-e000001-r000023.h5",
                                     "checkpoints/new.pt", "metrics.h5", "train.log", "config.json",
-                                    "config-resume-r000023.json"])
+                                    "config-resume-r000023.json", "ranks.json"])
 @pytest.mark.parametrize("force", [False, True])
 def test_a_runs_own_files_are_never_replaced(tmp_path, capsys, target, force):
     run, _ = _run_dir(tmp_path)
