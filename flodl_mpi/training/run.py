@@ -24,7 +24,7 @@ from flodl_mpi.training.models import ModelSpecError, build_model, check_model_o
 from flodl_mpi.training.progress import EpochProgress, stdout_is_terminal
 from flodl_mpi.training.setup import RankRun, TrainerFront, load_data, start_trainer
 from flodl_mpi.training.train import final_line, load_replay_plan, pick_device, smallest_training_batch
-from flodl_mpi.training.train_log import log, log_to_stdout, note_failure, verbosity
+from flodl_mpi.training.train_log import close_train_logs, log, log_to_stdout, note_failure, verbosity
 from flodl_mpi.training.best_model import BestWatch
 from flodl_mpi.training.validation import settle_validation
 
@@ -123,6 +123,9 @@ def run_train(args, world: World, watchdog: Watchdog, stop: StopRequest,
         if front.run is not None and front.writing:  # past the resume's checks: train.log says why
             note_failure(front.run.run_dir, world.rank, exc)
         raise
+    finally:  # the run is over: a later run in this process (tests' run_sequence) writes its own train.log only
+        if front.run is not None and front.run.run_dir is not None:
+            close_train_logs(front.run.run_dir)
 
 
 def _train(run: RankRun, front: TrainerFront, stop: StopRequest) -> bool:

@@ -144,3 +144,12 @@ def close_train_log(handler: logging.Handler | None) -> None:
         handler.close()
 
 
+def close_train_logs(run_dir: Path) -> None:
+    """Detach and close every handler writing ``run_dir/train.log`` (the run's own, and one a rank that took over
+    rank 0's role after a shrink opened), so a later run in the same process does not write into it."""
+    path = (Path(run_dir) / "train.log").resolve()
+    for handler in list(log.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) == path:
+            close_train_log(handler)
+
+

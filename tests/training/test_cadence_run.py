@@ -9,6 +9,9 @@ every run that starts afresh, then the resumes of the two stopped ones (never in
 stopped them).
 """
 
+from pathlib import Path
+import re
+
 import numpy as np
 import pytest
 
@@ -71,6 +74,20 @@ def runs(tmp_path_factory):
     for name, proc in zip(("cadence", "async"), again):
         out[f"{name}-resumed"] = (base / f"{name}-stopped", proc)
     return out
+
+
+def test_each_runs_train_log_holds_only_its_own_lines(runs):
+    """The module's first launch made several runs in one process: each train.log names its own run dir and no
+    other run's (the handler of a finished run is detached)."""
+    names = [name for name, value in runs.items() if isinstance(value, tuple) and isinstance(value[0], Path)
+             and not name.endswith("-resumed") and (value[0] / "train.log").exists()]
+    assert len(names) >= 3, names
+    for name in names:
+        text = (runs[name][0] / "train.log").read_text()
+        assert str(runs[name][0]) in text, name
+        others = [other for other in names if other != name
+                  and re.search(re.escape(str(runs[other][0])) + r"(?![\w-])", text)]
+        assert not others, (name, others)
 
 
 def test_cadence_at_speeds_1_to_3_reads_every_sample_exactly_once_per_epoch(runs):
