@@ -138,7 +138,8 @@ def check_layout(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
     """What :func:`load_dataset` checks before it reads a value, from the file's metadata only (fast).
 
     The file exists and is HDF5, each dataset of ``names`` is there, features are numeric
-    ``(N, ...)``, labels 1-D integers, rows match within each split. The CLI asks it before
+    ``(N, ...)``, labels 1-D integers, rows match within each split; a ``val`` group holds ``val/x``
+    and ``val/y`` of the training set's feature shape, rows matching. The CLI asks it before
     MPI and torch start (issue 26 item 9), so such a mistake is refused in well under a
     second instead of after their 8-20 s; the messages are `load_dataset`'s.
 
@@ -156,6 +157,18 @@ def check_layout(path: str | os.PathLike, names: Mapping[str, str] = DEFAULT_NAM
             _label_kind(y.dtype, y.shape, yname, file)
             if x.shape[0] != y.shape[0]:
                 raise DataError(f"{xname!r} has {x.shape[0]} rows but {yname!r} has {y.shape[0]} in {file!r}")
+        if "val" in f:  # the file's own validation set: the checks `with_val` makes from the metadata
+            x, y = (_dataset_of(f, VAL_NAMES[role], file) for role in ("val_x", "val_y"))
+            _feature_kind(x.dtype, x.shape, VAL_NAMES["val_x"], file)
+            if y.dtype.kind in "iu":  # whole-number floats are labels too: their values are checked at load
+                _label_kind(y.dtype, y.shape, VAL_NAMES["val_y"], file)
+            if x.shape[0] != y.shape[0]:
+                raise DataError(f"{VAL_NAMES['val_x']!r} has {x.shape[0]} rows but {VAL_NAMES['val_y']!r} has "
+                                f"{y.shape[0]} in {file!r}")
+            train_shape = tuple(objs["train_x"].shape[1:])
+            if tuple(x.shape[1:]) != train_shape:
+                raise DataError(f"{VAL_NAMES['val_x']!r} has feature shape {tuple(x.shape[1:])} but the training "
+                                f"set has {train_shape} in {file!r}")
 
 
 def _feature_kind(dtype: np.dtype, shape: tuple, name: str, file: str) -> None:

@@ -41,8 +41,19 @@ def _h5(path, y_dtype=np.int64):
     return str(path)
 
 
+def _with_val(path, x_shape, y=True):
+    """`_h5`'s file with a ``val`` group: ``val/x`` of ``x_shape``, ``val/y`` (class labels) unless ``y`` is False."""
+    _h5(path)
+    with h5py.File(path, "a") as f:
+        f["val/x"] = np.zeros(x_shape, np.float32)
+        if y:
+            f["val/y"] = np.zeros(x_shape[0], np.int64)
+    return str(path)
+
+
 def test_input_mistakes_are_refused_before_mpi_and_torch_start(tmp_path):
     good, floats = _h5(tmp_path / "good.h5"), _h5(tmp_path / "floats.h5", np.float64)
+    no_val_y, wide_val = _with_val(tmp_path / "no_val_y.h5", (3, 3), y=False), _with_val(tmp_path / "wide.h5", (3, 4))
     (tmp_path / "afile").write_text("")
     cases = {
         ("--data", str(tmp_path / "nope.h5")): f"--data {str(tmp_path / 'nope.h5')!r}: no such file",
@@ -50,6 +61,9 @@ def test_input_mistakes_are_refused_before_mpi_and_torch_start(tmp_path):
             f"dataset 'labels' not found in {good!r} (has: test/x, test/y, train/x, train/y)",
         ("--data", floats): f"'train/y' in {floats!r} must be 1-D integer class labels, got float64 (12,) "
                                "(or per-position labels: integers of shape (N, T), T >= 2)",
+        ("--data", no_val_y): f"dataset 'val/y' not found in {no_val_y!r} (has: test/x, test/y, train/x, train/y, "
+                              "val/x)",
+        ("--data", wide_val): f"'val/x' has feature shape (4,) but the training set has (3,) in {wide_val!r}",
         ("--model", "no_such_module_26:make"): "--model 'no_such_module_26:make': cannot import module "
                                                "'no_such_module_26': ModuleNotFoundError: No module named "
                                                "'no_such_module_26'",
@@ -71,6 +85,13 @@ def test_input_mistakes_are_refused_before_mpi_and_torch_start(tmp_path):
             load_dataset(argv[1], {"train_y": argv[3]} if len(argv) > 2 else {"train_y": "train/y"})
         except DataError as exc:
             assert str(exc) == cases[argv]
+    for path in (no_val_y, wide_val):  # the val group's: as the load says it
+        try:
+            load_dataset(path)
+        except DataError as exc:
+            assert str(exc) == cases[("--data", path)]
+        else:
+            raise AssertionError(f"{path} loaded")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([list(a) for a in cases])], cwd=tmp_path,
                           env=launch_env(), capture_output=True, text=True, timeout=300, check=False)
