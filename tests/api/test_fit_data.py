@@ -143,7 +143,7 @@ def test_fit_on_a_dataset_and_with_validation(tmp_path):
         "samples); use one or the other"
     )
     assert out["none"] == (
-        "keep_best needs a validation set: add val_fraction F or a val/ group to the data (the "
+        "keep_best needs a validation set: add val_fraction=F or a val/ group to the data (the "
         "test set is not for choosing a model)"
     )
 
