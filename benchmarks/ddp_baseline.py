@@ -15,7 +15,8 @@ final incomplete step, where some ranks have no batch, runs under
 ``torch.distributed.algorithms.Join`` so DDP does not hang; per-rank batch size,
 optimizer and learning rate as given; cross-entropy loss; the test set split in
 contiguous slices and the sums reduced. Writes per-epoch test accuracy and loss,
-seconds and gradient bytes all-reduced per rank to ``--out`` (JSON) on rank 0.
+seconds (``time_s`` since the start; ``train_s`` the epoch's training loop alone, rank 0's, and its
+``steps``) and gradient bytes all-reduced per rank to ``--out`` (JSON) on rank 0.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def main() -> None:
         perm = epoch_permutation(data.train.n, args.seed, epoch)
         ddp.train()
         mine = list(range(rank, n_batches, world))
+        t_train = time.perf_counter()
         with Join([ddp]):
             for b in mine:
                 idx = batch_indices(perm, args.batch_size, b)
@@ -104,6 +106,7 @@ def main() -> None:
                 loss.backward()
                 opt.step()
                 bytes_moved += grad_bytes
+        train_s = time.perf_counter() - t_train
         # Evaluate the (identical) replica on this rank's slice of the test set.
         model.eval()
         lo, hi = (data.test.n * rank) // world, (data.test.n * (rank + 1)) // world
@@ -114,7 +117,7 @@ def main() -> None:
                              float((logits.argmax(1) == y).sum()), float(hi - lo)])
         comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
         epochs.append({"epoch": epoch + 1, "test_loss": sums[0] / sums[2], "test_accuracy": sums[1] / sums[2],
-                       "time_s": time.perf_counter() - t0})
+                       "time_s": time.perf_counter() - t0, "train_s": train_s, "steps": len(mine)})
     dist.destroy_process_group()
     if rank == 0:
         out = {"peer": "DDP (gloo)", "world_size": world, "epochs": epochs, "bytes_per_rank": bytes_moved,

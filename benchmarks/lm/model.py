@@ -20,9 +20,11 @@ size       layers  heads  width  parameters
 ``tiny``   2       2      32     ~0.04 M
 ``small``  4       4      128    ~0.88 M
 ``medium`` 6       6      384    ~10.9 M
+``large``  14      12     768    ~99.6 M
 =========  ======  =====  =====  ==========
 
-As a model spec: ``--model benchmarks/lm/model.py:small`` (or ``:tiny``, ``:medium``).
+As a model spec: ``--model benchmarks/lm/model.py:small`` (or ``:tiny``, ``:medium``, ``:large``: the
+issue's ~100 M, for a few steps of ``benchmarks/lm/rounds_at_size.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 #: ``size -> (layers, heads, width)``.
-SIZES = {"tiny": (2, 2, 32), "small": (4, 4, 128), "medium": (6, 6, 384)}
+SIZES = {"tiny": (2, 2, 32), "small": (4, 4, 128), "medium": (6, 6, 384), "large": (14, 12, 768)}
 
 
 class Block(nn.Module):
@@ -123,6 +125,11 @@ def small(input_shape, num_classes) -> GPT:
 def medium(input_shape, num_classes) -> GPT:
     """``gpt(size="medium")``: ~10 M parameters, the issue's lower size (slow on 2 cores)."""
     return gpt(input_shape, num_classes, "medium")
+
+
+def large(input_shape, num_classes) -> GPT:
+    """``gpt(size="large")``: ~100 M parameters (GPT-2 small's width, 14 layers), for a few steps of a round's cost."""
+    return gpt(input_shape, num_classes, "large")
 
 
 def count_parameters(model: nn.Module) -> int:
