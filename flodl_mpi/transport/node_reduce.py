@@ -225,7 +225,7 @@ class ShmReduce:
 
     def _finish(self, staging: np.ndarray, stats, clock: _Clock) -> None:
         """Across nodes if hierarchical, then the one divide: every rank unpacks the whole result."""
-        layout, chunks = self.layout, self.layout.chunks
+        layout = self.layout
         if self.leaders is not None:
             self._sync()
             if self.leaders != MPI.COMM_NULL:

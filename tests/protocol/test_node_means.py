@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from flodl_mpi.protocol.node_means import combine_means, node_mean, total_mass
-from flodl_mpi.protocol.wire import WireLayout, unpack_piece
+from flodl_mpi.protocol.wire import unpack_piece
 
 
 def consensus(sums, masses):
