@@ -275,7 +275,7 @@ def _link_line(s: dict[str, Any]) -> str | None:
     """``  link          busbw 0.71 GB/s (median over rounds, rank 0) ...``; None when the file has none."""
     if math.isnan(s["busbw"]):
         return None
-    what = (f"; S = {_fmt_bytes(s['link_bytes'])} per rank over {s['link_ranks']} ranks"
+    what = (f"; S = {_fmt_bytes(s['link_bytes'])} per rank over {plural(s['link_ranks'], 'rank')}"
             if s["link_bytes"] is not None else "")
     return (f"  link          busbw {s['busbw']:.3f} GB/s (median over rounds, rank 0: S / t · 2(W−1)/W of the "
             f"params reduce{what}; compare with the link's rate)")
