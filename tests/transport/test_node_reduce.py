@@ -174,6 +174,8 @@ def test_consensus_equals_float64_reference(comm, path, chunk, prepared):
         bound = 1.001 * (u * np.linalg.norm(a) + 2.0**-24 * np.linalg.norm(ref))
         assert np.linalg.norm(staging - ref) <= bound
         assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= (2**-7 if path[2] else 4e-7)
+        # the link carries the node's mean (4 bytes a value, bf16 2) and its float64 mass, among the leaders
+        assert red.link == ((2 if path[2] else 4) * layout.n + 8, -(-W // path[3]))
     else:
         assert np.linalg.norm(staging - ref) / np.linalg.norm(ref) <= tol
     assert stats.total_mass == pytest.approx(W * total, rel=1e-6)
