@@ -39,7 +39,7 @@ _ALIGN = 16  # elements: slice bounds on 64-byte lines, so two ranks never write
 #: Elements per piece of the shared-memory loops (pack, sum, unpack): 256 KiB of
 #: float32, so an unpack's four pieces (sum, staging, consensus, difference) stay in
 #: a 2 MiB L2 (measured here: 65536 beat 262144 and 16384 elements). No MPI call
-#: is this size: only the leaders' Allreduce uses the layout's pieces.
+#: is this size: only the leaders' exchange uses the layout's pieces.
 CACHE_PIECE = 1 << 16
 
 
@@ -80,8 +80,8 @@ class ShmReduce:
             bits, the sums and the divide are float64, the masses float64.
 
     Memory (per node): one segment per rank (float32 or bf16 tensors,
-    unscaled) and the node's float64 sum at the leader (8 bytes per element:
-    what the leaders Allreduce), i.e. about 1x the model's float32 bytes per
+    unscaled) and the node's float64 sum at the leader (8 bytes per element;
+    the leaders exchange its float32 mean), i.e. about 1x the model's float32 bytes per
     rank plus 2x once per node, and three pieces of scratch per rank.
 
     Collective contract: construction, :meth:`prepare`, :meth:`reduce_prepared`,
@@ -91,7 +91,7 @@ class ShmReduce:
     result), after the sum (every slice is summed before anyone unpacks), and,
     for :meth:`reduce` only, after the pack (:meth:`reduce_prepared` relies on
     the control gather between it and :meth:`prepare`); plus the leaders'
-    Allreduce when hierarchical. If one rank fails inside, the others wait in a
+    exchange when hierarchical (:class:`~flodl_mpi.transport.leaders.LeaderMeans`). If one rank fails inside, the others wait in a
     barrier: the watchdog ends the job (as for any collective). :meth:`reduce`
     gathers the node's masses after the segments are written (that gather is
     the barrier after the pack).

@@ -267,8 +267,8 @@ class WireOptions:
             room for the window (and the world is on one node, or hierarchical
             is not ``off``), else ``mpi``. Measured faster than the chunked
             Allreduce on one node (``benchmarks/README.md``).
-        hierarchical: ``"on"``: node sums first, then the node leaders Allreduce
-            them; ``"off"``: one flat reduce over the world (``shm`` then needs
+        hierarchical: ``"on"``: node sums first, then the node leaders exchange
+            the nodes' float32 means and float64 masses (:mod:`flodl_mpi.transport.leaders`); ``"off"``: one flat reduce over the world (``shm`` then needs
             the whole world on one node); ``"auto"``: on when the world spans
             more than one node and ``node_reduce`` is ``shm``.
         bf16: params and float buffers travel as bfloat16; sums and the divide
@@ -339,7 +339,7 @@ class Reducer:
     (:func:`_reduce_bf16_allgather`), ``"shm"`` / ``"shm+leaders"`` (one
     node's shared window, then the node leaders across nodes),
     ``"shm-in-place"`` (one node, float32, the staging in the shared memory: ``in_place``),
-    ``"node-mpi+leaders"`` (MPI Reduce within the node, leaders' Allreduce, Bcast),
+    ``"node-mpi+leaders"`` (MPI Reduce within the node, the leaders' exchange of float32 node means, Bcast),
     ``"allgather-bf16-delta"`` / ``"allgather-int8-delta"`` (the delta wire,
     :class:`~flodl_mpi.transport.delta_reduce.DeltaReduce`: its first round the exact Allreduce).
 
