@@ -91,7 +91,8 @@ class ShmReduce:
     result), after the sum (every slice is summed before anyone unpacks), and,
     for :meth:`reduce` only, after the pack (:meth:`reduce_prepared` relies on
     the control gather between it and :meth:`prepare`); plus the leaders'
-    exchange when hierarchical (:class:`~flodl_mpi.transport.leaders.LeaderMeans`). If one rank fails inside, the others wait in a
+    exchange when hierarchical (:class:`~flodl_mpi.transport.leaders.LeaderMeans`).
+    If one rank fails inside, the others wait in a
     barrier: the watchdog ends the job (as for any collective). :meth:`reduce`
     gathers the node's masses after the segments are written (that gather is
     the barrier after the pack).

@@ -268,8 +268,9 @@ class WireOptions:
             is not ``off``), else ``mpi``. Measured faster than the chunked
             Allreduce on one node (``benchmarks/README.md``).
         hierarchical: ``"on"``: node sums first, then the node leaders exchange
-            the nodes' float32 means and float64 masses (:mod:`flodl_mpi.transport.leaders`); ``"off"``: one flat reduce over the world (``shm`` then needs
-            the whole world on one node); ``"auto"``: on when the world spans
+            the nodes' float32 means and float64 masses
+            (:mod:`flodl_mpi.transport.leaders`); ``"off"``: one flat reduce over
+            the world (``shm`` then needs the whole world on one node); ``"auto"``: on when the world spans
             more than one node and ``node_reduce`` is ``shm``.
         bf16: params and float buffers travel as bfloat16; sums and the divide
             in float64, the consensus rounded to float32 once; the mass exact
