@@ -8,7 +8,8 @@ For each link rate a cluster of 2 hosts x 2 ranks is made (each host's ``eth0`` 
 one launch times, for each P (float32 parameters, one tensor, different values per rank):
 
 * ``hier``: :class:`flodl_mpi.transport.reduce.Reducer` with ``node_reduce shm, hierarchical on`` (the node
-  sum in shared memory, the node leaders' Allreduce of the float64 node sums);
+  sum in shared memory, then the node leaders' Allgather of the float32 node means and float64 masses,
+  ``flodl_mpi/transport/leaders.py``; before issue 25 item 4, an Allreduce of the float64 node sums);
 * ``hier bf16``: the same with ``--bf16-wire``;
 * ``flat``: ``node_reduce mpi, hierarchical off`` (the chunked float64 Allreduce over all four ranks);
 * ``flat bf16``: the bf16 Allgather over all four ranks;

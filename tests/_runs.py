@@ -93,6 +93,9 @@ def synthetic_rows(world_size: int, rounds: int, epochs: int, skip: tuple[str, .
             "round_ms": np.full((R, W), 50.0), "wait_ms": np.full((R, W), 61.0),
             "bridge_ms": np.full((R, W), 60.0), "control_ms": np.full((R, W), 2.0),
             "snapshot_ms": np.full((R, W), 1.0), "adopt_ms": np.full((R, W), 1.5),
+            # 8 MB per rank over 2 ranks in 20 ms: 0.4 GB/s · 2(2 − 1)/2 = 0.4 GB/s
+            "link_bytes": np.full(R, 8_000_000, np.int64), "link_ranks": np.full(R, 2, np.int64),
+            "link_ms": np.full((R, W), 20.0), "busbw_gbs": np.full((R, W), 0.4),
         },
         "epochs": {
             "epoch": np.arange(E) + 1, "time_s": (R * 0.5) * (np.arange(E) + 1) / E, "rounds": (np.arange(E) + 1) * R // E,

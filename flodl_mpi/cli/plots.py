@@ -345,7 +345,8 @@ def divergence_figure(runs: Sequence[Run]) -> Figure | None:
 
 
 def round_times_figure(runs: Sequence[Run]) -> Figure | None:
-    """Time per round phase (pack, allreduce, unpack), mean over ranks, smoothed: 3 lines per run."""
+    """Time per round phase (pack, allreduce, unpack), mean over ranks, smoothed: 3 lines per run; and, on a
+    second axis, rank 0's bus bandwidth of the params reduce (``rounds/busbw_gbs``) where the file has it."""
     phases = [p for p in ("pack_ms", "allreduce_ms", "unpack_ms")
               if any(r.column("rounds", p) is not None for r in runs)]
     if not phases:
@@ -369,7 +370,21 @@ def round_times_figure(runs: Sequence[Run]) -> Figure | None:
     ax.set(title=_title(runs, f"Time per round phase, mean over ranks{avg}"), xlabel=_AXIS_LABEL[axis],
            ylabel="time (ms)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    handles, labels = ax.get_legend_handles_labels()
+    busbw = [(i, run, run.per_rank("rounds", "busbw_gbs")) for i, run in enumerate(runs)]
+    busbw = [(i, run, y) for i, run, y in busbw if y is not None and np.isfinite(y).any()]
+    if busbw:  # the params reduce's bus bandwidth (issue 25 item 4), on its own axis
+        bx = ax.twinx()
+        for i, run, y in busbw:
+            x = _round_x(run, axis)
+            if x is not None:
+                bx.plot(x, _smooth(y[:, 0], k), color="0.3" if len(runs) == 1 else _color(i), linestyle=":",
+                        linewidth=1.2, label=_label(runs, run, "busbw (rank 0)"))
+        bx.set_ylim(bottom=0)
+        bx.set_ylabel("bus bandwidth of the params reduce (GB/s)")
+        h2, l2 = bx.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, fontsize="small")
     return fig
 
 

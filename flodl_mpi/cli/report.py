@@ -150,6 +150,7 @@ def summarize(run: Run) -> dict[str, Any]:
         peers left out), mean over the epochs the rank recorded; ``wall_throughput`` (W,) samples /
         the rank's epoch wall time (``per_rank_samples`` / ``per_rank_epoch_ms``),
         mean over epochs: what the rank achieved; None when not in the file;
+        ``busbw``, ``link_bytes``, ``link_ranks``: the params reduce against its link (`_link`);
         ``throughput_total``, ``wall_throughput_total``: the cohort's, per epoch
         the sum over its ranks, mean over epochs (None when not in the file);
         ``batch_share`` (W,): the rank's batches done / all batches done (not
@@ -244,10 +245,40 @@ def summarize(run: Run) -> dict[str, Any]:
         if ok.any() and bridge[ok].sum() > 0:
             # The wait also holds the hand-off after the bridge finished: never below 0.
             s["overlap"] = max(0.0, float(1.0 - wait[ok].sum() / bridge[ok].sum()))
+    s.update(_link(run))
     for key in ("throughput", "wall_throughput"):
         if W and s[key] is not None and len(s[key]) != W:
             s[key] = s[f"{key}_total"] = None  # a file whose per-rank width disagrees with its history: say nothing
     return s
+
+
+def _link(run: Run) -> dict[str, Any]:
+    """The params reduce against its link (issue 25 item 4): ``busbw`` the median over rounds of rank 0's
+    ``rounds/busbw_gbs`` (GB/s; rank 0 is a node leader: its exchange is the link's), NaN when the file has
+    none (an older file, a world of one, no round moved); ``link_bytes`` and ``link_ranks`` of the last round
+    that has them (None when none has)."""
+    out: dict[str, Any] = {"busbw": math.nan, "link_bytes": None, "link_ranks": None}
+    busbw = run.per_rank("rounds", "busbw_gbs")
+    if busbw is not None and busbw.ndim == 2 and busbw.shape[1]:
+        col = busbw[:, 0]
+        if np.isfinite(col).any():
+            out["busbw"] = float(np.nanmedian(col))
+    nbytes, ranks = run.column("rounds", "link_bytes"), run.column("rounds", "link_ranks")
+    if nbytes is not None and ranks is not None:
+        have = np.flatnonzero((nbytes > 0) & (ranks > 0))
+        if len(have):
+            out["link_bytes"], out["link_ranks"] = int(nbytes[have[-1]]), int(ranks[have[-1]])
+    return out
+
+
+def _link_line(s: dict[str, Any]) -> str | None:
+    """``  link          busbw 0.71 GB/s (median over rounds, rank 0) ...``; None when the file has none."""
+    if math.isnan(s["busbw"]):
+        return None
+    what = (f"; S = {_fmt_bytes(s['link_bytes'])} per rank over {plural(s['link_ranks'], 'rank')}"
+            if s["link_bytes"] is not None else "")
+    return (f"  link          busbw {s['busbw']:.3f} GB/s (median over rounds, rank 0: S / t · 2(W−1)/W of the "
+            f"params reduce{what}; compare with the link's rate)")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -338,6 +369,9 @@ def format_summary(run: Run) -> str:
         f"  stops {s['stops']}, resumes {s['resumes']}; guard "
         + (", ".join(f"{k} {v}" for k, v in s["guard"].items()) or "stable in every round"),
     ]
+    link = _link_line(s)
+    if link is not None:
+        lines.append(link)
     lines += describe_membership(run)
     if s["anchor"] is not None:
         first, last, top = s["anchor"]
@@ -433,6 +467,7 @@ def format_comparison(runs: Sequence[Run]) -> str:
          [_fmt(float(np.nanmean(s["averaging_pct"])), ".1f") if s["averaging_pct"] is not None
           and np.isfinite(s["averaging_pct"]).any() else "-" for s in sums]),
         ("bytes per rank", [_fmt_bytes(s["bytes_per_rank"]) for s in sums]),
+        ("bus bandwidth (GB/s, median, rank 0)", [_fmt(s["busbw"], ".3f") for s in sums]),
         ("throughput (samples/s of wall time, sum)",
          [_fmt(s["wall_throughput_total"], ".0f") if s["wall_throughput_total"] is not None else "-"
           for s in sums]),

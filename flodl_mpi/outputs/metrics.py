@@ -105,6 +105,11 @@ def table_schema(world_size: int) -> dict[str, dict[str, tuple[np.dtype, tuple[i
             # the training thread's copies (issue 26 item 8): its values into the staging before
             # the round, the consensus back into its live values after it (NaN: not measured)
             "snapshot_ms": (_F64, W), "adopt_ms": (_F64, W),
+            # the params reduce against its link (issue 25 item 4): its payload per rank S (bytes) on
+            # an exchange of link_ranks ranks (the node leaders in a hierarchical round across nodes),
+            # its wall time on each rank, and busbw = S / link_ms · 2(W − 1)/W in GB/s (nccl-tests' definition;
+            # NaN: nothing moved; -1: no value)
+            "link_bytes": (_I64, ()), "link_ranks": (_I64, ()), "link_ms": (_F64, W), "busbw_gbs": (_F64, W),
             "guard": (guard, ()),
         },
         "epochs": {

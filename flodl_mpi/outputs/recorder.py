@@ -25,7 +25,8 @@ __all__ = ["COHORT_ACKS", "NoRecorder", "Recorder", "batch_columns", "keyed_by_i
 #: across nodes a node leader also sends the leaders' exchange, so another rank's may differ). Every other `flodl_mpi.protocol.control.ACK` column is stored per rank,
 #: ``(W,)``, under its own name: a new ack column needs only its ``rounds`` column in
 #: `flodl_mpi.outputs.metrics.table_schema` (and its line in docs/file-formats.rst).
-COHORT_ACKS = ("post_norm", "bytes")
+#: ``link_bytes`` and ``link_ranks`` are planned from the model and the world, the same on every rank.
+COHORT_ACKS = ("post_norm", "bytes", "link_bytes", "link_ranks")
 
 
 class NoRecorder:
@@ -86,6 +87,7 @@ class Recorder(NoRecorder):
         rec = dict(self._pending)
         per_rank = {n: acks[n] for n in ACK.names if n not in COHORT_ACKS}
         rec.update(per_rank, post_norm=float(acks["post_norm"][0]), bytes=int(acks["bytes"][0]),
+                   link_bytes=_int_or_fill(acks["link_bytes"][0]), link_ranks=_int_or_fill(acks["link_ranks"][0]),
                    guard=0 if verdict is None else int(verdict))
         if self._members is not None:
             rec = keyed_by_id("rounds", rec, self._members)
@@ -115,6 +117,11 @@ def batch_columns(batch_table: np.ndarray) -> dict[str, np.ndarray]:
         cols[name] = cols[name].astype(np.int64)
     cols["rank"] = cols["rank"].astype(np.int32)
     return cols
+
+
+def _int_or_fill(v: float) -> int:
+    """An integer ack as stored: its value, or -1 (the integer columns' padding) for NaN (no value)."""
+    return -1 if np.isnan(v) else int(v)
 
 
 def _fill(dtype: np.dtype):

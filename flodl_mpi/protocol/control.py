@@ -93,8 +93,12 @@ ROUND_HEAD = Columns("steps", "window", "stop", "non_finite", "batch_ms", "quota
 #: ``bridge_ms``; async: the part compute did not hide, so ``1 - wait_ms / bridge_ms`` is
 #: the overlap). ``adopt_ms``: the training thread's copy of that round's consensus into
 #: the live values (`Bridge.add_training_ms`; NaN: nothing adopted).
+#: ``link_bytes``, ``link_ranks``, ``link_ms``, ``busbw_gbs`` (issue 25 item 4): the params reduce's payload
+#: per rank on its exchange and the ranks of that exchange (`flodl_mpi.transport.reduce.Reducer.link`), its
+#: wall time on this rank, and the bus bandwidth of the three (`flodl_mpi.protocol.round_profile.bus_bandwidth`).
 ACK = Columns("divergence", "pre_norm", "post_norm", "pack_ms", "allreduce_ms", "unpack_ms", "outer_ms", "bytes",
-              "control_ms", "round_ms", "bridge_ms", "wait_ms", "adopt_ms")
+              "control_ms", "round_ms", "bridge_ms", "wait_ms", "adopt_ms",
+              "link_bytes", "link_ranks", "link_ms", "busbw_gbs")
 
 #: The whole row of a round's control gather.
 ROUND = ROUND_HEAD + ACK

@@ -12,7 +12,25 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["PHASES", "RunProfile"]
+__all__ = ["PHASES", "RunProfile", "bus_bandwidth"]
+
+
+def bus_bandwidth(nbytes: float, ms: float, ranks: int) -> float:
+    """The bus bandwidth of one reduce, GB/s (1e9 bytes per second): ``algbw · 2(W − 1)/W``, ``algbw = S / t``.
+
+    The definition of nccl-tests for an Allreduce (NVIDIA/nccl-tests, doc/PERFORMANCE.md: "algbw = S / t",
+    "busbw = algbw * 2*(n-1)/n"): ``S`` the bytes one rank contributes (``nbytes``), ``t`` the reduce's
+    wall time (``ms``), ``n`` the ranks of the exchange (``ranks``). It is the rate a link must carry for
+    a bandwidth-optimal Allreduce of ``S`` to take ``t``, so ``busbw / link rate`` is the bound
+    ``2(W − 1)/W · S / rate`` over the time taken: 1.0 at the bound, whatever the algorithm.
+
+    Returns:
+        NaN where nothing moved or no time was measured (``nbytes <= 0``, ``ranks < 2``, ``ms`` not
+        positive and finite).
+    """
+    if not (nbytes > 0 and ranks >= 2 and ms > 0 and np.isfinite(ms)):
+        return float("nan")
+    return float(nbytes) / (float(ms) / 1e3) / 1e9 * (2.0 * (ranks - 1) / ranks)
 
 #: The phases of a round, in order, as ``rounds`` columns (``<phase>_ms``). ``other``
 #: is the rest of the bridge's round (``bridge_ms`` less the named phases: the

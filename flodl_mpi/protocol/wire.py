@@ -19,9 +19,10 @@ any masses. Why not float32 deltas against the last consensus (the same bytes
 as today, exact only where a rank's value equals that reference): it needs a
 copy of the model per rank, and values that move alike on every rank (weight
 decay on rows no rank's gradient touched) would still drift. The cost is twice
-the bytes on the MPI-summed paths only (``--node-reduce mpi``, the leaders'
-step across nodes); the shared-memory paths sum in float64 in cache, at the
-float32 bytes (``benchmarks/bench_round.py``). The pre-round
+the bytes on the MPI-summed paths only (``--node-reduce mpi``); the shared-memory
+paths sum in float64 in cache, at the float32 bytes (``benchmarks/bench_round.py``),
+and the node leaders' step across nodes sends float32 node means
+(:mod:`flodl_mpi.protocol.node_means`). The pre-round
 sum of squares is a pass of its own before the round (:func:`sum_squares_pieces`):
 its finiteness decides, through the control gather, whether the rank is quarantined.
 """

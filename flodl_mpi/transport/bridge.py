@@ -43,7 +43,7 @@ from flodl_mpi.runtime import hooks
 from flodl_mpi.runtime.elastic import is_rank_failure
 from flodl_mpi.transport.reduce import MAX_COUNT, Reducer, ReduceStats, WireOptions, control_gather
 from flodl_mpi.protocol.epoch_report import BATCH_COLUMNS, EPOCH_FIELDS, EpochReport, EpochSummary, aggregate_epoch
-from flodl_mpi.protocol.round_profile import RunProfile
+from flodl_mpi.protocol.round_profile import RunProfile, bus_bandwidth
 from flodl_mpi.protocol.wire import DEFAULT_CHUNK_ELEMS, WireLayout, sum_squares_pieces
 
 __all__ = ["RoundUpdate", "Bridge", "boundary_verdict"]
@@ -701,6 +701,7 @@ class Bridge:
             raise NonFiniteError(_non_finite_message(self.version, flags, self.on_non_finite))
         masses = round_masses(all_steps.tolist(), (flags == 0).tolist(), self.gamma)  # plain floats: a round's few ranks
         skipped = not masses.quarantined and float(all_steps.sum()) == 0.0
+        link_ms = math.nan  # the params reduce's wall time (nothing moved: NaN)
         if skipped:
             # No rank moved: every snapshot already equals the consensus.
             stats = ReduceStats()
@@ -710,7 +711,9 @@ class Bridge:
             stats = ReduceStats(total_mass=mass, realized=is_realized(mass), post_sq=pre_sq)
         else:
             self._enter("params reduce")
+            t_reduce = time.perf_counter()
             stats = p.reducer.reduce(p.staging, masses.wire[self.rank], masses.wire, pre_sums=deferred)
+            link_ms = 1e3 * (time.perf_counter() - t_reduce)
         if deferred:
             pre_sq = self._deferred_check(stats, flags)
         stats.pre_sq = pre_sq
@@ -771,7 +774,8 @@ class Bridge:
                             allreduce_ms=stats.allreduce_ms, unpack_ms=stats.unpack_ms, outer_ms=outer_ms,
                             bytes=stats.bytes, control_ms=control_ms,
                             round_ms=1e3 * (time.perf_counter() - t_gathered),
-                            bridge_ms=1e3 * (time.perf_counter() - t_start), wait_ms=0.0)
+                            bridge_ms=1e3 * (time.perf_counter() - t_start), wait_ms=0.0,
+                            **self._link_acks(link_ms, stats.realized))
         quarantined = np.zeros(self.world_size, dtype=bool)
         quarantined[masses.quarantined] = True
         self._recorder.round(
@@ -792,6 +796,16 @@ class Bridge:
             verdict=verdict,
             all_joined=bool((cols["joined"] == 1.0).all()),
         )
+
+    def _link_acks(self, link_ms: float, realized: bool) -> dict[str, float]:
+        """The round's params reduce against its link (issue 25 item 4): its payload and ranks
+        (`Reducer.link`), its wall time here, and the bus bandwidth of those (NaN: nothing moved, or the
+        reduce ended at its mass slot with nothing realized)."""
+        if self.alone or math.isnan(link_ms):
+            return {"link_bytes": 0.0, "link_ranks": float(self.world_size), "link_ms": link_ms, "busbw_gbs": math.nan}
+        nbytes, ranks = self._p.reducer.link
+        busbw = bus_bandwidth(nbytes, link_ms, ranks) if realized else math.nan
+        return {"link_bytes": float(nbytes), "link_ranks": float(ranks), "link_ms": link_ms, "busbw_gbs": busbw}
 
     def _take_acks(self, cols: dict, batch_ms: np.ndarray, window: np.ndarray, anchor: int = 0,
                    closes_window: bool = True) -> Verdict | None:

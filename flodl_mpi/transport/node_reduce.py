@@ -7,9 +7,15 @@ rank k sums slice k of every segment scaled by its mass, in rank order and in
 float64, into the node's float64 result; every rank then unpacks the whole
 result with the one divide, rounded to float32 once (float64 so that values
 every rank holds alike come back unchanged, bit for bit: issue 26 item 5). Across nodes (hierarchical) the node leaders
-Allreduce the node sums, mass slot included, before anyone unpacks: a sum of
-partial sums, never an average of averages (SPEC §1), so the consensus is the
-same ``Σ m_r·θ_r / Σ m_r``.
+exchange each node's mean, rounded to float32 once, and its float64 mass (an
+Allgather, :mod:`flodl_mpi.transport.leaders`, 4 bytes a value on the link, not
+the float64 sums' 8: issue 25 item 4), and every leader combines
+``Σ_k M_k·μ_k`` in float64 in node order before anyone unpacks: weighted by the
+nodes' masses, never an unweighted average of averages, so the consensus is
+``Σ m_r·θ_r / Σ m_r`` up to one float32 rounding per node (the departure from
+SPEC §1's "nothing but the final step divides" that buys the halved bytes; values
+every rank holds alike still come back bit for bit, and every rank unpacks the
+same bits: :mod:`flodl_mpi.protocol.node_means`).
 
 Invariant: every element of the result is written by exactly one rank and read
 by all only after a barrier, so every rank unpacks the same bits.
@@ -25,6 +31,7 @@ from mpi4py import MPI
 
 from flodl_mpi.protocol.realized_work import is_realized
 from flodl_mpi.protocol.wire import WireLayout, from_bf16, pack_piece, sum_squares, to_bf16, unpack_piece
+from flodl_mpi.transport.leaders import LeaderMeans
 
 __all__ = ["NodeMpiReduce", "ShmReduce", "slices"]
 
@@ -32,7 +39,7 @@ _ALIGN = 16  # elements: slice bounds on 64-byte lines, so two ranks never write
 #: Elements per piece of the shared-memory loops (pack, sum, unpack): 256 KiB of
 #: float32, so an unpack's four pieces (sum, staging, consensus, difference) stay in
 #: a 2 MiB L2 (measured here: 65536 beat 262144 and 16384 elements). No MPI call
-#: is this size: only the leaders' Allreduce uses the layout's pieces.
+#: is this size: only the leaders' exchange uses the layout's pieces.
 CACHE_PIECE = 1 << 16
 
 
@@ -73,8 +80,8 @@ class ShmReduce:
             bits, the sums and the divide are float64, the masses float64.
 
     Memory (per node): one segment per rank (float32 or bf16 tensors,
-    unscaled) and the node's float64 sum at the leader (8 bytes per element:
-    what the leaders Allreduce), i.e. about 1x the model's float32 bytes per
+    unscaled) and the node's float64 sum at the leader (8 bytes per element;
+    the leaders exchange its float32 mean), i.e. about 1x the model's float32 bytes per
     rank plus 2x once per node, and three pieces of scratch per rank.
 
     Collective contract: construction, :meth:`prepare`, :meth:`reduce_prepared`,
@@ -84,7 +91,8 @@ class ShmReduce:
     result), after the sum (every slice is summed before anyone unpacks), and,
     for :meth:`reduce` only, after the pack (:meth:`reduce_prepared` relies on
     the control gather between it and :meth:`prepare`); plus the leaders'
-    Allreduce when hierarchical. If one rank fails inside, the others wait in a
+    exchange when hierarchical (:class:`~flodl_mpi.transport.leaders.LeaderMeans`).
+    If one rank fails inside, the others wait in a
     barrier: the watchdog ends the job (as for any collective). :meth:`reduce`
     gathers the node's masses after the segments are written (that gather is
     the barrier after the pack).
@@ -120,6 +128,10 @@ class ShmReduce:
         self._diff = np.empty(piece, dtype=np.float32)
         self._tmp = np.empty(piece, dtype=np.float64)
         self.extra_bytes += 2 * 4 * piece + 8 * piece
+        self._leader_means = None
+        if leaders is not None and leaders != MPI.COMM_NULL:
+            self._leader_means = LeaderMeans(leaders, min(layout.chunk_elems, max(n, 1)), bf16=bf16)
+            self.extra_bytes += self._leader_means.extra_bytes
 
     def _sync(self) -> None:
         # The shared-memory model's pattern: make this rank's stores visible, wait
@@ -214,13 +226,11 @@ class ShmReduce:
 
     def _finish(self, staging: np.ndarray, stats, clock: _Clock) -> None:
         """Across nodes if hierarchical, then the one divide: every rank unpacks the whole result."""
-        layout, chunks = self.layout, self.layout.chunks
+        layout = self.layout
         if self.leaders is not None:
             self._sync()
             if self.leaders != MPI.COMM_NULL:
-                for lo, hi in chunks:
-                    self.leaders.Allreduce(MPI.IN_PLACE, [self.result[lo:hi], MPI.DOUBLE], op=MPI.SUM)
-                stats.bytes += 8 * layout.size
+                stats.bytes += self._across_nodes()
         self._sync()
         stats.allreduce_ms += clock.lap()
         stats.bytes += (2 if self.bf16 else 4) * layout.n + 4  # the segment and its mass, as the in-place path counts
@@ -237,6 +247,20 @@ class ShmReduce:
                 stats.post_finite = False
                 break
         stats.unpack_ms += clock.lap()
+
+    def _across_nodes(self) -> int:
+        """The leaders' exchange (a leader only): the node's float64 sum in :attr:`result` becomes
+        ``Σ_k M_k·μ_k`` of every node's float32 mean (:class:`~flodl_mpi.transport.leaders.LeaderMeans`),
+        the mass slot ``Σ_k M_k``; the same bits on every leader. Returns the bytes this leader sent."""
+        n, res, ex = self.layout.n, self.result, self._leader_means
+        masses, total = ex.masses(float(res[n]))
+        sent = 8
+        if is_realized(total):  # decided from the gathered masses: every leader alike
+            for lo, hi in self.layout.chunks:
+                if lo < n:
+                    sent += ex.exchange(res[lo:min(hi, n)], masses[self.leaders.rank])
+        res[n] = total
+        return sent
 
     def _sum_slice(self, scales) -> None:
         """This rank's slice of the node sum: every segment times its ``W·m`` (``scales``, node order),
@@ -272,9 +296,12 @@ class NodeMpiReduce:
     """Per-node partial sums with MPI calls only (``--hierarchical on --node-reduce mpi``).
 
     Piece by piece: pack (float64, as the flat wire: :mod:`flodl_mpi.protocol.wire`),
-    ``Reduce(SUM)`` to the node leader, the leaders ``Allreduce(SUM)`` the node
-    sums (mass slot included), ``Bcast`` within the node, unpack with the one
-    divide. Collective over ``comm`` as
+    ``Reduce(SUM)`` to the node leader, the leaders exchange their nodes' float32
+    means and float64 masses (:class:`~flodl_mpi.transport.leaders.LeaderMeans`:
+    the node sum becomes ``Σ_k M_k·μ_k``, the mass slot ``Σ_k M_k``), ``Bcast``
+    within the node, unpack with the one divide (a round that realizes nothing
+    ends on every rank at the first piece's total, the same gathered masses
+    everywhere). Collective over ``comm`` as
     :class:`ShmReduce`; frees ``node`` and ``leaders``.
     """
 
@@ -284,6 +311,9 @@ class NodeMpiReduce:
         self._frame = np.empty(piece, dtype=np.float64)
         self._diff = np.empty(piece, dtype=np.float32)
         self.extra_bytes = 8 * piece + 4 * piece
+        self._leader_means = LeaderMeans(leaders, piece) if leaders != MPI.COMM_NULL else None
+        if self._leader_means is not None:
+            self.extra_bytes += self._leader_means.extra_bytes
 
     def free(self) -> None:
         self.node.Free()
@@ -293,19 +323,24 @@ class NodeMpiReduce:
     def reduce(self, staging: np.ndarray, mass: float, stats) -> None:
         layout = self.layout
         scale = float(self.comm.size) * float(mass)
-        leader = self.node.rank == 0
-        total = None
+        leader, ex, n = self.node.rank == 0, self._leader_means, layout.n
+        total = mine = None
         for i, (lo, hi) in enumerate(reversed(layout.chunks)):
             clock = _Clock()
             f = self._frame[: hi - lo]
             pack_piece(staging, lo, hi, f, scale)
             stats.pack_ms += clock.lap()
             self.node.Reduce(MPI.IN_PLACE if leader else [f, MPI.DOUBLE], [f, MPI.DOUBLE], op=MPI.SUM, root=0)
-            if leader:
-                self.leaders.Allreduce(MPI.IN_PLACE, [f, MPI.DOUBLE], op=MPI.SUM)
+            stats.bytes += 8 * (hi - lo)  # the node's Reduce, in float64
+            if leader:  # the node sum becomes Σ_k M_k·μ_k over the nodes' float32 means (transport.leaders)
+                if i == 0:  # the piece with the mass slot comes first: the masses before any mean
+                    mine = float(f[n - lo])
+                    _, f[n - lo] = ex.masses(mine)
+                    stats.bytes += 8
+                if hi > lo and lo < n:
+                    stats.bytes += ex.exchange(f[: min(hi, n) - lo], mine)
             self.node.Bcast([f, MPI.DOUBLE], root=0)
             stats.allreduce_ms += clock.lap()
-            stats.bytes += 8 * (hi - lo)
             if i == 0:
                 total = float(f[layout.n - lo])
                 stats.total_mass = total

@@ -267,9 +267,10 @@ class WireOptions:
             room for the window (and the world is on one node, or hierarchical
             is not ``off``), else ``mpi``. Measured faster than the chunked
             Allreduce on one node (``benchmarks/README.md``).
-        hierarchical: ``"on"``: node sums first, then the node leaders Allreduce
-            them; ``"off"``: one flat reduce over the world (``shm`` then needs
-            the whole world on one node); ``"auto"``: on when the world spans
+        hierarchical: ``"on"``: node sums first, then the node leaders exchange
+            the nodes' float32 means and float64 masses
+            (:mod:`flodl_mpi.transport.leaders`); ``"off"``: one flat reduce over
+            the world (``shm`` then needs the whole world on one node); ``"auto"``: on when the world spans
             more than one node and ``node_reduce`` is ``shm``.
         bf16: params and float buffers travel as bfloat16; sums and the divide
             in float64, the consensus rounded to float32 once; the mass exact
@@ -339,7 +340,7 @@ class Reducer:
     (:func:`_reduce_bf16_allgather`), ``"shm"`` / ``"shm+leaders"`` (one
     node's shared window, then the node leaders across nodes),
     ``"shm-in-place"`` (one node, float32, the staging in the shared memory: ``in_place``),
-    ``"node-mpi+leaders"`` (MPI Reduce within the node, leaders' Allreduce, Bcast),
+    ``"node-mpi+leaders"`` (MPI Reduce within the node, the leaders' exchange of float32 node means, Bcast),
     ``"allgather-bf16-delta"`` / ``"allgather-int8-delta"`` (the delta wire,
     :class:`~flodl_mpi.transport.delta_reduce.DeltaReduce`: its first round the exact Allreduce).
 
@@ -453,6 +454,29 @@ class Reducer:
                 self._frame, self._scratch = np.empty(piece, np.float64), np.empty(piece, np.float32)
                 self.path = "allreduce"
                 self.extra_bytes = self._frame.nbytes + self._scratch.nbytes
+
+    @property
+    def link(self) -> tuple[int, int]:
+        """``(S, W)``: the bytes one rank contributes to the round's exchange, and the ranks of that exchange.
+
+        What the bus bandwidth of the round is figured from (:func:`~flodl_mpi.protocol.round_profile.bus_bandwidth`,
+        issue 25 item 4), planned from the path, the layout and the world, the same on every rank:
+        ``allreduce`` ``8·size`` (the float64 frame) over the world; ``allgather-bf16`` and the delta wires their
+        quantised values and mass slots over the world; ``shm`` / ``shm-in-place`` the float32 (bf16) segment
+        over the node (a memory bandwidth); ``shm+leaders`` / ``node-mpi+leaders`` the node's mean, float32
+        (bf16) plus its float64 mass, over the node leaders (``nodes``): the link between hosts.
+        """
+        n, W, chunks = self.layout.n, self.comm.size, len(self.layout.chunks)
+        value = 2 if self.options.bf16 else 4
+        if self.path == "allreduce":
+            return 8 * self.layout.size, W
+        if self.path == "allgather-bf16":
+            return 2 * (n + 4 * chunks), W
+        if self.path.endswith("-delta"):
+            return {"bf16": 2, "int8": 1}[self.options.delta] * n + 8 * chunks, W
+        if self.path.endswith("+leaders"):
+            return value * n + 8, self.nodes
+        return value * n + 4, W  # one node's shared memory
 
     def _exact_round(self, staging: np.ndarray, mass: float, stats: ReduceStats) -> None:
         """The exact float64 Allreduce round (the delta wire's first, before it holds a reference)."""

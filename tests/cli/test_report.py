@@ -164,7 +164,8 @@ def test_figures_draw_the_expected_series(tmp_path, n_runs):
     assert _lines(plots.ranks_figure(runs)) == [W * n_runs, 2 * W * n_runs]  # throughput | done + allocation
     # ranks + guard markers + the 3 epochs' last rounds (vertical lines)
     assert _lines(plots.divergence_figure(runs)) == [(W + 1 + 3) * n_runs]
-    assert _lines(plots.round_times_figure(runs)) == [3 * n_runs]            # pack, allreduce, unpack
+    # pack, allreduce, unpack | rank 0's bus bandwidth on its own axis
+    assert _lines(plots.round_times_figure(runs)) == [3 * n_runs, n_runs]
     assert plots.cadence_figure(runs) is None                                # sync plans no quotas
     cadence = [load_run(write_synthetic(tmp_path / f"c{i}", world_size=W, config={"policy": "cadence"}))
                for i in range(n_runs)]

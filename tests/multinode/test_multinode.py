@@ -163,7 +163,10 @@ def _check(rep: dict, name: str, hosts: list[str]) -> None:
     assert params["path"] == [PATHS[name]], rep
     for plane in rep["planes"]:
         assert plane["realized"], rep
-        assert plane["rel_err"] <= TOL, f"{name}: {plane}"
+        # one float32 rounding (TOL); across hosts (the leaders' float32 / bf16 node means, issue 25 item 4)
+        # also one rounding of each node's mean: matrix.py's ``bound``, computed from the same inputs
+        tol = max(TOL, 1.001 * plane["bound"]) if plane["path"][0].endswith("+leaders") else TOL
+        assert plane["rel_err"] <= tol, f"{name}: {plane}"
 
 
 @pytest.mark.parametrize("name", list(PATHS))
@@ -178,7 +181,8 @@ def test_averaging_across_two_hosts_of_three(matrix_2x3, name):
 
 def test_equal_masses_give_the_reference_bit_for_bit(matrix_2x2):
     # sync: every rank's mass is the same; the float64 sums of four terms, rounded once to float32, met the
-    # float32 rounding of numpy's float64 reference on every element here (cadence's unequal masses: 99.4%)
+    # float32 rounding of numpy's float64 reference on every element here (cadence's unequal masses: 99.4%);
+    # across hosts the reference is the leaders' own arithmetic in numpy (node means rounded, then combined)
     for name in ("sync-auto", "sync-flat-mpi", "sync-hier-mpi", "sync-bf16-hier", "sync-bf16-flat"):
         params = matrix_2x2[name]["planes"][0]
         assert params["bits_equal"] >= 0.999, (name, params)

@@ -39,7 +39,8 @@ def round_rows(start, k):
             "anchor": np.full(k, 3), "guard": (i % 3).astype(np.int8), "quota": per_rank.astype(np.int64) + 2,
             "batch_ms": per_rank / 3, "round_ms": per_rank * 2, "wait_ms": per_rank / 5,
             "bridge_ms": per_rank * 3, "control_ms": per_rank / 7, "snapshot_ms": per_rank / 11,
-            "adopt_ms": per_rank / 13}
+            "adopt_ms": per_rank / 13, "link_bytes": i * 8, "link_ranks": np.full(k, 2), "link_ms": per_rank / 17,
+            "busbw_gbs": per_rank / 19}
 
 
 def expected(rows_list):
@@ -64,7 +65,10 @@ def test_schema_shapes():
     for name in ("control_ms", "round_ms", "bridge_ms", "wait_ms", "snapshot_ms", "adopt_ms"):
         assert schema["rounds"][name] == (np.dtype(np.float64), (4,))
     assert schema["epochs"]["nonfinite_batches"] == (np.dtype(np.int64), ())
-    assert len(schema["rounds"]) == 26 and len(schema["epochs"]) == 20 and len(schema["batches"]) == 8
+    # the params reduce against its link (issue 25 item 4): payload and ranks of the cohort, time and busbw per rank
+    assert schema["rounds"]["link_bytes"] == schema["rounds"]["link_ranks"] == (np.dtype(np.int64), ())
+    assert schema["rounds"]["link_ms"] == schema["rounds"]["busbw_gbs"] == (np.dtype(np.float64), (4,))
+    assert len(schema["rounds"]) == 30 and len(schema["epochs"]) == 20 and len(schema["batches"]) == 8
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         table_schema(0)
 

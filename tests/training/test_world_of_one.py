@@ -137,7 +137,8 @@ def _round_row(i: int) -> dict:
             "post_norm": float(i), "pack_ms": one, "allreduce_ms": one, "unpack_ms": one, "outer_ms": one,
             "bytes": 0, "window": np.array([1]), "anchor": 1, "guard": 0, "quota": np.array([1]),
             "batch_ms": one, "round_ms": one, "wait_ms": one, "bridge_ms": one, "control_ms": one,
-            "snapshot_ms": one, "adopt_ms": one}
+            "snapshot_ms": one, "adopt_ms": one, "link_bytes": 0, "link_ranks": 1, "link_ms": one,
+            "busbw_gbs": one}
 
 
 def test_held_round_rows_reach_the_file_before_anything_queued_after_them(tmp_path):
