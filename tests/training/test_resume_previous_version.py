@@ -51,7 +51,7 @@ def test_cli_resumes_an_old_run_as_the_old_version_did(tmp_path_factory, tmp_pat
                      timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert said in (run_dir / "train.log").read_text()
-    arrays, ref = _old_runs.reference(name)
+    arrays, ref = _old_runs.reference(name, tmp_path_factory)
     newest = read_contents(latest_checkpoint(run_dir / "checkpoints"), ranks=None)
     assert (newest.name, newest.round, newest.epoch) == (ref["checkpoint"], ref["round"], ref["epoch"])
     _assert_same_arrays({**newest.params, **newest.buffers}, arrays)
@@ -72,7 +72,7 @@ def test_averager_resumes_an_old_cut_short_epoch_as_the_old_version_did(tmp_path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ("resuming from ckpt-e000003-r000010.h5: 2 epoch(s) done, 3 step() call(s) into the next, round 10; "
             "go on at epoch 3 from step() call 4 (avg.start_epoch 2, avg.start_step 3") in proc.stderr
-    arrays, ref = _old_runs.reference("averager_cut")
+    arrays, ref = _old_runs.reference("averager_cut", tmp_path_factory)
     with np.load(out) as npz:
         _assert_same_arrays({k: npz[k] for k in npz.files}, arrays)
     assert json.loads(out.with_suffix(".json").read_text()) == ref
