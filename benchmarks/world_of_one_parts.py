@@ -51,6 +51,7 @@ def step_round_us(steps: int, hidden: int, run_dir: bool) -> tuple[float, float,
     import torch
 
     import flodl_mpi
+    from flodl_mpi.api import averager_checkpoint
     from flodl_mpi.outputs import checkpoint
     from world_of_one import _data_and_model
 
@@ -69,7 +70,8 @@ def step_round_us(steps: int, hidden: int, run_dir: bool) -> tuple[float, float,
         per_step = 1e6 * (time.process_time() - t0) / steps
         write_ms = prune_ms = float("nan")
         if run_dir:
-            args = avg._contents(None, "checkpoint", [avg._rank_state()]).format_args()
+            args = averager_checkpoint.contents_of(avg, None, "checkpoint",
+                                                   [averager_checkpoint.this_rank_state(avg)]).format_args()
             t0 = time.process_time()
             for i in range(10):
                 checkpoint.write_checkpoint(Path(d) / f"ckpt-{i}.h5", **args)

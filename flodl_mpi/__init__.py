@@ -28,7 +28,7 @@ __all__ = ["Averager", "CheckpointError", "EpochResult", "InputError", "Run", "S
 
 _WHERE = {
     "Averager": "flodl_mpi.api.averager",
-    "EpochResult": "flodl_mpi.api.averager",
+    "EpochResult": "flodl_mpi.api.epoch_result",
     "InputError": "flodl_mpi.errors",
     "Stopped": "flodl_mpi.errors",
     "Run": "flodl_mpi.api.fit",

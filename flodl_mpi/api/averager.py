@@ -15,56 +15,20 @@ import math
 import operator
 import os
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
+from flodl_mpi.api import averager_checkpoint
+from flodl_mpi.api.averager_args import check_arguments
+from flodl_mpi.api.epoch_result import EpochResult, check_metrics, fill_test
+from flodl_mpi.api.own_loop_front import OwnLoop
 from flodl_mpi.training import scalars as _scalars
-from flodl_mpi.config import TrainConfig, check_int, own_loop_config
+from flodl_mpi.config import TrainConfig, check_int
 from flodl_mpi.policy.registry import describe as describe_policy
 
-#: The loss of an own loop, as its records name it (metrics.h5 ``loss``).
-OWN_LOOP_LOSS = "loss given to step()"
-
-__all__ = ["Averager", "EpochResult"]
-
-
-@dataclass
-class EpochResult:
-    """The cohort's view of one epoch, identical on every rank.
-
-    Attributes:
-        epoch: counted from 1.
-        summary: :class:`flodl_mpi.protocol.epoch_report.EpochSummary` (``avg_loss``,
-            per-rank batches and throughput, ``test_loss`` / ``test_accuracy``
-            when evaluation sums named ``loss`` / ``accuracy`` were given, ...).
-        scalars: ``{name: value}``: :func:`flodl_mpi.record_scalar` values, the
-            batch-weighted mean of the ranks' means (SPEC §5).
-        metrics: ``{name: Σ sum / Σ count}`` of the evaluation sums every rank gave.
-        intents: the intents any rank raised (``"eval"``, ``"checkpoint"``).
-        checkpoint: path of the checkpoint saved at this boundary (rank 0), or None.
-    """
-
-    epoch: int
-    summary: object
-    scalars: dict[str, float] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-    intents: tuple[str, ...] = ()
-    checkpoint: str | None = None
-
-
-def _model_name(model: nn.Module) -> str:
-    cls = type(model)
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _optimizer_name(optimizer) -> str:
-    """The resume config's ``optimizer`` (a resume checks it against the saved state); none: the default."""
-    from flodl_mpi.api.run_record import optimizer_name
-
-    return TrainConfig.optimizer if optimizer is None else optimizer_name(optimizer)
+__all__ = ["Averager"]
 
 
 class Averager:
@@ -185,34 +149,12 @@ class Averager:
         # -- validate every argument (STYLE 13), agreed by every rank: bad input is one
         # line from rank 0 and exit status 2, as the CLI's (flodl_mpi.errors.InputError)
         def validate() -> TrainConfig:
-            try:
-                if options:  # a misspelt keyword: fit's line (did you mean ...?), not Python's TypeError
-                    import inspect
-
-                    from flodl_mpi.api.keywords import unknown_keywords
-
-                    named = [p.name for p in inspect.signature(Averager).parameters.values()
-                             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-                    raise ValueError(unknown_keywords("Averager()", options, named))
-                if not isinstance(model, nn.Module):
-                    raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-                params = list(model.named_parameters())
-                if not params:
-                    raise ValueError("model has no parameters: nothing to average")
-                bad = [n for n, p in params if not p.is_floating_point()]
-                if bad:
-                    raise ValueError(f"model parameter {bad[0]!r} is not floating point; every parameter must be")
-                if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-                    raise TypeError("optimizer must be a torch.optim.Optimizer or None, got "
-                                    f"{type(optimizer).__name__}")
-                return own_loop_config(model=_model_name(model), optimizer=_optimizer_name(optimizer), policy=policy,
-                                       window=window, gamma=gamma, run_dir=run_dir, checkpoint_every=checkpoint_every,
-                                       keep_checkpoints=keep_checkpoints, stall_timeout=stall_timeout,
-                                       on_non_finite=on_non_finite, chunk_elems=chunk_elems, resume=resume,
-                                       node_reduce=node_reduce, hierarchical=hierarchical, bf16_wire=bf16_wire,
-                                       wire=wire, pin_staging=pin_staging)
-            except TypeError as exc:  # the wrong kind is bad input too (agree: ValueError is input)
-                raise ValueError(str(exc)) from None
+            return check_arguments(Averager, model, optimizer, options, policy=policy, window=window, gamma=gamma,
+                                   run_dir=run_dir, checkpoint_every=checkpoint_every,
+                                   keep_checkpoints=keep_checkpoints, stall_timeout=stall_timeout,
+                                   on_non_finite=on_non_finite, chunk_elems=chunk_elems, resume=resume,
+                                   node_reduce=node_reduce, hierarchical=hierarchical, bf16_wire=bf16_wire,
+                                   wire=wire, pin_staging=pin_staging)
 
         self.model, self.optimizer = model, optimizer
         self._closed = True  # until setup is complete
@@ -277,7 +219,7 @@ class Averager:
         self._train_log = None
         self._hook = None
         setup_rank(self.cfg, world, self._session.watchdog, self.model, self.device,
-                   _OwnLoop(self, broadcast, pin_staging))
+                   OwnLoop(self, broadcast, pin_staging))
         _scalars.activate(self._book)
         if self.optimizer is not None:
             self._hook = self.optimizer.register_step_post_hook(self._count_step)
@@ -313,84 +255,6 @@ class Averager:
 
             self._log(line)
             print(f"flodl-mpi: {line}", file=sys.stderr, flush=True)
-
-    def _resume(self, ckpt) -> float:
-        """This rank's state from the checkpoint (the consensus is loaded already): the one per-rank
-        restore (`flodl_mpi.training.resume_state`, the CLI's too), then where the loop was.
-
-        A checkpoint of an epoch cut short (a stop, or :meth:`close` after more
-        steps) also gives back where the epoch was (:meth:`_continue_epoch`).
-        Returns the ms the cut-short epoch had run (0.0: none).
-        """
-        from flodl_mpi.training import resume_state
-
-        self.global_step = resume_state.restore_rank(ckpt, self.rank, self.world_size, self.optimizer,
-                                                     self.model).global_step
-        resume_state.restore_bridge(ckpt, self.bridge)  # round, policy (or guard), clock
-        self._wire_resumed = resume_state.restore_wire(ckpt, self.bridge, self.rank, self.world_size)
-        self._saved_version = ckpt.round
-        self.epoch = ckpt.epoch
-        if ckpt.epoch_complete:
-            self._tests = (ckpt.test_accuracy, ckpt.test_loss, ckpt.test_count)
-        self._metrics_rows = {k: int(ckpt.metrics_rows.get(k, 0)) for k in self._metrics_rows}
-        progress = ckpt.epoch_progress
-        if ckpt.epoch_complete or not isinstance(progress, dict):
-            return 0.0  # a complete epoch, or written before the own loop kept its place: the epoch restarts
-        return self._continue_epoch(progress, ckpt.world_size)
-
-    def _continue_epoch(self, progress: dict, old_size: int) -> float:
-        """The cut-short epoch's counts so far, so that its rows read as if never interrupted.
-
-        ``progress`` (a checkpoint's ``epoch_progress``): ``step``, the step() calls
-        every rank made in the epoch, and ``ranks``, per old rank, its report so
-        far (``loss_sum``, ``batches``, ``nonfinite_batches``, ``samples``, -1 for
-        not recorded, ``compute_ms``, ``epoch_ms``) and its ``record_scalar``
-        book (``scalars``: ``{name: [sum, count]}``, ``intents``). Another world
-        size: rank r carries the sum of old ranks ``r' ≡ r (mod W)``, as
-        ``worker.Trainer.resume``. Returns the epoch's ms so far (this rank's).
-        """
-        self._epoch_calls = int(progress["step"])
-        epoch_ms = 0.0
-        for old, part in enumerate(progress["ranks"]):
-            if old % self.world_size != self.rank:
-                continue
-            self._loss_sum += float(part["loss_sum"])
-            self._batches += int(part["batches"])
-            self._nonfinite += int(part["nonfinite_batches"])
-            self._samples_known = self._samples_known and int(part["samples"]) >= 0
-            self._samples += max(int(part["samples"]), 0)
-            self._compute_ms += float(part["compute_ms"])
-            epoch_ms = max(epoch_ms, float(part["epoch_ms"]))
-            self._book.restore({k: (s, c) for k, (s, c) in part["scalars"].items()}, part["intents"])
-        return epoch_ms
-
-    def _epoch_progress(self) -> dict:
-        """This rank's part of a cut-short epoch's ``epoch_progress`` (see :meth:`_continue_epoch`)."""
-        sums, intents = self._book.drain()
-        self._book.restore(sums, intents)  # read, not taken: the book goes on as it was
-        return {"loss_sum": self._loss_sum, "batches": self._batches, "nonfinite_batches": self._nonfinite,
-                "samples": self._samples if self._samples_known else -1, "compute_ms": self._compute_ms,
-                "epoch_ms": 1e3 * (time.perf_counter() - self._t_epoch),
-                "scalars": {k: [s, c] for k, (s, c) in sums.items()}, "intents": list(intents)}
-
-    def _say_resumed(self, ckpt) -> None:
-        """Rank 0: the resume line (train.log and stderr): where the loop goes on, and what is not exact."""
-        old_size = ckpt.world_size
-        where = (f"epoch {self.start_epoch + 1} from step() call {self.start_step + 1}" if self.start_step else
-                 f"epoch {self.start_epoch + 1}")
-        line = (f"resuming from {ckpt.path.name}: {self.start_epoch} epoch(s) done, {self.start_step} step() "
-                f"call(s) into the next, round {self.bridge.version}; go on at {where} (avg.start_epoch "
-                f"{self.start_epoch}, avg.start_step {self.start_step}; avg.batches() skips them)")
-        if not ckpt.epoch_complete and not isinstance(ckpt.epoch_progress, dict):
-            line += ("; the checkpoint (an older flodl-mpi's) does not say how far its epoch went: the epoch "
-                     "restarts at its first step, its first batches trained twice")
-        if old_size != self.world_size:
-            line += (f"; world size {old_size} -> {self.world_size}: rank r took the optimizer state, step count "
-                     f"and integer buffers of old rank r mod {old_size}, its RNG not restored: the run is not the "
-                     "uninterrupted one")
-        self._say(line)
-        if self._wire_resumed:  # a delta wire: what of its state came back (the CLI's line)
-            self._say(self._wire_resumed)
 
     def _count_step(self, optimizer, args, kwargs) -> None:
         self._hooked += 1
@@ -614,7 +478,7 @@ class Averager:
         complete = self._epoch_calls == 0
         self._write_cut_rows()  # the batches of the epoch the stop cut short, before the save counts them
         if self.run_dir is not None:
-            self._save(None, "graceful_shutdown", complete=complete)
+            averager_checkpoint.save(self, None, "graceful_shutdown", complete=complete)
         where = (f"checkpoint saved in {self.run_dir / 'checkpoints'}; run the same script with resume=True "
                  "to go on" if self.run_dir is not None else "no run_dir: nothing was saved")
         at = f"in epoch {self.epoch + 1}" if not complete else f"at the end of epoch {self.epoch}"
@@ -667,7 +531,7 @@ class Averager:
         """
         if self._closed:
             raise RuntimeError("Averager.end_epoch() after close()")
-        sums = _check_metrics(metrics)
+        sums = check_metrics(metrics)
         try:
             if self._join is not None:  # in a join: every rank out of data first (equal counts)
                 self._join_rounds()
@@ -694,7 +558,7 @@ class Averager:
         report = EpochReport(loss_sum=self._loss_sum, batches=self._batches, nonfinite_batches=self._nonfinite,
                              samples=self._samples if self._samples_known else -1,
                              epoch_ms=1e3 * (time.perf_counter() - self._t_epoch), compute_ms=self._compute_ms)
-        _fill_test(report, sums)
+        fill_test(report, sums)
         boundary = _scalars.exchange(self.bridge.allgather, self._book, self._batches, sums)
         summary = self.bridge.epoch_end(report, np.array(self._rows, dtype=np.float64), self.epoch)
         self._round_pending = False
@@ -710,7 +574,7 @@ class Averager:
             self._writer.append("scalars", rows)
         due = self.cfg.checkpoint_every and self.epoch % self.cfg.checkpoint_every == 0
         if self.run_dir is not None and (due or "checkpoint" in boundary.intents) and not stop:
-            path = self._save(summary, "checkpoint")
+            path = averager_checkpoint.save(self, summary, "checkpoint")
         tests = "".join(f"  test_{k} {v:.4f}" for k, v in boundary.metrics.items())
         self._log(f"epoch {self.epoch}  loss {summary.avg_loss:.4f}{excluded_words(summary.nonfinite_batches)}"
                   f"{tests}  rounds {summary.rounds}  "
@@ -725,93 +589,6 @@ class Averager:
         """Ask for ``"checkpoint"`` (saved at the next :meth:`end_epoch`, whoever asks) or ``"eval"``
         (reported in the next :class:`EpochResult`'s ``intents`` on every rank)."""
         self._book.request(intent)
-
-    # ---- checkpoints ----------------------------------------------------------------
-
-    def _rank_state(self):
-        from flodl_mpi.training import rank_state
-
-        if self.optimizer is not None:
-            arrays, attrs = rank_state.capture(self.optimizer, self.global_step, self.model)
-        else:
-            ints = {f"int_buffers/{k}": v for k, v in rank_state.integer_buffers(self.model).items()}
-            arrays, attrs = ({"rng/torch": torch.get_rng_state().numpy().copy(), **ints},
-                             {"global_step": int(self.global_step)})
-        wire = self.bridge.wire_state(cohort=False)
-        if wire is not None:  # the delta wire's error feedback: this rank's own (its reference is the cohort's)
-            arrays.update(wire[2])
-        return arrays, attrs
-
-    def _cohort_state(self, sized: bool = False):
-        """The delta wire's reference (``/cohort``, the same on every rank), None on the other wires; ``sized``:
-        with a zero array of the reference's shape and dtype per plane, for the save check before round 1."""
-        wire = self.bridge.wire_state(mine=False)
-        if wire is None:
-            return None
-        arrays, attrs = wire[0], wire[1]
-        if sized:  # the reference the first round makes: in every later save
-            mine = self.bridge.wire_state(cohort=False)[2]
-            arrays = {**{f"wire_reference_{k.rsplit('/', 1)[1]}": e for k, e in mine.items()}, **arrays}
-        return arrays, attrs
-
-    def _contents(self, summary, reason: str, ranks: list, complete: bool = True,
-                  progress: list | None = None, sized: bool = False):
-        """The checkpoint of this run now (`flodl_mpi.outputs.checkpoint_contents.CheckpointContents`), from
-        every rank's ``(arrays, attrs)``; ``progress``: every rank's part of a cut-short epoch; ``sized``: the
-        save check's (`_cohort_state`)."""
-        from flodl_mpi.outputs.checkpoint_contents import CheckpointContents
-        from flodl_mpi.training.model_record import model_record
-        from flodl_mpi.training.replica import state_arrays
-
-        params, buffers, order = state_arrays(self.model)
-        if summary is not None:
-            tests = (summary.test_accuracy, summary.test_loss, summary.test_count)
-        else:
-            tests = self._tests if complete else (math.nan, math.nan, 0)
-        # Named as the CLI's: the epoch saved (the one cut short, when not complete); "epoch" counts those done.
-        return CheckpointContents(
-            params=params, buffers=buffers, order=order,
-            epoch=self.epoch, epoch_complete=complete, cursor=0, round=self.bridge.version,
-            global_step=self.global_step, reason=reason, world_size=self.world_size,
-            elapsed_s=self.bridge.elapsed, config=self.cfg.to_dict(), guard=self.bridge.guard.state_dict(),
-            policy=self.bridge.policy.state_dict(),  # as the CLI's: a resume restores it (the guard's within)
-            # The epoch's test figures (a checkpoint of an epoch cut short: none measured)
-            test_accuracy=tests[0], test_loss=tests[1], test_count=int(tests[2]),
-            api="Averager", time_unix=time.time(),
-            model=model_record(self.model),  # what a resume compares its model with
-            # A round's row is written when its acks ride the next gather: the last one is
-            # still pending when no epoch exchange came after it.
-            metrics_rows={"rounds": self.bridge.version - int(self._round_pending), **self._metrics_rows},
-            # where the cut-short epoch was: a resume goes on from there
-            epoch_progress={"step": self._epoch_calls, "ranks": progress} if not complete and progress is not None
-            else None,
-            ranks=dict(enumerate(ranks)),
-            cohort=self._cohort_state(sized=sized),
-        )
-
-    def _check_saveable(self) -> None:
-        """The save check (rank 0; `flodl_mpi.outputs.checkpoint_room.check_saveable`, the CLI's too) with a
-        checkpoint of the initial state; room for one checkpoint (how many an own loop saves is not known)."""
-        state = self._rank_state()
-        self._saver.check(self.run_dir / "checkpoints", lambda: self._contents(None, "checkpoint",
-                                                                               [state] * self.world_size,
-                                                                               sized=True),
-                          self.optimizer, self.cfg.keep_checkpoints, saves=1)
-
-    def _save(self, summary, reason: str, complete: bool = True) -> str | None:
-        """Collective: every rank's state is gathered to rank 0, whose writer thread saves."""
-        gathered = self.bridge.gather_to_root((self._rank_state(), None if complete else self._epoch_progress()))
-        self._saved_version = self.bridge.version
-        path = self._saver.save(lambda: self._contents(summary, reason, [state for state, _ in gathered], complete,
-                                                       None if complete else [part for _, part in gathered]))
-        return None if path is None else str(path)
-
-    @property
-    def _saver(self):
-        """Rank 0's checkpoint duty over its writer (`flodl_mpi.outputs.saver`); a NoSaver elsewhere."""
-        from flodl_mpi.outputs.saver import saver_for
-
-        return saver_for(self.rank, self._writer)
 
     # ---- the end ------------------------------------------------------------------
 
@@ -842,7 +619,7 @@ class Averager:
         if self._epoch_calls:  # the same count on every rank: steps after the last end_epoch()
             self._write_cut_rows()
         if self.run_dir is not None and self.bridge.version != self._saved_version:
-            self._save(None, "checkpoint", complete=self._epoch_calls == 0)
+            averager_checkpoint.save(self, None, "checkpoint", complete=self._epoch_calls == 0)
         last = None
         if self.run_dir is not None:
             rounds = f"{self.bridge.version} round{'' if self.bridge.version == 1 else 's'}"
@@ -980,90 +757,3 @@ class _Join:
         if exc is None and not avg._closed and not self.settled:
             avg._leave_join()
         return False
-
-
-class _OwnLoop:
-    """The ``Averager``'s pieces in the one setup (`flodl_mpi.training.setup.FrontEnd`): no data, no Trainer.
-
-    The config record and train.log's header name the own loop; the consensus is adopted into
-    the user's model (broadcast from rank 0 unless ``broadcast=False``); the save check and the
-    per-rank resume are the averager's own.
-    """
-
-    run_dir_always = False
-    remove_bad_new_run = False
-
-    def __init__(self, avg: Averager, broadcast: bool, pin_staging: bool | None) -> None:
-        self.avg, self.broadcast, self.pin_staging = avg, broadcast, pin_staging
-        self.check_optimizer = avg.optimizer is not None
-
-    def prepared(self, run) -> bool:
-        avg = self.avg
-        avg.run_dir, avg._train_log = run.run_dir, run.train_log
-        return True
-
-    def record(self, run) -> dict:
-        from flodl_mpi.api.run_record import OWN_LOOP_OPTIONS, api_config
-
-        avg = self.avg
-        # What is true of an own loop: its model and optimizer as built, no planned epochs.
-        config = api_config(run.cfg.to_dict(), "Averager", loss=OWN_LOOP_LOSS, model=avg.model,
-                            optimizer=avg.optimizer, applies=OWN_LOOP_OPTIONS)
-        run.attrs.update(config=config, loss=OWN_LOOP_LOSS, data_source="(your training loop)")
-        return config
-
-    def opened(self, run) -> None:
-        self.avg._writer = run.writer
-
-    def attach(self, run) -> None:
-        avg = self.avg
-        avg.cfg, avg.replica, avg.bridge = run.cfg, run.replica, run.bridge
-        if avg._train_log is not None:
-            avg._header(run.attrs["devices"])
-        avg._new_epoch()
-        avg._book = _scalars.ScalarBook()
-        #: Where your loop goes on (see the class docstring): epochs done, and step() calls of the next one done.
-        avg.start_epoch, avg.start_step = 0, 0
-        avg._skip = 0  # batches() calls left to skip: start_step, once
-        avg._carried_ms = 0.0
-
-    def check_saveable(self, run) -> None:
-        self.avg._check_saveable()
-
-    def resume(self, run) -> None:
-        avg = self.avg
-        avg._carried_ms = avg._resume(run.ckpt)
-
-    def resumed(self, run) -> None:
-        avg = self.avg
-        avg.start_epoch, avg.start_step, avg._skip = avg.epoch, avg._epoch_calls, avg._epoch_calls
-        avg._say_resumed(run.ckpt)
-
-    def ready(self, run) -> None:
-        pass
-
-
-def _check_metrics(metrics) -> dict[str, tuple[float, float]]:
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, dict):
-        raise TypeError(f"metrics must be a dict {{name: (sum, count)}}, got {type(metrics).__name__}")
-    out = {}
-    for name, pair in metrics.items():
-        try:
-            s, c = pair
-            out[str(name)] = (float(s.item() if hasattr(s, "item") else s), float(c.item() if hasattr(c, "item")
-                                                                                   else c))
-        except (TypeError, ValueError):
-            raise TypeError(f"metrics[{name!r}] must be a (sum, count) pair of numbers, got {pair!r}") from None
-    return out
-
-
-def _fill_test(report, sums: dict[str, tuple[float, float]]) -> None:
-    """``loss`` / ``accuracy`` evaluation sums into the report's test columns (same count, or left out)."""
-    if "loss" in sums:
-        report.test_loss_sum, report.test_count = sums["loss"][0], int(sums["loss"][1])
-        report.test_correct = float("nan")  # no accuracy measured: NaN, not 0 correct
-        if "accuracy" in sums and int(sums["accuracy"][1]) == report.test_count:
-            report.test_correct = round(sums["accuracy"][0])
-

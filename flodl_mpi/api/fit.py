@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from flodl_mpi.training import scalars as _scalars
-from flodl_mpi.api.averager import EpochResult
+from flodl_mpi.api.epoch_result import EpochResult
 from flodl_mpi.config import TrainConfig, check_fit_arguments
 from flodl_mpi.training.task import UserTask
 

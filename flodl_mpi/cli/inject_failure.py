@@ -49,36 +49,29 @@ STAGES = ("setup", "checkpoint")
 POLL_S = 0.02
 
 
+def _at_least_zero(parse, what: str):
+    """An argparse ``type``: ``parse(text)`` (``int`` or ``float``), refused unless >= 0 (NaN too) with the
+    line ``must be WHAT, got 'TEXT'``."""
+
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return check
+
+
+_count = _at_least_zero(int, "an integer >= 0")
+_seconds = _at_least_zero(float, "a number of seconds >= 0")
+_rank = _at_least_zero(int, "a rank (an integer >= 0) or 'random'")
+
+
 def _rank_choice(text: str) -> int | str:
-    if text == "random":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a rank (an integer >= 0) or 'random', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a rank (an integer >= 0) or 'random', got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
-    return value
+    return text if text == "random" else _rank(text)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

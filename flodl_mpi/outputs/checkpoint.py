@@ -104,8 +104,9 @@ LIBVER = ("v108", "v110")
 #: What h5py raises reading a damaged file: it maps HDF5's error classes onto
 #: OSError (most I/O and format errors), KeyError (an object or link not found),
 #: ValueError, TypeError, and RuntimeError for the rest (a half-written object
-#: header: "Can't deserialize object header prefix"; h5py's NotImplementedError is a
-#: RuntimeError too). Every reader here turns them into `CheckpointError`.
+#: header: "Can't deserialize object header prefix"; HDF5's "not implemented" errors
+#: too, which h5py raises as a subclass of RuntimeError). Every reader here turns them
+#: into `CheckpointError`.
 READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 #: How many times `read_newest` and `latest_checkpoint` list a directory when none
 #: of the checkpoints a listing named could be read and the directory changed

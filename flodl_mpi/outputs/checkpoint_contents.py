@@ -34,7 +34,7 @@ epoch_reports     list: the CLI's and ``fit``'s stop mid-epoch: every rank's
 epoch_scalars,    list: ``fit``'s stop mid-epoch: every rank's ``record_scalar`` book
 epoch_intents     (``{name: [sum, count]}``) and intents of the epoch so far
 epoch_progress    dict: an own loop's epoch cut short: ``step`` (its step() calls) and
-                  ``ranks`` (each rank's counts so far; ``Averager._continue_epoch``)
+                  ``ranks`` (each rank's counts so far; ``api.averager_checkpoint.continue_epoch``)
 api               str: ``"Averager"`` for an own loop's run
 run_record        dict: a Python API run's record (config.json's), added by the metrics writer
 extra             any other meta key, kept as read (written back as it was)

@@ -107,12 +107,17 @@ print(json.dumps(out))
 )
 
 
-@pytest.mark.in_fork
-def test_fit_on_a_dataset_and_with_validation(tmp_path):
-    (tmp_path / "script.py").write_text(SERIAL)
+def _run_script(tmp_path, script: str) -> dict:
+    """Run ``script`` in a fresh interpreter (its argv[1]: ``tmp_path``); it exits 0 and its last line is JSON: that."""
+    (tmp_path / "script.py").write_text(script)
     proc = fork_python(tmp_path / "script.py", str(tmp_path), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    out = json.loads(proc.stdout.splitlines()[-1])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.in_fork
+def test_fit_on_a_dataset_and_with_validation(tmp_path):
+    out = _run_script(tmp_path, SERIAL)
     assert out["dataset"] and out["workers"]  # bit-identical to the arrays, read in process or by 2 workers
     assert out["worker reads"] == [2]  # the workers read every training sample once per epoch, nothing else
     assert out["stopped"] and out["resumed"]  # stopped mid-epoch 2 and resumed: bit-identical still
@@ -205,11 +210,8 @@ print(json.dumps(out))
 
 @pytest.mark.in_fork
 def test_a_val_group_in_the_file_is_the_validation_set_streamed_or_in_memory(tmp_path):
-    (tmp_path / "script.py").write_text(VAL_GROUP)
-    proc = fork_python(tmp_path / "script.py", str(tmp_path), cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # the file's val/ group trains and validates as val_fraction's split of the same rows, bit for bit
-    assert json.loads(proc.stdout.splitlines()[-1]) == {"memory": [True, True], "stream": [True, True]}
+    assert _run_script(tmp_path, VAL_GROUP) == {"memory": [True, True], "stream": [True, True]}
     # --val-fraction beside the file's own: one line, exit 2, before anything is written
     from tests.conftest import fork_flodl
 

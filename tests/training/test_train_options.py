@@ -32,6 +32,15 @@ def mlp(input_shape, num_classes):
     return nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 32), nn.ReLU(), nn.Linear(32, num_classes))
 
 
+def _one_epoch(run_dir, **options):
+    """``fit`` of `mlp` with SGD on the digits for one epoch of batches of 64, no evaluation, no checkpoint but
+    the last, in ``run_dir``; waits for it and returns the `flodl_mpi.Run`."""
+    run = flodl_mpi.fit(mlp, "sgd", epochs=1, batch_size=64, eval_every=0, checkpoint_every=0, run_dir=run_dir,
+                        **options)
+    run.wait()
+    return run
+
+
 def params(run) -> list[torch.Tensor]:
     return [p.detach().clone() for p in run.model.parameters()]
 
@@ -78,20 +87,7 @@ def test_fp16_steps_the_grad_scaler_skips_carry_no_mass(tmp_path):
         x, y = batch
         return nn.functional.cross_entropy(model(x), y) * 300.0  # x 65536 (the first scale): fp16 overflows
 
-    run = flodl_mpi.fit(
-        mlp,
-        "sgd",
-        train_step=overflowing,
-        amp="fp16",
-        momentum=0.0,
-        lr=0.01,
-        epochs=1,
-        batch_size=64,
-        eval_every=0,
-        checkpoint_every=0,
-        run_dir=tmp_path / "fp16",
-    )
-    run.wait()
+    run = _one_epoch(tmp_path / "fp16", train_step=overflowing, amp="fp16", momentum=0.0, lr=0.01)
     steps = read_table(tmp_path / "fp16" / "metrics.h5", "rounds")["steps"][:, 0]
     assert len(steps) == math.ceil(DIGITS_N / 64)  # 23 rounds, one step each
     before = seen[-len(steps) :]  # (the calls before: setup's trial step on the model, undone)
@@ -242,20 +238,7 @@ def test_a_bad_option_is_refused_before_mpi_starts(tmp_path, flags, toml, line):
 
 @pytest.mark.in_fork
 def test_fit_takes_a_schedule_by_name(tmp_path):
-    run = flodl_mpi.fit(
-        mlp,
-        "sgd",
-        lr=0.1,
-        lr_schedule="step",
-        lr_step_size=10,
-        lr_gamma=0.5,
-        epochs=1,
-        batch_size=64,
-        eval_every=0,
-        checkpoint_every=0,
-        run_dir=tmp_path / "f",
-    )
-    run.wait()
+    _one_epoch(tmp_path / "f", lr=0.1, lr_schedule="step", lr_step_size=10, lr_gamma=0.5)
     lr = read_table(tmp_path / "f" / "metrics.h5", "batches")["lr"]
     np.testing.assert_allclose(lr, [0.1 * 0.5 ** (s // 10) for s in range(math.ceil(DIGITS_N / 64))], rtol=1e-12)
     with pytest.raises(flodl_mpi.InputError, match=r"^lr_schedule='exp': must be a callable or one of constant, "):
