@@ -191,9 +191,10 @@ class Recovery:
 def resolve_on_rank_failure(cfg, api: bool = False) -> tuple[str, str | None]:
     """``--on-rank-failure`` as this run takes it: ``("stop" | "shrink", train.log's note or None)``.
 
-    The default (None) is ``stop``; where ``shrink`` could work (`flodl_mpi.runtime.elastic.fault_tolerance`,
-    and the run's options, below) train.log's note says so, else it names why not. Decided from the
-    config and the launcher's environment: the same on every rank.
+    The default (None) is ``shrink`` where it can work (`flodl_mpi.runtime.elastic.fault_tolerance`: Open MPI
+    launched with ``mpiexec --with-ft ulfm``; and the run's options, below), else ``stop`` (train.log's note
+    names why, once the MPI has fault tolerance). Decided from the config and the launcher's environment:
+    the same on every rank.
 
     Raises:
         InputError: ``shrink`` asked where it cannot work: the MPI or its launcher has no
@@ -227,9 +228,6 @@ def resolve_on_rank_failure(cfg, api: bool = False) -> tuple[str, str | None]:
         return "stop", None
     if why is not None:
         return "stop", None if fault_tolerance() is not None else f"on a rank's death: stop ({why})"
-    if cfg.on_rank_failure is None:  # shrink is opt-in until a rare hang of its path is found (docs/elastic.rst)
-        return "stop", ("on a rank's death: stop (the default); --on-rank-failure shrink lets the survivors go on "
-                        "(Open MPI with --with-ft ulfm)")
     return "shrink", (
         "on a rank's death: shrink (Open MPI with --with-ft ulfm): the survivors go on, the round "
         "abandoned and the epoch's batches re-split; averaging over MPI (--node-reduce auto)"
