@@ -1,4 +1,4 @@
-"""What the trainer does after a peer died in a round (``--on-rank-failure shrink``; SPEC §9).
+"""What the trainer does after a peer died in a round or the epoch exchange (``--on-rank-failure shrink``; SPEC §9).
 
 Invariant: every survivor takes the same steps in the same order from values every
 survivor holds alike: revoke the bridge's communicator (a survivor still waiting in the
@@ -18,15 +18,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from flodl_mpi.errors import CohortError, RankFailure
 from flodl_mpi.outputs import run_dir_lock, stale_files
-from flodl_mpi.outputs.metrics import MetricsWriter
+from flodl_mpi.outputs.metrics import MetricsWriter, writer_or_none
+from flodl_mpi.outputs.saver import saver_for
 from flodl_mpi.protocol.membership import Membership, MembershipChange
 from flodl_mpi.runtime.elastic import revoke, shrink
 from flodl_mpi.runtime.world import Watchdog, World, agree
 from flodl_mpi.training.train_log import log, log_to_stdout, open_train_log
 
-__all__ = ["Recovered", "Recovery", "resolve_on_rank_failure"]
+__all__ = ["EXCHANGE_STAGES", "Recovered", "Recovery", "after_exchange_death", "resolve_on_rank_failure",
+           "take_new_world"]
 
 
 @dataclasses.dataclass
@@ -56,7 +60,10 @@ class Recovered:
     members: Membership
 
     def finish(self, trainer, window) -> MembershipChange:
-        """Record the change (rank 0: the ``membership`` row, train.log's line) once the trainer is ready."""
+        """Record the change (rank 0: the ``membership`` row, train.log's line) once the trainer is ready.
+
+        ``window``: the abandoned round's window; None: the death was in the epoch exchange
+        (`after_exchange_death`), no window abandoned."""
         recovery_ms = 1e3 * (time.monotonic() - self.agreed_at)
         change = MembershipChange(
             round=self.bridge.version,
@@ -71,11 +78,16 @@ class Recovered:
         self.bridge.record_membership(change, self.members)
         if trainer.writer.writes:
             ranks = ", ".join(f"{r} (id {i})" for r, i in zip(self.failed, self.left))
+            if window is None:
+                what = ("it died in the epoch exchange: the epoch is evaluated and exchanged again over the "
+                        "survivors (its epoch report and batch records are lost; no step lost)")
+            else:
+                what = (f"the round was abandoned: its window's {sum(window.counts)} batch(es) are trained again "
+                        f"({change.total_steps_lost} step(s) of the failed lost)")
             log.warning(
                 f"round {change.round}: rank(s) {ranks} failed; {self.world_size} rank(s) go on "
                 f"(stable ids {list(self.members.ids)}); detection {self.detection_ms:.0f} ms, recovery "
-                f"{recovery_ms:.0f} ms; the round was abandoned: its window's {sum(window.counts)} "
-                f"batch(es) are trained again ({change.total_steps_lost} step(s) of the failed lost)"
+                f"{recovery_ms:.0f} ms; {what}"
             )
         return change
 
@@ -106,13 +118,17 @@ class Recovery:
         self.members = Membership.launch(world.size)
         watchdog.elastic = True
 
-    def __call__(self, trainer, failure: RankFailure, window) -> Recovered:
+    def __call__(self, trainer, failure: RankFailure, window, stages: tuple[str, ...] | None = None) -> Recovered:
         """Agree the failed set with the other survivors and build the bridge of the shrunk world (collective).
+
+        ``window``: the round's window (its steps are the dead ranks' lost ones); None: no window
+        was cut off (a death in the epoch exchange). ``stages``: the bridge stages this caller
+        goes on from (None: any; the round's); checked once every survivor's stage is known.
 
         Raises:
             CohortError: on every survivor alike: the survivors failed in different calls
-                (one in a round, another past it), or rank 0 died (its files' take-over is
-                not built yet): the run stops; resume from the last checkpoint.
+                (one in a round, another past it), or in a stage not in ``stages``: the run
+                stops; resume from the last checkpoint.
         """
         old = trainer.bridge
         revoke(old.comm)
@@ -124,6 +140,11 @@ class Recovery:
             raise CohortError(
                 f"rank(s) {ranks} died while the survivors were in different calls "
                 f"({sorted(set(seen))}): the run stops; resume it from its last checkpoint"
+            )
+        if stages is not None and failure.stage not in stages:  # (the same stage on every survivor: checked above)
+            raise CohortError(
+                f"rank(s) {ranks} died in round {failure.round} at stage '{failure.stage}', where the survivors "
+                "cannot go on (docs/elastic.rst, \"Limits\"): the run stops; resume it from its last checkpoint"
             )
         left = self.members.ids_of(shrunk.failed)
         self.members = self.members.without(shrunk.failed)
@@ -153,7 +174,7 @@ class Recovery:
             self.writer,
             shrunk.failed,
             left,
-            tuple(int(window.counts[r]) for r in shrunk.failed),
+            tuple(0 if window is None else int(window.counts[r]) for r in shrunk.failed),
             1e3 * (agreed_at - failure.started),
             agreed_at,
             self.members,
@@ -186,6 +207,53 @@ class Recovery:
             f"as rank 0: metrics.h5 from its {writer.rows.get('rounds', 0)} flushed round row(s) on "
             "(the rows the dead writer still held are lost), the checkpoints and this log"
         )
+
+
+def take_new_world(trainer, done: Recovered) -> None:
+    """Point ``trainer`` at the survivors' world ``done``: its bridge, rank, world size, rank 0's writer and saver,
+    the task's world size, the plan; bound parameters move into the new bridge's staging with their values."""
+    trainer.bridge, trainer.rank, trainer.world_size = done.bridge, done.rank, done.world_size
+    trainer.writer = writer_or_none(done.writer)
+    trainer.saver = saver_for(trainer.rank, trainer.writer)
+    trainer.task.world_size = trainer.world_size
+    if trainer.replica.bound:
+        with torch.no_grad():
+            trainer.replica.bind(trainer.bridge)
+    trainer.plan = trainer.bridge.policy.plan()
+    trainer.rounds_started = trainer.bridge.version
+
+
+#: The epoch exchange's first gather: a death there leaves every survivor failed in it (no survivor can
+#: complete it without the dead rank's row), before anything of the epoch is recorded.
+EXCHANGE_STAGES = ("epoch gather",)
+
+
+def after_exchange_death(trainer, failure: RankFailure, rows: list) -> list:
+    """Go on without the ranks that died in the epoch exchange (``--on-rank-failure shrink``; collective).
+
+    Every survivor holds the epoch's consensus (its last round adopted, under a blocking
+    policy) and its own optimizer state: nothing is rolled back and no step is lost. The
+    survivors shrink (`Recovery`, only from :data:`EXCHANGE_STAGES`), take the new world
+    (`take_new_world`) and record the change; the caller then evaluates the epoch again on
+    the new ranks' slices and makes the exchange again. The dead ranks' epoch reports and
+    batch records are lost (the epoch's row sums the survivors').
+
+    Args:
+        trainer: the rank's trainer (``trainer.elastic`` a `Recovery`).
+        failure: the exchange's failure on this rank.
+        rows: this rank's batch records of the epoch, ``(rank, ...)`` tuples.
+
+    Returns:
+        ``rows`` under this rank's new rank.
+
+    Raises:
+        CohortError: on every survivor alike: the survivors failed in different calls or past
+            the exchange's first gather (`Recovery`).
+    """
+    done = trainer.elastic(trainer, failure, None, stages=EXCHANGE_STAGES)
+    take_new_world(trainer, done)
+    done.finish(trainer, None)
+    return [(trainer.rank, *row[1:]) for row in rows]
 
 
 def resolve_on_rank_failure(cfg, api: bool = False) -> tuple[str, str | None]:
