@@ -43,8 +43,8 @@ def fault_tolerant_finalize(environ=None) -> bool:
     then a PMIx fence over every process the job started, the dead ones included. After
     a kill -9 of one of three ranks that fence sometimes never completes: the survivors
     of a finished ``--on-rank-failure shrink`` run spin in ``ompi_mpi_finalize`` forever
-    (tests/elastic/shrink_then_exit.py, 2 hangs in 30 launches without this; none with
-    it: docs/elastic.rst). With fault tolerance on, this sets
+    (tests/elastic/shrink_then_exit.py, 4 hangs in 30 launches without this; none in 30
+    with it: docs/elastic.rst). With fault tolerance on, this sets
     ``OMPI_MCA_async_mpi_finalize=1`` (Open MPI's "do not perform a barrier at the
     beginning of MPI_Finalize"): the survivors' ring barrier still runs, the fence does
     not. A value the user set is kept; without fault tolerance nothing is changed.

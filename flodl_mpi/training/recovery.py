@@ -29,7 +29,7 @@ from flodl_mpi.runtime.elastic import revoke, shrink
 from flodl_mpi.runtime.world import Watchdog, World, agree
 from flodl_mpi.training.train_log import log, log_to_stdout, open_train_log
 
-__all__ = ["EXCHANGE_STAGES", "Recovered", "Recovery", "after_exchange_death", "resolve_on_rank_failure",
+__all__ = ["BETWEEN_ROUNDS", "Recovered", "Recovery", "after_death_between_rounds", "resolve_on_rank_failure",
            "take_new_world"]
 
 
@@ -59,11 +59,11 @@ class Recovered:
     agreed_at: float
     members: Membership
 
-    def finish(self, trainer, window) -> MembershipChange:
+    def finish(self, trainer, window, what: str | None = None) -> MembershipChange:
         """Record the change (rank 0: the ``membership`` row, train.log's line) once the trainer is ready.
 
-        ``window``: the abandoned round's window; None: the death was in the epoch exchange
-        (`after_exchange_death`), no window abandoned."""
+        ``window``: the abandoned round's window; None: the death was between rounds
+        (`after_death_between_rounds`), no window abandoned, ``what`` saying what is made again."""
         recovery_ms = 1e3 * (time.monotonic() - self.agreed_at)
         change = MembershipChange(
             round=self.bridge.version,
@@ -78,10 +78,7 @@ class Recovered:
         self.bridge.record_membership(change, self.members)
         if trainer.writer.writes:
             ranks = ", ".join(f"{r} (id {i})" for r, i in zip(self.failed, self.left))
-            if window is None:
-                what = ("it died in the epoch exchange: the epoch is evaluated and exchanged again over the "
-                        "survivors (its epoch report and batch records are lost; no step lost)")
-            else:
+            if window is not None:
                 what = (f"the round was abandoned: its window's {sum(window.counts)} batch(es) are trained again "
                         f"({change.total_steps_lost} step(s) of the failed lost)")
             log.warning(
@@ -223,37 +220,38 @@ def take_new_world(trainer, done: Recovered) -> None:
     trainer.rounds_started = trainer.bridge.version
 
 
-#: The epoch exchange's first gather: a death there leaves every survivor failed in it (no survivor can
-#: complete it without the dead rank's row), before anything of the epoch is recorded.
-EXCHANGE_STAGES = ("epoch gather",)
+#: The calls between rounds a death in which the survivors go on from, and train.log's words on what is
+#: made again. The epoch exchange's first gather: no survivor can complete it without the dead rank's row,
+#: so every survivor fails in it, before anything of the epoch is recorded. (Not a checkpoint's state
+#: gather: its root fails while a sender's send stays pending on mpi4py's pkl5 context communicator, which
+#: no revoke of the bridge's reaches; such a death stops the run, docs/elastic.rst "Limits".)
+BETWEEN_ROUNDS = {
+    "epoch gather": "it died in the epoch exchange: the epoch is evaluated and exchanged again over the survivors "
+                    "(its epoch report and batch records are lost; no step lost)",
+}
 
 
-def after_exchange_death(trainer, failure: RankFailure, rows: list) -> list:
-    """Go on without the ranks that died in the epoch exchange (``--on-rank-failure shrink``; collective).
+def after_death_between_rounds(trainer, failure: RankFailure) -> None:
+    """Go on without the ranks that died in a call between rounds (:data:`BETWEEN_ROUNDS`; collective).
 
-    Every survivor holds the epoch's consensus (its last round adopted, under a blocking
-    policy) and its own optimizer state: nothing is rolled back and no step is lost. The
-    survivors shrink (`Recovery`, only from :data:`EXCHANGE_STAGES`), take the new world
-    (`take_new_world`) and record the change; the caller then evaluates the epoch again on
-    the new ranks' slices and makes the exchange again. The dead ranks' epoch reports and
-    batch records are lost (the epoch's row sums the survivors').
+    Every survivor holds the consensus (the last round adopted, under a blocking policy)
+    and its own optimizer state: nothing is rolled back and no step is lost. The survivors
+    shrink (`Recovery`, only from those stages), take the new world (`take_new_world`) and
+    record the change; the caller then makes its call again over the new world (the epoch
+    exchange: after evaluating again on the new ranks' slices; the dead ranks' epoch
+    reports and batch records are lost, the epoch's row sums the survivors').
 
     Args:
         trainer: the rank's trainer (``trainer.elastic`` a `Recovery`).
-        failure: the exchange's failure on this rank.
-        rows: this rank's batch records of the epoch, ``(rank, ...)`` tuples.
-
-    Returns:
-        ``rows`` under this rank's new rank.
+        failure: the call's failure on this rank.
 
     Raises:
-        CohortError: on every survivor alike: the survivors failed in different calls or past
-            the exchange's first gather (`Recovery`).
+        CohortError: on every survivor alike: the survivors failed in different calls or in
+            another stage (`Recovery`).
     """
-    done = trainer.elastic(trainer, failure, None, stages=EXCHANGE_STAGES)
+    done = trainer.elastic(trainer, failure, None, stages=tuple(BETWEEN_ROUNDS))
     take_new_world(trainer, done)
-    done.finish(trainer, None)
-    return [(trainer.rank, *row[1:]) for row in rows]
+    done.finish(trainer, None, BETWEEN_ROUNDS[failure.stage])
 
 
 def resolve_on_rank_failure(cfg, api: bool = False) -> tuple[str, str | None]:

@@ -384,7 +384,8 @@ class Trainer:
         except RankFailure as failure:  # --on-rank-failure shrink: go on without the dead, evaluate and exchange again
             if self.elastic is None:
                 raise
-            return self._end_epoch(epoch, report, recovery.after_exchange_death(self, failure, rows), cursor, stopped)
+            recovery.after_death_between_rounds(self, failure)
+            return self._end_epoch(epoch, report, [(self.rank, *row[1:]) for row in rows], cursor, stopped)
         self.plan = self.bridge.policy.plan()  # the guard's verdict at the exchange may have moved the anchor
         self.epoch_rows += 1
         self.batch_rows += summary.batch_records

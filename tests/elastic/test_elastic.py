@@ -214,7 +214,7 @@ def test_the_survivors_of_a_shrink_exit():
     """After a death and a shrink the survivors' ``MPI_Finalize`` returns: each of 6 launches of
     tests/elastic/shrink_then_exit.py exits 0 within its bound, both survivors having shrunk to 2 with
     Open MPI's closing fence skipped (`flodl_mpi.runtime.startup.fault_tolerant_finalize`). Without it,
-    2 of 30 such launches hung in ``ompi_mpi_finalize`` (docs/elastic.rst, "Measured"), as a shrunk
+    4 of 30 such launches hung in ``ompi_mpi_finalize`` (docs/elastic.rst, "Measured"), as a shrunk
     ``flodl-mpi train`` did after its last line (the window-2 run above, past its 180 s bound)."""
     _ulfm_or_skip()
     for launch in range(6):
