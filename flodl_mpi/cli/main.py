@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank dies (kill -9, a node lost): stop ends the job (exit 1; resume from the last "
                         "checkpoint); shrink goes on with the survivors (the round abandoned, the epoch's batches "
                         "re-split; needs Open MPI started with 'mpiexec --with-ft ulfm'; blocking policies; "
-                        "docs/elastic.rst) (default: stop)")
+                        "docs/elastic.rst) (default: shrink where it can work, else stop)")
     g.add_argument("--outer", choices=OUTERS,
                    help="outer optimizer on each round's consensus: avg adopts it as it is; slowmo (SlowMo) and "
                         f"nesterov (DiLoCo) step from the previous global parameters with momentum (default {d.outer})")

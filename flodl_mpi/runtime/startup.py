@@ -20,13 +20,46 @@ from collections.abc import Callable
 from flodl_mpi.errors import InputError
 from flodl_mpi.runtime.launcher import check_world_size, foreign_launcher, launch_env, mixed_install, mpi_library
 
-__all__ = ["DEFAULT_START_TIMEOUT_S", "START_TIMEOUT_VAR", "StartBound", "mpi_running", "start_mpi", "start_timeout"]
+__all__ = ["ASYNC_FINALIZE_VAR", "DEFAULT_START_TIMEOUT_S", "START_TIMEOUT_VAR", "StartBound", "fault_tolerant_finalize",
+           "mpi_running", "start_mpi", "start_timeout"]
 
 #: Environment variable: seconds a launched rank waits in MPI's start-up for the others.
 START_TIMEOUT_VAR = "FLODL_MPI_START_TIMEOUT"
 #: Its default. Every rank starts MPI as it imports flodl_mpi, so the ranks arrive
 #: within their imports' spread of each other; past this, a peer is taken for gone.
 DEFAULT_START_TIMEOUT_S = 120.0
+
+
+#: Open MPI's MCA variable (in the environment before ``MPI_Init``): ``MPI_Finalize`` skips its closing PMIx fence.
+ASYNC_FINALIZE_VAR = "OMPI_MCA_async_mpi_finalize"
+
+
+def fault_tolerant_finalize(environ=None) -> bool:
+    """Under Open MPI's fault tolerance, let ``MPI_Finalize`` return after a peer died; call before ``MPI_Init``.
+
+    Why: Open MPI 5.0's ``MPI_Finalize`` under ``mpiexec --with-ft ulfm`` (which sets
+    ``OMPI_MCA_mpi_ft_enable=1`` in every rank) first shrinks ``MPI_COMM_WORLD`` and runs
+    a synchronous ring barrier over the survivors (ULFM's own flush of past traffic),
+    then a PMIx fence over every process the job started, the dead ones included. After
+    a kill -9 of one of three ranks that fence sometimes never completes: the survivors
+    of a finished ``--on-rank-failure shrink`` run spin in ``ompi_mpi_finalize`` forever
+    (tests/elastic/shrink_then_exit.py, 4 hangs in 30 launches without this; none in 30
+    with it: docs/elastic.rst). With fault tolerance on, this sets
+    ``OMPI_MCA_async_mpi_finalize=1`` (Open MPI's "do not perform a barrier at the
+    beginning of MPI_Finalize"): the survivors' ring barrier still runs, the fence does
+    not. A value the user set is kept; without fault tolerance nothing is changed.
+
+    Args:
+        environ: the environment to read and change (default ``os.environ``).
+
+    Returns:
+        Whether the variable was set here.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("OMPI_MCA_mpi_ft_enable") != "1" or ASYNC_FINALIZE_VAR in env:
+        return False
+    env[ASYNC_FINALIZE_VAR] = "1"
+    return True
 
 
 def start_timeout(environ=None) -> float:
@@ -111,7 +144,8 @@ def start_mpi(warn: Callable[[str], None] = _warn):
     worlds of 1); an install that mixes two MPIs is warned about (``warn``, one line);
     ``FLODL_MPI_START_TIMEOUT`` is read; under ``srun``, MPICH shared memory a dead
     earlier step left under this step's name is removed
-    (:func:`flodl_mpi.runtime.stale_shm.clear_before_mpi`); MPI starts, bounded by
+    (:func:`flodl_mpi.runtime.stale_shm.clear_before_mpi`); under Open MPI's fault tolerance
+    ``MPI_Finalize`` is told to skip its closing fence (:func:`fault_tolerant_finalize`); MPI starts, bounded by
     :func:`start_timeout` under a launcher that started more than one rank (past it this
     rank prints one line and is killed); a world of 1 where the launcher started more is
     refused. When MPI runs already, only the world-size check is made.
@@ -139,6 +173,7 @@ def start_mpi(warn: Callable[[str], None] = _warn):
         from flodl_mpi.runtime.stale_shm import clear_before_mpi
 
         clear_before_mpi(library)  # only before MPI runs: a running MPI's segments are live
+        fault_tolerant_finalize()  # read by MPI_Init: after a peer's death MPI_Finalize must still return
         import mpi4py
 
         mpi4py.rc.thread_level = "multiple"

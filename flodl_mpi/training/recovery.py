@@ -1,4 +1,4 @@
-"""What the trainer does after a peer died in a round (``--on-rank-failure shrink``; SPEC §9).
+"""What the trainer does after a peer died in a round or the epoch exchange (``--on-rank-failure shrink``; SPEC §9).
 
 Invariant: every survivor takes the same steps in the same order from values every
 survivor holds alike: revoke the bridge's communicator (a survivor still waiting in the
@@ -18,15 +18,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from flodl_mpi.errors import CohortError, RankFailure
 from flodl_mpi.outputs import run_dir_lock, stale_files
-from flodl_mpi.outputs.metrics import MetricsWriter
+from flodl_mpi.outputs.metrics import MetricsWriter, writer_or_none
+from flodl_mpi.outputs.saver import saver_for
 from flodl_mpi.protocol.membership import Membership, MembershipChange
 from flodl_mpi.runtime.elastic import revoke, shrink
 from flodl_mpi.runtime.world import Watchdog, World, agree
 from flodl_mpi.training.train_log import log, log_to_stdout, open_train_log
 
-__all__ = ["Recovered", "Recovery", "resolve_on_rank_failure"]
+__all__ = ["BETWEEN_ROUNDS", "Recovered", "Recovery", "after_death_between_rounds", "resolve_on_rank_failure",
+           "take_new_world"]
 
 
 @dataclasses.dataclass
@@ -55,8 +59,11 @@ class Recovered:
     agreed_at: float
     members: Membership
 
-    def finish(self, trainer, window) -> MembershipChange:
-        """Record the change (rank 0: the ``membership`` row, train.log's line) once the trainer is ready."""
+    def finish(self, trainer, window, what: str | None = None) -> MembershipChange:
+        """Record the change (rank 0: the ``membership`` row, train.log's line) once the trainer is ready.
+
+        ``window``: the abandoned round's window; None: the death was between rounds
+        (`after_death_between_rounds`), no window abandoned, ``what`` saying what is made again."""
         recovery_ms = 1e3 * (time.monotonic() - self.agreed_at)
         change = MembershipChange(
             round=self.bridge.version,
@@ -71,11 +78,13 @@ class Recovered:
         self.bridge.record_membership(change, self.members)
         if trainer.writer.writes:
             ranks = ", ".join(f"{r} (id {i})" for r, i in zip(self.failed, self.left))
+            if window is not None:
+                what = (f"the round was abandoned: its window's {sum(window.counts)} batch(es) are trained again "
+                        f"({change.total_steps_lost} step(s) of the failed lost)")
             log.warning(
                 f"round {change.round}: rank(s) {ranks} failed; {self.world_size} rank(s) go on "
                 f"(stable ids {list(self.members.ids)}); detection {self.detection_ms:.0f} ms, recovery "
-                f"{recovery_ms:.0f} ms; the round was abandoned: its window's {sum(window.counts)} "
-                f"batch(es) are trained again ({change.total_steps_lost} step(s) of the failed lost)"
+                f"{recovery_ms:.0f} ms; {what}"
             )
         return change
 
@@ -106,13 +115,17 @@ class Recovery:
         self.members = Membership.launch(world.size)
         watchdog.elastic = True
 
-    def __call__(self, trainer, failure: RankFailure, window) -> Recovered:
+    def __call__(self, trainer, failure: RankFailure, window, stages: tuple[str, ...] | None = None) -> Recovered:
         """Agree the failed set with the other survivors and build the bridge of the shrunk world (collective).
+
+        ``window``: the round's window (its steps are the dead ranks' lost ones); None: no window
+        was cut off (a death in the epoch exchange). ``stages``: the bridge stages this caller
+        goes on from (None: any; the round's); checked once every survivor's stage is known.
 
         Raises:
             CohortError: on every survivor alike: the survivors failed in different calls
-                (one in a round, another past it), or rank 0 died (its files' take-over is
-                not built yet): the run stops; resume from the last checkpoint.
+                (one in a round, another past it), or in a stage not in ``stages``: the run
+                stops; resume from the last checkpoint.
         """
         old = trainer.bridge
         revoke(old.comm)
@@ -124,6 +137,11 @@ class Recovery:
             raise CohortError(
                 f"rank(s) {ranks} died while the survivors were in different calls "
                 f"({sorted(set(seen))}): the run stops; resume it from its last checkpoint"
+            )
+        if stages is not None and failure.stage not in stages:  # (the same stage on every survivor: checked above)
+            raise CohortError(
+                f"rank(s) {ranks} died in round {failure.round} at stage '{failure.stage}', where the survivors "
+                "cannot go on (docs/elastic.rst, \"Limits\"): the run stops; resume it from its last checkpoint"
             )
         left = self.members.ids_of(shrunk.failed)
         self.members = self.members.without(shrunk.failed)
@@ -153,7 +171,7 @@ class Recovery:
             self.writer,
             shrunk.failed,
             left,
-            tuple(int(window.counts[r]) for r in shrunk.failed),
+            tuple(0 if window is None else int(window.counts[r]) for r in shrunk.failed),
             1e3 * (agreed_at - failure.started),
             agreed_at,
             self.members,
@@ -188,12 +206,61 @@ class Recovery:
         )
 
 
+def take_new_world(trainer, done: Recovered) -> None:
+    """Point ``trainer`` at the survivors' world ``done``: its bridge, rank, world size, rank 0's writer and saver,
+    the task's world size, the plan; bound parameters move into the new bridge's staging with their values."""
+    trainer.bridge, trainer.rank, trainer.world_size = done.bridge, done.rank, done.world_size
+    trainer.writer = writer_or_none(done.writer)
+    trainer.saver = saver_for(trainer.rank, trainer.writer)
+    trainer.task.world_size = trainer.world_size
+    if trainer.replica.bound:
+        with torch.no_grad():
+            trainer.replica.bind(trainer.bridge)
+    trainer.plan = trainer.bridge.policy.plan()
+    trainer.rounds_started = trainer.bridge.version
+
+
+#: The calls between rounds a death in which the survivors go on from, and train.log's words on what is
+#: made again. The epoch exchange's first gather: no survivor can complete it without the dead rank's row,
+#: so every survivor fails in it, before anything of the epoch is recorded. (Not a checkpoint's state
+#: gather: its root fails while a sender's send stays pending on mpi4py's pkl5 context communicator, which
+#: no revoke of the bridge's reaches; such a death stops the run, docs/elastic.rst "Limits".)
+BETWEEN_ROUNDS = {
+    "epoch gather": "it died in the epoch exchange: the epoch is evaluated and exchanged again over the survivors "
+                    "(its epoch report and batch records are lost; no step lost)",
+}
+
+
+def after_death_between_rounds(trainer, failure: RankFailure) -> None:
+    """Go on without the ranks that died in a call between rounds (:data:`BETWEEN_ROUNDS`; collective).
+
+    Every survivor holds the consensus (the last round adopted, under a blocking policy)
+    and its own optimizer state: nothing is rolled back and no step is lost. The survivors
+    shrink (`Recovery`, only from those stages), take the new world (`take_new_world`) and
+    record the change; the caller then makes its call again over the new world (the epoch
+    exchange: after evaluating again on the new ranks' slices; the dead ranks' epoch
+    reports and batch records are lost, the epoch's row sums the survivors').
+
+    Args:
+        trainer: the rank's trainer (``trainer.elastic`` a `Recovery`).
+        failure: the call's failure on this rank.
+
+    Raises:
+        CohortError: on every survivor alike: the survivors failed in different calls or in
+            another stage (`Recovery`).
+    """
+    done = trainer.elastic(trainer, failure, None, stages=tuple(BETWEEN_ROUNDS))
+    take_new_world(trainer, done)
+    done.finish(trainer, None, BETWEEN_ROUNDS[failure.stage])
+
+
 def resolve_on_rank_failure(cfg, api: bool = False) -> tuple[str, str | None]:
     """``--on-rank-failure`` as this run takes it: ``("stop" | "shrink", train.log's note or None)``.
 
-    The default (None) is ``stop``; where ``shrink`` could work (`flodl_mpi.runtime.elastic.fault_tolerance`,
-    and the run's options, below) train.log's note says so, else it names why not. Decided from the
-    config and the launcher's environment: the same on every rank.
+    The default (None) is ``shrink`` where it can work (`flodl_mpi.runtime.elastic.fault_tolerance`: Open MPI
+    launched with ``mpiexec --with-ft ulfm``; and the run's options, below), else ``stop`` (train.log's note
+    names why, once the MPI has fault tolerance). Decided from the config and the launcher's environment:
+    the same on every rank.
 
     Raises:
         InputError: ``shrink`` asked where it cannot work: the MPI or its launcher has no
@@ -227,9 +294,6 @@ def resolve_on_rank_failure(cfg, api: bool = False) -> tuple[str, str | None]:
         return "stop", None
     if why is not None:
         return "stop", None if fault_tolerance() is not None else f"on a rank's death: stop ({why})"
-    if cfg.on_rank_failure is None:  # shrink is opt-in until a rare hang of its path is found (docs/elastic.rst)
-        return "stop", ("on a rank's death: stop (the default); --on-rank-failure shrink lets the survivors go on "
-                        "(Open MPI with --with-ft ulfm)")
     return "shrink", (
         "on a rank's death: shrink (Open MPI with --with-ft ulfm): the survivors go on, the round "
         "abandoned and the epoch's batches re-split; averaging over MPI (--node-reduce auto)"

@@ -15,9 +15,8 @@ import dataclasses
 import torch
 
 from flodl_mpi.errors import RankFailure
-from flodl_mpi.outputs.metrics import writer_or_none
-from flodl_mpi.outputs.saver import saver_for
 from flodl_mpi.protocol.epoch_report import EpochReport
+from flodl_mpi.training import recovery
 from flodl_mpi.training.resplit import lost_positions
 
 __all__ = ["Mark", "mark", "shrink"]
@@ -62,20 +61,12 @@ def shrink(trainer, failure: RankFailure, window, mark: Mark, rows: list) -> tup
     """
     old_size = trainer.world_size
     done = trainer.elastic(trainer, failure, window)
-    trainer.bridge, trainer.rank, trainer.world_size = done.bridge, done.rank, done.world_size
-    trainer.writer = writer_or_none(done.writer)
-    trainer.saver = saver_for(trainer.rank, trainer.writer)
-    trainer.task.world_size = trainer.world_size
-    params, buffers = trainer.replica.params, trainer.replica.float_buffers
+    recovery.take_new_world(trainer, done)
     with torch.no_grad():
-        if trainer.replica.bound:
-            trainer.replica.bind(trainer.bridge)
-        for dst, src in zip((*params, *buffers), mark.model):
+        for dst, src in zip((*trainer.replica.params, *trainer.replica.float_buffers), mark.model):
             dst.copy_(src)
     trainer.optimizer.load_state_dict(mark.optimizer)
     trainer.steps, trainer.global_step, trainer.loss_finite = 0, mark.global_step, True
-    trainer.plan = trainer.bridge.policy.plan()
-    trainer.rounds_started = trainer.bridge.version
     trainer.queue = trainer.queue.after_change(window.end, lost_positions([window], range(old_size)))
     done.finish(trainer, window)
     # this rank's records of the epoch before the window, under its new rank

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from flodl_mpi.training import resume_state, rollback, trainer_checkpoint
+from flodl_mpi.training import recovery, resume_state, rollback, trainer_checkpoint
 from flodl_mpi.errors import RankFailure
 from flodl_mpi.transport.bridge import Bridge, RoundUpdate
 from flodl_mpi.training.resplit import BatchQueue
@@ -379,7 +379,13 @@ class Trainer:
                 report.test_loss_sum, report.test_correct, report.test_count = self.task.end_epoch(
                     self, epoch, report, test_now)
         # -- epoch exchange: every rank gets the same summary; rank 0 writes metrics
-        summary = self.bridge.epoch_end(report, np.array(rows, dtype=np.float64), epoch)
+        try:
+            summary = self.bridge.epoch_end(report, np.array(rows, dtype=np.float64), epoch)
+        except RankFailure as failure:  # --on-rank-failure shrink: go on without the dead, evaluate and exchange again
+            if self.elastic is None:
+                raise
+            recovery.after_death_between_rounds(self, failure)
+            return self._end_epoch(epoch, report, [(self.rank, *row[1:]) for row in rows], cursor, stopped)
         self.plan = self.bridge.policy.plan()  # the guard's verdict at the exchange may have moved the anchor
         self.epoch_rows += 1
         self.batch_rows += summary.batch_records

@@ -63,3 +63,21 @@ def test_the_start_timeout(text, want):
 def test_a_bad_start_timeout(text):
     with pytest.raises(InputError, match="must be a number of seconds > 0"):
         startup.start_timeout({startup.START_TIMEOUT_VAR: text})
+
+
+@pytest.mark.parametrize(
+    "env, after, changed",
+    [
+        ({"OMPI_MCA_mpi_ft_enable": "1"}, "1", True),  # mpiexec --with-ft ulfm: the closing fence is skipped
+        ({"OMPI_MCA_mpi_ft_enable": "1", startup.ASYNC_FINALIZE_VAR: "0"}, "0", False),  # the user's setting kept
+        ({"OMPI_MCA_mpi_ft_enable": "0"}, None, False),  # Open MPI without fault tolerance: nothing changed
+        ({}, None, False),  # MPICH, or no launcher
+    ],
+)
+def test_the_finalize_fence_is_skipped_only_under_fault_tolerance(env, after, changed):
+    """(The hang it removes, and that a shrunk run's survivors exit: tests/elastic/test_elastic.py.)"""
+    env = dict(env)
+    before = {k: v for k, v in env.items() if k != startup.ASYNC_FINALIZE_VAR}
+    assert startup.fault_tolerant_finalize(env) is changed
+    assert env.get(startup.ASYNC_FINALIZE_VAR) == after
+    assert {k: v for k, v in env.items() if k != startup.ASYNC_FINALIZE_VAR} == before  # nothing else touched
