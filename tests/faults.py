@@ -43,33 +43,35 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class Fault:
-    """One planned fault: ``kind`` on rank ``rank`` at round ``round``."""
+    """One planned fault: ``kind`` on each rank of ``ranks`` at round ``round`` (several ranks: at once, e.g.
+    two ranks killed in the same round)."""
 
     kind: str
-    rank: int
+    ranks: tuple[int, ...]
     round: int
 
     def fires(self, kind: str, rank: int, round_: int) -> bool:
         """Whether this fault fires for ``kind`` on ``rank`` at ``round_``."""
-        return self.kind == kind and self.rank == rank and self.round == round_
+        return self.kind == kind and rank in self.ranks and self.round == round_
 
 
 def parse_fault(text: str) -> Fault:
-    """Parse ``KIND@RANK:ROUND``, e.g. ``bridge@1:3``.
+    """Parse ``KIND@RANK:ROUND`` or ``KIND@RANK,RANK...:ROUND``, e.g. ``bridge@1:3``, ``kill@1,2:10``.
 
     Raises:
         ValueError: malformed text or unknown kind.
     """
     try:
         kind, where = text.split("@")
-        rank, round_ = (int(v) for v in where.split(":"))
+        ranks, round_ = where.split(":")
+        ranks, round_ = tuple(int(v) for v in ranks.split(",")), int(round_)
     except ValueError:
         raise ValueError(f"--fault must look like KIND@RANK:ROUND (e.g. bridge@1:3), got {text!r}") from None
     if kind not in KINDS:
         raise ValueError(f"--fault kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    if rank < 0 or round_ < 0:
-        raise ValueError(f"--fault rank and round must be >= 0, got {text!r}")
-    return Fault(kind, rank, round_)
+    if min(ranks) < 0 or round_ < 0 or len(set(ranks)) != len(ranks):
+        raise ValueError(f"--fault ranks (distinct) and round must be >= 0, got {text!r}")
+    return Fault(kind, ranks, round_)
 
 
 def fault_hooks(spec: str) -> tuple[str, ...]:

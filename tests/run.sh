@@ -51,7 +51,7 @@ elif [[ ${1:-} == --launch ]]; then
             tests/runtime/test_workstation_restarts.py::test_the_restart_loop_finishes_a_run_through_three_kills
             tests/runtime/test_workstation_restarts.py::test_bad_input_is_not_restarted
             # a rank's death under ULFM (mpiexec --with-ft ulfm; skipped, with the reason, under MPICH)
-            tests/elastic/test_elastic.py
+            tests/elastic/test_elastic.py tests/elastic/test_two_deaths.py
             # variants whose difference no MPI touches (run in the first stage): the -q case of the warning,
             # the thread counts read from the environment (the explicit --threads under this launcher stays)
             --deselect "$c::test_a_warning_is_printed_once[quiet1]"

@@ -320,7 +320,10 @@ def test_fault_injection_is_the_tests_not_the_products():
     sources = {p: p.read_text() for p in Path(flodl_mpi.__file__).parent.rglob("*.py")}
     assert not [p for p, text in sources.items() if "FLODL_MPI_FAULT" in text or "InjectedFault" in text]
     assert all(hooks.registered(point) == () for point in hooks.POINTS)
-    assert parse_fault("nan@0:40") == Fault("nan", 0, 40)
+    assert parse_fault("nan@0:40") == Fault("nan", (0,), 40)
+    assert parse_fault("kill@1,2:10") == Fault("kill", (1, 2), 10)  # two ranks at once
+    with pytest.raises(ValueError, match="distinct"):
+        parse_fault("kill@1,1:10")
     with pytest.raises(ValueError, match="--fault kind must be one of bridge, step, hang, nan, nanloss, disk"):
         parse_fault("boom@0:1")
 
