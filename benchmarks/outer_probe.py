@@ -101,7 +101,12 @@ def main() -> None:
     window = int(train[train.index("--window") + 1]) if "--window" in train else 1
     for r in records:
         r["rms_g_per_step"] = r["rms_g"] / (window * lr)
-    out = {"train": train, "warmup": args.warmup, "steps": records, "rounds": int(len(rounds["round"])),
+    from flodl_mpi.outputs.checkpoint import latest_checkpoint, load_state_dict
+
+    state = load_state_dict(latest_checkpoint(Path(run_dir) / "run" / "checkpoints"))
+    norm = float(np.sqrt(sum(float((t.double() ** 2).sum()) for k, t in state.items() if t.is_floating_point()
+                             and "running" not in k)))
+    out = {"train": train, "warmup": args.warmup, "param_norm": norm, "steps": records, "rounds": int(len(rounds["round"])),
            "bytes_per_rank": int(np.sum(rounds["bytes"])),
            "epochs": {k: [float(x) for x in ep[k]] for k in ("test_accuracy", "test_loss", "avg_loss")}}
     Path(args.out).write_text(json.dumps(out) + "\n")

@@ -50,21 +50,24 @@ def grid(window: int = 50) -> list[dict]:
             rows.append({"method": method, "window": 1 if method in ("ddp", "sync") else w, "outer_lr": outer_lr,
                          "mu": mu, "lr": lr, "state": state, "warmup": warmup})
 
-    add("ddp", (1e-3, 2e-3, 4e-3))
-    add("nesterov", (5e-4, 1e-3), 0.7, 0.9)
+    add("ddp", (1e-3, 2e-3, 4e-3, 8e-3))
+    add("nesterov", (5e-4,), 0.7, 0.9)
     add("slowmo", (1e-3, 4e-3), 1.0, 0.9)
-    add("avg", (1e-3, 2e-3, 4e-3))
+    add("nesterov", (1e-3,), 0.7, 0.9)
+    add("avg", (2e-3, 4e-3))
     add("nesterov", (1e-3, 2e-3), 0.7, 0.5)
-    add("slowmo", (1e-3, 2e-3, 4e-3), 1.0, 0.5)
-    add("nesterov", (1e-3, 2e-3), 0.5, 0.5)
-    add("nesterov", (1e-3,), 0.7, 0.9, state="off")
+    add("slowmo", (1e-3, 4e-3), 1.0, 0.5)
     add("nesterov", (1e-3,), 0.7, 0.9, state="reset")
+    add("nesterov", (1e-3,), 0.7, 0.9, state="off")
     add("nesterov", (1e-3,), 0.7, 0.9, warmup=10)
-    add("sync", (1e-3, 2e-3, 4e-3))
-    add("slowmo", (1e-3, 2e-3), 1.0, 0.7)
+    add("ddp", (1.6e-2,))
+    add("sync", (4e-3, 8e-3))
+    add("slowmo", (2e-3,), 1.0, 0.5)
+    add("slowmo", (2e-3,), 1.0, 0.7)
     add("nesterov", (4e-3,), 0.7, 0.5)
+    add("avg", (1e-3, 8e-3))
+    add("nesterov", (1e-3, 2e-3), 0.5, 0.5)
     add("nesterov", (2e-3,), 0.7, 0.9)
-    add("ddp", (5e-4,))
     return rows
 
 
@@ -112,7 +115,7 @@ def run_row(r: dict, data: Path) -> dict:
     steps = res["steps"]
     return {**r, "test_accuracy": res["epochs"]["test_accuracy"], "test_loss": res["epochs"]["test_loss"],
             "train_loss": res["epochs"]["avg_loss"], "rounds": res["rounds"], "bytes_per_rank": res["bytes_per_rank"],
-            "param_norm": steps[-1]["prev"] if steps else None,
+            "param_norm": res["param_norm"],
             "gain": sum(s["gain"] for s in steps) / len(steps) if steps else None,
             "cos": sum(s["cos"] for s in steps) / len(steps) if steps else None}
 
@@ -122,11 +125,13 @@ def table(path: str) -> str:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     out = ["| method | inner lr | final acc | best acc | test loss lowest -> last | |θ| end | gain | cos(g, v) |",
            "|---|---|---|---|---|---|---|---|"]
+    def f(r: dict, k: str, fmt: str) -> str:
+        return "-" if r.get(k) is None else format(r[k], fmt)
+
     for r in sorted(rows, key=lambda r: (label(r), r["lr"])):
-        f = (lambda k, fmt: "-" if r.get(k) is None else format(r[k], fmt))
         out.append(f"| {label(r)} | {r['lr']:g} | {r['test_accuracy'][-1]:.4f} | {max(r['test_accuracy']):.4f} | "
-                   f"{min(r['test_loss']):.3f} -> {r['test_loss'][-1]:.3f} | {f('param_norm', '.1f')} | "
-                   f"{f('gain', '.2f')} | {f('cos', '+.2f')} |")
+                   f"{min(r['test_loss']):.3f} -> {r['test_loss'][-1]:.3f} | {f(r, 'param_norm', '.1f')} | "
+                   f"{f(r, 'gain', '.2f')} | {f(r, 'cos', '+.2f')} |")
     best: dict[str, dict] = {}
     for r in rows:
         if label(r) not in best or r["test_accuracy"][-1] > best[label(r)]["test_accuracy"][-1]:
