@@ -57,17 +57,19 @@ def grid(window: int = 50) -> list[dict]:
     add("avg", (2e-3, 4e-3))
     add("nesterov", (1e-3, 2e-3), 0.7, 0.5)
     add("slowmo", (1e-3, 4e-3), 1.0, 0.5)
-    add("nesterov", (1e-3,), 0.7, 0.9, state="reset")
-    add("nesterov", (1e-3,), 0.7, 0.9, state="off")
-    add("nesterov", (1e-3,), 0.7, 0.9, warmup=10)
-    add("ddp", (1.6e-2,))
-    add("sync", (4e-3, 8e-3))
-    add("slowmo", (2e-3,), 1.0, 0.5)
-    add("slowmo", (2e-3,), 1.0, 0.7)
     add("nesterov", (4e-3,), 0.7, 0.5)
-    add("avg", (1e-3, 8e-3))
-    add("nesterov", (1e-3, 2e-3), 0.5, 0.5)
+    add("nesterov", (1e-3,), 0.7, 0.9, state="reset")
+    add("nesterov", (1e-3,), 0.7, 0.9, warmup=10)
     add("nesterov", (2e-3,), 0.7, 0.9)
+    add("slowmo", (2e-3,), 1.0, 0.5)
+    add("ddp", (1.6e-2,))
+    add("nesterov", (1e-3,), 0.7, 0.9, state="off")
+    add("sync", (8e-3,))
+    # further rows, when the machine allows
+    add("avg", (1e-3, 8e-3))
+    add("slowmo", (2e-3,), 1.0, 0.7)
+    add("nesterov", (1e-3, 2e-3), 0.5, 0.5)
+    add("sync", (4e-3,))
     return rows
 
 
