@@ -65,6 +65,8 @@ def grid(window: int = 50) -> list[dict]:
     add("ddp", (1.6e-2,))
     add("nesterov", (1e-3,), 0.7, 0.9, state="off")
     add("sync", (8e-3,))
+    add("nesterov", (8e-3,), 0.7, 0.5)
+    add("slowmo", (8e-3,), 1.0, 0.5)
     # further rows, when the machine allows
     add("avg", (1e-3, 8e-3))
     add("slowmo", (2e-3,), 1.0, 0.7)
