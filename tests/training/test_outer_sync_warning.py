@@ -9,7 +9,7 @@ from flodl_mpi.config import TrainConfig
 from flodl_mpi.protocol.outer import (OUTER_DEFAULTS, SHORT_WINDOW, STRONG_GAIN, short_window_warning,
                                       strong_momentum_warning)
 from flodl_mpi.training.train import describe_averaging_path
-from tests.conftest import run_flodl
+from tests.conftest import fork_flodl, run_flodl
 
 
 @pytest.mark.parametrize("kind, window, cadence, quoted", [
@@ -120,3 +120,17 @@ def test_no_strong_momentum_warning_at_the_defaults_or_short_windows():
         assert strong_momentum_warning(kind, 49, 0.7, 0.9) is None  # short_window_warning's ground
     assert strong_momentum_warning("avg", 50, 1.0, 0.0) is None
     assert strong_momentum_warning("nesterov", 50, 0.7, 0.85) is None  # 4.7x
+
+
+def test_a_run_at_momentum_0_9_and_window_50_says_so_once(tmp_path):
+    """issue 24 item 4: the warning reaches the run's stdout and train.log (a world of 1 in a fork: the header's
+    warning is decided from the options alone); the default momentum says nothing."""
+    warned = fork_flodl("train", "--epochs", "1", "--window", "50", "--outer", "nesterov", "--outer-momentum", "0.9",
+                        "--run-dir", str(tmp_path / "a"))
+    assert warned.returncode == 0, warned.stderr[-3000:]
+    want = strong_momentum_warning("nesterov", 50, None, 0.9)
+    assert (warned.stdout + warned.stderr).count(want) == 1
+    assert (tmp_path / "a" / "train.log").read_text().count(want) == 1
+    quiet = fork_flodl("train", "--epochs", "1", "--window", "50", "--outer", "nesterov", "--run-dir", str(tmp_path / "b"))
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert "amplifies each round's change" not in quiet.stdout + quiet.stderr
