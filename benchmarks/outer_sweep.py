@@ -67,8 +67,10 @@ def grid(window: int = 50) -> list[dict]:
     add("sync", (8e-3,))
     add("nesterov", (8e-3,), 0.7, 0.5)
     add("slowmo", (8e-3,), 1.0, 0.5)
+    add("nesterov", (4e-3,), 0.7, 0.9)
     add("nesterov", (4e-3,), 0.7, 0.5, warmup=10)
     add("avg", (8e-3,))
+    add("slowmo", (2e-3,), 1.0, 0.9)
     # further rows, when the machine allows
     add("avg", (1e-3,))
     add("slowmo", (2e-3,), 1.0, 0.7)
