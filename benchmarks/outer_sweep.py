@@ -13,6 +13,7 @@ already there are skipped (the sweep resumes)::
     . .venv/bin/activate && pip install mnist1d
     python benchmarks/outer_sweep.py --out sweep.jsonl                  # the default grid, in priority order
     python benchmarks/outer_sweep.py --table sweep.jsonl                # the table, best inner lr per method
+    python benchmarks/outer_sweep.py --table sweep.jsonl --rst          # a line per method (the docs' table)
     python benchmarks/outer_sweep.py --out sweep.jsonl --only nesterov  # rows whose label contains a word
 
 Row labels: ``ddp``; ``sync``; ``avg H50``; ``nesterov H50 0.7/0.9`` (outer lr / momentum); a suffix
@@ -153,16 +154,41 @@ def table(path: str) -> str:
     return "\n".join(out)
 
 
+def pivot(path: str) -> str:
+    """reStructuredText: one line per method, the final test accuracy per inner lr (the best epoch's in
+    brackets), the best against DDP's best, and the probe's |θ|, gain and cos at the method's best lr."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    lrs = sorted({r["lr"] for r in rows})
+    names = sorted({label(r) for r in rows}, key=lambda n: -max(r["test_accuracy"][-1] for r in rows if label(r) == n))
+    ddp = max((r["test_accuracy"][-1] for r in rows if r["method"] == "ddp"), default=None)
+    head = ["method", *(f"{lr:g}" for lr in lrs), "best vs DDP", "|θ|", "gain", "cos"]
+    body = []
+    for n in names:
+        mine = {r["lr"]: r for r in rows if label(r) == n}
+        best = max(mine.values(), key=lambda r: r["test_accuracy"][-1])
+        cells = [f"{mine[lr]['test_accuracy'][-1]:.3f} ({max(mine[lr]['test_accuracy']):.3f})" if lr in mine else ""
+                 for lr in lrs]
+        vs = "" if ddp is None else f"{100 * (best['test_accuracy'][-1] - ddp):+.1f}"
+        probe = [("" if best.get(k) is None else format(best[k], fmt)) for k, fmt in
+                 (("param_norm", ".0f"), ("gain", ".2f"), ("cos", "+.2f"))]
+        body.append([n, *cells, vs, *probe])
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    rule = "  ".join("=" * w for w in widths)
+    line = (lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())  # noqa: E731
+    return "\n".join([rule, line(head), rule, *map(line, body), rule])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="JSON lines, appended; rows already there are skipped")
     p.add_argument("--table", help="print the table of a results file and exit")
+    p.add_argument("--rst", action="store_true", help="with --table: one line per method, a column per inner lr")
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--window", type=int, default=50)
     p.add_argument("--only", nargs="*", default=[], help="run only rows whose label contains one of these words")
     args = p.parse_args()
     if args.table:
-        print(table(args.table))
+        print(pivot(args.table) if args.rst else table(args.table))
         return
     if not args.out:
         p.error("give --out (or --table)")
