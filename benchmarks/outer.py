@@ -15,7 +15,7 @@ against sync, and the epoch at which the run's going-wrong warning
     . .venv/bin/activate && pip install mnist1d
     python benchmarks/outer.py                        # every dataset (about 25 minutes here)
     python benchmarks/outer.py --datasets digits --windows 1 5 10 20 50 --outer-momentum 0.9 --json out.json
-    python benchmarks/outer.py --datasets mnist1d-adam --windows 50 --outers slowmo --lr 4e-3 --no-sync
+    python benchmarks/outer.py --datasets mnist1d-adam --windows 50 --outers slowmo --lr 4e-3 --no-sync --outer-momentum 0.9
     python benchmarks/outer.py --datasets digits --windows 10 --outers nesterov --no-sync --extra=--outer-reset-inner
 
 Inner optimizer per dataset (the same for every row): ``digits``, the built-in
