@@ -156,12 +156,12 @@ def table(path: str) -> str:
 
 def pivot(path: str) -> str:
     """reStructuredText: one line per method, the final test accuracy per inner lr (the best epoch's in
-    brackets), the best against DDP's best, and the probe's |θ|, gain and cos at the method's best lr."""
+    brackets), the best against DDP's best, and the probe's ‖θ‖, gain and cos at the method's best lr."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     lrs = sorted({r["lr"] for r in rows})
     names = sorted({label(r) for r in rows}, key=lambda n: -max(r["test_accuracy"][-1] for r in rows if label(r) == n))
     ddp = max((r["test_accuracy"][-1] for r in rows if r["method"] == "ddp"), default=None)
-    head = ["method", *(f"{lr:g}" for lr in lrs), "best vs DDP", "|θ|", "gain", "cos"]
+    head = ["method", *(f"{lr:g}" for lr in lrs), "best vs DDP", "‖θ‖", "gain", "cos"]
     body = []
     for n in names:
         mine = {r["lr"]: r for r in rows if label(r) == n}
