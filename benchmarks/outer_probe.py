@@ -15,7 +15,11 @@ this round's change repeats the last ones: near 1, the momentum compounds a drif
 below, it carries stale directions), and ``rms_g_per_step`` = ``rms(g) / (H lr)``, the pseudo-
 gradient's per-element size per inner step in units of the inner lr (Adam moves each weight
 by about ``lr`` per step: 1 means the H steps all pointed the same way, ``1/sqrt(H)`` a random
-walk). The run's own ``metrics.h5`` epochs (test accuracy and loss, training loss) go beside them.
+walk). The run's own ``metrics.h5`` epochs (test accuracy and loss, training loss), its rounds and
+bytes, and the parameters' norm in its last checkpoint go beside them. ``--warmup K`` is a
+benchmark-only experiment, not a product option: the first K outer steps after the zero step adopt
+the consensus as ``--outer avg`` does (``prev`` follows it, the velocity stays 0). ``--outer avg``
+keeps no ``prev``: the probe keeps one to measure its moves too (gain 1, no velocity).
 """
 
 from __future__ import annotations

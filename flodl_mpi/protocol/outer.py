@@ -38,7 +38,7 @@ __all__ = ["OUTERS", "OUTER_DEFAULTS", "SHORT_WINDOW", "STRONG_GAIN", "OuterOpti
 #: ``(lr, momentum)`` when not given: SlowMo's lr 1.0 and DiLoCo's 0.7, both with momentum 0.5 (the papers'
 #: 0.9 lost 2.4 and 4.5 points to DDP, and SlowMo diverged, on MNIST-1D at a window of 50: `STRONG_GAIN`'s
 #: comment). Why 0.9 does not pay there: successive pseudo-gradients are close to orthogonal (mean
-#: cos(g, v) +0.02 to +0.09, ``benchmarks/outer_probe.py``), so the velocity accumulates no common
+#: cos(g, v) +0.00 to +0.09, ``benchmarks/outer_probe.py``), so the velocity accumulates no common
 #: direction and only amplifies each round's change 2-3x; the parameters' norm grows round after round
 #: (52 against 25 for momentum 0.5 at Adam 1e-3 after 40 epochs) and the test loss with it.
 OUTER_DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (1.0, 0.5), "nesterov": (0.7, 0.5)}
