@@ -19,7 +19,7 @@ walk). The run's own ``metrics.h5`` epochs (test accuracy and loss, training los
 bytes, and the parameters' norm in its last checkpoint go beside them. ``--warmup K`` is a
 benchmark-only experiment, not a product option: the first K outer steps after the zero step adopt
 the consensus as ``--outer avg`` does (``prev`` follows it, the velocity stays 0). ``--outer avg``
-keeps no ``prev``: the probe keeps one to measure its moves too (gain 1, no velocity).
+takes no outer step: its rows have the epochs and the norm only.
 """
 
 from __future__ import annotations
@@ -38,20 +38,9 @@ def _wrap(records: list[dict], warmup: int) -> None:
     from flodl_mpi.protocol import outer as outer_mod
 
     real = outer_mod.OuterOptimizer.step
-    seen = {"prev": None}  # --outer avg keeps no prev: the probe does, to measure its moves too
 
     def step(self, consensus: np.ndarray) -> None:
-        if self.kind == "avg":
-            c = consensus.astype(np.float64)
-            if seen["prev"] is not None:
-                g = seen["prev"] - c
-                ng = float(np.linalg.norm(g))
-                records.append({"step": len(records) + 1, "g": ng, "v": 0.0, "move": ng, "gain": 1.0, "cos": 0.0,
-                                "prev": float(np.linalg.norm(seen["prev"])), "rms_g": ng / np.sqrt(max(g.size, 1))})
-            seen["prev"] = c
-            real(self, consensus)
-            return
-        if self.steps == 0:
+        if self.kind == "avg" or self.steps == 0:
             real(self, consensus)
             return
         prev = self.prev.astype(np.float64)
