@@ -72,6 +72,7 @@ def grid(window: int = 50) -> list[dict]:
     add("nesterov", (4e-3,), 0.7, 0.5, warmup=10)
     add("avg", (8e-3,))
     add("slowmo", (2e-3,), 1.0, 0.9)
+    add("slowmo", (2e-3, 4e-3, 8e-3), 0.7, 0.5)
     # further rows, when the machine allows
     add("avg", (1e-3,))
     add("slowmo", (2e-3,), 1.0, 0.7)
