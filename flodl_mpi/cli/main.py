@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="outer optimizer on each round's consensus: avg adopts it as it is; slowmo (SlowMo) and "
                         f"nesterov (DiLoCo) step from the previous global parameters with momentum (default {d.outer})")
     g.add_argument("--outer-lr", type=float,
-                   help="the outer optimizer's learning rate (default: 1.0 for slowmo, 0.7 for nesterov)")
+                   help="the outer optimizer's learning rate (default 0.7)")
     g.add_argument("--outer-momentum", type=float,
                    help="the outer optimizer's momentum, in [0, 1) (default 0.5; the papers' 0.9 lost accuracy on "
                         "MNIST-1D, and a run with lr / (1 - momentum) of 5 or more is warned about: the docs' "

@@ -35,13 +35,13 @@ from flodl_mpi.config import OUTERS
 __all__ = ["OUTERS", "OUTER_DEFAULTS", "SHORT_WINDOW", "STRONG_GAIN", "OuterOptimizer", "short_window_warning",
            "strong_momentum_warning"]
 
-#: ``(lr, momentum)`` when not given: SlowMo's lr 1.0 and DiLoCo's 0.7, both with momentum 0.5 (the papers'
-#: 0.9 lost 2.4 and 4.5 points to DDP, and SlowMo diverged, on MNIST-1D at a window of 50: `STRONG_GAIN`'s
-#: comment). Why 0.9 does not pay there: successive pseudo-gradients are close to orthogonal (mean
+#: ``(lr, momentum)`` when not given: lr 0.7 (DiLoCo's) and momentum 0.5 for both (the papers' 0.9 lost
+#: 2.4 and 4.5 points to DDP, and SlowMo diverged, on MNIST-1D at a window of 50: `STRONG_GAIN`'s comment;
+#: SlowMo at lr 1.0 and momentum 0.5 did not diverge but ended 1.6 points below DDP, at 0.7 0.2 above). Why 0.9 does not pay there: successive pseudo-gradients are close to orthogonal (mean
 #: cos(g, v) +0.00 to +0.09, ``benchmarks/outer_probe.py``), so the velocity accumulates no common
 #: direction and only amplifies each round's change 2-3x; the parameters' norm grows round after round
 #: (52 against 25 for momentum 0.5 at Adam 1e-3 after 40 epochs) and the test loss with it.
-OUTER_DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (1.0, 0.5), "nesterov": (0.7, 0.5)}
+OUTER_DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (0.7, 0.5), "nesterov": (0.7, 0.5)}
 #: The settings the digits figures `short_window_warning` quotes were measured at (the defaults then).
 _MEASURED_AT = {"slowmo": (1.0, 0.9), "nesterov": (0.7, 0.9)}
 
@@ -161,7 +161,7 @@ def strong_momentum_warning(kind: str, window: int, lr: float | None = None, mom
         outer, lower, avg = f"--outer {kind}", f"--outer-momentum {OUTER_DEFAULTS[kind][1]:g}", "--outer avg"
     return (f"warning: {outer} at lr {lr:g}, momentum {momentum:g} amplifies each round's change about {gain:.0f}x "
             f"(lr / (1 - momentum)); on MNIST-1D (2 ranks, Adam, a round every 50 batches, 40 epochs) momentum "
-            f"0.9 ended at {acc:.3f} test accuracy at best (inner lr {at}){worse}, against {_LONG['ddp']:.3f} for "
+            f"0.9 (outer lr {_MEASURED_AT[kind][0]:g}) ended at {acc:.3f} test accuracy at best (inner lr {at}){worse}, against {_LONG['ddp']:.3f} for "
             f"DDP and {_LONG['avg']:.3f} for {avg} at their best inner lr (the docs' 'Adam and outer optimizers' "
             f"page; the cost depends on the task): lower the momentum ({lower}, the default) or the outer lr")
 
