@@ -187,8 +187,8 @@ class TrainConfig:
     on_non_finite: str = "quarantine"  # one of ON_NON_FINITE: a rank with NaN/Inf loss or params
     on_rank_failure: str | None = None  # one of ON_RANK_FAILURE; None: shrink under Open MPI with --with-ft ulfm
     outer: str = "avg"                # one of OUTERS: the outer optimizer on the consensus (SPEC §7)
-    outer_lr: float | None = None     # outer learning rate; None = the outer's usual (slowmo 1.0, nesterov 0.7)
-    outer_momentum: float | None = None  # outer momentum in [0, 1); None = 0.9
+    outer_lr: float | None = None     # outer learning rate; None = the outer's default (0.7)
+    outer_momentum: float | None = None  # outer momentum in [0, 1); None = 0.5 (protocol.outer.OUTER_DEFAULTS)
     outer_reset_inner: bool = False   # clear each rank's optimizer state after each outer step
     average_optimizer_state: str = "auto"  # one of AVERAGE_OPTIMIZER_STATE (flodl_mpi.protocol.optimizer_state)
     scale_lr: bool = False            # linear scaling rule: lr x world size (Goyal et al. 2017)

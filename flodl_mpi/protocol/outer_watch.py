@@ -11,7 +11,7 @@ epochs. Why the training loss and not the test loss: on MNIST-1D healthy outer r
 averaging) overfit, their test loss doubling while the training loss goes on falling;
 why a share of the progress and not a run of rises: at training losses near 0.05 those
 runs rise three epochs in a row by noise. Measured (``python benchmarks/outer.py
---datasets mnist1d-adam ...``, docs/benchmarks.rst, "Outer optimizers, measured"): SlowMo at Adam
+--datasets mnist1d-adam ... --outer-momentum 0.9``, docs/benchmarks.rst, "Outer optimizers, measured"): SlowMo at Adam
 4e-3, window 50, which falls from 0.70 test accuracy at epoch 10 to 0.38 at 40, undoes
 12-17 % from epoch 13 on (the warning comes at epoch 15); of the healthy runs none undoes more than
 6 % two epochs in a row (slowmo at window 50 undoes 10 % once, at epoch 3, early noise). Every diverging

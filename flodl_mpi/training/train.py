@@ -26,7 +26,7 @@ from flodl_mpi.outputs.metrics import keep_before_restart
 from flodl_mpi.policy.replay import RecordedPlan, read_recorded_plan
 from flodl_mpi.protocol.data_fingerprint import differences as data_differences
 from flodl_mpi.protocol.data_fingerprint import fingerprint as data_fingerprint
-from flodl_mpi.protocol.outer import OuterOptimizer, short_window_warning
+from flodl_mpi.protocol.outer import OuterOptimizer, short_window_warning, strong_momentum_warning
 from flodl_mpi.policy.registry import describe as describe_policy
 from flodl_mpi.policy.registry import get as policy_spec
 from flodl_mpi.policy.registry import make_policy
@@ -470,7 +470,8 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
                run_dir: Path, api: bool = False, bridge: Bridge | None = None) -> None:
     """train.log's header (rank 0): ranks, policy, model size, data, run dir; then the effective batch,
     given the ``bridge`` the averaging path in effect (`describe_averaging_path`), and a warning
-    when an outer step comes with rounds too frequent for it (`flodl_mpi.protocol.outer.short_window_warning`).
+    when an outer step comes with rounds too frequent for it (`flodl_mpi.protocol.outer.short_window_warning`)
+    or with a momentum measured to lose accuracy (`flodl_mpi.protocol.outer.strong_momentum_warning`).
 
     ``api``: the effective batch worded in :func:`flodl_mpi.fit`'s keywords (`effective_batch_line`).
     """
@@ -500,7 +501,8 @@ def log_header(cfg: TrainConfig, world_size: int, replica: Replica, devices: lis
         cadence = f"{policy}, first anchor {window}"
     else:
         cadence = policy
-    warning = short_window_warning(cfg.outer, window, cadence, cfg.outer_lr, cfg.outer_momentum, api=api)
+    warning = (short_window_warning(cfg.outer, window, cadence, cfg.outer_lr, cfg.outer_momentum, api=api)
+               or strong_momentum_warning(cfg.outer, window, cfg.outer_lr, cfg.outer_momentum, api=api))
     if warning:
         log.warning(warning)
 

@@ -81,7 +81,9 @@ def test_state_of_another_kind_or_size_is_refused():
 
 def test_defaults_and_memory():
     assert (OuterOptimizer("nesterov", 3).lr, OuterOptimizer("nesterov", 3).momentum) == OUTER_DEFAULTS["nesterov"]
-    assert (OuterOptimizer("slowmo", 3).lr, OuterOptimizer("slowmo", 3).momentum) == (1.0, 0.9)
+    # issue 24 item 4: momentum 0.5 by default for both (benchmarks/outer_sweep.py on MNIST-1D at window 50)
+    assert OUTER_DEFAULTS == {"avg": (1.0, 0.0), "slowmo": (0.7, 0.5), "nesterov": (0.7, 0.5)}
+    assert (OuterOptimizer("slowmo", 3).lr, OuterOptimizer("slowmo", 3).momentum) == (0.7, 0.5)
     assert OuterOptimizer("slowmo", 1000).extra_bytes == 2 * 4 * 1000
     assert OuterOptimizer("avg", 1000).extra_bytes == 0
 
@@ -101,3 +103,21 @@ def test_bad_arguments(kwargs, match):
 def test_wrong_consensus_is_refused():
     with pytest.raises(ValueError, match=r"float32 of shape \(3,\)"):
         OuterOptimizer("slowmo", 3).step(np.zeros(3, dtype=np.float64))
+
+
+def test_the_defaults_three_rounds_by_hand():
+    """issue 24 item 4: the defaults on CONSENSUS, by hand: nesterov (lr 0.7, momentum 0.5):
+    round 1: a zero step, new = [1, 2]
+    round 2: g = [1, -1]; v = g = [1, -1]; mu v + g = [1.5, -1.5]; new = [1, 2] - 0.7*[1.5, -1.5] = [-0.05, 3.05]
+    round 3: g = [-0.05, 3.05] - [0, 2] = [-0.05, 1.05]; v = 0.5*[1, -1] + g = [0.45, 0.55]
+             mu v + g = [0.225 - 0.05, 0.275 + 1.05] = [0.175, 1.325]; new = [-0.05 - 0.1225, 3.05 - 0.9275]
+    and slowmo (lr 0.7, momentum 0.5): round 2: v = g = [1, -1], new = [1, 2] - 0.7*[1, -1] = [0.3, 2.7];
+    round 3: g = [0.3, 2.7] - [0, 2] = [0.3, 0.7]; v = 0.5*[1, -1] + g = [0.8, 0.2];
+             new = [0.3 - 0.56, 2.7 - 0.14] = [-0.26, 2.56]."""
+    for kind, want in (("nesterov", ([1.0, 2.0], [-0.05, 3.05], [-0.1725, 2.1225])),
+                       ("slowmo", ([1.0, 2.0], [0.3, 2.7], [-0.26, 2.56]))):
+        outer = OuterOptimizer(kind, 2)
+        for c, w in zip(CONSENSUS, want):
+            x = np.array(c, dtype=np.float32)
+            outer.step(x)
+            np.testing.assert_allclose(x, w, rtol=0, atol=1e-6)

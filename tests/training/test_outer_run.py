@@ -76,7 +76,7 @@ def test_a_nesterov_run_stopped_and_resumed_equals_the_uninterrupted_one(runs):
 def test_outer_reset_inner_clears_every_ranks_optimizer_state(runs, reset):
     run_dir, proc = runs[f"slowmo-{reset}"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "outer slowmo (lr 1, momentum 0.9)" in proc.stdout
+    assert "outer slowmo (lr 0.7, momentum 0.5)" in proc.stdout  # OUTER_DEFAULTS (issue 24 item 4)
     ckpt = read_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     for r in (0, 1):  # the last round stepped, then every rank cleared (or kept) its Adam state
         arrays, _ = ckpt.ranks[r]
