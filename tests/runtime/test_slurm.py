@@ -76,7 +76,7 @@ def _skip_reason() -> str | None:
 
 
 @pytest.mark.slurm
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1080)
 def test_job_scripts_under_slurm():
     reason = _skip_reason()
     if reason is not None:
@@ -87,11 +87,11 @@ def test_job_scripts_under_slurm():
     proc = subprocess.Popen(["bash", str(SLURM_DIR / "check.sh")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, stdin=subprocess.DEVNULL)
     try:
-        out, err = proc.communicate(timeout=780)
+        out, err = proc.communicate(timeout=960)
     except subprocess.TimeoutExpired:
         proc.terminate()  # SIGTERM: check.sh tears its Slurm down (SIGKILL would leave it running)
         out, err = proc.communicate(timeout=120)
-        pytest.fail(f"check.sh did not end within 780 s\n{out}{err}")
+        pytest.fail(f"check.sh did not end within 960 s\n{out}{err}")
     report = out + err
     print(report)  # shown with -s (tests/slurm/ci_stage.sh), and on failure
     passed = {line[5:].split(":", 1)[0] for line in out.splitlines() if line.startswith("PASS ")}
