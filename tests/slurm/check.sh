@@ -88,6 +88,10 @@ cleanup() {
             sleep 1
         done
     fi
+    if [ -n "$two_pid" ]; then   # the two-node part takes its hosts down as it ends
+        kill "$two_pid" 2>/dev/null
+        wait "$two_pid" 2>/dev/null
+    fi
     hosts_cluster_down "$tmp/hosts"
     cluster_down "$tmp/cluster"
     local i
@@ -240,15 +244,32 @@ wait_job() {  # wait_job JOB LIMIT: until JOB is in a final state; prints the st
 }
 
 # ---- two nodes ---------------------------------------------------------------------
-two_nodes_ran=0   # set by two_node_checks where the hosts could be made
-if [ "$part" != one-node ]; then
+two_nodes_ran=0   # 1 where the two-node part's hosts could be made (it covers two of the jobs below)
+two_pid=""        # the two-node part, running beside the single-node one
+if [ "$part" = two-nodes ]; then
     . "$here/two_nodes.sh"
     two_node_checks
-fi
-if [ "$part" = two-nodes ]; then
     echo "slurm checks: $passed passed, $failed failed ($(elapsed) s)"
     [ "$failed" = 0 ]
     exit
+elif [ "$part" = all ]; then
+    . "$here/two_nodes.sh"
+    # In a subshell of its own (its client commands, SLURM_CONF and work directory are its
+    # own), beside the single-node part: most of either is waiting (start-up, signals,
+    # requeues). Its report is counted at the end; it says whether its hosts came up.
+    (
+        trap 'hosts_cluster_down "$tmp/hosts"' EXIT
+        trap 'exit 143' TERM
+        trap 'exit 130' INT
+        two_node_checks
+    ) > "$tmp/two-nodes.report" 2>&1 &
+    two_pid=$!
+    for _ in $(seq 240); do
+        [ -s "$tmp/two-nodes.state" ] && break
+        kill -0 "$two_pid" 2>/dev/null || break
+        sleep 0.25
+    done
+    [ "$(cat "$tmp/two-nodes.state" 2>/dev/null)" = ran ] && two_nodes_ran=1
 fi
 
 # ---- the single-node cluster ---------------------------------------------------------
@@ -412,5 +433,14 @@ check "bad input state" "job $badinput $state, exit code $(job_field "$badinput"
 check "bad input not requeued" "$(grep -m1 'not requeued' "$out" || echo "no 'not requeued' line")" \
     grep -q "flodl-mpi failed with exit status 2: not requeued" "$out"
 
+if [ -n "$two_pid" ]; then
+    status=0
+    wait "$two_pid" || status=$?
+    two_pid=""
+    cat "$tmp/two-nodes.report"
+    passed=$((passed + $(grep -c '^PASS ' "$tmp/two-nodes.report" || true)))
+    failed=$((failed + $(grep -c '^FAIL ' "$tmp/two-nodes.report" || true)))
+    [ "$status" = 0 ] || bad "two nodes ended" "the two-node part ended early (exit $status)"
+fi
 echo "slurm checks: $passed passed, $failed failed ($(elapsed) s)"
 [ "$failed" = 0 ]

@@ -34,10 +34,12 @@ two_node_checks() {
     local status=0
     FLODL_SLURM_MIN_CPUS=$node_cpus hosts_cluster_up "$tmp/hosts" 2 2>"$tmp/hosts.err" || status=$?
     if [ "$status" = 3 ]; then
+        echo skip > "$tmp/two-nodes.state"
         echo "SKIP two nodes: $(tail -n 1 "$tmp/hosts.err")"
         work=$tmp/work
         return 0
     elif [ "$status" != 0 ]; then
+        echo failed > "$tmp/two-nodes.state"
         bad "two nodes up" "the two-node Slurm did not start: $(tail -n 5 "$tmp/hosts.err" | tr '\n' ' ')"
         hosts_cluster_down "$tmp/hosts"
         work=$tmp/work
@@ -51,6 +53,7 @@ two_node_checks() {
     submit_on=(on_host nodea)
     job_env=(UCX_TLS=tcp,self UCX_NET_DEVICES=eth0)
     two_nodes_ran=1
+    echo ran > "$tmp/two-nodes.state"
     ok "two nodes up" "Slurm $(sinfo -V | awk '{print $2}') in $(( $(date +%s) - t )) s: $(sinfo -h -N -o '%N@%o' | tr '\n' ' ')"
 
     local args=(--model paced_model.py:paced_mlp --keep-checkpoints 100 --epochs 3)
