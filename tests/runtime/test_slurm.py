@@ -4,9 +4,9 @@ Runs when asked for with ``FLODL_TEST_SLURM=1`` (``.ci/run``'s Slurm stage sets
 ``=require``, which fails instead of skipping when Slurm cannot be had), and where
 Slurm is installed, or can be (as root, with ``apt-get`` and the package mirror
 reachable: ``tests/slurm/install.sh``). It is not on by default because it needs
-root, starts Slurm daemons and a test user on the machine, and takes about 4
-minutes. ``check.sh`` starts its own Slurm (first two nodes, each a host of its own in
-namespaces, where they can be made; then one node), submits ``jobs/slurm-*.sbatch`` as a
+root, starts Slurm daemons (and, for two nodes, namespaces) and a test user on the
+machine, and takes about 3 minutes. ``check.sh`` starts its own Slurm clusters side by side (two
+nodes, each a host of its own in namespaces, where they can be made; one node), submits ``jobs/slurm-*.sbatch`` as a
 normal user with the documented CPU-only overrides, and prints one line per check;
 this test asserts on the exit status and on each check by name, so a check that
 silently stopped running fails as well.
@@ -57,7 +57,7 @@ def _skip_reason() -> str | None:
     """None when check.sh can run here (installing Slurm first if needed), else why not."""
     if os.environ.get("FLODL_TEST_SLURM") not in ("1", "require"):
         return ("the real-Slurm test runs only with FLODL_TEST_SLURM=1 (root; it starts Slurm daemons and a test "
-                "user, about 4 minutes; .ci/run's Slurm stage runs it)")
+                "user, about 3 minutes; .ci/run's Slurm stage runs it)")
     if not sys.platform.startswith("linux"):
         return "a local Slurm needs Linux"
     if os.geteuid() != 0:

@@ -22,9 +22,9 @@
 #   The first three end in one requeue (exit 4) and a resumed run that completes,
 #   with the rounds 0..R-1 continuous across the attempts.
 #
-# First, the same scripts on a two-node Slurm (tests/slurm/two_nodes.sh): nodea and
-# nodeb, each slurmd on a host of its own (the multi-host harness's namespaces,
-# tests/multinode/cluster.py), 2 nodes x 2 tasks:
+# Beside it, the same scripts on a two-node Slurm (tests/slurm/two_nodes.sh, its
+# report printed at the end): nodea and nodeb, each slurmd on a host of its own (the
+# multi-host harness's namespaces, tests/multinode/cluster.py), 2 nodes x 2 tasks:
 #   slurm-multi-node   completes; metrics.h5 and every rank name its host and node
 #                      (nodea, nodea, nodeb, nodeb); the model the same bits on every rank
 #   preemptible        stopped in training (`scancel --batch --signal=USR1`), requeued,
