@@ -360,11 +360,18 @@ def _hold(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    with Cluster(host_names(n)) as cluster:
+    cluster = Cluster(host_names(n))
+    try:
         for name, holder in cluster._holders.items():
             print(name, holder.pid, flush=True)
         print("ready", flush=True)
         sys.stdin.read()  # until EOF
+    finally:
+        # A signal now (the script's EOF and its SIGTERM may both come) must not cut the closing short:
+        # a holder left behind would keep its host.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        cluster.close()
     return 0
 
 

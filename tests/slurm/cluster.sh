@@ -231,8 +231,14 @@ hosts_cluster_down() {
     local dir=$1
     [ -n "$_hosts_holder" ] || return 0
     cluster_down "$dir"
-    # The holder kills what is left on the hosts (jobs' processes) and removes them.
+    # On its input's end the holder kills what is left on the hosts (jobs' processes) and
+    # removes them; SIGTERM only if it has not ended in 30 s (it ignores signals while closing).
     exec {_hosts_fd}>&-
+    local i
+    for i in $(seq 120); do
+        kill -0 "$_hosts_holder" 2>/dev/null || break
+        sleep 0.25
+    done
     kill "$_hosts_holder" 2>/dev/null || true
     wait "$_hosts_holder" 2>/dev/null || true
     _hosts_holder=""
