@@ -337,3 +337,45 @@ exec nsenter -t "$pid" --uts --net --mount --wd="$PWD" -- sh -c "$*"
             out.write(line)
             out.flush()
         proc.stdout.close()
+
+
+def _hold(argv: list[str]) -> int:
+    """``python -m tests.multinode.cluster N``: make N hosts (``nodea``, ...) for a shell script to use.
+
+    Prints ``HOST PID`` per host (``nsenter -t PID --uts --net --mount`` runs a command on it), then
+    ``ready``; holds the cluster until its stdin closes (the script ended, however it ended) or it gets
+    SIGTERM/SIGINT, then closes it: every process on the hosts is killed, the namespaces go. Exit 3 (and the
+    reason on stderr) where no cluster can be made here.
+    """
+    import sys
+
+    n = int(argv[0]) if argv else 2
+    reason = unavailable()
+    if reason is not None:
+        print(reason, file=sys.stderr, flush=True)
+        return 3
+
+    def stop(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    cluster = Cluster(host_names(n))
+    try:
+        for name, holder in cluster._holders.items():
+            print(name, holder.pid, flush=True)
+        print("ready", flush=True)
+        sys.stdin.read()  # until EOF
+    finally:
+        # A signal now (the script's EOF and its SIGTERM may both come) must not cut the closing short:
+        # a holder left behind would keep its host.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        cluster.close()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_hold(sys.argv[1:]))

@@ -10,15 +10,29 @@
 #
 #   slurm-one-node     started over a stale MPICH slab under its own KVS name (left by
 #                      a job whose ranks were killed; flodl_mpi/runtime/stale_shm.py): completes
-#   slurm-multi-node   completes (on one node; --exclusive=user, so that it runs beside them)
+#   slurm-multi-node   completes (on one node; --exclusive=user, so that it runs beside them;
+#                      only where the two-node part did not run, which covers it)
 #   preemptible, four times, each with the paced model (paced_model.py):
 #     natural          Slurm's own --signal=B:USR1@60 before a --time=2 limit
-#     scancel --batch  `scancel --batch --signal=USR1` once epoch 1 is done
+#     scancel --batch  `scancel --batch --signal=USR1` once epoch 1 is done (only where
+#                      the two-node part did not run, which does the same on two nodes)
 #     start-up USR1    `scancel --signal=USR1` (no --batch: to the ranks) while they
 #                      start, once their stop handler is in place, before training
 #     bad input        a missing --data file: exit 2, FAILED, not requeued
 #   The first three end in one requeue (exit 4) and a resumed run that completes,
 #   with the rounds 0..R-1 continuous across the attempts.
+#
+# Beside it, the same scripts on a two-node Slurm (tests/slurm/two_nodes.sh, its
+# report printed at the end): nodea and nodeb, each slurmd on a host of its own (the
+# multi-host harness's namespaces, tests/multinode/cluster.py), 2 nodes x 2 tasks:
+#   slurm-multi-node   completes; metrics.h5 and every rank name its host and node
+#                      (nodea, nodea, nodeb, nodeb); the model the same bits on every rank
+#   preemptible        stopped in training (`scancel --batch --signal=USR1`), requeued,
+#                      resumed on both nodes: completes, the same bits on every rank and
+#                      the same final model as the uninterrupted multi-node run of the
+#                      same options
+# Where the hosts cannot be made (no namespaces), it prints "SKIP two nodes: <why>".
+# FLODL_SLURM_PART=two-nodes runs only that part, =one-node only the rest.
 #
 # Prints one line per check, "PASS <name>: ..." or "FAIL <name>: ...", then
 # "slurm checks: P passed, F failed (T s)"; exits 0 when all passed, 1 when one
@@ -39,6 +53,7 @@ repo=$(cd "$here/../.." && pwd)
 venv=${FLODL_VENV:-$repo/.venv}
 user=flodltest
 cycles=${FLODL_SLURM_CYCLES:-1}
+part=${FLODL_SLURM_PART:-all}
 # The run shape: 2 ranks of 1 core each, the built-in digits data.
 cpu_only=(--gpus-per-task=0 --ntasks-per-node=2 --cpus-per-task=1)
 ranks=2
@@ -46,6 +61,7 @@ ranks=2
 node_cpus=16
 
 die() { echo "check.sh: $*" >&2; exit 2; }
+case $part in all|one-node|two-nodes) ;; *) die "FLODL_SLURM_PART=$part: all, one-node or two-nodes" ;; esac
 [ "$(id -u)" = 0 ] || die "needs root (to start slurmd and to run jobs as $user)"
 for cmd in munged slurmctld slurmd sbatch scontrol sacct; do
     command -v "$cmd" >/dev/null || die "$cmd not found: install Slurm first (tests/slurm/install.sh)"
@@ -54,6 +70,9 @@ done
 . "$here/cluster.sh"
 
 tmp=$(mktemp -d /tmp/flodl-slurm.XXXXXX)
+work=$tmp/work   # where jobs are submitted from (each cluster its own: job ids start at 1 in each)
+submit_on=()     # the prefix that runs a command where sbatch reaches slurmctld (on_host nodea)
+job_env=()       # VAR=value for the jobs' environment (sbatch exports the submitter's)
 created_user=0
 granted=()   # directories where $user was given traverse permission
 had_acl=()   # for each: 1 if it had an ACL of its own before
@@ -69,6 +88,11 @@ cleanup() {
             sleep 1
         done
     fi
+    if [ -n "$two_pid" ]; then   # the two-node part takes its hosts down as it ends
+        kill "$two_pid" 2>/dev/null
+        wait "$two_pid" 2>/dev/null
+    fi
+    hosts_cluster_down "$tmp/hosts"
     cluster_down "$tmp/cluster"
     local i
     for i in "${!granted[@]}"; do
@@ -108,9 +132,9 @@ if ! id "$user" >/dev/null 2>&1; then
 fi
 as_user() {
     # A clean environment: nothing of root's (VIRTUAL_ENV, PYTHONPATH) leaks into the jobs.
-    runuser -u "$user" -- env -i HOME="/home/$user" USER="$user" LOGNAME="$user" \
-        PATH=/usr/local/bin:/usr/bin:/bin SLURM_CONF="$SLURM_CONF" FLODL_VENV="$venv" \
-        bash -c "cd '$tmp/work' && $1"
+    "${submit_on[@]}" runuser -u "$user" -- env -i HOME="/home/$user" USER="$user" LOGNAME="$user" \
+        PATH=/usr/local/bin:/usr/bin:/bin SLURM_CONF="$SLURM_CONF" FLODL_VENV="$venv" "${job_env[@]}" \
+        bash -c "cd '$work' && $1"
 }
 user_can() { runuser -u "$user" -- test "$@"; }
 # Give $user traverse permission on each directory on the way to $1 that denies it.
@@ -148,10 +172,7 @@ EOF
 chown -R "$user:" "$tmp/work"
 chmod 755 "$tmp"
 
-# ---- the cluster -------------------------------------------------------------
 start=$(date +%s)
-FLODL_SLURM_MIN_CPUS=$node_cpus cluster_up "$tmp/cluster" || die "the single-node Slurm did not start"
-echo "check.sh: Slurm $(sinfo -V | awk '{print $2}') up in $(( $(date +%s) - start )) s; $(sinfo -h -N -o '%N %c CPUs')"
 
 # ---- helpers -----------------------------------------------------------------
 passed=0
@@ -172,7 +193,7 @@ submit() {  # submit SBATCH-ARGS...: prints the job id
 job_field() {  # job_field JOB FIELD: one field of `scontrol show job`
     scontrol show job "$1" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$2=//p" | head -n 1
 }
-log_of() { echo "$tmp/work/flodl-mpi-$1.out"; }
+log_of() { echo "$work/flodl-mpi-$1.out"; }
 final_state() {  # final_state STATE: true for a state a job ends in
     case $1 in COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE|PREEMPTED) return 0 ;; esac
     return 1
@@ -183,7 +204,7 @@ attempts() {
 }
 # The DerivedExitCode of JOB's last attempt (the highest exit code of any of its steps).
 derived() { sacct -c -n -P -j "$1" -o DerivedExitCode 2>/dev/null | tail -n 1; }
-inspect() { "$venv/bin/python" "$here/inspect_run.py" "$tmp/work/runs/$1"; }
+inspect() { "$venv/bin/python" "$here/inspect_run.py" "$work/runs/$1" "${@:2}"; }
 field() { "$venv/bin/python" -c 'import json, sys; print(json.loads(sys.argv[1]).get(sys.argv[2]))' "$1" "$2"; }
 # The name MPICH gives its slab for PMI KVS name $1 on node 0 (flodl_mpi/runtime/stale_shm.py).
 slab_name() {
@@ -205,6 +226,56 @@ ranks_catching_usr1() {
     done
     return 0
 }
+
+wait_job() {  # wait_job JOB LIMIT: until JOB is in a final state; prints the state
+    local job=$1 limit=$2 state="" t
+    t=$(date +%s)
+    while (( $(date +%s) - t < limit )); do
+        state=$(job_field "$job" JobState)
+        if init_failed "$job" && [ "$state" = RUNNING ]; then
+            scancel "$job"
+            echo "MPI_INIT_FAILED"
+            return 0
+        fi
+        if final_state "$state"; then echo "$state"; return 0; fi
+        sleep 1
+    done
+    echo "TIMEOUT_WAITING($state)"
+}
+
+# ---- two nodes ---------------------------------------------------------------------
+two_nodes_ran=0   # 1 where the two-node part's hosts could be made (it covers two of the jobs below)
+two_pid=""        # the two-node part, running beside the single-node one
+if [ "$part" = two-nodes ]; then
+    . "$here/two_nodes.sh"
+    two_node_checks
+    echo "slurm checks: $passed passed, $failed failed ($(elapsed) s)"
+    [ "$failed" = 0 ]
+    exit
+elif [ "$part" = all ]; then
+    . "$here/two_nodes.sh"
+    # In a subshell of its own (its client commands, SLURM_CONF and work directory are its
+    # own), beside the single-node part: most of either is waiting (start-up, signals,
+    # requeues). Its report is counted at the end; it says whether its hosts came up.
+    (
+        trap 'hosts_cluster_down "$tmp/hosts"' EXIT
+        trap 'exit 143' TERM
+        trap 'exit 130' INT
+        two_node_checks
+    ) > "$tmp/two-nodes.report" 2>&1 &
+    two_pid=$!
+    for _ in $(seq 240); do
+        [ -s "$tmp/two-nodes.state" ] && break
+        kill -0 "$two_pid" 2>/dev/null || break
+        sleep 0.25
+    done
+    [ "$(cat "$tmp/two-nodes.state" 2>/dev/null)" = ran ] && two_nodes_ran=1
+fi
+
+# ---- the single-node cluster ---------------------------------------------------------
+t0=$(date +%s)
+FLODL_SLURM_MIN_CPUS=$node_cpus cluster_up "$tmp/cluster" || die "the single-node Slurm did not start"
+echo "check.sh: Slurm $(sinfo -V | awk '{print $2}') up in $(( $(date +%s) - t0 )) s; $(sinfo -h -N -o '%N %c CPUs')"
 
 # ---- submit everything (the jobs run side by side) ----------------------------
 paced=(--model paced_model.py:paced_mlp --keep-checkpoints 100)
@@ -228,17 +299,23 @@ declare -A job_of
 job_of[slurm-one-node]=$(submit "${cpu_only[*]} --hold jobs/slurm-one-node.sbatch --epochs 1")
 # --exclusive=user: the script asks for whole nodes, which would hold it (and, as the
 # oldest pending job, every job after it) until all other test jobs are done.
-job_of[slurm-multi-node]=$(submit "${cpu_only[*]} --nodes=1 --exclusive=user jobs/slurm-multi-node.sbatch --epochs 1")
-manual=$(submit "${cpu_only[*]} --time=10 jobs/slurm-preemptible.sbatch ${paced[*]} --epochs $manual_epochs")
+plain=(slurm-one-node)
+manual=""
+if [ "$two_nodes_ran" = 0 ]; then   # else the two-node part ran both, on two nodes
+    job_of[slurm-multi-node]=$(submit "${cpu_only[*]} --nodes=1 --exclusive=user jobs/slurm-multi-node.sbatch --epochs 1")
+    plain+=(slurm-multi-node)
+    manual=$(submit "${cpu_only[*]} --time=10 jobs/slurm-preemptible.sbatch ${paced[*]} --epochs $manual_epochs")
+fi
 startup=$(submit "${cpu_only[*]} --time=10 jobs/slurm-preemptible.sbatch ${paced[*]} --epochs $startup_epochs")
 badinput=$(submit "${cpu_only[*]} --time=10 jobs/slurm-preemptible.sbatch --data missing.h5 --epochs 1")
-echo "check.sh: submitted killer $killer, one-node ${job_of[slurm-one-node]}, multi-node ${job_of[slurm-multi-node]}," \
-    "natural $natural, scancel --batch $manual, start-up $startup, bad input $badinput"
+echo "check.sh: submitted killer $killer, one-node ${job_of[slurm-one-node]}, multi-node ${job_of[slurm-multi-node]:-(on two nodes)}," \
+    "natural $natural, scancel --batch ${manual:-(on two nodes)}, start-up $startup, bad input $badinput"
 
 # ---- act on the jobs as their moments come --------------------------------------
 planted=""        # the stale slab put under the one-node job's name
 natural_done=0    # the natural flow's time limit raised after $cycles requeues
-manual_done=0     # scancel --batch sent
+manual_done=0     # scancel --batch sent (or not wanted here: no $manual)
+[ -n "$manual" ] || manual_done=1
 startup_done=0    # scancel (no --batch) sent to the starting ranks
 startup_note=""
 t0=$(date +%s)
@@ -251,7 +328,7 @@ while (( $(date +%s) - t0 < 300 + 150 * cycles )); do
         if [ -f "$seed" ]; then cp "$seed" "$planted" && chown "$user:" "$planted"; fi
         scontrol release "$one"
     fi
-    for job in "$natural" "$manual" "$startup"; do   # a failed MPI start: end the job now, not at its limit
+    for job in "$natural" $manual "$startup"; do   # a failed MPI start: end the job now, not at its limit
         if init_failed "$job" && [ "$(job_field "$job" JobState)" = RUNNING ]; then scancel "$job"; fi
     done
     if (( natural_done == 0 )) && [ "$(job_field "$natural" Restarts)" -ge "$cycles" ] 2>/dev/null; then
@@ -276,29 +353,15 @@ while (( $(date +%s) - t0 < 300 + 150 * cycles )); do
 done
 check "natural signal requeue" "job $natural: $(grep -m1 'got SIGUSR1' "$(log_of "$natural")" || echo "no USR1 seen by the script"), restarts $(job_field "$natural" Restarts)" \
     test "$natural_done" = 1
-check "scancel --batch signal" "job $manual: $(grep -m1 'got SIGUSR1' "$(log_of "$manual")" || echo "epoch 1 never ended")" \
-    test "$manual_done" = 1
+if [ -n "$manual" ]; then
+    check "scancel --batch signal" "job $manual: $(grep -m1 'got SIGUSR1' "$(log_of "$manual")" || echo "epoch 1 never ended")" \
+        test "$manual_done" = 1
+fi
 check "start-up signal" "job $startup: ${startup_note:-the ranks never caught SIGUSR1 while starting}" \
     test "$startup_done" = 1
 
-wait_job() {  # wait_job JOB LIMIT: until JOB is in a final state; prints the state
-    local job=$1 limit=$2 state="" t
-    t=$(date +%s)
-    while (( $(date +%s) - t < limit )); do
-        state=$(job_field "$job" JobState)
-        if init_failed "$job" && [ "$state" = RUNNING ]; then
-            scancel "$job"
-            echo "MPI_INIT_FAILED"
-            return 0
-        fi
-        if final_state "$state"; then echo "$state"; return 0; fi
-        sleep 1
-    done
-    echo "TIMEOUT_WAITING($state)"
-}
-
 # ---- the two plain jobs -------------------------------------------------------
-for script in slurm-one-node slurm-multi-node; do
+for script in "${plain[@]}"; do
     job=${job_of[$script]}
     state=$(wait_job "$job" 300)
     info=$(inspect "$job")
@@ -357,7 +420,7 @@ check_resumed() {
     fi
 }
 check_resumed "natural signal" "$natural" "$natural_epochs" "$cycles"
-check_resumed "scancel --batch" "$manual" "$manual_epochs" 1
+[ -z "$manual" ] || check_resumed "scancel --batch" "$manual" "$manual_epochs" 1
 check_resumed "start-up signal" "$startup" "$startup_epochs" 1
 # The start-up stop came before any training: the stop rode the very first round.
 check "start-up signal before training" "$(grep -m1 -E 'stopped on request|got SIG' "$(log_of "$startup")" || echo "no stop line")" \
@@ -370,5 +433,14 @@ check "bad input state" "job $badinput $state, exit code $(job_field "$badinput"
 check "bad input not requeued" "$(grep -m1 'not requeued' "$out" || echo "no 'not requeued' line")" \
     grep -q "flodl-mpi failed with exit status 2: not requeued" "$out"
 
+if [ -n "$two_pid" ]; then
+    status=0
+    wait "$two_pid" || status=$?
+    two_pid=""
+    cat "$tmp/two-nodes.report"
+    passed=$((passed + $(grep -c '^PASS ' "$tmp/two-nodes.report" || true)))
+    failed=$((failed + $(grep -c '^FAIL ' "$tmp/two-nodes.report" || true)))
+    [ "$status" = 0 ] || bad "two nodes ended" "the two-node part ended early (exit $status)"
+fi
 echo "slurm checks: $passed passed, $failed failed ($(elapsed) s)"
 [ "$failed" = 0 ]

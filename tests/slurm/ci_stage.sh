@@ -3,8 +3,9 @@
 #
 # Where Slurm can be had (root, apt-get, the package mirror reachable), installs
 # Debian's packages (tests/slurm/install.sh) and runs tests/runtime/test_slurm.py with
-# FLODL_TEST_SLURM=require: the job scripts under a real single-node Slurm
-# (tests/slurm/check.sh), jobs run as a normal user. Elsewhere it prints why the
+# FLODL_TEST_SLURM=require: the job scripts under a real Slurm, two nodes (each a
+# host of its own in namespaces, where they can be made) and one (tests/slurm/check.sh),
+# jobs run as a normal user. Elsewhere it prints why the
 # stage is skipped and exits 0. Prints how long the install and the test took.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

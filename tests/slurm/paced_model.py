@@ -7,12 +7,24 @@ Only the first ``FLODL_PACED_ATTEMPTS`` attempts of a job are paced (default 1;
 ``SLURM_RESTART_COUNT`` counts the requeues): a resumed attempt, which no signal
 needs to catch, runs at full speed, so the test is shorter. Same parameters,
 data and rounds as the built-in model otherwise.
+
+With ``FLODL_STATE_DIR`` set (tests/slurm/check_two_nodes.sh), each rank writes
+``$FLODL_STATE_DIR/rank<SLURM_PROCID>.npz`` (``PMI_RANK`` outside Slurm) when its process exits: the model's
+state dict as that rank holds it (the job script runs plain ``flodl-mpi train``,
+so this is where a test can see every rank's final model), and ``host`` /
+``node`` (its host name, ``SLURMD_NODENAME``). Each attempt of a requeued job
+overwrites the one before.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import socket
 import time
+from pathlib import Path
+
+import numpy as np
 
 import torch
 from torch import nn
@@ -43,6 +55,26 @@ class Paced(nn.Module):
         return self.inner(x)
 
 
+def dump_at_exit(model: nn.Module, directory: str) -> None:
+    """At exit, write ``model``'s state dict (name -> array) and this rank's host and node to
+    ``directory/rank<SLURM_PROCID>.npz`` (through a temporary name, then a rename)."""
+
+    def dump() -> None:
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        rank = os.environ.get("SLURM_PROCID") or os.environ.get("PMI_RANK", "0")
+        state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+        tmp = out / f".rank{rank}.tmp.npz"
+        np.savez(tmp, host=np.array(socket.gethostname()), node=np.array(os.environ.get("SLURMD_NODENAME", "")),
+                 **{f"state/{k}": v for k, v in state.items()})
+        os.replace(tmp, out / f"rank{rank}.npz")
+
+    atexit.register(dump)
+
+
 def paced_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """``digits_mlp(input_shape, num_classes)``, paced (see the module docstring)."""
-    return Paced(digits_mlp(input_shape, num_classes), pace_s())
+    model = Paced(digits_mlp(input_shape, num_classes), pace_s())
+    if os.environ.get("FLODL_STATE_DIR"):
+        dump_at_exit(model, os.environ["FLODL_STATE_DIR"])
+    return model
