@@ -82,7 +82,7 @@ def test_metrics_file_tables_row_counts_and_config(tmp_path, capsys):
     run_dir = write_synthetic(tmp_path / "r", world_size=2, rounds=20, epochs=3, config={"window": 4})
     assert main([str(run_dir)]) == 0      # a run dir means its metrics.h5
     out = capsys.readouterr().out
-    assert "table rounds: 20 rows, 26 columns" in out
+    assert "table rounds: 20 rows, 30 columns" in out  # 26, and the link columns (link_bytes, link_ranks, link_ms, busbw_gbs)
     assert "table epochs: 3 rows, 20 columns" in out
     assert "divergence               float64  per row (2,)" in out
     assert "schema_version 1" in out and "world_size     2" in out

@@ -19,7 +19,7 @@ from flodl_mpi.cli.report import describe_world, format_summary
 from flodl_mpi.cli.run_events import events
 from flodl_mpi.cli.time_budget import rank_seconds
 from flodl_mpi.outputs.metrics import MetricsWriter, table_schema
-from flodl_mpi.outputs.recorder import Recorder
+from flodl_mpi.outputs.recorder import COHORT_ACKS, Recorder
 from flodl_mpi.outputs.run_reader import load_run
 from flodl_mpi.policy.replay import ReplayError, read_recorded_plan
 from flodl_mpi.protocol.control import ACK
@@ -44,7 +44,7 @@ def _round(rec: Recorder, n: int, members: Membership) -> None:
             continue
         v = value.astype(dtype) if shape else np.asarray(n, dtype)
         if name in ACK.names:
-            acks[name] = value.astype(dtype) if shape or name in ("post_norm", "bytes") else v
+            acks[name] = value.astype(dtype) if shape or name in COHORT_ACKS else v  # a cohort ack: per rank too
         else:
             record[name] = v
     record["time_s"] = float(n)
