@@ -9,7 +9,7 @@ needs to catch, runs at full speed, so the test is shorter. Same parameters,
 data and rounds as the built-in model otherwise.
 
 With ``FLODL_STATE_DIR`` set (tests/slurm/check_two_nodes.sh), each rank writes
-``$FLODL_STATE_DIR/rank<SLURM_PROCID>.npz`` (``PMI_RANK`` outside Slurm) when its process exits: the model's
+``$FLODL_STATE_DIR/rank<R>.npz`` (R: the launcher's rank, ``flodl_mpi.runtime.launcher.launcher_rank``) when its process exits: the model's
 state dict as that rank holds it (the job script runs plain ``flodl-mpi train``,
 so this is where a test can see every rank's final model), and ``host`` /
 ``node`` (its host name, ``SLURMD_NODENAME``). Each attempt of a requeued job
@@ -57,12 +57,14 @@ class Paced(nn.Module):
 
 def dump_at_exit(model: nn.Module, directory: str) -> None:
     """At exit, write ``model``'s state dict (name -> array) and this rank's host and node to
-    ``directory/rank<SLURM_PROCID>.npz`` (through a temporary name, then a rename)."""
+    ``directory/rank<R>.npz``, R the launcher's rank (through a temporary name, then a rename)."""
 
     def dump() -> None:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        rank = os.environ.get("SLURM_PROCID") or os.environ.get("PMI_RANK", "0")
+        from flodl_mpi.runtime.launcher import launcher_rank
+
+        rank = launcher_rank()
         state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
         tmp = out / f".rank{rank}.tmp.npz"
         np.savez(tmp, host=np.array(socket.gethostname()), node=np.array(os.environ.get("SLURMD_NODENAME", "")),
