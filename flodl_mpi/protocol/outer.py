@@ -26,14 +26,15 @@ scratch; ``avg`` holds none.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from flodl_mpi.config import OUTERS
 
-__all__ = ["OUTERS", "OUTER_DEFAULTS", "SHORT_WINDOW", "STRONG_GAIN", "OuterOptimizer", "short_window_warning",
-           "strong_momentum_warning"]
+__all__ = ["OUTERS", "OUTER_DEFAULTS", "OUTER_DEFAULTS_BEFORE", "SHORT_WINDOW", "STRONG_GAIN", "OuterOptimizer", "short_window_warning",
+           "settled_outer", "strong_momentum_warning"]
 
 #: ``(lr, momentum)`` when not given: lr 0.7 (DiLoCo's) and momentum 0.5 for both (the papers' 0.9 lost
 #: 2.4 and 4.5 points to DDP, and SlowMo diverged, on MNIST-1D at a window of 50: `STRONG_GAIN`'s comment;
@@ -42,6 +43,39 @@ __all__ = ["OUTERS", "OUTER_DEFAULTS", "SHORT_WINDOW", "STRONG_GAIN", "OuterOpti
 #: direction and only amplifies each round's change 2-3x; the parameters' norm grows round after round
 #: (52 against 25 for momentum 0.5 at Adam 1e-3 after 40 epochs) and the test loss with it.
 OUTER_DEFAULTS = {"avg": (1.0, 0.0), "slowmo": (0.7, 0.5), "nesterov": (0.7, 0.5)}
+#: The defaults before 2026-12-03 (lr 1.0 for slowmo, momentum 0.9 for both): what a run whose checkpoint's config
+#: left the outer lr or momentum unset (None, as every run made before then did) trained at.
+OUTER_DEFAULTS_BEFORE = {"avg": (1.0, 0.0), "slowmo": (1.0, 0.9), "nesterov": (0.7, 0.9)}
+
+
+def settled_outer(kind: str, lr: float | None, momentum: float | None,
+                  saved: Mapping[str, Any] | None = None) -> tuple[float, float]:
+    """The outer ``(lr, momentum)`` a run trains at, each as given; one not given (None) is the run's own.
+
+    A new run (``saved`` None) takes :data:`OUTER_DEFAULTS`; a resume takes what its checkpoint's
+    config ``saved`` recorded: a number as it is, None (a run made before the values were recorded)
+    as :data:`OUTER_DEFAULTS_BEFORE`, the defaults it trained at. So a change of the defaults never
+    changes a run that resumes.
+
+    Args:
+        kind: one of :data:`OUTERS`.
+        lr, momentum: the options given (None: not given).
+        saved: the resumed checkpoint's config (``outer_lr``, ``outer_momentum``), or None.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    if kind not in OUTERS:
+        raise ValueError(f"kind must be one of {', '.join(OUTERS)}, got {kind!r}")
+    if saved is None:
+        own = OUTER_DEFAULTS[kind]
+    else:
+        before = OUTER_DEFAULTS_BEFORE[kind]
+        own = tuple(before[i] if saved.get(key) is None else float(saved[key])
+                    for i, key in enumerate(("outer_lr", "outer_momentum")))
+    return (own[0] if lr is None else float(lr)), (own[1] if momentum is None else float(momentum))
+
+
 #: The settings the digits figures `short_window_warning` quotes were measured at (the defaults then).
 _MEASURED_AT = {"slowmo": (1.0, 0.9), "nesterov": (0.7, 0.9)}
 

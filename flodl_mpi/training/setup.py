@@ -48,7 +48,7 @@ from flodl_mpi.runtime.world import Watchdog, World, agree
 from flodl_mpi.training.data import DEFAULT_NAMES, Dataset, default_digits_path, ensure_digits, load_dataset
 from flodl_mpi.training.models import check_same_model
 from flodl_mpi.training.recovery import Recovery, resolve_on_rank_failure
-from flodl_mpi.training.train import check_resume_data, resume_point
+from flodl_mpi.training.train import check_resume_data, resume_point, settle_outer
 from flodl_mpi.training.train_log import close_train_log, log, open_train_log
 from flodl_mpi.training.replica import Replica
 from flodl_mpi.transport.bridge import Bridge
@@ -243,6 +243,11 @@ def setup_rank(cfg: TrainConfig, world: World, watchdog: Watchdog, model: torch.
             run.ckpt, run.keep_rows = resume_point(cfg, run.run_dir, world, watchdog, model,
                                                    data.train.n if data is not None else 0,
                                                    check_optimizer=front.check_optimizer)
+        # the outer's lr and momentum as given, else the run's own, else today's defaults: recorded from here on
+        cfg, outer_note = settle_outer(cfg, run.ckpt)
+        run.cfg = cfg
+        if outer_note is not None:
+            log.info(outer_note)
         if not front.prepared(run):
             return run
         _open_outputs(run, front)

@@ -10,6 +10,7 @@ clear line on rank 0 and a non-zero exit everywhere, never a hang.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -398,6 +399,32 @@ def check_resume_data(cfg: TrainConfig, run_dir: Path, data: Dataset, world: Wor
         return None
 
     return world.comm.bcast(agree(world.comm, "data check", check, watchdog, name_ranks=False), root=0)
+
+
+def settle_outer(cfg: TrainConfig, ckpt) -> tuple[TrainConfig, str | None]:
+    """``cfg`` with the outer optimizer's lr and momentum as this run trains at them, and a line for a resume
+    that keeps values other than today's defaults (None otherwise).
+
+    Each is the option given, else the run's own (the resumed checkpoint's config; a config that
+    left it unset, from before the values were recorded, trained at
+    :data:`flodl_mpi.protocol.outer.OUTER_DEFAULTS_BEFORE`), else today's default
+    (`flodl_mpi.protocol.outer.settled_outer`). The values are then in every checkpoint's
+    config, so a later change of the defaults never changes a run that resumes. ``--outer avg``
+    has neither: ``cfg`` is returned as it is.
+    """
+    from flodl_mpi.protocol.outer import OUTER_DEFAULTS, settled_outer
+
+    if cfg.outer == "avg":
+        return cfg, None
+    saved = ckpt.saved_config() if ckpt is not None else None
+    lr, momentum = settled_outer(cfg.outer, cfg.outer_lr, cfg.outer_momentum, saved)
+    note = None
+    if saved is not None and (cfg.outer_lr is None or cfg.outer_momentum is None) \
+            and (lr, momentum) != OUTER_DEFAULTS[cfg.outer]:
+        d_lr, d_mu = OUTER_DEFAULTS[cfg.outer]
+        note = (f"--outer {cfg.outer}: lr {lr:g}, momentum {momentum:g}, the run's own (today's defaults: lr {d_lr:g}, "
+                f"momentum {d_mu:g}; --outer-lr and --outer-momentum change them)")
+    return dataclasses.replace(cfg, outer_lr=lr, outer_momentum=momentum), note
 
 
 def resume_point(cfg: TrainConfig, run_dir: Path, world: World, watchdog: Watchdog, model: torch.nn.Module,

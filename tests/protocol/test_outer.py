@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flodl_mpi.protocol.outer import OUTER_DEFAULTS, OuterOptimizer
+from flodl_mpi.protocol.outer import OUTER_DEFAULTS, OUTER_DEFAULTS_BEFORE, OuterOptimizer, settled_outer
 
 # Three realized rounds of a two-element model, lr 0.5, momentum 0.9.
 CONSENSUS = ([1.0, 2.0], [0.0, 3.0], [0.0, 2.0])
@@ -121,3 +121,20 @@ def test_the_defaults_three_rounds_by_hand():
             x = np.array(c, dtype=np.float32)
             outer.step(x)
             np.testing.assert_allclose(x, w, rtol=0, atol=1e-6)
+
+
+def test_a_run_trains_at_its_own_outer_settings_across_a_change_of_the_defaults():
+    """Given values win; a new run takes today's defaults; a resume its checkpoint's (a number as recorded, an
+    unset one, from before they were recorded, the defaults it ran at then: lr 1.0 / 0.7, momentum 0.9)."""
+    assert OUTER_DEFAULTS_BEFORE == {"avg": (1.0, 0.0), "slowmo": (1.0, 0.9), "nesterov": (0.7, 0.9)}
+    assert settled_outer("nesterov", None, None) == (0.7, 0.5)
+    assert settled_outer("slowmo", 0.3, None) == (0.3, 0.5)
+    old = {"outer": "slowmo", "outer_lr": None, "outer_momentum": None}
+    assert settled_outer("slowmo", None, None, old) == (1.0, 0.9)
+    assert settled_outer("slowmo", None, 0.2, old) == (1.0, 0.2)
+    recorded = {"outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.5}
+    assert settled_outer("nesterov", None, None, recorded) == (0.7, 0.5)
+    assert settled_outer("nesterov", None, None, {"outer_lr": 0.5}) == (0.5, 0.9)  # one recorded, one not
+    with pytest.raises(ValueError, match="kind must be one of"):
+        settled_outer("adam", None, None)
+

@@ -65,6 +65,11 @@ def test_a_nesterov_run_stopped_and_resumed_equals_the_uninterrupted_one(runs):
     for name in ("prev", "velocity"):  # the outer state carried over exactly
         assert a_outer[name].tobytes() == b_outer[name].tobytes(), name
     assert a_attrs == b_attrs and a_attrs["kind"] == "nesterov" and a_attrs["steps"] == 12
+    # the outer's lr and momentum are in every checkpoint's config as the run trained at them (not "unset"), so a
+    # later change of the defaults does not change a resume (training.train.settle_outer)
+    for ckpt in (a_ckpt, b_ckpt, read_checkpoint(latest_checkpoint(stopped / "checkpoints"), ranks=[])):
+        config = ckpt.meta["config"]
+        assert (config["outer_lr"], config["outer_momentum"]) == (0.7, 0.5), ckpt.path
     # the final weights are the outer optimizer's global parameters
     flat = np.concatenate([a[k].ravel() for k in a_ckpt.order if k in a_ckpt.params])
     np.testing.assert_array_equal(flat, a_outer["prev"])
