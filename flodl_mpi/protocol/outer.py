@@ -76,6 +76,13 @@ def settled_outer(kind: str, lr: float | None, momentum: float | None,
     return (own[0] if lr is None else float(lr)), (own[1] if momentum is None else float(momentum))
 
 
+def _amplification(kind: str, lr: float | None, momentum: float | None) -> tuple[float, float, float]:
+    """``(lr, momentum, lr / (1 - momentum))``: the outer's settings (None: today's default) and how much each
+    round's change is amplified in the long run (the velocity's geometric sum)."""
+    lr, momentum = settled_outer(kind, lr, momentum)
+    return lr, momentum, lr / (1.0 - momentum)
+
+
 #: The settings the digits figures `short_window_warning` quotes were measured at (the defaults then).
 _MEASURED_AT = {"slowmo": (1.0, 0.9), "nesterov": (0.7, 0.9)}
 
@@ -119,10 +126,7 @@ def short_window_warning(kind: str, window: int, cadence: str, lr: float | None 
     """
     if kind not in SHORT_WINDOW or window >= SHORT_WINDOW[kind]:
         return None
-    d_lr, d_mu = OUTER_DEFAULTS[kind]
-    lr = d_lr if lr is None else float(lr)
-    momentum = d_mu if momentum is None else float(momentum)
-    gain = lr / (1.0 - momentum)
+    lr, momentum, gain = _amplification(kind, lr, momentum)
     if gain < _AMPLIFIED:
         return None
     every = "a round after every batch" if window == 1 else f"a round every {window} batches"
@@ -181,10 +185,7 @@ def strong_momentum_warning(kind: str, window: int, lr: float | None = None, mom
     """
     if kind not in SHORT_WINDOW or window < SHORT_WINDOW[kind]:
         return None
-    d_lr, d_mu = OUTER_DEFAULTS[kind]
-    lr = d_lr if lr is None else float(lr)
-    momentum = d_mu if momentum is None else float(momentum)
-    gain = lr / (1.0 - momentum)
+    lr, momentum, gain = _amplification(kind, lr, momentum)
     if gain < STRONG_GAIN:
         return None
     acc, at = _LONG[kind]
