@@ -15,7 +15,7 @@ from tests.transport._quarantine_runs import two_fault_run
 
 
 def _row(losses: list[float]) -> np.ndarray:
-    """A rank's epoch report as it sums its batches' losses (flodl_mpi.training.worker.Worker._train_batch)."""
+    """A rank's epoch report as it sums its batches' losses (flodl_mpi.training.worker.Trainer._train_batch)."""
     finite = [v for v in losses if math.isfinite(v)]
     return EpochReport(loss_sum=sum(finite), batches=len(losses), nonfinite_batches=len(losses) - len(finite),
                        samples=32 * len(losses), compute_ms=1.0).to_row()
