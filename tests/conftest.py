@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mpi4py
@@ -105,6 +106,10 @@ def pytest_runtest_logreport(report):
         text += [f"-- {title} --\n", content, "\n"]
     sys.stderr.write("".join(text))
     sys.stderr.flush()
+    # Written is not yet shown: the launcher's proxy forwards the rank's pipe, and an abort that comes at
+    # once can end the job before it did (MPICH's Hydra: once in a CI run, the report was lost). A moment
+    # for it to pass the lines on; a failing run only.
+    time.sleep(0.5)
     world.Abort(1)
 
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
