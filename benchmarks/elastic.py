@@ -45,15 +45,16 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.runs import MPIEXEC  # noqa: E402
+from benchmarks.runs import _env as _bench_env  # noqa: E402
+
 RUN_TIMEOUT_S = 900.0
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    """The benchmarks' environment (`benchmarks.runs`), less a launcher's leftovers, plus what Open MPI needs."""
+    env = {k: v for k, v in _bench_env().items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))}
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.setdefault("OMPI_MCA_osc", "sm")  # one node: the shared-memory one-sided component, silently

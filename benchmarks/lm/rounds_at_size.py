@@ -51,18 +51,12 @@ import h5py
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT))
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
+sys.path.insert(0, str(HERE.parent.parent))
+from benchmarks.runs import MPIEXEC, ROOT, _env  # noqa: E402  (the benchmarks' own launcher and environment)
+
 RANKS = 2
 CONTEXT = 128
 METHODS = ("ddp", "sync", "window", "async")
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
 
 
 def peak_rss_child(out_dir: str, argv: list[str]) -> int:
